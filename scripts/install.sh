@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Create .venv and install everything tiered-cache needs on a fresh machine (called by make).
+#   - torch first and alone: the CPU build where there is no GPU, so no CUDA wheels are pulled;
+#   - then the project with the extras named in $EXTRAS (default: dev);
+#   - redis-server through apt when it is missing and we are root.
+# Overrides: PYTHON (interpreter), TORCH_SPEC (default torch==2.13.0 without a GPU),
+#            TORCH_PIP_ARGS (e.g. an index URL for a CPU build elsewhere), EXTRAS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+EXTRAS=${EXTRAS:-dev}
+quiet() { grep -v "^WARNING: Location '" || true; }  # this machine's pip prints one per package
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "==> creating $VENV with $($PYTHON --version 2>&1)"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP="$VENV/bin/python -m pip"
+
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        TORCH_SPEC=${TORCH_SPEC:-torch}
+        EXTRAS="$EXTRAS,gpu"
+        echo "==> GPU found: installing $TORCH_SPEC (CUDA build)"
+    else
+        TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+        echo "==> no GPU: installing $TORCH_SPEC (CPU build)"
+    fi
+    # shellcheck disable=SC2086
+    $PIP install -q $TORCH_SPEC ${TORCH_PIP_ARGS:-} 2>&1 | quiet
+fi
+
+echo "==> installing tiered-cache[$EXTRAS] (editable)"
+$PIP install -q -e ".[$EXTRAS]" 2>&1 | quiet
+"$VENV/bin/python" -c "import torch, tiered_cache; print('    torch', torch.__version__, '| tiered_cache', tiered_cache.__version__)"
+
+if ! command -v redis-server >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "==> installing redis-server with apt"
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null
+    else
+        echo "warning: redis-server is missing and cannot be installed here (not root or no apt);" \
+             "Redis tests will fail until it is on PATH" >&2
+    fi
+fi

@@ -1,0 +1,32 @@
+"""Exceptions a caller can act on. Each message says what was expected and what was found."""
+
+from __future__ import annotations
+
+
+class TieredCacheError(Exception):
+    """Base class of every error tiered-cache raises on purpose."""
+
+
+class PoolExhaustedError(TieredCacheError):
+    """Not enough free pages. Nothing was allocated; evict `needed - available` pages and retry."""
+
+    def __init__(self, needed: int, available: int, total: int) -> None:
+        self.needed = needed
+        self.available = available
+        self.total = total
+        super().__init__(
+            f"page pool exhausted: asked for {needed} pages, {available} of {total} free "
+            f"(evict at least {needed - available} pages and retry)"
+        )
+
+
+class PageStateError(TieredCacheError, ValueError):
+    """Pages given to the pool are out of range, repeated, already free, or not allocated."""
+
+
+class KVShapeError(TieredCacheError, ValueError):
+    """A KV tensor's shape, dtype or device does not match the spec it is used with."""
+
+
+class IntegrityError(TieredCacheError, AssertionError):
+    """An internal invariant is broken (raised by `check_integrity()`): a bug, never user error."""

@@ -1,0 +1,105 @@
+"""Reading the parts of a Hugging Face `config.json` that size a model's KV cache and weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiered_cache.spec import DType
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """What tiered-cache needs from a transformer config, with defaults resolved."""
+
+    model_id: str
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_experts: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    max_context: int | None
+    dtype: DType
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of a Llama-style decoder (gated MLP, RMSNorm), MoE-aware.
+
+        Exact for the Llama, Mistral, Mixtral, Qwen2 and SmolLM families; an estimate elsewhere.
+        """
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attention += q + 2 * kv
+        mlp = 3 * h * self.intermediate_size * self.num_experts
+        router = h * self.num_experts if self.num_experts > 1 else 0
+        per_layer = attention + mlp + router + 2 * h
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + h
+
+
+def _load(config: dict[str, Any] | str | Path) -> tuple[dict[str, Any], str]:
+    if isinstance(config, dict):
+        return config, "<dict>"
+    path = Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no Hugging Face config at {path}")
+    try:
+        return json.loads(path.read_text()), str(path)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+
+
+def _positive_int(cfg: dict[str, Any], key: str, source: str, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if value is None:
+        raise ValueError(f"{source}: missing required key {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{source}: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def read_hf_config(config: dict[str, Any] | str | Path) -> HFModelConfig:
+    """Parse a config (dict, `config.json` path, or model folder). Raises ValueError naming the bad key."""
+    cfg, source = _load(config)
+    if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the LM config inside
+        cfg = {**cfg["text_config"], "_name_or_path": cfg.get("_name_or_path", "")}
+    layers = _positive_int(cfg, "num_hidden_layers", source)
+    heads = _positive_int(cfg, "num_attention_heads", source)
+    kv_heads = _positive_int(cfg, "num_key_value_heads", source, default=heads)
+    hidden = _positive_int(cfg, "hidden_size", source)
+    if heads % kv_heads:
+        raise ValueError(
+            f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+        )
+    head_dim = cfg.get("head_dim")
+    if head_dim is None:
+        if hidden % heads:
+            raise ValueError(f"{source}: hidden_size ({hidden}) is not divisible by num_attention_heads ({heads})")
+        head_dim = hidden // heads
+    head_dim = _positive_int({"head_dim": head_dim}, "head_dim", source)
+    dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    return HFModelConfig(
+        model_id=str(cfg.get("_name_or_path") or cfg.get("model_type") or "unknown-model"),
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        intermediate_size=_positive_int(cfg, "intermediate_size", source, default=4 * hidden),
+        vocab_size=_positive_int(cfg, "vocab_size", source, default=32000),
+        num_experts=_positive_int(cfg, "num_local_experts", source, default=1),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        max_context=cfg.get("max_position_embeddings"),
+        dtype=DType.parse(dtype_name),
+    )

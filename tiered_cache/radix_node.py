@@ -1,0 +1,107 @@
+"""The records of the radix tree: nodes, residency flags, and what its calls return."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Tier(enum.IntFlag):
+    """Local tiers that can hold a node's pages (a node may be in several at once)."""
+
+    NONE = 0
+    DEVICE = 1
+    HOST = 2
+    DISK = 4
+
+
+class EvictionPolicy(enum.Enum):
+    LRU = "lru"  # least recently matched or inserted leaf first
+    LFU = "lfu"  # fewest hits first, least recent among equals
+
+
+class SizeInfo(NamedTuple):
+    """Cached pages by lock state; `evictable + protected` is everything the tree holds."""
+
+    evictable: int
+    protected: int
+
+    @property
+    def total(self) -> int:
+        return self.evictable + self.protected
+
+
+_ids = itertools.count()
+
+
+class RadixNode:
+    """One edge of the tree: a run of consecutive pages and the values (page indices) that hold them.
+
+    `lock_ref` counts the locks held on this node or any node below it, so a node with
+    `lock_ref > 0` lies on the path of some live request and must not be evicted.
+    """
+
+    __slots__ = ("children", "hits", "id", "keys", "last_access", "lock_ref", "namespace", "own_locks",
+                 "parent", "qver", "queued", "residency", "start", "values")
+
+    def __init__(self, namespace: str, parent: RadixNode | None, keys: list[bytes], values: np.ndarray,
+                 start: int, residency: Tier = Tier.NONE) -> None:
+        self.namespace = namespace
+        self.parent = parent
+        self.children: dict[bytes, RadixNode] = {}
+        self.keys = keys
+        self.values = values
+        self.start = start  # index of this node's first page in the sequence
+        self.residency = residency
+        self.lock_ref = 0
+        self.own_locks = 0  # locks taken on this node as a handle
+        self.last_access = 0
+        self.hits = 0
+        self.id = next(_ids)
+        self.qver = 0  # bumped whenever its entry in the eviction queue goes stale
+        self.queued = False  # an unlocked leaf with a live entry in the eviction queue
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def end(self) -> int:
+        """Pages matched from the root through the end of this node."""
+        return self.start + len(self.keys)
+
+    def __repr__(self) -> str:
+        return (f"RadixNode(ns={self.namespace!r}, pages={self.start}..{self.end}, "
+                f"lock_ref={self.lock_ref}, children={len(self.children)})")
+
+
+class MatchResult(NamedTuple):
+    """Longest cached prefix: `node` is the handle to lock, `values` the page indices in order."""
+
+    node: RadixNode
+    num_pages: int
+    values: np.ndarray
+
+
+class InsertResult(NamedTuple):
+    """`num_existing` leading pages were already cached (the caller may free its copies of them);
+    `node` is the handle of the node ending at the last inserted page."""
+
+    num_existing: int
+    node: RadixNode
+
+
+class EvictedNode(NamedTuple):
+    """A removed leaf: pages `start .. start+len(keys)` of some sequence in `namespace`."""
+
+    namespace: str
+    start: int
+    keys: list[bytes]
+    values: np.ndarray
+    residency: Tier
