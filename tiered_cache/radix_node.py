@@ -44,8 +44,22 @@ class RadixNode:
     `lock_ref > 0` lies on the path of some live request and must not be evicted.
     """
 
-    __slots__ = ("children", "hits", "id", "keys", "last_access", "lock_ref", "namespace", "own_locks",
-                 "parent", "qver", "queued", "residency", "start", "values")
+    __slots__ = (
+        "children",
+        "hits",
+        "id",
+        "keys",
+        "last_access",
+        "lock_ref",
+        "namespace",
+        "own_locks",
+        "parent",
+        "queued",
+        "qver",
+        "residency",
+        "start",
+        "values",
+    )
 
     def __init__(self, namespace: str, parent: RadixNode | None, keys: list[bytes], values: np.ndarray,
                  start: int, residency: Tier = Tier.NONE) -> None:

@@ -62,11 +62,9 @@ def bench_radix(num_nodes: int, ops: int = 2000, seed: int = 0) -> list[Comparis
 
     def match_dict() -> int:
         for seq in probes:
-            n = 0
             for key in seq:
                 if key not in flat:
                     break
-                n += 1
         return len(probes)
 
     new_seqs = [_branch(rng, sequences) for _ in range(ops)]

@@ -1,0 +1,27 @@
+"""Shared test set-up: hypothesis profiles and a helper to run the CLI in its own process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hypothesis import HealthCheck, settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+# `ci` (the default) runs a few thousand random operations per state machine; `dev` is quicker.
+settings.register_profile("ci", max_examples=250, stateful_step_count=50, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=40, stateful_step_count=30, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run `tiered-cache ARGS` as a user would, in a fresh interpreter."""
+    result = subprocess.run([sys.executable, "-m", "tiered_cache.cli.main", *args],
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    if check and result.returncode != 0:
+        raise AssertionError(f"tiered-cache {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+    return result

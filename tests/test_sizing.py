@@ -1,0 +1,74 @@
+import json
+import math
+
+import pytest
+from conftest import run_cli
+
+from tiered_cache.sizing import RequestMix, size_report
+from tiered_cache.spec import KVSpec
+
+
+def test_size_cli_reproduces_the_textbook_figure():
+    out = run_cli("size", "--model", "llama-3-70b", "--context", "32768").stdout
+    assert "327,680 B (320 KiB)" in out
+    assert "10,737,418,240 B (10 GiB)" in out
+    assert "use --gpus 2 or more" in out  # 70B bf16 weights do not fit in one 80 GiB GPU
+
+
+def test_size_json_matches_the_library():
+    data = json.loads(run_cli("size", "--model", "llama-3.1-8b", "--context", "8192",
+                              "--gpu-memory", "24GiB", "--json").stdout)
+    spec = KVSpec.preset("llama-3.1-8b")
+    assert data["bytes_per_token"] == spec.bytes_per_token == 131_072
+    assert data["bytes_per_request"] == 8192 * 131_072
+    assert data["fits"] is True
+    usable = int(24 * 2**30 * 0.9)
+    assert data["kv_budget"] == usable - data["weight_bytes"]
+    assert data["tokens_fit"] == data["kv_budget"] // spec.bytes_per_token
+
+
+def test_capacity_and_paging_against_brute_force():
+    spec = KVSpec("toy", 2, 2, 8, page_size=16)  # 128 bytes per token
+    mix = RequestMix.parse("10:50%,100:25%,1000:25%")
+    report = size_report(spec, context=1000, weight_bytes=1_000_000, gpu_memory="10MiB",
+                         memory_utilisation=0.5, mix=mix)
+    budget = int(10 * 2**20 * 0.5) - 1_000_000
+    assert report.kv_budget == budget
+    assert report.pages_fit == budget // (128 * 16)
+    assert report.requests_fit == report.pages_fit // math.ceil(1000 / 16)
+    # Brute force over a population of 4 requests with the same shares.
+    population = [10, 10, 100, 1000]
+    paged = sum(math.ceil(n / 16) * 16 for n in population) / 4 * 128
+    assert report.paged_bytes_per_request == pytest.approx(paged)
+    assert report.paging_saving == pytest.approx(1 - paged / (1000 * 128))
+    assert report.paged_waste_tokens_per_request == pytest.approx(
+        sum(math.ceil(n / 16) * 16 - n for n in population) / 4)
+    assert report.prealloc_concurrency == budget // (1000 * 128)
+    assert report.paged_concurrency == int(budget // paged)
+
+
+def test_request_mix_parsing_and_errors():
+    assert RequestMix.parse("512,2048").shares == (0.5, 0.5)
+    assert RequestMix.parse("1_000:3,10:1").lengths == (1000, 10)
+    with pytest.raises(ValueError, match="LENGTH"):
+        RequestMix.parse("abc:1")
+    with pytest.raises(ValueError, match="longer than the context"):
+        size_report(KVSpec("t", 1, 1, 1), context=100, weight_bytes=0, mix=RequestMix.parse("200"))
+
+
+def test_size_cli_from_hf_config_and_errors(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "max_position_embeddings": 2048}))
+    data = json.loads(run_cli("size", "--hf-config", str(cfg), "--json").stdout)
+    assert data["context"] == 2048 and data["bytes_per_token"] == 2 * 4 * 2 * 64 * 2
+    bad = run_cli("size", "--model", "nonexistent", check=False)
+    assert bad.returncode == 2 and "unknown model 'nonexistent'" in bad.stderr
+    bad = run_cli("size", "--gpu-memory", "lots", check=False)
+    assert bad.returncode == 2 and "cannot read size 'lots'" in bad.stderr
+
+
+def test_size_list_shows_every_preset():
+    out = run_cli("size", "--list").stdout
+    for name in ("llama-2-7b", "llama-3-70b", "mixtral-8x7b", "qwen2.5-7b", "smollm2-135m"):
+        assert name in out
