@@ -44,6 +44,10 @@ def render_comparisons(rows: list[Comparison], scale_header: str) -> str:
     from tiered_cache.cli.table import render_table
 
     table = [[r.scale, r.operation, f"{r.value:,.2f} {r.unit}", r.baseline_name,
-              f"{r.baseline:,.2f} {r.unit}", f"{r.ratio:,.3g}x"] for r in rows]
+              f"{r.baseline:,.2f} {r.unit}", _ratio_text(r.ratio)] for r in rows]
     return render_table(table, [scale_header, "operation", "tiered-cache", "baseline", "baseline figure",
                                 "speed vs baseline"], align_right=(2, 4, 5))
+
+
+def _ratio_text(ratio: float) -> str:
+    return f"{ratio:,.0f}x" if ratio >= 100 else f"{ratio:.3g}x"
