@@ -74,23 +74,8 @@ class RadixTree:
         splits it, so the returned handle covers exactly the matched pages. Returns the
         namespace root as the handle when nothing matches.
         """
-        node = self._root(namespace)
-        clock = self._tick()
-        node.last_access = clock
         found: list[np.ndarray] = []
-        i = 0
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None:
-                break
-            # NOTE: the child is keyed by its first page, so at least one page matches here.
-            matched = _common_length(child.keys, keys, i)
-            if matched < len(child):
-                child = self._split(child, matched)
-            child.last_access = clock
-            child.hits += 1
-            found.append(child.values)
-            node, i = child, i + matched
+        node, i = self._walk(self._root(namespace), keys, found)
         if node.queued:
             self._refresh(node)
         values = np.concatenate(found) if found else _NO_VALUES
@@ -108,22 +93,11 @@ class RadixTree:
         vals = np.asarray(values, dtype=np.int64).reshape(-1)
         if vals.size != len(keys):
             raise ValueError(f"insert() needs one value per page key: {len(keys)} keys, {vals.size} values")
-        node = self._root(namespace)
-        clock = self._tick()
-        i = 0
-        while i < len(keys):
-            child = node.children.get(keys[i])
-            if child is None:
-                break
-            matched = _common_length(child.keys, keys, i)
-            if matched < len(child):
-                child = self._split(child, matched)
-            child.last_access = clock
-            node, i = child, i + matched
+        node, i = self._walk(self._root(namespace), keys, None)
         existing = i
         if i < len(keys):
             leaf = RadixNode(namespace, node, list(keys[i:]), vals[i:], node.end, Tier(residency))
-            leaf.last_access = clock
+            leaf.last_access = self._clock
             node.children[leaf.keys[0]] = leaf
             self._num_nodes += 1
             self._evictable += len(leaf)
@@ -186,6 +160,29 @@ class RadixTree:
         node.residency = Tier(residency)
 
     # --- internals -------------------------------------------------------------------------------
+    def _walk(self, node: RadixNode, keys: Sequence[bytes],
+              found: list[np.ndarray] | None) -> tuple[RadixNode, int]:
+        """Follow `keys` down from `node`, splitting a node the keys leave midway, and mark each
+        node passed as used now. A match (`found` given) also counts a hit and collects values.
+        Returns the deepest node reached and the number of pages matched."""
+        clock = self._tick()
+        node.last_access = clock
+        i = 0
+        while i < len(keys):
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            # NOTE: the child is keyed by its first page, so at least one page matches here.
+            matched = _common_length(child.keys, keys, i)
+            if matched < len(child):
+                child = self._split(child, matched)
+            child.last_access = clock
+            if found is not None:
+                child.hits += 1
+                found.append(child.values)
+            node, i = child, i + matched
+        return node, i
+
     def _tick(self) -> int:
         self._clock += 1
         return self._clock

@@ -19,10 +19,8 @@ def as_token_array(tokens: Any) -> np.ndarray:
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # torch.Tensor without importing torch
         tokens = tokens.detach().cpu().numpy()
     arr = np.asarray(tokens)
-    if arr.dtype == object and arr.size == 0:
-        arr = arr.astype(TOKEN_DTYPE)
-    if arr.size == 0 and arr.dtype.kind == "f":
-        arr = arr.astype(TOKEN_DTYPE)  # np.asarray([]) is float64; an empty list is still valid
+    if arr.ndim == 1 and arr.size == 0:
+        return np.empty(0, dtype=TOKEN_DTYPE)  # np.asarray([]) is float64; an empty list is still valid
     if arr.dtype.kind not in "iu":
         raise TypeError(f"tokens must be integers, got an array of {arr.dtype} (from {type(tokens).__name__})")
     if arr.ndim != 1:
