@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -25,3 +26,20 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     if check and result.returncode != 0:
         raise AssertionError(f"tiered-cache {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
     return result
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One real redis-server for the whole session, on a free loopback port."""
+    from redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_prefix(request) -> str:
+    """A key prefix of this test's own, so tests sharing the server never see each other's keys."""
+    return f"test-{request.node.name}"

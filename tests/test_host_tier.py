@@ -1,0 +1,58 @@
+import pytest
+import torch
+from tier_helpers import SPEC, keys_for, pages_for
+
+from tiered_cache.errors import KVShapeError
+from tiered_cache.tiers.host import HostTier
+
+
+def test_round_trip_and_leading_run():
+    host = HostTier(SPEC, 8 * SPEC.bytes_per_page)
+    keys, pages = keys_for(5), pages_for(5)
+    assert host.put(keys[:3], pages[:3]) == 3
+    assert host.contains_prefix(keys) == 3
+    n, got = host.get(keys)
+    assert n == 3 and torch.equal(got, pages[:3])
+    assert host.put(keys, pages) == 2  # the first three were already held
+    out = torch.empty(SPEC.staging_shape(6), dtype=SPEC.dtype.torch)
+    n, got = host.get(keys, out=out)
+    assert n == 5 and got.data_ptr() == out.data_ptr() and torch.equal(got, pages)
+    s = host.stats()
+    assert (s.pages, s.used_bytes, s.hits, s.misses) == (5, 5 * SPEC.bytes_per_page, 8, 2)
+
+
+def test_lru_eviction_hands_the_right_pages_to_the_callback():
+    evicted = {}
+    host = HostTier(SPEC, 4 * SPEC.bytes_per_page,
+                    on_evict=lambda ks, ps: evicted.update(zip(ks, ps.clone(), strict=True)))
+    keys, pages = keys_for(6), pages_for(6)
+    host.put(keys[:4], pages[:4])
+    host.get(keys[:1])  # key 0 is now the most recent: 1 and 2 go first
+    host.put(keys[4:6], pages[4:6])
+    assert set(evicted) == {keys[1], keys[2]}
+    assert torch.equal(evicted[keys[1]], pages[1]) and torch.equal(evicted[keys[2]], pages[2])
+    assert host.contains_prefix([keys[0]]) == 1 and host.stats().evictions == 2
+    n, got = host.get(keys[4:6])
+    assert n == 2 and torch.equal(got, pages[4:6])
+
+
+def test_a_batch_larger_than_the_slab_keeps_its_head_and_demotes_the_rest():
+    evicted = []
+    host = HostTier(SPEC, 3 * SPEC.bytes_per_page, on_evict=lambda ks, ps: evicted.extend(ks))
+    keys, pages = keys_for(5), pages_for(5)
+    assert host.put(keys, pages) == 3
+    assert host.contains_prefix(keys) == 3 and evicted == keys[3:]
+
+
+def test_delete_and_bad_input():
+    host = HostTier(SPEC, 4 * SPEC.bytes_per_page)
+    keys, pages = keys_for(2), pages_for(2)
+    host.put(keys, pages)
+    host.delete(keys[:1] + [b"x" * 32])
+    assert host.contains_prefix(keys) == 0 and host.contains_prefix(keys[1:]) == 1
+    with pytest.raises(KVShapeError, match="pages must be"):
+        host.put(keys, pages.float())
+    with pytest.raises(KVShapeError, match="pages must be"):
+        host.put(keys, pages[:1])
+    with pytest.raises(ValueError, match="holds no page"):
+        HostTier(SPEC, 100)

@@ -1,0 +1,122 @@
+"""Host RAM tier: decoded pages in one preallocated page-first slab, LRU by page key.
+
+Host RAM is the staging area for device transfers, so it holds pages as they are (no codec, no
+checksum: the bytes never leave the process) and moves them with single indexed copies. The slab
+is allocated and zero-filled once (first touch measured 0.2-0.7 GiB/s here) and pinned when CUDA
+is present so device copies can be asynchronous.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from tiered_cache.allocator import PageAllocator
+from tiered_cache.errors import KVShapeError
+from tiered_cache.spec import KVSpec
+from tiered_cache.tiers.base import TierStats
+from tiered_cache.units import parse_size
+
+# Called with (keys, pages) about to leave host RAM; `pages` is a copy, page-first.
+HostEvictCallback = Callable[[list[bytes], torch.Tensor], None]
+
+
+class HostTier:
+    name = "host"
+
+    def __init__(self, spec: KVSpec, capacity: int | str, pin: bool | None = None,
+                 on_evict: HostEvictCallback | None = None) -> None:
+        self.spec = spec
+        num_slots = parse_size(capacity) // spec.bytes_per_page
+        if num_slots <= 0:
+            raise ValueError(f"host capacity {capacity!r} holds no page of {spec.bytes_per_page:,} bytes")
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.slab = torch.zeros(spec.staging_shape(num_slots), dtype=spec.dtype.torch, pin_memory=pin)
+        self.slots = PageAllocator(num_slots)
+        self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
+        self.on_evict = on_evict
+        self._stats = TierStats(self.name, capacity_bytes=num_slots * spec.bytes_per_page)
+
+    @property
+    def num_slots(self) -> int:
+        return self.slots.num_pages
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.index:
+            n += 1
+        return n
+
+    def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+        """Copy the leading run of held `keys` into `out` (or a new tensor); returns (n, pages[:n])."""
+        n = self.contains_prefix(keys)
+        if out is None:
+            out = torch.empty(self.spec.staging_shape(n), dtype=self.slab.dtype)
+        elif out.shape[1:] != self.slab.shape[1:] or out.shape[0] < n or out.dtype != self.slab.dtype:
+            raise KVShapeError(f"out must be at least {self.spec.staging_shape(n)} {self.slab.dtype}, "
+                               f"got {tuple(out.shape)} {out.dtype}")
+        slots = [self.index[k] for k in keys[:n]]
+        for key in keys[:n]:
+            self.index.move_to_end(key)
+        if n:
+            torch.index_select(self.slab, 0, torch.tensor(slots), out=out[:n])
+        self._stats.hits += n
+        self._stats.misses += len(keys) - n
+        self._stats.bytes_out += n * self.spec.bytes_per_page
+        return n, out[:n]
+
+    def put(self, keys: Sequence[bytes], pages: torch.Tensor) -> int:
+        """Store page-first `pages` under `keys`; returns how many new pages were copied in.
+
+        Keys already held are only marked as used (a key names its content). To make room the
+        least recently used pages are evicted through `on_evict`; pages beyond what the slab can
+        hold are handed to `on_evict` directly, earliest pages kept (they head the prefix).
+        """
+        if tuple(pages.shape) != self.spec.staging_shape(len(keys)) or pages.dtype != self.slab.dtype:
+            raise KVShapeError(f"pages must be {self.spec.staging_shape(len(keys))} {self.slab.dtype}, "
+                               f"got {tuple(pages.shape)} {pages.dtype}")
+        new: list[int] = []
+        seen: set[bytes] = set()
+        for i, key in enumerate(keys):
+            if key in self.index:
+                self.index.move_to_end(key)
+            elif key not in seen:
+                seen.add(key)
+                new.append(i)
+        room = self.num_slots - (len(keys) - len(new))  # held batch keys are pinned by being most recent
+        overflow = new[room:]
+        new = new[:room]
+        self._make_room(len(new))
+        if new:
+            slots = self.slots.allocate(len(new))
+            self.slab.index_copy_(0, torch.from_numpy(slots), pages[torch.tensor(new)].to(self.slab.device))
+            for i, slot in zip(new, slots.tolist(), strict=True):
+                self.index[keys[i]] = slot
+            self._stats.bytes_in += len(new) * self.spec.bytes_per_page
+        if overflow and self.on_evict:
+            self._stats.evictions += len(overflow)
+            self.on_evict([keys[i] for i in overflow], pages[torch.tensor(overflow)].contiguous())
+        return len(new)
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        slots = [self.index.pop(k) for k in keys if k in self.index]
+        self.slots.free(np.array(slots, dtype=np.int64))
+
+    def stats(self) -> TierStats:
+        self._stats.pages = len(self.index)
+        self._stats.used_bytes = len(self.index) * self.spec.bytes_per_page
+        return self._stats
+
+    def _make_room(self, n: int) -> None:
+        shortfall = n - self.slots.num_free
+        if shortfall <= 0:
+            return
+        victims = [self.index.popitem(last=False) for _ in range(shortfall)]
+        slots = np.array([slot for _, slot in victims], dtype=np.int64)
+        if self.on_evict:
+            self.on_evict([key for key, _ in victims], self.slab[torch.from_numpy(slots)])
+        self.slots.free(slots)
+        self._stats.evictions += shortfall
