@@ -13,7 +13,7 @@ def page_of(spec, seed=0, smooth=False):
     gen = torch.Generator().manual_seed(seed)
     shape = spec.staging_shape(1)[1:]
     if smooth:  # compressible: repeated rows
-        return torch.randn(shape[:-1] + (1,), generator=gen).expand(shape).contiguous().to(spec.dtype.torch)
+        return torch.randn((*shape[:-1], 1), generator=gen).expand(shape).contiguous().to(spec.dtype.torch)
     return torch.randn(shape, generator=gen).to(spec.dtype.torch)
 
 

@@ -48,7 +48,7 @@ def test_delete_and_bad_input():
     host = HostTier(SPEC, 4 * SPEC.bytes_per_page)
     keys, pages = keys_for(2), pages_for(2)
     host.put(keys, pages)
-    host.delete(keys[:1] + [b"x" * 32])
+    host.delete([*keys[:1], b"x" * 32])
     assert host.contains_prefix(keys) == 0 and host.contains_prefix(keys[1:]) == 1
     with pytest.raises(KVShapeError, match="pages must be"):
         host.put(keys, pages.float())
