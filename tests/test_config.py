@@ -1,0 +1,53 @@
+import pytest
+
+from tiered_cache.codec import Codec
+from tiered_cache.config import CacheConfig, LowerTier, WritePolicy
+from tiered_cache.radix_node import EvictionPolicy
+
+
+def test_defaults_are_embedded_and_need_nothing():
+    cfg = CacheConfig()
+    assert cfg.lower_tiers == () and cfg.codec is Codec.RAW and cfg.write_policy is WritePolicy.WRITE_BACK
+
+
+def test_yaml_then_environment(tmp_path):
+    path = tmp_path / "cache.yaml"
+    path.write_text("pool_capacity: 64MiB\nhost_capacity: 1.5GiB\nlower_tiers: [disk, redis]\n"
+                    f"disk_path: {tmp_path}/d\nwrite_policy: write_through\ncodec: lz4-shuffle\n")
+    env = {"TIERED_CACHE_POOL_CAPACITY": "128MiB", "TIERED_CACHE_EVICTION_POLICY": "lfu",
+           "TIERED_CACHE_DISK_FSYNC": "false", "TIERED_CACHE_REDIS_TTL_S": "30", "OTHER": "x"}
+    cfg = CacheConfig.load(path, environ=env)
+    assert cfg.pool_capacity == 128 * 2**20  # the environment wins over the file
+    assert cfg.host_capacity == 3 * 2**29
+    assert cfg.lower_tiers == (LowerTier.DISK, LowerTier.REDIS)
+    assert cfg.write_policy is WritePolicy.WRITE_THROUGH and cfg.codec is Codec.LZ4_SHUFFLE
+    assert cfg.eviction_policy is EvictionPolicy.LFU and cfg.disk_fsync is False and cfg.redis_ttl_s == 30.0
+    assert CacheConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"pool_capacty": "1GiB"}, "unknown config key.*pool_capacty"),
+    ({"pool_capacity": "lots"}, "bad value for pool_capacity"),
+    ({"codec": "zstd"}, "bad value for codec.*unknown codec 'zstd'"),
+    ({"write_policy": "sometimes"}, "bad value for write_policy"),
+    ({"lower_tiers": ["disk"]}, "disk_path is not set"),
+    ({"lower_tiers": ["tape"]}, "bad value for lower_tiers"),
+    ({"lower_tiers": "redis,redis"}, "lists a tier twice"),
+    ({"disk_fsync": "maybe"}, "bad value for disk_fsync"),
+    ({"codec_min_saving": 1.5}, "codec_min_saving must be in"),
+])
+def test_bad_settings_get_clear_errors(data, message):
+    with pytest.raises(ValueError, match=message):
+        CacheConfig.from_dict(data)
+
+
+def test_bad_yaml_and_env_name_their_source(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="expected a mapping"):
+        CacheConfig.from_yaml(path)
+    path.write_text("pool_capacity: [1\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        CacheConfig.from_yaml(path)
+    with pytest.raises(ValueError, match=r"environment \(TIERED_CACHE_\*\).*unknown config key.*typo"):
+        CacheConfig.from_env(environ={"TIERED_CACHE_TYPO": "1"})

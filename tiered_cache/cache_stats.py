@@ -1,0 +1,69 @@
+"""Figures of a whole `TieredCache`: one `TierStats` per tier, plus pool and tree figures."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiered_cache.tiers.base import TierStats
+
+
+@dataclass
+class Movements:
+    """Pages the cache moved between tiers, by tier name (the tiers cannot tell direction)."""
+
+    promotions: Counter[str] = field(default_factory=Counter)
+    demotions: Counter[str] = field(default_factory=Counter)
+    corrupt: Counter[str] = field(default_factory=Counter)
+
+    def apply(self, stats: TierStats) -> TierStats:
+        stats.promotions = self.promotions[stats.name]
+        stats.demotions = self.demotions[stats.name]
+        stats.corrupt = max(stats.corrupt, self.corrupt[stats.name])
+        return stats
+
+
+@dataclass(frozen=True)
+class PoolFigures:
+    total_pages: int
+    used_pages: int
+    free_pages: int
+    page_bytes: int
+    unused_slots: int  # token slots allocated to live requests but not (yet) filled
+
+    @property
+    def utilisation(self) -> float:
+        return self.used_pages / self.total_pages
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    tiers: list[TierStats]
+    pool: PoolFigures
+    page_size: int
+    tree_nodes: int
+    evictable_pages: int
+    protected_pages: int
+
+    def tier(self, name: str) -> TierStats:
+        return next(t for t in self.tiers if t.name == name)
+
+    @property
+    def fragmentation(self) -> float:
+        """Unused token slots over all token slots of the pages in use."""
+        slots = self.pool.used_pages * self.page_size
+        return self.pool.unused_slots / slots if slots else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tiers": [t.to_dict() for t in self.tiers],
+            "pool": {
+                "total_pages": self.pool.total_pages, "used_pages": self.pool.used_pages,
+                "free_pages": self.pool.free_pages, "page_bytes": self.pool.page_bytes,
+                "utilisation": self.pool.utilisation, "unused_slots": self.pool.unused_slots,
+                "fragmentation": self.fragmentation,
+            },
+            "tree": {"nodes": self.tree_nodes, "evictable_pages": self.evictable_pages,
+                     "protected_pages": self.protected_pages},
+        }

@@ -1,0 +1,157 @@
+"""`CacheConfig`: every setting of a `TieredCache`, from defaults, a YAML file and the environment.
+
+The dataclass fields are the one registry of settings: each has a type, a default, and an
+environment variable `TIERED_CACHE_<FIELD>` (e.g. `TIERED_CACHE_POOL_CAPACITY=2GiB`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from tiered_cache.codec import Codec
+from tiered_cache.radix_node import EvictionPolicy
+from tiered_cache.units import parse_size
+
+ENV_PREFIX = "TIERED_CACHE_"
+
+
+class WritePolicy(enum.Enum):
+    WRITE_BACK = "write_back"  # pages are copied down only when evicted from the tier above
+    WRITE_THROUGH = "write_through"  # new pages are copied to every tier at once
+
+
+class LowerTier(enum.Enum):
+    DISK = "disk"
+    REDIS = "redis"
+
+
+_SIZE_FIELDS = {"pool_capacity", "host_capacity", "disk_capacity"}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    namespace: str = ""
+    device: str = "cpu"
+    pool_capacity: int = 256 * 2**20
+    host_capacity: int = 2**30
+    lower_tiers: tuple[LowerTier, ...] = ()  # below host RAM, in order: e.g. (DISK, REDIS)
+    disk_path: str | None = None
+    disk_capacity: int = 10 * 2**30
+    disk_fsync: bool = True
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = "tiered-cache"
+    redis_ttl_s: float | None = None
+    redis_timeout_s: float = 1.0
+    codec: Codec = Codec.RAW
+    codec_min_saving: float = 0.05
+    write_policy: WritePolicy = WritePolicy.WRITE_BACK
+    eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name)))
+        if len(set(self.lower_tiers)) != len(self.lower_tiers):
+            raise ValueError(f"lower_tiers lists a tier twice: {[t.value for t in self.lower_tiers]}")
+        if LowerTier.DISK in self.lower_tiers and not self.disk_path:
+            raise ValueError("lower_tiers includes 'disk' but disk_path is not set")
+        if not 0 <= self.codec_min_saving < 1:
+            raise ValueError(f"codec_min_saving must be in [0, 1), got {self.codec_min_saving}")
+        if self.redis_timeout_s <= 0:
+            raise ValueError(f"redis_timeout_s must be positive, got {self.redis_timeout_s}")
+
+    def replace(self, **changes: Any) -> CacheConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], base: CacheConfig | None = None) -> CacheConfig:
+        """`base` (or the defaults) with the settings in `data`. Raises ValueError for unknown keys."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return dataclasses.replace(base or cls(), **dict(data))
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, base: CacheConfig | None = None) -> CacheConfig:
+        import yaml
+
+        text = Path(path).read_text()
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+        try:
+            return cls.from_dict(data, base)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    @classmethod
+    def from_env(cls, base: CacheConfig | None = None, environ: Mapping[str, str] | None = None) -> CacheConfig:
+        """`base` overridden by `TIERED_CACHE_*` variables. An unknown `TIERED_CACHE_*` name is an error."""
+        environ = os.environ if environ is None else environ
+        data = {name[len(ENV_PREFIX):].lower(): value for name, value in environ.items()
+                if name.startswith(ENV_PREFIX)}
+        try:
+            return cls.from_dict(data, base)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"environment ({ENV_PREFIX}*): {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, environ: Mapping[str, str] | None = None) -> CacheConfig:
+        """Defaults, then the YAML file at `path` (if any), then the environment."""
+        base = cls.from_yaml(path) if path else cls()
+        return cls.from_env(base, environ)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, enum.Enum):
+                value = value.value
+            elif isinstance(value, tuple):
+                value = [v.value for v in value]
+            out[f.name] = value
+        return out
+
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn a YAML or environment value into the field's type, or raise ValueError naming the field."""
+    try:
+        if name in _SIZE_FIELDS:
+            return parse_size(value)
+        if name == "lower_tiers":
+            items = value.split(",") if isinstance(value, str) else value
+            return tuple(LowerTier(str(getattr(v, "value", v)).strip().lower()) for v in items if str(v).strip())
+        if name == "codec":
+            return Codec.parse(value)
+        if name == "write_policy":
+            return WritePolicy(getattr(value, "value", value))
+        if name == "eviction_policy":
+            return EvictionPolicy(getattr(value, "value", value))
+        if name == "disk_fsync":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text not in _TRUE | _FALSE:
+                raise ValueError(f"expected true or false, got {value!r}")
+            return text in _TRUE
+        if name in {"codec_min_saving", "redis_timeout_s"}:
+            return float(value)
+        if name == "redis_ttl_s":
+            return None if value in (None, "", "none") else float(value)
+        if name == "disk_path":
+            return None if value in (None, "") else str(Path(str(value)).expanduser())
+        return str(value)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"bad value for {name}: {exc}") from None
