@@ -378,7 +378,7 @@ class TieredCache:
         try:
             raw = decode_page(blob, self.spec, key)
         except BlobError:
-            self.moves.corrupt[tier.name] += 1
+            self.moves.refused[tier.name] += 1
             tier.delete([key])
             return None
         return torch.from_numpy(raw).view(self.spec.dtype.torch).reshape(self.spec.staging_shape(1)[1:])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tiered_cache.tiers.base import TierStats
@@ -15,13 +15,13 @@ class Movements:
 
     promotions: Counter[str] = field(default_factory=Counter)
     demotions: Counter[str] = field(default_factory=Counter)
-    corrupt: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)  # blobs that passed the tier, failed decode
 
     def apply(self, stats: TierStats) -> TierStats:
-        stats.promotions = self.promotions[stats.name]
-        stats.demotions = self.demotions[stats.name]
-        stats.corrupt = max(stats.corrupt, self.corrupt[stats.name])
-        return stats
+        """A copy of a tier's own figures with the cache's movements filled in."""
+        name = stats.name
+        return replace(stats, promotions=self.promotions[name], demotions=self.demotions[name],
+                       corrupt=stats.corrupt + self.refused[name])
 
 
 @dataclass(frozen=True)
