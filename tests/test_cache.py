@@ -136,7 +136,7 @@ def test_bad_input_gets_clear_errors_and_changes_nothing():
     tokens = list(range(8))
     with pytest.raises(KVShapeError, match=r"kv has shape \(2, 2, 7, 2, 16\), expected \(2, 2, 8, 2, 16\)"):
         c.put(tokens, kv_for(7))
-    with pytest.raises(KVShapeError, match="dtype torch.float32, expected torch.float16"):
+    with pytest.raises(KVShapeError, match=r"dtype torch\.float32, expected torch\.float16"):
         c.put(tokens, kv_for(8).float())
     with pytest.raises(TypeError, match="tokens must be integers"):
         c.put([0.5] * 8, kv_for(8))
