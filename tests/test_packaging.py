@@ -47,4 +47,8 @@ def test_wheel_ships_packages_and_kernel_sources(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "tiered_cache/_kernels/README.md" in names
     assert "tiered_cache/radix.py" in names and "workers/__init__.py" in names
+    assert "tiered_cache/data/document.txt" in names
+    # Every Python package folder of the checkout is in the wheel (the package list is explicit).
+    for init in (REPO / "tiered_cache").rglob("__init__.py"):
+        assert init.relative_to(REPO).as_posix() in names
     assert not any(n.startswith("tests/") for n in names)

@@ -1,9 +1,9 @@
 import time
 
 import redis as redis_py
-from redis_server import RedisServer
 from tier_helpers import blobs_for
 
+from tiered_cache.redis_process import RedisServer
 from tiered_cache.tiers.redis import RedisTier
 
 

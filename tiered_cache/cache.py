@@ -20,6 +20,7 @@ from tiered_cache.codec import BlobError, decode_page, encode_page
 from tiered_cache.config import CacheConfig, LowerTier, WritePolicy
 from tiered_cache.errors import KVShapeError, PoolExhaustedError
 from tiered_cache.keys import PageKeyer
+from tiered_cache.memtune import tune_malloc
 from tiered_cache.pool import PagePool
 from tiered_cache.radix import RadixTree
 from tiered_cache.radix_node import EvictedNode, RadixNode, Tier
@@ -68,6 +69,8 @@ class TieredCache:
         self.config = config or CacheConfig()
         if self.config.codec.lossy and spec.dtype is DType.FP8_E4M3:
             raise ValueError("the int8 codec needs fp16, bf16 or fp32 KV")
+        if self.config.malloc_tuning:
+            tune_malloc()
         self.pool = PagePool.with_capacity(spec, self.config.pool_capacity, self.config.device)
         self.tree = RadixTree(self.config.eviction_policy)
         self.host = HostTier(spec, self.config.host_capacity, on_evict=self._demote_from_host)
@@ -376,7 +379,8 @@ class TieredCache:
         if blob is None:
             return None
         try:
-            raw = decode_page(blob, self.spec, key)
+            # NOTE: a BlobTier verifies the checksum of every blob it returns (DESIGN.md §7).
+            raw = decode_page(blob, self.spec, key, check_crc=False)
         except BlobError:
             self.moves.refused[tier.name] += 1
             tier.delete([key])

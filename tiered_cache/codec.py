@@ -199,8 +199,9 @@ def _int8_decode(payload: memoryview, spec: KVSpec, out: np.ndarray) -> None:
 
 
 # --- decode -----------------------------------------------------------------------------------------
-def read_header(blob: Any) -> BlobHeader:
-    """Parse and sanity-check a blob's header and checksum. Raises BlobError."""
+def read_header(blob: Any, check_crc: bool = True) -> BlobHeader:
+    """Parse and sanity-check a blob's header and (unless told it was just checked) its checksum.
+    Raises BlobError."""
     view = memoryview(blob).cast("B")
     if len(view) < _HEADER.size + _CRC.size:
         raise BlobError(f"blob truncated: {len(view)} bytes is shorter than a header")
@@ -217,27 +218,29 @@ def read_header(blob: Any) -> BlobHeader:
     if len(view) != expected_len:
         raise BlobError(f"blob is {len(view)} bytes, its header says {expected_len} (truncated or padded)")
     (crc,) = _CRC.unpack_from(view, len(view) - _CRC.size)
-    if zlib.crc32(view[:len(view) - _CRC.size]) != crc:
+    if check_crc and zlib.crc32(view[:len(view) - _CRC.size]) != crc:
         raise BlobError("blob checksum mismatch: the bytes were corrupted")
     shape = struct.unpack_from(f"<{ndim}I", view, _HEADER.size)
     return BlobHeader(_BY_WIRE_ID[codec_id], _DTYPES[dtype_id], bytes(fp), bytes(key), tokens, raw_len,
                       tuple(shape), offset, payload_len)
 
 
-def verify_blob(blob: Any, key: bytes) -> BlobHeader:
+def verify_blob(blob: Any, key: bytes, check_crc: bool = True) -> BlobHeader:
     """Header and checksum are intact and the blob is the page keyed `key`. Raises BlobError."""
-    header = read_header(blob)
+    header = read_header(blob, check_crc)
     if header.key != key:
         raise BlobError(f"blob holds page {header.key.hex()[:16]}…, asked for {key.hex()[:16]}…")
     return header
 
 
-def decode_page(blob: Any, spec: KVSpec, key: bytes, out: np.ndarray | None = None) -> np.ndarray:
+def decode_page(blob: Any, spec: KVSpec, key: bytes, out: np.ndarray | None = None,
+                check_crc: bool = True) -> np.ndarray:
     """The page's bytes (flat uint8, `spec.bytes_per_page` long), written into `out` if given.
 
     Raises BlobError for any mismatch with `spec` and `key`: corrupt KV is never returned.
+    `check_crc=False` skips only the checksum, for a blob a tier verified a moment ago.
     """
-    header = verify_blob(blob, key)
+    header = verify_blob(blob, key, check_crc)
     if header.fingerprint.hex() != spec.fingerprint:
         raise BlobError(f"blob belongs to model fingerprint {header.fingerprint.hex()[:16]}…, "
                         f"expected {spec.fingerprint[:16]}… ({spec.model_id})")

@@ -19,6 +19,8 @@ from tiered_cache.radix_node import EvictionPolicy
 from tiered_cache.units import parse_size
 
 ENV_PREFIX = "TIERED_CACHE_"
+# Variables under the prefix that are not cache settings (read elsewhere).
+ENV_NOT_SETTINGS = {"TIERED_CACHE_DIR"}
 
 
 class WritePolicy(enum.Enum):
@@ -52,6 +54,7 @@ class CacheConfig:
     codec_min_saving: float = 0.05
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
+    malloc_tuning: bool = True  # keep freed heap for reuse: see tiered_cache/memtune.py
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -98,7 +101,7 @@ class CacheConfig:
         """`base` overridden by `TIERED_CACHE_*` variables. An unknown `TIERED_CACHE_*` name is an error."""
         environ = os.environ if environ is None else environ
         data = {name[len(ENV_PREFIX):].lower(): value for name, value in environ.items()
-                if name.startswith(ENV_PREFIX)}
+                if name.startswith(ENV_PREFIX) and name not in ENV_NOT_SETTINGS}
         try:
             return cls.from_dict(data, base)
         except (ValueError, TypeError) as exc:
@@ -139,7 +142,7 @@ def _coerce(name: str, value: Any) -> Any:
             return WritePolicy(getattr(value, "value", value))
         if name == "eviction_policy":
             return EvictionPolicy(getattr(value, "value", value))
-        if name == "disk_fsync":
+        if name in {"disk_fsync", "malloc_tuning"}:
             if isinstance(value, bool):
                 return value
             text = str(value).strip().lower()

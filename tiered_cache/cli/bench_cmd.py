@@ -8,6 +8,8 @@ import platform
 import sys
 from typing import Any
 
+_TIER_PAGES = {"host": 256, "disk": 64, "redis": 128}
+
 
 def add_parser(commands: Any) -> None:
     p = commands.add_parser("bench", help="benchmarks (each beside a baseline measured in the same run)")
@@ -17,14 +19,28 @@ def add_parser(commands: Any) -> None:
     radix.add_argument("--ops", type=int, default=2000, help="operations timed per size (default 2000)")
     keys = which.add_parser("keys", help="page-key hashing throughput")
     keys.add_argument("--tokens", type=int, default=32768, help="prompt length (default 32768)")
-    for sub in (radix, keys):
+    subs = [radix, keys]
+    for name, what in (("host", "host RAM tier vs memcpy"), ("disk", "disk tier vs write+fsync / read"),
+                       ("redis", "Redis tier vs raw redis-py SET/MGET")):
+        sub = which.add_parser(name, help=what)
+        sub.add_argument("--model", default="llama-3.1-8b", help="preset whose pages are moved")
+        sub.add_argument("--page-size", type=int, default=8, help="tokens per page (default 8: 1 MiB pages)")
+        sub.add_argument("--pages", type=int, default=_TIER_PAGES[name], help="pages per batch")
+        if name == "disk":
+            sub.add_argument("--dir", help="folder to write in (default: a temporary folder)")
+        if name == "redis":
+            sub.add_argument("--url", help="an existing Redis (default: start a throwaway redis-server)")
+        subs.append(sub)
+    codec = which.add_parser("codec", help="ratio and MB/s of each codec on real KV and random data")
+    codec.add_argument("--kv", help="a .pt file of real KV (layers, 2, tokens, heads, dim); default: "
+                                    "SmolLM2-135M's KV of a shipped text when the demo extra is installed")
+    subs.append(codec)
+    for sub in subs:
         sub.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
         sub.set_defaults(run=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from tiered_cache.bench.timing import render_comparisons
-
+def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
     if args.bench == "radix":
         from tiered_cache.bench.radix_bench import bench_radix
 
@@ -32,15 +48,34 @@ def run(args: argparse.Namespace) -> int:
         for n in (int(x) for x in args.nodes.split(",")):
             print(f"building a tree of {n:,} nodes and timing {args.ops:,} operations ...", file=sys.stderr)
             rows += bench_radix(n, ops=args.ops)
-        scale = "nodes"
-    else:
+        return rows, "nodes"
+    if args.bench == "keys":
         from tiered_cache.bench.keys_bench import bench_keys
 
-        rows = bench_keys(args.tokens)
-        scale = "prompt"
+        return bench_keys(args.tokens), "prompt"
+    from tiered_cache.bench import tiers_bench
+    from tiered_cache.presets import get_preset
+
+    spec = get_preset(args.model).spec.with_options(page_size=args.page_size)
+    print(f"moving {args.pages} pages of {spec.bytes_per_page:,} bytes ({args.model}) ...", file=sys.stderr)
+    if args.bench == "host":
+        return tiers_bench.bench_host(spec, args.pages), "batch"
+    if args.bench == "disk":
+        return tiers_bench.bench_disk(spec, args.pages, args.dir), "batch"
+    return tiers_bench.bench_redis(spec, args.pages, args.url), "batch"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench == "codec":
+        from tiered_cache.bench.codec_bench import run_codec_bench
+
+        return run_codec_bench(args)
+    from tiered_cache.bench.timing import render_comparisons
+
+    rows, scale = _run_rows(args)
     if args.json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
     else:
-        print(f"host: {platform.machine()}, Python {platform.python_version()}")
+        print(f"host: {platform.machine()}, {platform.processor() or 'cpu'}, Python {platform.python_version()}")
         print(render_comparisons(rows, scale))
     return 0

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from tiered_cache import __version__
 from tiered_cache.cli import bench_cmd, size_cmd
 from tiered_cache.errors import TieredCacheError
+from tiered_cache.memtune import tune_malloc
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    tune_malloc()
     try:
         return int(args.run(args) or 0)
     except (TieredCacheError, ValueError, KeyError, FileNotFoundError) as exc:

@@ -1,4 +1,4 @@
-"""A real redis-server on a free loopback port, started and stopped by the tests themselves."""
+"""A throwaway redis-server on a free loopback port, for tests and benchmarks (never for production)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,17 @@ import subprocess
 import time
 from pathlib import Path
 
-import redis
-
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 class RedisServer:
+    """`redis-server` bound to 127.0.0.1 with nothing persisted; `start()` waits until it answers."""
+
     def __init__(self, workdir: Path, maxmemory: str = "256mb") -> None:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed: run `make test`, which installs it")
@@ -36,6 +37,8 @@ class RedisServer:
              "--appendonly", "no", "--dir", str(self.workdir), "--maxmemory", self.maxmemory,
              "--maxmemory-policy", "allkeys-lru", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
         while True:

@@ -1,0 +1,38 @@
+import json
+
+import torch
+from conftest import run_cli
+
+from tiered_cache.bench.codec_bench import _pages_from_kv, measure
+from tiered_cache.bench.tiers_bench import bench_disk, bench_host, bench_redis
+from tiered_cache.spec import KVSpec
+
+SPEC = KVSpec.preset("smollm2-135m", page_size=4)
+
+
+def test_tier_benches_compare_with_their_baselines(tmp_path, redis_server):
+    rows = bench_host(SPEC, 8) + bench_disk(SPEC, 4, str(tmp_path)) + bench_redis(SPEC, 4, redis_server.url)
+    assert [r.operation for r in rows] == ["host put", "host get", "disk put (atomic + fsync)",
+                                           "disk get (verified)", "redis put", "redis get (verified)"]
+    for row in rows:
+        assert row.value > 0 and row.baseline > 0 and row.unit == "GiB/s"
+        assert row.ratio == row.value / row.baseline
+
+
+def test_bench_cli_host_json_and_redis_with_its_own_server():
+    data = json.loads(run_cli("bench", "host", "--model", "smollm2-135m", "--page-size", "2", "--pages", "4",
+                              "--json").stdout)
+    assert {r["operation"] for r in data} == {"host put", "host get"}
+    table = run_cli("bench", "redis", "--model", "smollm2-135m", "--page-size", "2", "--pages", "4").stdout
+    assert "redis-py MGET" in table and "speed vs baseline" in table
+
+
+def test_codec_measure_reports_ratio_and_error():
+    kv = torch.randn(SPEC.kv_shape(10)).half()
+    pages = _pages_from_kv(kv, SPEC)
+    assert pages.shape == SPEC.staging_shape(2)
+    assert torch.equal(pages[1, :, :, 1], kv[:, :, 5])  # page 1 holds tokens 4..7
+    rows = {r.codec: r for r in measure(pages, SPEC, "random")}
+    assert rows["raw"].ratio < 1 and rows["raw"].max_rel_error == 0  # header + CRC: a bit larger
+    assert rows["lz4"].max_rel_error == 0 and rows["lz4-shuffle"].max_rel_error == 0
+    assert 1.8 < rows["int8"].ratio < 2 and 0 < rows["int8"].max_rel_error < 0.01

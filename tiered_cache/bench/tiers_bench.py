@@ -1,0 +1,125 @@
+"""`tiered-cache bench host|disk|redis`: each tier's put/get throughput beside the raw operation
+on the same bytes, measured in the same run (memcpy; file write + fsync; redis-py SET/MGET)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tiered_cache.bench.timing import Comparison, best_time
+from tiered_cache.codec import encode_page
+from tiered_cache.keys import PageKeyer
+from tiered_cache.spec import KVSpec
+
+GIB = 2**30
+
+
+def _data(spec: KVSpec, num_pages: int, seed: int = 0) -> tuple[list[bytes], torch.Tensor]:
+    keys = PageKeyer(spec, f"bench-{seed}").keys(list(range(num_pages * spec.page_size)))
+    pages = torch.randn(spec.staging_shape(num_pages), generator=torch.Generator().manual_seed(seed))
+    return keys, pages.to(spec.dtype.torch)
+
+
+def _rate(num_bytes: int, seconds: float) -> float:
+    return num_bytes / seconds / GIB
+
+
+def bench_host(spec: KVSpec, num_pages: int) -> list[Comparison]:
+    from tiered_cache.tiers.host import HostTier
+
+    keys, pages = _data(spec, num_pages)
+    total = num_pages * spec.bytes_per_page
+    host = HostTier(spec, total)
+    out = torch.empty_like(pages)
+    src, dst = pages.reshape(-1).clone(), torch.empty(pages.numel(), dtype=pages.dtype)
+    memcpy = _rate(total, best_time(lambda: dst.copy_(src)))
+
+    put_s = float("inf")
+    for _ in range(5):
+        host.delete(keys)
+        put_s = min(put_s, best_time(lambda: host.put(keys, pages), repeat=1))
+    get_s = best_time(lambda: host.get(keys, out=out))
+    assert host.get(keys, out=out)[0] == num_pages and torch.equal(out, pages)
+    scale = f"{num_pages} × {spec.bytes_per_page / 2**20:.2f} MiB"
+    return [Comparison(scale, "host put", _rate(total, put_s), "memcpy (torch copy_)", memcpy, "GiB/s", True),
+            Comparison(scale, "host get", _rate(total, get_s), "memcpy (torch copy_)", memcpy, "GiB/s", True)]
+
+
+def bench_disk(spec: KVSpec, num_pages: int, folder: str | None = None) -> list[Comparison]:
+    from tiered_cache.tiers.disk import DiskTier
+
+    keys, pages = _data(spec, num_pages)
+    blobs = [encode_page(p, spec, k) for k, p in zip(keys, pages, strict=True)]
+    total = sum(len(b) for b in blobs)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        raw_dir, tier_dir = Path(tmp, "raw"), Path(tmp, "tier")
+        raw_dir.mkdir()
+
+        def raw_write() -> None:
+            for i, blob in enumerate(blobs):
+                fd = os.open(raw_dir / f"{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.write(fd, blob)
+                os.fsync(fd)
+                os.close(fd)
+
+        def raw_read() -> list[bytes]:  # kept, as a get must return them all
+            return [(raw_dir / f"{i}").read_bytes() for i in range(len(blobs))]
+
+        tier = DiskTier(tier_dir, total * 2)
+
+        def tier_write() -> None:
+            tier.delete(keys)
+            tier.put(list(zip(keys, blobs, strict=True)))
+
+        results = [("disk put (atomic + fsync)", tier_write, "write + fsync per file", raw_write),
+                   ("disk get (verified)", lambda: tier.get(keys), "read_bytes per file", raw_read)]
+        scale = f"{num_pages} × {len(blobs[0]) / 2**20:.2f} MiB"
+        rows = []
+        for name, ours, base_name, base in results:
+            base_rate = _rate(total, best_time(base, repeat=3))
+            rows.append(Comparison(scale, name, _rate(total, best_time(ours, repeat=3)), base_name, base_rate,
+                                   "GiB/s", True))
+        return rows
+
+
+def bench_redis(spec: KVSpec, num_pages: int, url: str | None = None) -> list[Comparison]:
+    import redis
+
+    from tiered_cache.redis_process import RedisServer
+    from tiered_cache.tiers.redis import SOCKET_READ_SIZE, RedisTier
+
+    keys, pages = _data(spec, num_pages)
+    blobs = [encode_page(p, spec, k) for k, p in zip(keys, pages, strict=True)]
+    total = sum(len(b) for b in blobs)
+    server = None
+    if url is None:
+        server = RedisServer(Path(tempfile.mkdtemp()), maxmemory=f"{max(256, 4 * total // 2**20)}mb")
+        server.start()
+        url = server.url
+    try:
+        tier = RedisTier(url, prefix="bench-tier", timeout_s=30)
+        raw = redis.Redis.from_url(url, socket_timeout=30, socket_read_size=SOCKET_READ_SIZE)
+        raw_names = [b"bench-raw:" + k.hex().encode() for k in keys]
+
+        def raw_set() -> None:
+            pipe = raw.pipeline(transaction=False)
+            for name, blob in zip(raw_names, blobs, strict=True):
+                pipe.set(name, blob)
+            pipe.execute()
+
+        items = list(zip(keys, blobs, strict=True))
+        raw_set()
+        tier.put(items)
+        scale = f"{num_pages} × {len(blobs[0]) / 2**20:.2f} MiB"
+        set_rate, put_rate = (_rate(total, best_time(f, repeat=3)) for f in (raw_set, lambda: tier.put(items)))
+        mget_rate, get_rate = (_rate(total, best_time(f, repeat=3))
+                               for f in (lambda: raw.mget(raw_names), lambda: tier.get(keys)))
+        assert all(b is not None for b in tier.get(keys)), "the Redis tier lost pages during the benchmark"
+        return [Comparison(scale, "redis put", put_rate, "redis-py pipelined SET", set_rate, "GiB/s", True),
+                Comparison(scale, "redis get (verified)", get_rate, "redis-py MGET", mget_rate, "GiB/s", True)]
+    finally:
+        if server is not None:
+            server.stop()
