@@ -51,3 +51,10 @@ def test_bad_yaml_and_env_name_their_source(tmp_path):
         CacheConfig.from_yaml(path)
     with pytest.raises(ValueError, match=r"environment \(TIERED_CACHE_\*\).*unknown config key.*typo"):
         CacheConfig.from_env(environ={"TIERED_CACHE_TYPO": "1"})
+
+
+def test_the_example_config_in_deploy_loads():
+    from conftest import REPO
+
+    cfg = CacheConfig.from_yaml(REPO / "deploy" / "cache.example.yaml")
+    assert cfg.lower_tiers == (LowerTier.DISK, LowerTier.REDIS) and cfg.disk_capacity == 20 * 2**30
