@@ -110,7 +110,6 @@ class TieredCache:
         self._check_kv(kv, len(toks))
         keys = self._keyer(ns).keys(toks)
         match = self.tree.match_prefix(keys, ns)
-        self._count_device(match.num_pages, len(keys))
         n_new = len(keys) - match.num_pages
         if n_new == 0:
             return 0
