@@ -91,10 +91,15 @@ class TieredCache:
                 from tiered_cache.tiers.disk import DiskTier
 
                 tiers.append(DiskTier(cfg.disk_path or "", cfg.disk_capacity, fsync=cfg.disk_fsync))
-            else:
+            elif kind is LowerTier.REDIS:
                 from tiered_cache.tiers.redis import RedisTier
 
                 tiers.append(RedisTier(cfg.redis_url, cfg.redis_prefix, cfg.redis_ttl_s, cfg.redis_timeout_s))
+            else:
+                from tiered_cache.tiers.remote import RemoteTier
+
+                tiers.append(RemoteTier(cfg.remote_addresses, cfg.remote_token, cfg.remote_tls_ca,
+                                        cfg.remote_timeout_s, fingerprint=bytes.fromhex(self.spec.fingerprint)))
         return tiers
 
     # --- tensor API ------------------------------------------------------------------------------

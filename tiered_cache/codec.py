@@ -43,8 +43,22 @@ _DTYPES = (DType.FP16, DType.BF16, DType.FP32, DType.FP8_E4M3)
 DEFAULT_MIN_SAVING = 0.05
 
 
+class BlobFault(enum.Enum):
+    """Why a blob was refused (the gRPC store reports it to the client)."""
+
+    CORRUPT = "corrupt"  # magic, version, lengths or checksum
+    WRONG_KEY = "wrong key"
+    WRONG_FINGERPRINT = "wrong fingerprint"
+    UNKNOWN_CODEC = "unknown codec"
+    WRONG_SHAPE = "wrong shape"
+
+
 class BlobError(TieredCacheError, ValueError):
     """A blob that must not be used: corrupt, truncated, or not the page that was asked for."""
+
+    def __init__(self, message: str, fault: BlobFault = BlobFault.CORRUPT) -> None:
+        super().__init__(message)
+        self.fault = fault
 
 
 class Codec(enum.Enum):
@@ -212,7 +226,7 @@ def read_header(blob: Any, check_crc: bool = True) -> BlobHeader:
     if version != VERSION:
         raise BlobError(f"unknown blob format version {version} (this build reads {VERSION})")
     if codec_id not in _BY_WIRE_ID or dtype_id >= len(_DTYPES):
-        raise BlobError(f"unknown codec id {codec_id} or dtype id {dtype_id}")
+        raise BlobError(f"unknown codec id {codec_id} or dtype id {dtype_id}", BlobFault.UNKNOWN_CODEC)
     offset = _HEADER.size + 4 * ndim
     expected_len = offset + payload_len + _CRC.size
     if len(view) != expected_len:
@@ -229,8 +243,16 @@ def verify_blob(blob: Any, key: bytes, check_crc: bool = True) -> BlobHeader:
     """Header and checksum are intact and the blob is the page keyed `key`. Raises BlobError."""
     header = read_header(blob, check_crc)
     if header.key != key:
-        raise BlobError(f"blob holds page {header.key.hex()[:16]}…, asked for {key.hex()[:16]}…")
+        raise BlobError(f"blob holds page {header.key.hex()[:16]}…, asked for {key.hex()[:16]}…",
+                        BlobFault.WRONG_KEY)
     return header
+
+
+def check_fingerprint(header: BlobHeader, fingerprint: bytes, model: str = "") -> None:
+    """Raise BlobError unless the blob was made for the model with this (raw, 32-byte) fingerprint."""
+    if header.fingerprint != fingerprint:
+        raise BlobError(f"blob belongs to model fingerprint {header.fingerprint.hex()[:16]}…, expected "
+                        f"{fingerprint.hex()[:16]}…{f' ({model})' if model else ''}", BlobFault.WRONG_FINGERPRINT)
 
 
 def decode_page(blob: Any, spec: KVSpec, key: bytes, out: np.ndarray | None = None,
@@ -241,13 +263,11 @@ def decode_page(blob: Any, spec: KVSpec, key: bytes, out: np.ndarray | None = No
     `check_crc=False` skips only the checksum, for a blob a tier verified a moment ago.
     """
     header = verify_blob(blob, key, check_crc)
-    if header.fingerprint.hex() != spec.fingerprint:
-        raise BlobError(f"blob belongs to model fingerprint {header.fingerprint.hex()[:16]}…, "
-                        f"expected {spec.fingerprint[:16]}… ({spec.model_id})")
+    check_fingerprint(header, bytes.fromhex(spec.fingerprint), spec.model_id)
     expected_shape = spec.staging_shape(1)[1:]
     if header.shape != expected_shape or header.dtype is not spec.dtype or header.raw_len != spec.bytes_per_page:
         raise BlobError(f"blob page is {header.shape} {header.dtype.value}, expected {expected_shape} "
-                        f"{spec.dtype.value}")
+                        f"{spec.dtype.value}", BlobFault.WRONG_SHAPE)
     if out is None:
         out = np.empty(spec.bytes_per_page, dtype=np.uint8)
     payload = memoryview(blob).cast("B")[header.payload_offset:header.payload_offset + header.payload_len]

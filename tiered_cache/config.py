@@ -20,7 +20,7 @@ from tiered_cache.units import parse_size
 
 ENV_PREFIX = "TIERED_CACHE_"
 # Variables under the prefix that are not cache settings (read elsewhere).
-ENV_NOT_SETTINGS = {"TIERED_CACHE_DIR"}
+ENV_NOT_SETTINGS = {"TIERED_CACHE_DIR", "TIERED_CACHE_SERVE_TOKEN"}
 
 
 class WritePolicy(enum.Enum):
@@ -31,6 +31,7 @@ class WritePolicy(enum.Enum):
 class LowerTier(enum.Enum):
     DISK = "disk"
     REDIS = "redis"
+    REMOTE = "remote"  # one or more `tiered-cache serve` stores
 
 
 _SIZE_FIELDS = {"pool_capacity", "host_capacity", "disk_capacity"}
@@ -50,6 +51,10 @@ class CacheConfig:
     redis_prefix: str = "tiered-cache"
     redis_ttl_s: float | None = None
     redis_timeout_s: float = 1.0
+    remote_addresses: tuple[str, ...] = ()  # HOST:PORT of store servers; keys spread over them
+    remote_token: str | None = None
+    remote_tls_ca: str | None = None  # PEM of the CA that signed the servers' certificates
+    remote_timeout_s: float = 5.0
     codec: Codec = Codec.RAW
     codec_min_saving: float = 0.05
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
@@ -63,10 +68,13 @@ class CacheConfig:
             raise ValueError(f"lower_tiers lists a tier twice: {[t.value for t in self.lower_tiers]}")
         if LowerTier.DISK in self.lower_tiers and not self.disk_path:
             raise ValueError("lower_tiers includes 'disk' but disk_path is not set")
+        if LowerTier.REMOTE in self.lower_tiers and not self.remote_addresses:
+            raise ValueError("lower_tiers includes 'remote' but remote_addresses is empty")
         if not 0 <= self.codec_min_saving < 1:
             raise ValueError(f"codec_min_saving must be in [0, 1), got {self.codec_min_saving}")
-        if self.redis_timeout_s <= 0:
-            raise ValueError(f"redis_timeout_s must be positive, got {self.redis_timeout_s}")
+        for name in ("redis_timeout_s", "remote_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
     def replace(self, **changes: Any) -> CacheConfig:
         return dataclasses.replace(self, **changes)
@@ -120,7 +128,7 @@ class CacheConfig:
             if isinstance(value, enum.Enum):
                 value = value.value
             elif isinstance(value, tuple):
-                value = [v.value for v in value]
+                value = [getattr(v, "value", v) for v in value]
             out[f.name] = value
         return out
 
@@ -149,8 +157,13 @@ def _coerce(name: str, value: Any) -> Any:
             if text not in _TRUE | _FALSE:
                 raise ValueError(f"expected true or false, got {value!r}")
             return text in _TRUE
-        if name in {"codec_min_saving", "redis_timeout_s"}:
+        if name in {"codec_min_saving", "redis_timeout_s", "remote_timeout_s"}:
             return float(value)
+        if name == "remote_addresses":
+            items = value.split(",") if isinstance(value, str) else value
+            return tuple(str(v).strip() for v in items if str(v).strip())
+        if name in {"remote_token", "remote_tls_ca"}:
+            return None if value in (None, "") else str(value)
         if name == "redis_ttl_s":
             return None if value in (None, "", "none") else float(value)
         if name == "disk_path":

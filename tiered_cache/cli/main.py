@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from tiered_cache import __version__
-from tiered_cache.cli import bench_cmd, size_cmd
+from tiered_cache.cli import bench_cmd, serve_cmd, size_cmd, stats_cmd
 from tiered_cache.errors import TieredCacheError
 from tiered_cache.memtune import tune_malloc
 
@@ -19,6 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tiered-cache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve_cmd.add_parser(commands)
+    stats_cmd.add_parser(commands)
     size_cmd.add_parser(commands)
     bench_cmd.add_parser(commands)
     return parser
@@ -30,7 +32,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_malloc()
     try:
         return int(args.run(args) or 0)
-    except (TieredCacheError, ValueError, KeyError, FileNotFoundError) as exc:
+    except KeyboardInterrupt:
+        return 130
+    except (TieredCacheError, ValueError, KeyError, FileNotFoundError, OSError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"tiered-cache {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -44,6 +44,9 @@ class BlobTier(Protocol):
 
     name: str
 
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether this tier holds each key (one batched call)."""
+
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` this tier holds."""
 
@@ -58,3 +61,13 @@ class BlobTier(Protocol):
 
     def stats(self) -> TierStats:
         """Current figures."""
+
+
+def leading_run(flags: Sequence[bool]) -> int:
+    """How many leading entries of `flags` are true."""
+    n = 0
+    for flag in flags:
+        if not flag:
+            break
+        n += 1
+    return n

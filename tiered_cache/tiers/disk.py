@@ -60,6 +60,9 @@ class DiskTier:
         self._evict_to(self.capacity)
 
     # --- interface -------------------------------------------------------------------------------
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [key in self.index for key in keys]
+
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         n = 0
         while n < len(keys) and keys[n] in self.index:

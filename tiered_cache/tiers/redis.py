@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from tiered_cache.codec import BlobError, verify_blob
-from tiered_cache.tiers.base import TierStats
+from tiered_cache.tiers.base import TierStats, leading_run
 
 T = TypeVar("T")
 # A large read buffer: the default 32 KiB measured at half the throughput for MiB values.
@@ -62,22 +62,20 @@ class RedisTier:
         return result
 
     # --- interface -------------------------------------------------------------------------------
-    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
         if not keys:
-            return 0
+            return []
 
-        def exists() -> list[Any]:
+        def exists() -> list[bool]:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 pipe.exists(self._k(key))
-            return pipe.execute()
+            return [bool(found) for found in pipe.execute()]
 
-        n = 0
-        for found in self._call(exists, []):
-            if not found:
-                break
-            n += 1
-        return n
+        return self._call(exists, [False] * len(keys))
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        return leading_run(self.contains(keys))
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:

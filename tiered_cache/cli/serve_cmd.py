@@ -1,0 +1,47 @@
+"""`tiered-cache serve`: the store server other instances push pages to and fetch prefixes from."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser("serve", help="run the gRPC store server",
+                            description="Run the store server: RAM in front of a disk folder (and/or Redis). "
+                                        "Binds 127.0.0.1 unless told otherwise. SIGTERM/SIGINT drain and flush.")
+    p.add_argument("--config", help="a YAML file of ServerConfig settings (flags win)")
+    p.add_argument("--host", help="interface to bind (default 127.0.0.1; anything else is announced)")
+    p.add_argument("--port", type=int, help="port (default 50551; 0 picks a free one and prints it)")
+    p.add_argument("--token", help="require `authorization: Bearer TOKEN` on every call "
+                                   "(default: $TIERED_CACHE_SERVE_TOKEN if set)")
+    p.add_argument("--tls-cert", help="PEM certificate (with --tls-key) to serve TLS")
+    p.add_argument("--tls-key", help="PEM private key")
+    p.add_argument("--ram", dest="ram_capacity", help="RAM tier size, e.g. 4GiB (default 1GiB)")
+    p.add_argument("--disk", dest="disk_path", help="disk tier folder (default ~/.cache/tiered-cache/store)")
+    p.add_argument("--no-disk", action="store_true", help="no disk tier")
+    p.add_argument("--disk-capacity", help="disk tier size (default 10GiB)")
+    p.add_argument("--redis", dest="redis_url", help="a Redis tier below disk, e.g. redis://127.0.0.1:6379/0")
+    p.add_argument("--max-page", dest="max_page_bytes", help="largest page blob accepted (default 64MiB)")
+    p.add_argument("--write-through", action="store_true", default=None,
+                   help="copy new pages below RAM at once (default: on eviction and at shutdown)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    from tiered_cache.service.config import ServerConfig
+    from tiered_cache.service.server import serve
+
+    overrides = {name: getattr(args, name) for name in
+                 ("host", "port", "token", "tls_cert", "tls_key", "ram_capacity", "disk_path", "disk_capacity",
+                  "redis_url", "max_page_bytes", "write_through")}
+    overrides["token"] = overrides["token"] or os.environ.get("TIERED_CACHE_SERVE_TOKEN")
+    if args.no_disk:
+        overrides["disk_path"] = ""
+    if args.config:
+        config = ServerConfig.from_yaml(args.config, **overrides)
+    else:
+        config = ServerConfig(**{k: v for k, v in overrides.items() if v is not None})
+    return serve(config)

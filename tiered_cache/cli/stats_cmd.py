@@ -1,0 +1,85 @@
+"""`tiered-cache stats`: per-tier figures of one or more store servers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from tiered_cache.cli.table import render_table
+from tiered_cache.units import format_binary
+
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser("stats", help="per-tier figures of store servers",
+                            description="Per-tier figures of one or more store servers.")
+    p.add_argument("--address", action="append", required=True, metavar="HOST:PORT",
+                   help="a store server (repeat for several)")
+    p.add_argument("--token", help="bearer token, if the servers require one")
+    p.add_argument("--tls-ca", help="PEM of the CA for TLS servers")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per server (default 5)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+                   help="refresh in place every SECONDS (default 2) until Ctrl-C")
+    p.set_defaults(run=run)
+
+
+def fetch(address: str, token: str | None, tls_ca: str | None, timeout: float) -> dict[str, Any]:
+    """One server's figures as a dict, or {"address", "error"} when it cannot be reached."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from tiered_cache.service.client import StoreClient
+
+    try:
+        with StoreClient(address, token, tls_ca, timeout) as client:
+            reply = client.stats()
+    except grpc.RpcError as exc:
+        return {"address": address, "error": f"{exc.code().name}: {exc.details()}"}
+    data = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    for tier in data["tiers"]:
+        for key, value in tier.items():
+            if key != "name":
+                tier[key] = int(value)
+        total = tier["hits"] + tier["misses"]
+        tier["hit_rate"] = tier["hits"] / total if total else 0.0
+    return {"address": address, **data}
+
+
+def render(result: dict[str, Any]) -> str:
+    if "error" in result:
+        return f"{result['address']}: unreachable ({result['error']})"
+    s = result["server"]
+    head = (f"{result['address']}  tiered-cache {s.get('version', '?')}, up {float(s.get('uptime_s', 0)):,.0f} s, "
+            f"{int(s.get('requests', 0)):,} requests, {int(s.get('rejected_requests', 0)):,} rejected, "
+            f"{int(s.get('unauthenticated', 0)):,} unauthenticated, {int(s.get('refused_blobs', 0)):,} blobs refused, "
+            f"{int(s.get('active_streams', 0))} streams open")
+    rows = [[t["name"], format_binary(t["capacity_bytes"]), format_binary(t["used_bytes"]), f"{t['pages']:,}",
+             f"{t['hit_rate']:.1%}", f"{t['hits']:,}", f"{t['misses']:,}", f"{t['evictions']:,}",
+             f"{t['promotions']:,}", f"{t['demotions']:,}", format_binary(t["bytes_in"]),
+             format_binary(t["bytes_out"]), f"{t['errors']:,}", f"{t['corrupt']:,}"] for t in result["tiers"]]
+    table = render_table(rows, ["tier", "capacity", "used", "pages", "hit rate", "hits", "misses", "evictions",
+                                "promoted", "demoted", "bytes in", "bytes out", "errors", "corrupt"],
+                         align_right=range(1, 14))
+    return f"{head}\n{table}"
+
+
+def run(args: argparse.Namespace) -> int:
+    while True:
+        results = [fetch(a, args.token, args.tls_ca, args.timeout) for a in args.address]
+        if args.json:
+            text = json.dumps(results if len(results) > 1 else results[0], indent=2)
+        else:
+            text = "\n\n".join(render(r) for r in results)
+        if args.watch:
+            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + f"every {args.watch:g} s\n" + text + "\n")
+            sys.stdout.flush()
+            try:
+                time.sleep(args.watch)
+            except KeyboardInterrupt:
+                return 0
+            continue
+        print(text)
+        return 0 if any("error" not in r for r in results) else 1

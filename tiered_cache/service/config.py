@@ -1,0 +1,65 @@
+"""`ServerConfig`: the settings of `tiered-cache serve`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiered_cache.units import parse_size
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+_FRAMING = 64 * 1024  # protobuf framing around a page blob, with room to spare
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50551
+    token: str | None = None  # clients must send `authorization: Bearer <token>`
+    tls_cert: str | None = None  # PEM files; both or neither
+    tls_key: str | None = None
+    ram_capacity: int = 2**30
+    disk_path: str | None = "~/.cache/tiered-cache/store"  # None: no disk tier
+    disk_capacity: int = 10 * 2**30
+    redis_url: str | None = None  # a Redis tier below disk (or below RAM without disk)
+    redis_prefix: str = "tiered-cache-store"
+    max_page_bytes: int = 64 * 2**20  # the largest blob accepted; messages are bounded by it
+    max_keys: int = 1 << 20  # per Lookup or Get request
+    workers: int = 8
+    grace_s: float = 10.0  # shutdown waits this long for in-flight streams
+    write_through: bool = False  # copy new blobs to the tier below RAM at once
+
+    def __post_init__(self) -> None:
+        for name in ("ram_capacity", "disk_capacity", "max_page_bytes"):
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
+        if self.disk_path:
+            object.__setattr__(self, "disk_path", str(Path(self.disk_path).expanduser()))
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both tls_cert and tls_key")
+        if not 0 <= int(self.port) < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.token is not None and not self.token:
+            raise ValueError("token must not be empty (leave it unset for no auth)")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.max_page_bytes + _FRAMING
+
+    @property
+    def loopback_only(self) -> bool:
+        return self.host in LOOPBACK
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides: Any) -> ServerConfig:
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of settings")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**{**data, **{k: v for k, v in overrides.items() if v is not None}})

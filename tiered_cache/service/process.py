@@ -1,0 +1,66 @@
+"""Run `tiered-cache serve` as a child process on a free port (tests, benchmarks, the demo)."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+class StoreProcess:
+    """`with StoreProcess(["--no-disk"]) as store: ...` -> `store.address` is HOST:PORT."""
+
+    def __init__(self, args: Sequence[str] = (), start_timeout_s: float = 30.0) -> None:
+        self.args = list(args)
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[str] | None = None
+        self.address = ""
+        self.output: list[str] = []
+
+    def start(self) -> str:
+        cmd = [sys.executable, "-m", "tiered_cache.cli.main", "serve", "--port", "0", *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + self.start_timeout_s
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.output.append(line.rstrip())
+            found = _LISTENING.search(line)
+            if found:
+                self.address = f"{found.group(1)}:{found.group(2)}"
+                return self.address
+        self.kill()
+        raise RuntimeError("the store server did not start:\n" + "\n".join(self.output))
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
+        """Send `sig` and wait; returns the exit code (and keeps what it printed in `output`)."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rest, _ = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rest, _ = self.proc.communicate()
+        self.output += (rest or "").splitlines()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def __enter__(self) -> StoreProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,90 @@
+"""RAM blob tier: blobs as bytes in process memory, LRU within a byte capacity.
+
+The front tier of the store server, which never decodes pages (it serves any model). Blobs are
+verified when they enter (`put` callers check them); memory that never leaves the process is
+not checksummed again on every read.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from tiered_cache.tiers.base import EvictCallback, TierStats
+from tiered_cache.units import parse_size
+
+
+class MemoryTier:
+    name = "ram"
+
+    def __init__(self, capacity: int | str, on_evict: EvictCallback | None = None) -> None:
+        self.capacity = parse_size(capacity)
+        self.on_evict = on_evict
+        self.index: OrderedDict[bytes, bytes] = OrderedDict()  # least recently used first
+        self.used = 0
+        self._stats = TierStats(self.name, capacity_bytes=self.capacity)
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [key in self.index for key in keys]
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        n = 0
+        while n < len(keys) and keys[n] in self.index:
+            n += 1
+        return n
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for key in keys:
+            blob = self.index.get(key)
+            if blob is None:
+                self._stats.misses += 1
+            else:
+                self.index.move_to_end(key)
+                self._stats.hits += 1
+                self._stats.bytes_out += len(blob)
+            out.append(blob)
+        return out
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        stored = 0
+        for key, blob in items:
+            if key in self.index:
+                self.index.move_to_end(key)
+                continue
+            if len(blob) > self.capacity:
+                if self.on_evict:
+                    self.on_evict([(key, blob)])  # too big for RAM: straight down
+                continue
+            self._evict_to(self.capacity - len(blob))
+            self.index[key] = blob
+            self.used += len(blob)
+            self._stats.bytes_in += len(blob)
+            stored += 1
+        return stored
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            blob = self.index.pop(key, None)
+            if blob is not None:
+                self.used -= len(blob)
+
+    def items(self) -> list[tuple[bytes, bytes]]:
+        """Everything held, least recently used first (for a flush at shutdown)."""
+        return list(self.index.items())
+
+    def stats(self) -> TierStats:
+        self._stats.pages = len(self.index)
+        self._stats.used_bytes = self.used
+        return self._stats
+
+    def _evict_to(self, limit: int) -> None:
+        victims = []
+        while self.used > limit and self.index:
+            key, blob = self.index.popitem(last=False)
+            self.used -= len(blob)
+            victims.append((key, blob))
+        if victims:
+            self._stats.evictions += len(victims)
+            if self.on_evict:
+                self.on_evict(victims)

@@ -1,0 +1,150 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_NONE: _ClassVar[Tier]
+    TIER_RAM: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
+    TIER_REDIS: _ClassVar[Tier]
+
+class RefusalReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REFUSAL_UNSPECIFIED: _ClassVar[RefusalReason]
+    BAD_KEY: _ClassVar[RefusalReason]
+    CORRUPT_BLOB: _ClassVar[RefusalReason]
+    KEY_MISMATCH: _ClassVar[RefusalReason]
+    FINGERPRINT_MISMATCH: _ClassVar[RefusalReason]
+    UNKNOWN_CODEC: _ClassVar[RefusalReason]
+    TOO_LARGE: _ClassVar[RefusalReason]
+    NO_SPACE: _ClassVar[RefusalReason]
+TIER_NONE: Tier
+TIER_RAM: Tier
+TIER_DISK: Tier
+TIER_REDIS: Tier
+REFUSAL_UNSPECIFIED: RefusalReason
+BAD_KEY: RefusalReason
+CORRUPT_BLOB: RefusalReason
+KEY_MISMATCH: RefusalReason
+FINGERPRINT_MISMATCH: RefusalReason
+UNKNOWN_CODEC: RefusalReason
+TOO_LARGE: RefusalReason
+NO_SPACE: RefusalReason
+
+class LookupRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("leading", "tiers")
+    LEADING_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    leading: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, leading: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("keys", "fingerprint")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    fingerprint: bytes
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
+
+class PageBlob(_message.Message):
+    __slots__ = ("key", "blob", "fingerprint")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    BLOB_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    blob: bytes
+    fingerprint: bytes
+    def __init__(self, key: _Optional[bytes] = ..., blob: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("key", "reason", "message")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    reason: RefusalReason
+    message: str
+    def __init__(self, key: _Optional[bytes] = ..., reason: _Optional[_Union[RefusalReason, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("stored", "already_held", "refused")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_HELD_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    already_held: int
+    refused: _containers.RepeatedCompositeFieldContainer[Refusal]
+    def __init__(self, stored: _Optional[int] = ..., already_held: _Optional[int] = ..., refused: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "promotions", "demotions", "bytes_in", "bytes_out", "errors", "corrupt")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    pages: int
+    hits: int
+    misses: int
+    evictions: int
+    promotions: int
+    demotions: int
+    bytes_in: int
+    bytes_out: int
+    errors: int
+    corrupt: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., errors: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
+
+class ServerStats(_message.Message):
+    __slots__ = ("version", "uptime_s", "requests", "rejected_requests", "unauthenticated", "refused_blobs", "active_streams")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    UNAUTHENTICATED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_BLOBS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    uptime_s: float
+    requests: int
+    rejected_requests: int
+    unauthenticated: int
+    refused_blobs: int
+    active_streams: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., unauthenticated: _Optional[int] = ..., refused_blobs: _Optional[int] = ..., active_streams: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tiers", "server")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    server: ServerStats
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., server: _Optional[_Union[ServerStats, _Mapping]] = ...) -> None: ...
