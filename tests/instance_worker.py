@@ -1,0 +1,42 @@
+"""One inference instance in its own process, for the two-instance reuse test.
+
+    python instance_worker.py put ADDRESS WORKDIR   # instance A: compute (random) KV, cache it
+    python instance_worker.py get ADDRESS WORKDIR   # instance B: empty cache, fetch it from the store
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from tiered_cache.cache import TieredCache
+from tiered_cache.config import CacheConfig
+from tiered_cache.presets import get_preset
+
+SPEC = get_preset("smollm2-135m").spec
+TOKENS = list(range(5000, 5000 + 1000))  # 62 full pages of 16 tokens and 8 tokens left over
+
+
+def main() -> None:
+    role, address, workdir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    cache = TieredCache(SPEC, CacheConfig(pool_capacity="64MiB", host_capacity="64MiB", lower_tiers=["remote"],
+                                          remote_addresses=[address], write_policy="write_through"))
+    if role == "put":
+        kv = torch.randn(SPEC.kv_shape(len(TOKENS)), generator=torch.Generator().manual_seed(1)).half()
+        stored = cache.put(TOKENS, kv)
+        torch.save(kv, workdir / "kv_a.pt")
+        print(json.dumps({"stored": stored}))
+        return
+    before = cache.stats().tier("remote").promotions
+    n = cache.lookup(TOKENS)
+    got_n, kv = cache.get(TOKENS)
+    reference = torch.load(workdir / "kv_a.pt")
+    st = cache.stats()
+    print(json.dumps({"lookup": n, "got": got_n, "identical": bool(torch.equal(kv, reference[:, :, :got_n])),
+                      "remote_promotions": st.tier("remote").promotions - before,
+                      "remote_hits": st.tier("remote").hits, "device_hits": st.tier("device").hits}))
+
+
+if __name__ == "__main__":
+    main()

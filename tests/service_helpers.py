@@ -1,0 +1,27 @@
+"""Blobs for service tests."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import torch
+
+from tiered_cache.codec import encode_page
+from tiered_cache.keys import PageKeyer
+from tiered_cache.spec import KVSpec
+
+SPEC = KVSpec("service-test", 2, 2, 32, page_size=4)  # 2 KiB pages
+FINGERPRINT = bytes.fromhex(SPEC.fingerprint)
+
+
+def make_items(n: int, start: int = 0, seed: int = 0, spec: KVSpec = SPEC) -> list[tuple[bytes, bytes]]:
+    keys = PageKeyer(spec, "svc").keys(list(range(start, start + n * spec.page_size)))
+    pages = torch.randn(spec.staging_shape(n), generator=torch.Generator().manual_seed(seed)).half()
+    return [(k, encode_page(p, spec, k)) for k, p in zip(keys, pages, strict=True)]
+
+
+def with_codec_byte(blob: bytes, codec_id: int) -> bytes:
+    """The same blob claiming another codec, with a valid checksum (so only the codec is wrong)."""
+    body = blob[:5] + bytes([codec_id]) + blob[6:-4]
+    return body + struct.pack("<I", zlib.crc32(body))

@@ -1,0 +1,106 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from service_helpers import make_items
+
+from tiered_cache.codec import encode_page
+from tiered_cache.keys import PageKeyer
+from tiered_cache.service.client import StoreClient
+from tiered_cache.service.process import StoreProcess
+from tiered_cache.spec import KVSpec
+from tiered_cache.tiers.remote import RemoteTier, owner
+
+
+def test_rendezvous_spreads_keys_and_moves_few_when_a_server_joins():
+    keys = [os.urandom(32) for _ in range(3000)]
+    three = ["10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1"]
+    counts = [0, 0, 0]
+    for key in keys:
+        counts[owner(key, three)] += 1
+    assert all(800 < c < 1200 for c in counts)
+    four = [*three, "10.0.0.4:1"]
+    moved = sum(owner(k, three) != owner(k, four) for k in keys)
+    assert 0.15 < moved / len(keys) < 0.35  # about a quarter, all of them to the new server
+    assert all(owner(k, four) == 3 for k in keys if owner(k, three) != owner(k, four))
+
+
+def test_two_servers_share_the_keys_and_serve_them_all(tmp_path):
+    items = make_items(40)
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk"]) as a, StoreProcess(["--no-disk"]) as b:
+        tier = RemoteTier([a.address, b.address])
+        assert tier.put(items) == 40
+        assert tier.contains_prefix(keys) == 40 and tier.contains(keys) == [True] * 40
+        assert tier.get(keys) == [blob for _, blob in items]
+        held = [StoreClient(p.address).lookup(keys).tiers for p in (a, b)]
+        per_server = [sum(1 for t in tiers if t) for tiers in held]
+        assert sum(per_server) == 40 and min(per_server) > 5
+        tier.close()
+
+
+def test_a_dead_server_means_fast_misses_not_errors_raised():
+    items = make_items(3)
+    tier = RemoteTier(["127.0.0.1:1"], timeout_s=1.0, max_backoff_s=0.5)
+    start = time.monotonic()
+    assert tier.put(items) == 0
+    assert tier.get([k for k, _ in items]) == [None] * 3
+    assert tier.contains_prefix([k for k, _ in items]) == 0
+    assert time.monotonic() - start < 3
+    assert tier.stats().errors >= 1
+
+
+def test_server_killed_mid_stream_gives_verified_blobs_then_misses():
+    spec = KVSpec("big-pages", 8, 8, 128, page_size=8)  # 256 KiB pages
+    keys = PageKeyer(spec).keys(list(range(200 * spec.page_size)))
+    page = torch.randn(spec.staging_shape(1)[1:]).half()
+    items = [(k, encode_page(page, spec, k)) for k in keys]
+    proc = StoreProcess(["--no-disk", "--ram", "256MiB"])
+    proc.start()
+    try:
+        StoreClient(proc.address, timeout_s=60).put(items)
+
+        class KillOnFirstBlob(RemoteTier):
+            def _verified(self, key: bytes, blob: bytes) -> bytes | None:
+                if proc.proc is not None and proc.proc.poll() is None:
+                    proc.proc.send_signal(signal.SIGKILL)  # the server dies with the stream half sent
+                    proc.proc.wait()
+                return super()._verified(key, blob)
+
+        tier = KillOnFirstBlob([proc.address], timeout_s=10)
+        start = time.monotonic()
+        got = tier.get(keys)
+        assert time.monotonic() - start < 10, "the client must not hang on a dead server"
+        received = [i for i, b in enumerate(got) if b is not None]
+        assert 0 < len(received) < len(keys), "the stream should have broken part-way"
+        assert all(got[i] == items[i][1] for i in received)  # nothing corrupt, nothing out of place
+        assert received == list(range(len(received)))  # a prefix of the stream, in order
+        assert tier.stats().errors == 1
+    finally:
+        proc.stop(signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_two_instances_reuse_a_prefix_through_the_store(tmp_path):
+    worker = Path(__file__).with_name("instance_worker.py")
+    env = {**os.environ, "PYTHONPATH": str(worker.parent)}
+    with StoreProcess(["--disk", str(tmp_path / "store")]) as store:
+        run = lambda role: subprocess.run([sys.executable, str(worker), role, store.address, str(tmp_path)],  # noqa: E731
+                                          capture_output=True, text=True, env=env, timeout=300)
+        a = run("put")
+        assert a.returncode == 0, a.stderr
+        assert json.loads(a.stdout.splitlines()[-1]) == {"stored": 992}
+        b = run("get")
+        assert b.returncode == 0, b.stderr
+        result = json.loads(b.stdout.splitlines()[-1])
+        assert result["lookup"] == result["got"] == 992
+        assert result["identical"] is True
+        assert result["remote_promotions"] == 62 and result["remote_hits"] == 62 and result["device_hits"] == 0
+        stats = StoreClient(store.address).stats()
+        assert stats.tiers[0].pages == 62 and stats.tiers[0].hits >= 62

@@ -1,0 +1,154 @@
+"""The store server in its own process, driven through the client and raw gRPC."""
+
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+from service_helpers import FINGERPRINT, SPEC, make_items, with_codec_byte
+
+from tiered_cache.service.client import StoreClient
+from tiered_cache.service.process import StoreProcess
+from tiered_cache.v1 import cache_pb2 as pb
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    with StoreProcess(["--disk", str(tmp_path_factory.mktemp("store")), "--max-page", "64KiB"]) as proc:
+        yield proc
+
+
+def test_put_lookup_get_round_trip(store):
+    items = make_items(6)
+    keys = [k for k, _ in items]
+    with StoreClient(store.address) as client:
+        assert client.health() == "SERVING"
+        ack = client.put(items[:4], FINGERPRINT)
+        assert (ack.stored, ack.already_held, len(ack.refused)) == (4, 0, 0)
+        assert client.put(items[:2]).already_held == 2
+        reply = client.lookup(keys)
+        assert reply.leading == 4 and list(reply.tiers) == [pb.TIER_RAM] * 4 + [pb.TIER_NONE] * 2
+        got = list(client.get(keys))
+        assert [(g.key, g.blob) for g in got] == items[:4]
+        other = bytes(32)  # a fingerprint no blob has: nothing is sent
+        assert list(client.get(keys, fingerprint=other)) == []
+
+
+def test_bad_blobs_are_refused_with_reasons_and_counted(store):
+    good = make_items(3, start=1000)
+    (k0, b0), (k1, b1), (k2, _) = good
+    foreign = make_items(1, start=1000, spec=SPEC.with_options(model_id="other"))[0]
+    flipped = bytearray(b0)
+    flipped[100] ^= 1
+    cases = [
+        ((k0[:10], b0), pb.BAD_KEY, "key is 10 bytes"),
+        ((k0, bytes(flipped)), pb.CORRUPT_BLOB, "checksum"),
+        ((k0, b"not a blob at all, just some garbage bytes" * 3), pb.CORRUPT_BLOB, "not a page blob"),
+        ((k2, b1), pb.KEY_MISMATCH, "asked for"),
+        ((k0, with_codec_byte(b0, 77)), pb.UNKNOWN_CODEC, "unknown codec id 77"),
+        ((k0, b"x" * (65 * 1024)), pb.TOO_LARGE, "at most 65,536"),
+    ]
+    with StoreClient(store.address) as client:
+        before = client.stats().server.refused_blobs
+        ack = client.put([item for item, _, _ in cases])
+        assert ack.stored == 0
+        assert [r.reason for r in ack.refused] == [reason for _, reason, _ in cases]
+        for refusal, (_, _, text) in zip(ack.refused, cases, strict=True):
+            assert text in refusal.message
+        ack = client.put([foreign], FINGERPRINT)  # a valid blob of another model
+        assert [r.reason for r in ack.refused] == [pb.FINGERPRINT_MISMATCH]
+        assert client.stats().server.refused_blobs == before + len(cases) + 1
+        assert client.put(good[:1]).stored == 1  # the server keeps serving
+
+
+def test_malformed_requests_get_invalid_argument(store):
+    channel = grpc.insecure_channel(store.address)
+    raw = channel.unary_unary("/tiered_cache.v1.KVCache/Lookup")  # bytes in, bytes out
+    with pytest.raises(grpc.RpcError) as info:
+        raw(b"\xff\xff\xff garbage that is not protobuf", timeout=5)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not a valid tiered_cache.v1.LookupRequest" in info.value.details()
+    with StoreClient(store.address) as client:
+        rejected = client.stats().server.rejected_requests
+        with pytest.raises(grpc.RpcError) as info:
+            client.lookup([b"short"])
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "page keys are 32 bytes" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.get([bytes(32)], fingerprint=b"abc"))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.stats().server.rejected_requests == rejected + 2
+    big = channel.unary_unary("/tiered_cache.v1.KVCache/Lookup")
+    with pytest.raises(grpc.RpcError) as info:
+        big(pb.LookupRequest(keys=[bytes(32)] * 4000).SerializeToString(), timeout=5)  # > 64 KiB + framing
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    channel.close()
+    with StoreClient(store.address) as client:
+        assert client.health() == "SERVING"
+
+
+def test_token_is_required_when_set(tmp_path):
+    with StoreProcess(["--no-disk", "--token", "s3cret"]) as proc:
+        items = make_items(1)
+        for token in (None, "wrong"):
+            with StoreClient(proc.address, token=token) as client:
+                with pytest.raises(grpc.RpcError) as info:
+                    client.lookup([items[0][0]])
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.RpcError) as info:
+                    client.put(items)
+                assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert client.health() == "SERVING"  # health stays open for load balancers
+        with StoreClient(proc.address, token="s3cret") as client:
+            assert client.put(items).stored == 1
+            assert client.stats().server.unauthenticated == 4
+
+
+def test_restart_on_the_same_folder_serves_pages_again(tmp_path):
+    items = make_items(5, start=7)
+    proc = StoreProcess(["--disk", str(tmp_path)])
+    proc.start()
+    with StoreClient(proc.address) as client:
+        assert client.put(items).stored == 5  # in RAM only until shutdown flushes them
+    assert proc.stop(signal.SIGTERM) == 0
+    assert any("flushed 5 pages" in line for line in proc.output)
+    with StoreProcess(["--disk", str(tmp_path)]) as again, StoreClient(again.address) as client:
+        assert client.lookup([k for k, _ in items]).leading == 5
+        assert [(g.key, g.blob) for g in client.get([k for k, _ in items])] == items
+        assert [t.name for t in client.stats().tiers] == ["ram", "disk"]
+
+
+def test_tls(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    with StoreProcess(["--no-disk", "--tls-cert", str(cert), "--tls-key", str(key)]) as proc:
+        assert "(TLS" in proc.output[0]
+        with StoreClient(proc.address, tls_ca=str(cert)) as client:
+            assert client.put(make_items(1)).stored == 1
+        with StoreClient(proc.address, timeout_s=2) as plain, pytest.raises(grpc.RpcError):
+            plain.lookup([bytes(32)])
+
+
+def test_stats_cli_table_json_and_watch(store):
+    from conftest import run_cli
+
+    table = run_cli("stats", "--address", store.address).stdout
+    assert "ram" in table and "disk" in table and "hit rate" in table and "tiered-cache 0.1.0" in table
+    import json
+
+    data = json.loads(run_cli("stats", "--address", store.address, "--json").stdout)
+    assert [t["name"] for t in data["tiers"]] == ["ram", "disk"] and data["tiers"][0]["pages"] >= 1
+    both = json.loads(run_cli("stats", "--address", store.address, "--address", "127.0.0.1:1", "--json").stdout)
+    assert "error" in both[1] and both[0]["address"] == store.address
+    down = run_cli("stats", "--address", "127.0.0.1:1", "--timeout", "1", check=False)
+    assert down.returncode == 1 and "unreachable" in down.stdout
+    import sys
+
+    watch = subprocess.Popen([sys.executable, "-m", "tiered_cache.cli.main", "stats", "--address", store.address,
+                              "--watch", "0.2"], stdout=subprocess.PIPE, text=True)
+    time.sleep(2.0)
+    watch.send_signal(signal.SIGINT)
+    out, _ = watch.communicate(timeout=10)
+    assert out.count("\x1b[H\x1b[2J") >= 2 and watch.returncode == 0
