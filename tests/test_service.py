@@ -37,7 +37,7 @@ def test_put_lookup_get_round_trip(store):
 
 def test_bad_blobs_are_refused_with_reasons_and_counted(store):
     good = make_items(3, start=1000)
-    (k0, b0), (k1, b1), (k2, _) = good
+    (k0, b0), (_, b1), (k2, _) = good
     foreign = make_items(1, start=1000, spec=SPEC.with_options(model_id="other"))[0]
     flipped = bytearray(b0)
     flipped[100] ^= 1
@@ -73,7 +73,8 @@ def test_malformed_requests_get_invalid_argument(store):
         rejected = client.stats().server.rejected_requests
         with pytest.raises(grpc.RpcError) as info:
             client.lookup([b"short"])
-        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "page keys are 32 bytes" in info.value.details()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "page keys are 32 bytes" in info.value.details()
         with pytest.raises(grpc.RpcError) as info:
             list(client.get([bytes(32)], fingerprint=b"abc"))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
