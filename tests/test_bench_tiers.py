@@ -36,3 +36,12 @@ def test_codec_measure_reports_ratio_and_error():
     assert rows["raw"].ratio < 1 and rows["raw"].max_rel_error == 0  # header + CRC: a bit larger
     assert rows["lz4"].max_rel_error == 0 and rows["lz4-shuffle"].max_rel_error == 0
     assert 1.8 < rows["int8"].ratio < 2 and 0 < rows["int8"].max_rel_error < 0.01
+
+
+def test_remote_bench_rows():
+    from tiered_cache.bench.remote_bench import bench_fetch, bench_lookup
+
+    rows = bench_fetch(SPEC, 8) + bench_lookup(num_tokens=512, repeat=3)
+    assert [r.baseline_name for r in rows] == ["bare gRPC stream, kept", "bare gRPC stream, dropped",
+                                               "raw Redis MGET", "bare gRPC unary, same bytes"]
+    assert all(r.value > 0 and r.baseline > 0 for r in rows)

@@ -31,6 +31,12 @@ def add_parser(commands: Any) -> None:
         if name == "redis":
             sub.add_argument("--url", help="an existing Redis (default: start a throwaway redis-server)")
         subs.append(sub)
+    remote = which.add_parser("remote", help="fetch through the remote tier vs bare gRPC and Redis; lookup latency")
+    remote.add_argument("--model", default="llama-3.1-8b", help="preset whose pages are moved")
+    remote.add_argument("--page-size", type=int, default=8, help="tokens per page (default 8: 1 MiB pages)")
+    remote.add_argument("--pages", type=int, default=256, help="pages in the prefix (default 256)")
+    remote.add_argument("--lookup-tokens", type=int, default=32768, help="prompt length for the lookup latency")
+    subs.append(remote)
     codec = which.add_parser("codec", help="ratio and MB/s of each codec on real KV and random data")
     codec.add_argument("--kv", help="a .pt file of real KV (layers, 2, tokens, heads, dim); default: "
                                     "SmolLM2-135M's KV of a shipped text when the demo extra is installed")
@@ -55,6 +61,14 @@ def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
         return bench_keys(args.tokens), "prompt"
     from tiered_cache.bench import tiers_bench
     from tiered_cache.presets import get_preset
+
+    if args.bench == "remote":
+        from tiered_cache.bench.remote_bench import bench_fetch, bench_lookup
+
+        spec = get_preset(args.model).spec.with_options(page_size=args.page_size)
+        print(f"fetching {args.pages} pages of {spec.bytes_per_page:,} bytes through a store server ...",
+              file=sys.stderr)
+        return bench_fetch(spec, args.pages) + bench_lookup(args.lookup_tokens), "batch"
 
     spec = get_preset(args.model).spec.with_options(page_size=args.page_size)
     print(f"moving {args.pages} pages of {spec.bytes_per_page:,} bytes ({args.model}) ...", file=sys.stderr)

@@ -1,0 +1,49 @@
+"""A bare gRPC server for baselines: streams N byte messages of a given size from memory, and
+answers a unary echo. Same HTTP/2 options as the store server. Run as a child process:
+
+    python -m tiered_cache.bench.raw_grpc   # prints "listening on 127.0.0.1:PORT"
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from tiered_cache.service.server import grpc_options
+
+_MAX = 80 * 2**20
+STREAM = "/raw.Raw/Stream"
+ECHO = "/raw.Raw/Echo"
+
+
+def _stream(request: bytes, context: Any) -> Iterator[bytes]:
+    count, size = struct.unpack("<QQ", request)
+    payload = bytes(size)
+    for _ in range(count):
+        yield payload
+
+
+def _echo(request: bytes, context: Any) -> bytes:
+    return struct.pack("<Q", len(request))
+
+
+def main() -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=grpc_options(_MAX))
+    handlers = {"Stream": grpc.unary_stream_rpc_method_handler(_stream),
+                "Echo": grpc.unary_unary_rpc_method_handler(_echo)}
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("raw.Raw", handlers)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(f"listening on 127.0.0.1:{port}", flush=True)
+    threading.Event().wait() if sys.stdin is None else sys.stdin.read()  # until the parent closes stdin
+    server.stop(0)
+
+
+if __name__ == "__main__":
+    main()
