@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -63,8 +63,8 @@ class BlobTier(Protocol):
         """Current figures."""
 
 
-def leading_run(flags: Sequence[bool]) -> int:
-    """How many leading entries of `flags` are true."""
+def leading_run(flags: Iterable[bool]) -> int:
+    """How many leading entries of `flags` are true (stops at the first false one)."""
     n = 0
     for flag in flags:
         if not flag:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tiered_cache.codec import BlobError, verify_blob
-from tiered_cache.tiers.base import EvictCallback, TierStats
+from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
 from tiered_cache.units import parse_size
 
 _TMP_SUFFIX = ".tmp"
@@ -64,10 +64,7 @@ class DiskTier:
         return [key in self.index for key in keys]
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        while n < len(keys) and keys[n] in self.index:
-            n += 1
-        return n
+        return leading_run(key in self.index for key in keys)
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []

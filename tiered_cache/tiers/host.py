@@ -17,7 +17,7 @@ import torch
 from tiered_cache.allocator import PageAllocator
 from tiered_cache.errors import KVShapeError
 from tiered_cache.spec import KVSpec
-from tiered_cache.tiers.base import TierStats
+from tiered_cache.tiers.base import TierStats, leading_run
 from tiered_cache.units import parse_size
 
 # Called with (keys, pages) about to leave host RAM; `pages` is a copy, page-first.
@@ -45,10 +45,7 @@ class HostTier:
         return self.slots.num_pages
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        while n < len(keys) and keys[n] in self.index:
-            n += 1
-        return n
+        return leading_run(key in self.index for key in keys)
 
     def get(self, keys: Sequence[bytes], out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """Copy the leading run of held `keys` into `out` (or a new tensor); returns (n, pages[:n])."""

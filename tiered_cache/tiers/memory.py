@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from tiered_cache.tiers.base import EvictCallback, TierStats
+from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
 from tiered_cache.units import parse_size
 
 
@@ -28,10 +28,7 @@ class MemoryTier:
         return [key in self.index for key in keys]
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        while n < len(keys) and keys[n] in self.index:
-            n += 1
-        return n
+        return leading_run(key in self.index for key in keys)
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
