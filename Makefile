@@ -13,11 +13,9 @@ $(STAMP): pyproject.toml scripts/install.sh
 
 install: $(STAMP)
 
-# Until the two-instance demo lands, the demo is the sizing calculator on two well-known models.
+# Two instances, one store server, one long document: instance B reuses A's KV instead of prefilling.
 demo: $(STAMP)
-	$(BIN)/tiered-cache size --model llama-3-70b --context 32768 --gpus 4
-	@echo
-	$(BIN)/tiered-cache size --model llama-3.1-8b --context 8192 --gpu-memory 24GiB
+	$(BIN)/tiered-cache demo
 
 test: $(STAMP) lint check-kernels
 	$(BIN)/python -m pytest

@@ -22,6 +22,8 @@ def test_kv_of_cache_matches_the_models_own_layers():
     ids = tokenizer("The lighthouse at Corran Bay", return_tensors="pt").input_ids
     with torch.inference_mode():
         cache = model(ids, use_cache=True).past_key_values
-    kv = smollm2.kv_of_cache(cache)
+    from tiered_cache.integrations.transformers import kv_of_cache
+
+    kv = kv_of_cache(cache)
     assert torch.equal(kv[3, 0, :, 1], cache.layers[3].keys[0, 1])  # layer 3, K, head 1: (tokens, dim)
     assert torch.equal(kv[7, 1, 2], cache.layers[7].values[0, :, 2])  # layer 7, V, token 2: (heads, dim)

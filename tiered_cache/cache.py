@@ -8,6 +8,7 @@ one engine thread drives a cache.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ class CacheHandle:
     own_pages: list[int] = field(default_factory=list)
     own_tokens: int = 0  # tokens the suffix pages were allocated for
     released: bool = False
+    sources: Counter[str] = field(default_factory=Counter)  # tier name -> prefix pages it supplied
 
     @property
     def num_device_pages(self) -> int:
@@ -160,7 +162,9 @@ class TieredCache:
         self._count_device(result.num_pages, len(keys))
         self.tree.lock(result.node)
         below = self._probe_below(keys[result.num_pages:])
-        return CacheHandle(ns, keys, result.node, result.values, result.num_pages + below)
+        handle = CacheHandle(ns, keys, result.node, result.values, result.num_pages + below)
+        handle.sources["device"] = result.num_pages
+        return handle
 
     def load(self, handle: CacheHandle) -> np.ndarray:
         """Promote the handle's pages found below the device into device pages; returns all the
@@ -168,7 +172,7 @@ class TieredCache:
         self._check_live(handle)
         start = handle.num_device_pages
         wanted = handle.keys[start:handle.available_pages]
-        staging = self._fetch_below(wanted)
+        staging = self._fetch_below(wanted, handle.sources)
         if staging is None:
             handle.available_pages = start
             return handle.device_pages
@@ -230,6 +234,13 @@ class TieredCache:
             self.pool.free(np.array(handle.own_pages, dtype=np.int64))
         handle.own_pages.clear()
         handle.released = True
+
+    def evict(self, num_pages: int | None = None) -> int:
+        """Move up to `num_pages` unlocked device pages (all when None) down to host RAM, least
+        recently used first, freeing them in the pool. Returns how many pages were moved."""
+        evicted = self.tree.evict(self.tree.size_info().evictable if num_pages is None else num_pages)
+        self._demote_from_device(evicted)
+        return sum(len(node.keys) for node in evicted)
 
     # --- statistics ------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -338,26 +349,28 @@ class TieredCache:
                 break
         return pos
 
-    def _fetch_below(self, keys: list[bytes]) -> torch.Tensor | None:
+    def _fetch_below(self, keys: list[bytes], sources: Counter[str]) -> torch.Tensor | None:
         """Page-first staging of the leading `keys` found below the device, promoting lower-tier
-        hits into host RAM. Stops at the first page no tier can supply intact."""
+        hits into host RAM, counting pages per supplying tier in `sources`. Stops at the first
+        page no tier can supply intact."""
         parts: list[torch.Tensor] = []
         pos = 0
         while pos < len(keys):
             n, pages = self.host.get(keys[pos:])
             if n:
                 self.moves.promotions["host"] += n
+                sources["host"] += n
                 parts.append(pages)
                 pos += n
                 continue
-            pages = self._fetch_lower(keys[pos:])
+            pages = self._fetch_lower(keys[pos:], sources)
             if pages is None:
                 break
             parts.append(pages)
             pos += pages.shape[0]
         return torch.cat(parts) if parts else None
 
-    def _fetch_lower(self, keys: list[bytes]) -> torch.Tensor | None:
+    def _fetch_lower(self, keys: list[bytes], sources: Counter[str]) -> torch.Tensor | None:
         for tier in self.lower:
             run = tier.contains_prefix(keys)
             if not run:
@@ -372,6 +385,7 @@ class TieredCache:
                 pages = torch.stack(decoded)
                 got = keys[:len(decoded)]
                 self.moves.promotions[tier.name] += len(decoded)
+                sources[tier.name] += len(decoded)
                 self.host.put(got, pages)  # promotion into host RAM
                 return pages
         return None

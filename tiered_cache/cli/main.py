@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from tiered_cache import __version__
-from tiered_cache.cli import bench_cmd, serve_cmd, size_cmd, stats_cmd
+from tiered_cache.cli import bench_cmd, demo_cmd, serve_cmd, size_cmd, stats_cmd
 from tiered_cache.errors import TieredCacheError
 from tiered_cache.memtune import tune_malloc
 
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"tiered-cache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo_cmd.add_parser(commands)
     serve_cmd.add_parser(commands)
     stats_cmd.add_parser(commands)
     size_cmd.add_parser(commands)

@@ -1,0 +1,20 @@
+"""`tiered-cache demo`: two instances reuse a long document's KV through a store (embedded defaults)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser("demo", help="two instances, one store: reuse instead of prefill (SmolLM2-135M)",
+                            description="Starts a store server on a free loopback port, runs instance A and "
+                                        "instance B in their own processes, and prints TTFT per tier and both "
+                                        "answers. No Redis, GPU or Ray needed.")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tiered_cache.demo.runner import run_demo
+
+    return run_demo()

@@ -1,0 +1,1 @@
+"""`tiered-cache demo`: two instances, one store, one long document (see `runner.py`)."""

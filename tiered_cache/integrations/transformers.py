@@ -1,0 +1,120 @@
+"""Hugging Face transformers <-> `TieredCache`: reuse a cached prefix in a causal LM's generation.
+
+`generate()` looks the prompt up in the cache, loads the cached prefix into a `DynamicCache`,
+prefills only the rest, stores the prompt's new full pages, and decodes greedily. It reports
+time to first token (TTFT) and how many prompt tokens came from which tier. With `cache=None`
+it is plain generation with the same decoding code, the reference for equivalence tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tiered_cache.cache import TieredCache
+from tiered_cache.spec import DType, KVSpec
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # generated token ids (greedy)
+    ttft_s: float  # lookup + load + prefill of the uncached rest + first token
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens whose KV came from the cache
+    sources: dict[str, int] = field(default_factory=dict)  # tier -> reused tokens
+    bytes_loaded: int = 0  # KV bytes read from the cache for the reused tokens
+    stored_tokens: int = 0  # prompt tokens newly cached after the prefill
+    decode_s: float = 0.0
+    first_logits: torch.Tensor | None = None  # next-token logits after the prompt (for KL checks)
+
+    @property
+    def computed_tokens(self) -> int:
+        return self.prompt_tokens - self.reused_tokens
+
+
+def spec_for(model: Any, dtype: DType | str = DType.FP16, page_size: int = 16,
+             model_id: str | None = None) -> KVSpec:
+    """The KVSpec of a transformers model's KV, stored as `dtype`."""
+    config = model.config.to_dict()
+    return KVSpec.from_hf_config(config, model_id=model_id or config.get("_name_or_path") or "hf-model",
+                                 dtype=dtype, page_size=page_size)
+
+
+def kv_of_cache(cache: Any) -> torch.Tensor:
+    """A `DynamicCache` of batch 1 as one (layers, 2, tokens, kv_heads, head_dim) tensor."""
+    layers = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]  # (2, heads, n, dim)
+    return torch.stack(layers).transpose(2, 3).contiguous()
+
+
+def cache_of_kv(kv: torch.Tensor, model: Any) -> Any:
+    """A `DynamicCache` holding `kv` (layers, 2, n, heads, dim), cast to the model's dtype."""
+    from transformers import DynamicCache
+
+    dtype = next(model.parameters()).dtype
+    cache = DynamicCache(config=model.config)
+    for layer in range(kv.shape[0]):
+        keys = kv[layer, 0].transpose(0, 1).unsqueeze(0).to(dtype)  # (1, heads, n, dim)
+        values = kv[layer, 1].transpose(0, 1).unsqueeze(0).to(dtype)
+        cache.update(keys, values, layer)
+    return cache
+
+
+@torch.inference_mode()
+def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None, max_new_tokens: int = 32,
+             eos_token_id: int | None = None, namespace: str | None = None) -> GenerationResult:
+    """Greedy generation of up to `max_new_tokens` after `prompt` (token ids), reusing `cache`.
+
+    At least the prompt's last token is always computed (its logits give the first new token),
+    so a fully cached prompt reuses all but that token.
+    """
+    ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("generate() needs a non-empty prompt")
+    start = time.perf_counter()
+    past, reused, sources, loaded, handle = None, 0, {}, 0, None
+    if cache is not None:
+        handle = cache.match(ids, namespace)
+        pages = cache.load(handle)
+        reused = min(len(pages) * cache.spec.page_size, len(ids) - 1)
+        if reused > 0:
+            kv = cache.pool.read_tokens(pages, len(pages) * cache.spec.page_size)[:, :, :reused]
+            past = cache_of_kv(kv, model)
+            loaded = reused * cache.spec.bytes_per_token
+            sources = {tier: pages_ * cache.spec.page_size for tier, pages_ in handle.sources.items() if pages_}
+            _trim_sources(sources, reused)
+    try:
+        out = model(torch.tensor([ids[reused:]]), past_key_values=past, use_cache=True)
+        logits = out.logits[0, -1].float()
+        next_token = int(logits.argmax())
+        ttft = time.perf_counter() - start
+        stored = 0
+        if cache is not None:
+            full = kv_of_cache(out.past_key_values).to(cache.spec.dtype.torch)
+            stored = cache.put(ids, full, namespace)
+    finally:
+        if handle is not None:
+            cache.release(handle)
+    tokens = [next_token]
+    past_kv = out.past_key_values
+    decode_start = time.perf_counter()
+    while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
+        step = model(torch.tensor([[tokens[-1]]]), past_key_values=past_kv, use_cache=True)
+        past_kv = step.past_key_values
+        tokens.append(int(step.logits[0, -1].argmax()))
+    return GenerationResult(tokens, ttft, len(ids), reused, sources, loaded, stored,
+                            time.perf_counter() - decode_start, logits)
+
+
+def _trim_sources(sources: dict[str, int], reused: int) -> None:
+    """Charge the one recomputed token (when the whole prompt was cached) to the last tier."""
+    excess = sum(sources.values()) - reused
+    for tier in reversed(list(sources)):
+        if excess <= 0:
+            break
+        cut = min(excess, sources[tier])
+        sources[tier] -= cut
+        excess -= cut
