@@ -1,0 +1,38 @@
+"""Caches in each tier, for checking that a cache hit changes nothing but the time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tiered_cache.cache import TieredCache
+from tiered_cache.config import CacheConfig
+from tiered_cache.spec import KVSpec
+
+
+def cache_with_prefix_in(tier: str, spec: KVSpec, tmp: Path, store_address: str | None = None,
+                         codec: str = "raw") -> TieredCache:
+    """A cache whose pages, once cached and then pushed down, will be found in `tier`."""
+    if tier == "remote":
+        cfg = CacheConfig(pool_capacity="32MiB", host_capacity="32MiB", lower_tiers=["remote"],
+                          remote_addresses=[store_address], write_policy="write_through", codec=codec)
+    elif tier == "disk":
+        cfg = CacheConfig(pool_capacity="32MiB", host_capacity="32MiB", lower_tiers=["disk"],
+                          disk_path=str(tmp / "disk"), write_policy="write_through", codec=codec)
+    else:
+        cfg = CacheConfig(pool_capacity="32MiB", host_capacity="32MiB", codec=codec)
+    return TieredCache(spec, cfg)
+
+
+def push_down(cache: TieredCache, tier: str) -> None:
+    """Leave the cached pages only in `tier` (device, host, disk) before the next request."""
+    if tier == "device":
+        return
+    cache.evict()
+    if tier in ("disk", "remote"):
+        cache.host.delete(list(cache.host.index))
+
+
+def fresh_instance(tier: str, spec: KVSpec, tmp: Path, store_address: str | None, codec: str = "raw") -> Any:
+    """For the remote tier, the reader is another cache (as instance B would be)."""
+    return cache_with_prefix_in(tier, spec, tmp, store_address, codec)
