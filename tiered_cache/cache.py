@@ -368,42 +368,45 @@ class TieredCache:
                 break
             parts.append(pages)
             pos += pages.shape[0]
-        return torch.cat(parts) if parts else None
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _fetch_lower(self, keys: list[bytes], sources: Counter[str]) -> torch.Tensor | None:
         for tier in self.lower:
             run = tier.contains_prefix(keys)
             if not run:
                 continue
-            decoded = []
+            # Decode straight into one page-first staging tensor: no per-page arrays to stack.
+            staging = torch.empty(self.spec.staging_shape(run), dtype=self.spec.dtype.torch)
+            raw = staging.view(torch.uint8).reshape(run, -1).numpy()
+            n = 0
             for key, blob in zip(keys[:run], tier.get(keys[:run]), strict=True):
-                page = self._decode(tier, key, blob)
-                if page is None:
+                if not self._decode_into(tier, key, blob, raw[n]):
                     break
-                decoded.append(page)
-            if decoded:
-                pages = torch.stack(decoded)
-                got = keys[:len(decoded)]
-                self.moves.promotions[tier.name] += len(decoded)
-                sources[tier.name] += len(decoded)
-                self.host.put(got, pages)  # promotion into host RAM
-                return pages
+                n += 1
+            if n:
+                self.moves.promotions[tier.name] += n
+                sources[tier.name] += n
+                self.host.put(keys[:n], staging[:n])  # promotion into host RAM
+                return staging[:n]
         return None
 
     def _encode(self, page: torch.Tensor, key: bytes) -> bytes:
         return encode_page(page, self.spec, key, self.config.codec, self.config.codec_min_saving)
 
-    def _decode(self, tier: Any, key: bytes, blob: bytes | None) -> torch.Tensor | None:
+    def _decode_into(self, tier: Any, key: bytes, blob: bytes | None, out: np.ndarray) -> bool:
+        """Decode `blob` into `out` (one page's bytes); a bad blob is counted, deleted, and False."""
         if blob is None:
-            return None
+            return False
         try:
             # NOTE: a BlobTier verifies the checksum of every blob it returns (DESIGN.md §7).
-            raw = decode_page(blob, self.spec, key, check_crc=False)
+            decode_page(blob, self.spec, key, out=out, check_crc=False)
         except BlobError:
             self.moves.refused[tier.name] += 1
             tier.delete([key])
-            return None
-        return torch.from_numpy(raw).view(self.spec.dtype.torch).reshape(self.spec.staging_shape(1)[1:])
+            return False
+        return True
 
     # --- small helpers ---------------------------------------------------------------------------
     def _ns(self, namespace: str | None) -> str:

@@ -37,6 +37,13 @@ def add_parser(commands: Any) -> None:
     remote.add_argument("--pages", type=int, default=256, help="pages in the prefix (default 256)")
     remote.add_argument("--lookup-tokens", type=int, default=32768, help="prompt length for the lookup latency")
     subs.append(remote)
+    ttft = which.add_parser("ttft", help="TTFT on SmolLM2-135M: recompute vs each tier, and a 70B projection")
+    ttft.add_argument("--lengths", default="512,1024,2048,4096", help="prefix lengths in tokens")
+    ttft.add_argument("--repeat", type=int, default=2, help="runs per measurement (best is kept)")
+    subs.append(ttft)
+    int8 = which.add_parser("int8", help="how much int8 storage changes SmolLM2's answers (KL, greedy diffs)")
+    int8.add_argument("--prompts", type=int, default=8, help="questions about the document (default 8)")
+    subs.append(int8)
     codec = which.add_parser("codec", help="ratio and MB/s of each codec on real KV and random data")
     codec.add_argument("--kv", help="a .pt file of real KV (layers, 2, tokens, heads, dim); default: "
                                     "SmolLM2-135M's KV of a shipped text when the demo extra is installed")
@@ -79,7 +86,49 @@ def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
     return tiers_bench.bench_redis(spec, args.pages, args.url), "batch"
 
 
+def _run_model_bench(args: argparse.Namespace) -> int:
+    if args.bench == "ttft":
+        from tiered_cache.bench.ttft_bench import measure, projection, render, rows_as_dicts
+
+        rows = measure(tuple(int(x) for x in args.lengths.split(",")), args.repeat)
+        projected = projection(rows)
+        print(json.dumps({"measured": rows_as_dicts(rows), "projection": projected}, indent=2) if args.json
+              else render(rows, projected))
+        return 0
+    from dataclasses import asdict
+
+    from tiered_cache.bench.int8_quality import int8_quality
+    from tiered_cache.integrations.smollm2 import chat_prompt, load_model
+
+    model, tokenizer = load_model()
+    questions = _INT8_QUESTIONS[:args.prompts]
+    prompts = [chat_prompt(tokenizer, q) for q in questions]
+    shared = prompts[0][:min(len(p) for p in prompts) - 1]
+    print(f"{len(prompts)} questions about the document, the shared {len(shared):,}-token prefix read back "
+          "through int8 blobs ...", file=sys.stderr)
+    quality = int8_quality(model, prompts, shared, 32, tokenizer.eos_token_id)
+    if args.json:
+        print(json.dumps(asdict(quality), indent=2))
+    else:
+        print(f"int8 KV (per token, per head absmax) on SmolLM2-135M, {quality.prompts} prompts, "
+              f"{quality.new_tokens} greedy tokens each:\n"
+              f"  greedy continuation differs from no-cache: {quality.greedy_differs} of {quality.prompts}\n"
+              f"  KL(no cache || int8) of the next-token distribution: mean {quality.mean_kl:.2e} nats, "
+              f"max {quality.max_kl:.2e}")
+    return 0
+
+
+_INT8_QUESTIONS = [
+    "In what year was the lighthouse's lamp first lit?", "Who was the first keeper of the light?",
+    "In what year was the light automated?", "Which engineer built the lighthouse?",
+    "What is the archive's most valuable object?", "How many keepers held the light?",
+    "Who is the current archivist?", "How far can the lamp be seen in clear weather?",
+]
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.bench in ("ttft", "int8"):
+        return _run_model_bench(args)
     if args.bench == "codec":
         from tiered_cache.bench.codec_bench import run_codec_bench
 
