@@ -56,11 +56,28 @@ def register_ops(ops: PageOps) -> None:
     _REGISTRY[ops.name] = ops
 
 
+def _register_cupy() -> bool:
+    """Register the CUDA kernels when CuPy and a device are there (imported only on first need)."""
+    if "cupy" in _REGISTRY:
+        return True
+    from tiered_cache import cupy_ops
+
+    if not cupy_ops.available():
+        return False
+    register_ops(cupy_ops.CupyPageOps())
+    return True
+
+
 def select_ops(device: Any, name: str | None = None) -> PageOps:
-    """The implementation named `name`, or the best one for `device` (torch until kernels land)."""
+    """The implementation named `name`, or the best one for `device`: the CuPy kernels for a CUDA
+    device when CuPy is installed, torch otherwise (both write identical bytes)."""
     if name is not None:
+        if name == "cupy" and not _register_cupy():
+            raise ValueError("page ops 'cupy' need CuPy and a CUDA device (pip install cupy-cuda12x)")
         try:
             return _REGISTRY[name]
         except KeyError:
             raise ValueError(f"unknown page ops {name!r}; registered: {', '.join(sorted(_REGISTRY))}") from None
+    if getattr(device, "type", str(device).split(":")[0]) == "cuda" and _register_cupy():
+        return _REGISTRY["cupy"]
     return _REGISTRY["torch"]

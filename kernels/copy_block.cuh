@@ -1,0 +1,26 @@
+// Shared device helpers for the page kernels: copy a run of bytes with the widest access the
+// pointers and length allow. Kernels move bytes, not typed elements, so every dtype and head
+// size works (fp16, bf16, fp32, fp8; odd head dims): no "unsupported element size" gaps.
+#pragma once
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+// Copy n bytes from src to dst using the threads [first, first + count) of the calling group,
+// thread `rank` of them: 16-byte vectors when both pointers and n are 16-byte aligned, else
+// 4-byte words when 4-byte aligned, else single bytes.
+__device__ __forceinline__ void copy_bytes(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
+                                           i64 n, int rank, int count) {
+  const u64 align = (u64)src | (u64)dst | (u64)n;
+  if ((align & 15) == 0) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (i64 k = rank; k < n / 16; k += count) d[k] = s[k];
+  } else if ((align & 3) == 0) {
+    const unsigned int* s = reinterpret_cast<const unsigned int*>(src);
+    unsigned int* d = reinterpret_cast<unsigned int*>(dst);
+    for (i64 k = rank; k < n / 4; k += count) d[k] = s[k];
+  } else {
+    for (i64 k = rank; k < n; k += count) dst[k] = src[k];
+  }
+}

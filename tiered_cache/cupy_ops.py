@@ -1,0 +1,91 @@
+"""`CupyPageOps`: the page pool's data movements as CUDA kernels (`kernels/*.cu`), compiled at run
+time by CuPy (NVRTC) and launched on torch's current CUDA stream, on torch tensors without
+copies (through `__cuda_array_interface__` of uint8 views, so bf16 works too).
+
+Same calls and same bytes as `TorchPageOps`; `pool_ops.select_ops` picks this one for CUDA
+tensors when CuPy is installed.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from tiered_cache.kernel_source import kernel_dir, kernel_source
+from tiered_cache.spec import Layout
+
+_THREADS = 256  # per block: 8 warps
+_MAX_BLOCKS = 65535
+
+
+def available() -> bool:
+    """CuPy imports and sees a CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+@cache
+def _kernel(name: str) -> Any:
+    import cupy
+
+    module = cupy.RawModule(code=kernel_source(name), options=(f"-I{kernel_dir()}", "--std=c++17"))
+    return module.get_function(name)
+
+
+def _bytes(tensor: Any) -> Any:
+    import cupy
+    import torch
+
+    return cupy.asarray(tensor.view(torch.uint8))
+
+
+def _on_torch_stream(launch: Any) -> None:
+    import cupy
+    import torch
+
+    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        launch()
+
+
+class CupyPageOps:
+    name = "cupy"
+
+    def store(self, pool: Any, layout: Layout, page_size: int, slots: Any, kv: Any) -> None:
+        layers, _, tokens, heads, dim = kv.shape
+        rows = layers * 2 * tokens * heads
+        warps = _THREADS // 32
+        grid = (min(_MAX_BLOCKS, -(-rows // warps)),)
+        args = (_bytes(kv.contiguous()), _bytes(pool), _index(slots), np.int64(layers), np.int64(tokens),
+                np.int64(heads), np.int64(pool.shape[2]), np.int64(page_size), np.int64(dim * kv.element_size()),
+                np.int32(layout is Layout.HND))
+        _on_torch_stream(lambda: _kernel("store_kv")(grid, (_THREADS,), args))
+
+    def gather(self, pool: Any, pages: Any, out: Any) -> None:
+        self._move("gather_pages", pool, pages, out, source=pool, target=out)
+
+    def scatter(self, pool: Any, pages: Any, staging: Any) -> None:
+        self._move("scatter_pages", pool, pages, staging.contiguous(), source=None, target=pool)
+
+    def _move(self, kernel: str, pool: Any, pages: Any, staging: Any, source: Any, target: Any) -> None:
+        num_layers, pool_pages = pool.shape[1], pool.shape[2]
+        block_bytes = pool[0, 0, 0].numel() * pool.element_size()
+        n = pages.numel()
+        grid = (min(_MAX_BLOCKS, n * num_layers * 2),)
+        first, second = (_bytes(pool), _bytes(staging)) if kernel == "gather_pages" else \
+            (_bytes(staging), _bytes(pool))
+        args = (first, second, _index(pages), np.int64(n), np.int64(num_layers), np.int64(pool_pages),
+                np.int64(block_bytes))
+        _on_torch_stream(lambda: _kernel(kernel)(grid, (_THREADS,), args))
+
+
+def _index(indices: Any) -> Any:
+    import cupy
+    import torch
+
+    return cupy.asarray(indices.to(torch.int64).contiguous())
