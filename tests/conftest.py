@@ -43,3 +43,15 @@ def redis_server(tmp_path_factory):
 def redis_prefix(request) -> str:
     """A key prefix of this test's own, so tests sharing the server never see each other's keys."""
     return f"test-{request.node.name}"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA and CuPy; without them they are skipped, and say so."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (GPU path; its logic is also tested on the CPU)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -106,3 +106,14 @@ def test_every_kernel_compiles_for_sm90_with_nvcc(tmp_path):
     for source in sorted(kernel_dir().glob("*.cu")):
         subprocess.run([nvcc, "-arch=sm_90", "-c", "-o", str(tmp_path / f"{source.stem}.o"), str(source)],
                        check=True, capture_output=True)
+
+
+def test_dispatch_picks_torch_without_cuda_and_explains_cupy():
+    from tiered_cache.pool_ops import select_ops
+
+    assert select_ops(torch.device("cpu")).name == "torch"
+    assert PagePool(SPECS[0], 2).ops.name == "torch"
+    if not torch.cuda.is_available():
+        assert select_ops(torch.device("cuda")).name == "torch"  # no device: the reference path
+        with pytest.raises(ValueError, match="need CuPy and a CUDA device"):
+            select_ops(torch.device("cpu"), "cupy")

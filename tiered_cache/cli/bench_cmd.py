@@ -37,6 +37,10 @@ def add_parser(commands: Any) -> None:
     remote.add_argument("--pages", type=int, default=256, help="pages in the prefix (default 256)")
     remote.add_argument("--lookup-tokens", type=int, default=32768, help="prompt length for the lookup latency")
     subs.append(remote)
+    kernels = which.add_parser("kernels", help="(CUDA) gather/scatter kernels vs D2D copy; offload vs pinned copy")
+    kernels.add_argument("--model", default="llama-3.1-8b", help="preset whose pages are moved")
+    kernels.add_argument("--pages", type=int, default=1024, help="pages moved per call (default 1024)")
+    subs.append(kernels)
     ttft = which.add_parser("ttft", help="TTFT on SmolLM2-135M: recompute vs each tier, and a 70B projection")
     ttft.add_argument("--lengths", default="512,1024,2048,4096", help="prefix lengths in tokens")
     ttft.add_argument("--repeat", type=int, default=2, help="runs per measurement (best is kept)")
@@ -69,6 +73,16 @@ def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
     from tiered_cache.bench import tiers_bench
     from tiered_cache.presets import get_preset
 
+    if args.bench == "kernels":
+        import torch
+
+        from tiered_cache.bench.kernels_bench import bench_kernels
+
+        if not torch.cuda.is_available():
+            print("tiered-cache bench kernels: needs a CUDA device (none here); the CPU runs the torch "
+                  "reference path, which the other benches measure", file=sys.stderr)
+            raise SystemExit(2)
+        return bench_kernels(get_preset(args.model).spec, args.pages), "batch"
     if args.bench == "remote":
         from tiered_cache.bench.remote_bench import bench_fetch, bench_lookup
 
