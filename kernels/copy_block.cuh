@@ -24,3 +24,13 @@ __device__ __forceinline__ void copy_bytes(const unsigned char* __restrict__ src
     for (i64 k = rank; k < n; k += count) dst[k] = src[k];
   }
 }
+
+// Byte offset, in the layer-first pool (2, layers, pool_pages, block), of staging block `b` of a
+// page-first staging buffer (n, layers, 2, block) that holds `pages` in order.
+__device__ __forceinline__ i64 pool_block_offset(i64 b, const i64* __restrict__ pages, i64 num_layers,
+                                                 i64 pool_pages, i64 block_bytes) {
+  const i64 kv = b % 2;
+  const i64 layer = (b / 2) % num_layers;
+  const i64 page = pages[b / (2 * num_layers)];
+  return ((kv * num_layers + layer) * pool_pages + page) * block_bytes;
+}

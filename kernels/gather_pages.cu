@@ -9,10 +9,7 @@ extern "C" __global__ void gather_pages(const unsigned char* __restrict__ pool, 
                                         const i64* __restrict__ pages, i64 num_pages, i64 num_layers,
                                         i64 pool_pages, i64 block_bytes) {
   for (i64 b = blockIdx.x; b < num_pages * num_layers * 2; b += gridDim.x) {
-    const i64 kv = b % 2;
-    const i64 layer = (b / 2) % num_layers;
-    const i64 page = pages[b / (2 * num_layers)];
-    const unsigned char* src = pool + ((kv * num_layers + layer) * pool_pages + page) * block_bytes;
-    copy_bytes(src, staging + b * block_bytes, block_bytes, threadIdx.x, blockDim.x);
+    copy_bytes(pool + pool_block_offset(b, pages, num_layers, pool_pages, block_bytes), staging + b * block_bytes,
+               block_bytes, threadIdx.x, blockDim.x);
   }
 }

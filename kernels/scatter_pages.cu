@@ -6,10 +6,7 @@ extern "C" __global__ void scatter_pages(const unsigned char* __restrict__ stagi
                                          const i64* __restrict__ pages, i64 num_pages, i64 num_layers,
                                          i64 pool_pages, i64 block_bytes) {
   for (i64 b = blockIdx.x; b < num_pages * num_layers * 2; b += gridDim.x) {
-    const i64 kv = b % 2;
-    const i64 layer = (b / 2) % num_layers;
-    const i64 page = pages[b / (2 * num_layers)];
-    unsigned char* dst = pool + ((kv * num_layers + layer) * pool_pages + page) * block_bytes;
-    copy_bytes(staging + b * block_bytes, dst, block_bytes, threadIdx.x, blockDim.x);
+    copy_bytes(staging + b * block_bytes, pool + pool_block_offset(b, pages, num_layers, pool_pages, block_bytes),
+               block_bytes, threadIdx.x, blockDim.x);
   }
 }

@@ -28,6 +28,15 @@ class TierStats:
     errors: int = 0  # failed calls (a tier that is down, a timeout)
     corrupt: int = 0  # blobs refused on read (checksum, truncation, wrong key) and deleted
 
+    def record_reads(self, blobs: Iterable[bytes | None]) -> None:
+        """Count each blob returned as a hit (and its bytes out), each None as a miss."""
+        for blob in blobs:
+            if blob is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self.bytes_out += len(blob)
+
     @property
     def hit_rate(self) -> float:
         total = self.hits + self.misses

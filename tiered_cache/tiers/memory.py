@@ -31,16 +31,11 @@ class MemoryTier:
         return leading_run(key in self.index for key in keys)
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = []
-        for key in keys:
-            blob = self.index.get(key)
-            if blob is None:
-                self._stats.misses += 1
-            else:
+        out = [self.index.get(key) for key in keys]
+        for key, blob in zip(keys, out, strict=True):
+            if blob is not None:
                 self.index.move_to_end(key)
-                self._stats.hits += 1
-                self._stats.bytes_out += len(blob)
-            out.append(blob)
+        self._stats.record_reads(out)
         return out
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:

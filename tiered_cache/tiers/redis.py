@@ -90,12 +90,8 @@ class RedisTier:
                 except BlobError:
                     corrupt.append(key)
                     blob = None
-            if blob is None:
-                self._stats.misses += 1
-            else:
-                self._stats.hits += 1
-                self._stats.bytes_out += len(blob)
             out.append(blob)
+        self._stats.record_reads(out)
         if corrupt:
             self._stats.corrupt += len(corrupt)
             self.delete(corrupt)

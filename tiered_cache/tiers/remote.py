@@ -121,12 +121,7 @@ class RemoteTier:
             self._call(self.servers[index], fetch, None)
         for i, check in checks:
             out[i] = check.result()
-        for blob in out:
-            if blob is None:
-                self._stats.misses += 1
-            else:
-                self._stats.hits += 1
-                self._stats.bytes_out += len(blob)
+        self._stats.record_reads(out)
         return out
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
