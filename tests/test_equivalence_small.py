@@ -65,3 +65,15 @@ def test_prefix_off_a_page_boundary_reuses_whole_pages_only(model, tmp_path):
     assert result.reused_tokens == 36 and result.tokens == generate(model, prompt, None).tokens
     whole = generate(model, prompt, cache)  # now all 40 are cached: the last token is recomputed
     assert whole.reused_tokens == 39 and whole.tokens == result.tokens
+
+
+def test_a_model_that_fails_mid_request_leaves_no_lock_behind(model, tmp_path):
+    spec = spec_for(model, "fp32", page_size=PAGE, model_id="tiny")
+    cache = cache_with_prefix_in("host", spec, tmp_path)
+    prompt = prompts()[0]
+    generate(model, prompt, cache)
+    bad = prompt[:36] + [10_000] * 6  # a token id past the vocabulary: the embedding raises
+    with pytest.raises(IndexError):
+        generate(model, bad, cache)
+    assert cache.tree.size_info().protected == 0  # the matched prefix was unlocked again
+    cache.check_integrity()

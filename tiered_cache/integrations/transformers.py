@@ -75,18 +75,18 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
     if not ids:
         raise ValueError("generate() needs a non-empty prompt")
     start = time.perf_counter()
-    past, reused, sources, loaded, handle = None, 0, {}, 0, None
-    if cache is not None:
-        handle = cache.match(ids, namespace)
-        pages = cache.load(handle)
-        reused = min(len(pages) * cache.spec.page_size, len(ids) - 1)
-        if reused > 0:
-            kv = cache.pool.read_tokens(pages, len(pages) * cache.spec.page_size)[:, :, :reused]
-            past = cache_of_kv(kv, model)
-            loaded = reused * cache.spec.bytes_per_token
-            sources = {tier: pages_ * cache.spec.page_size for tier, pages_ in handle.sources.items() if pages_}
-            _trim_sources(sources, reused)
+    past, reused, sources, loaded = None, 0, {}, 0
+    handle = cache.match(ids, namespace) if cache is not None else None
     try:
+        if handle is not None:
+            pages = cache.load(handle)
+            reused = min(len(pages) * cache.spec.page_size, len(ids) - 1)
+            if reused > 0:
+                kv = cache.pool.read_tokens(pages, len(pages) * cache.spec.page_size)[:, :, :reused]
+                past = cache_of_kv(kv, model)
+                loaded = reused * cache.spec.bytes_per_token
+                sources = {tier: n * cache.spec.page_size for tier, n in handle.sources.items() if n}
+                _trim_sources(sources, reused)
         out = model(torch.tensor([ids[reused:]]), past_key_values=past, use_cache=True)
         logits = out.logits[0, -1].float()
         next_token = int(logits.argmax())
@@ -97,7 +97,7 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
             stored = cache.put(ids, full, namespace)
     finally:
         if handle is not None:
-            cache.release(handle)
+            cache.release(handle)  # also when loading or the model raised: no lock may leak
     tokens = [next_token]
     past_kv = out.past_key_values
     decode_start = time.perf_counter()
