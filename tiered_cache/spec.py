@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -142,7 +143,7 @@ class KVSpec:
         return (num_pages, self.num_layers, 2, *self.page_inner_shape)
 
     # --- identity ------------------------------------------------------------------------------
-    @property
+    @cached_property
     def fingerprint(self) -> str:
         """SHA-256 (hex) over everything that changes a page's bytes, plus the model id."""
         fields = {
