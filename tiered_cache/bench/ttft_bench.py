@@ -38,7 +38,7 @@ def _cache(tier: str, spec: Any, folder: Path, store: str) -> TieredCache:
                                          **lower))
 
 
-def measure(lengths: tuple[int, ...] = (512, 1024, 2048, 4096), repeat: int = 2) -> list[TtftRow]:
+def measure(lengths: tuple[int, ...] = (512, 1024, 2048, 4096), repeat: int = 3) -> list[TtftRow]:
     from tiered_cache.integrations.smollm2 import document, load_model
     from tiered_cache.service.process import StoreProcess
 

@@ -43,7 +43,7 @@ def add_parser(commands: Any) -> None:
     subs.append(kernels)
     ttft = which.add_parser("ttft", help="TTFT on SmolLM2-135M: recompute vs each tier, and a 70B projection")
     ttft.add_argument("--lengths", default="512,1024,2048,4096", help="prefix lengths in tokens")
-    ttft.add_argument("--repeat", type=int, default=2, help="runs per measurement (best is kept)")
+    ttft.add_argument("--repeat", type=int, default=3, help="runs per measurement (best is kept)")
     subs.append(ttft)
     int8 = which.add_parser("int8", help="how much int8 storage changes SmolLM2's answers (KL, greedy diffs)")
     int8.add_argument("--prompts", type=int, default=8, help="questions about the document (default 8)")
