@@ -6,6 +6,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from service_helpers import FINGERPRINT, SPEC, make_items, with_codec_byte
 
 from tiered_cache.service.client import StoreClient
@@ -153,3 +154,26 @@ def test_stats_cli_table_json_and_watch(store):
     watch.send_signal(signal.SIGINT)
     out, _ = watch.communicate(timeout=10)
     assert out.count("\x1b[H\x1b[2J") >= 2 and watch.returncode == 0
+
+
+def test_sigterm_lets_an_in_flight_stream_finish():
+    from tiered_cache.codec import encode_page
+    from tiered_cache.keys import PageKeyer
+    from tiered_cache.spec import KVSpec
+
+    spec = KVSpec("drain", 8, 8, 128, page_size=8)  # 256 KiB pages
+    keys = PageKeyer(spec).keys(list(range(120 * spec.page_size)))
+    page = torch.randn(spec.staging_shape(1)[1:]).half()
+    items = [(k, encode_page(page, spec, k)) for k in keys]
+    proc = StoreProcess(["--no-disk", "--ram", "256MiB"])
+    proc.start()
+    with StoreClient(proc.address, timeout_s=60) as client:
+        client.put(items)
+        stream = client.get(keys)
+        first = next(stream)
+        proc.proc.send_signal(signal.SIGTERM)  # shutdown starts with most of the stream unsent
+        rest = list(stream)
+    assert [first.key, *[r.key for r in rest]] == keys
+    assert [r.blob for r in rest] == [blob for _, blob in items[1:]]
+    assert proc.stop() == 0
+    assert any("shutting down" in line for line in proc.output)

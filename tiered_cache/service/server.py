@@ -286,6 +286,16 @@ def _handlers(service: KVCacheService) -> grpc.GenericRpcHandler:
 
 def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT; then drain, flush, and return 0."""
+    stop = threading.Event()
+
+    def on_signal(*_: Any) -> None:
+        # Drain once: later signals are ignored (grace_s bounds the drain; SIGKILL still works).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before "listening" is printed: no window without them
+        signal.signal(sig, on_signal)
     server = StoreServer(config)
     port = server.start()
     where = f"{config.host}:{port}"
@@ -295,9 +305,6 @@ def serve(config: ServerConfig) -> int:
         print(f"tiered-cache serve: WARNING: listening beyond loopback on {config.host}"
               + ("" if config.token else "; set --token so only your instances can read and write pages"),
               file=sys.stderr, flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     print("tiered-cache serve: shutting down (draining streams, flushing RAM to the next tier)", flush=True)
     flushed = server.stop()
