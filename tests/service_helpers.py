@@ -25,3 +25,11 @@ def with_codec_byte(blob: bytes, codec_id: int) -> bytes:
     """The same blob claiming another codec, with a valid checksum (so only the codec is wrong)."""
     body = blob[:5] + bytes([codec_id]) + blob[6:-4]
     return body + struct.pack("<I", zlib.crc32(body))
+
+
+def large_items(num_pages: int) -> list[tuple[bytes, bytes]]:
+    """Pages of 256 KiB: a stream of them is still in flight when a test interrupts it."""
+    spec = KVSpec("large-pages", 8, 8, 128, page_size=8)
+    keys = PageKeyer(spec).keys(list(range(num_pages * spec.page_size)))
+    page = torch.randn(spec.staging_shape(1)[1:]).half()
+    return [(k, encode_page(page, spec, k)) for k in keys]

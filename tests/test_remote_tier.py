@@ -7,14 +7,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from service_helpers import make_items
+from service_helpers import large_items, make_items
 
-from tiered_cache.codec import encode_page
-from tiered_cache.keys import PageKeyer
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.process import StoreProcess
-from tiered_cache.spec import KVSpec
 from tiered_cache.tiers.remote import RemoteTier, owner
 
 
@@ -57,10 +53,8 @@ def test_a_dead_server_means_fast_misses_not_errors_raised():
 
 
 def test_server_killed_mid_stream_gives_verified_blobs_then_misses():
-    spec = KVSpec("big-pages", 8, 8, 128, page_size=8)  # 256 KiB pages
-    keys = PageKeyer(spec).keys(list(range(200 * spec.page_size)))
-    page = torch.randn(spec.staging_shape(1)[1:]).half()
-    items = [(k, encode_page(page, spec, k)) for k in keys]
+    items = large_items(200)
+    keys = [k for k, _ in items]
     proc = StoreProcess(["--no-disk", "--ram", "256MiB"])
     proc.start()
     try:

@@ -6,8 +6,7 @@ import time
 
 import grpc
 import pytest
-import torch
-from service_helpers import FINGERPRINT, SPEC, make_items, with_codec_byte
+from service_helpers import FINGERPRINT, SPEC, large_items, make_items, with_codec_byte
 
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.process import StoreProcess
@@ -157,14 +156,8 @@ def test_stats_cli_table_json_and_watch(store):
 
 
 def test_sigterm_lets_an_in_flight_stream_finish():
-    from tiered_cache.codec import encode_page
-    from tiered_cache.keys import PageKeyer
-    from tiered_cache.spec import KVSpec
-
-    spec = KVSpec("drain", 8, 8, 128, page_size=8)  # 256 KiB pages
-    keys = PageKeyer(spec).keys(list(range(120 * spec.page_size)))
-    page = torch.randn(spec.staging_shape(1)[1:]).half()
-    items = [(k, encode_page(page, spec, k)) for k in keys]
+    items = large_items(120)
+    keys = [k for k, _ in items]
     proc = StoreProcess(["--no-disk", "--ram", "256MiB"])
     proc.start()
     with StoreClient(proc.address, timeout_s=60) as client:
