@@ -147,3 +147,17 @@ def test_bad_input_gets_clear_errors_and_changes_nothing():
     assert c.stats().tree_nodes == 0 and c.pool.usage().used_pages == 0
     with pytest.raises(ValueError, match="int8 codec needs"):
         TieredCache(SPEC.with_options(dtype=DType.FP8_E4M3), CacheConfig(codec="int8"))
+
+
+def test_close_releases_lower_tier_connections(tmp_path):
+    from tiered_cache.service.process import StoreProcess
+
+    with StoreProcess(["--no-disk"]) as store:
+        cfg = CacheConfig(pool_capacity=4 * PAGE, host_capacity=4 * PAGE, lower_tiers=["remote"],
+                          remote_addresses=[store.address], write_policy="write_through")
+        with TieredCache(SPEC, cfg) as c:
+            c.put(list(range(8)), kv_for(8))
+            remote = c.lower[0]
+            assert remote.contains_prefix(c._keyer("").keys(list(range(8)))) == 2
+        assert remote._checker._shutdown  # the helper thread pool is gone
+        assert remote.get(c._keyer("").keys(list(range(8)))) == [None, None]  # a closed tier only misses

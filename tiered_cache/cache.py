@@ -255,6 +255,19 @@ class TieredCache:
                            self._unused_slots)
         return CacheStats(tiers, pool, self.spec.page_size, self.tree.num_nodes, size.evictable, size.protected)
 
+    def close(self) -> None:
+        """Close the lower tiers' connections (Redis clients, gRPC channels, helper threads)."""
+        for tier in self.lower:
+            close = getattr(tier, "close", None)
+            if close is not None:
+                close()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def check_integrity(self) -> None:
         """Tree and pool invariants, and every tree page allocated in the pool."""
         self.tree.check_integrity()

@@ -64,6 +64,7 @@ class RemoteTier:
                         for a in self.addresses]
         self._stats = TierStats(self.name)
         self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote-tier-crc")
+        self._closed = False
 
     # --- plumbing ------------------------------------------------------------------------------
     def _by_server(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
@@ -76,7 +77,7 @@ class RemoteTier:
         return groups
 
     def _call(self, server: _Server, fn: Callable[[StoreClient], T], default: T) -> T:
-        if not server.available:
+        if self._closed or not server.available:
             return default
         try:
             result = fn(server.client)
@@ -142,6 +143,8 @@ class RemoteTier:
         return self._stats
 
     def close(self) -> None:
+        """Close the channels; afterwards every call is a miss (never an error)."""
+        self._closed = True
         for server in self.servers:
             server.client.close()
         self._checker.shutdown(wait=False)
