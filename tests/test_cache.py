@@ -161,3 +161,13 @@ def test_close_releases_lower_tier_connections(tmp_path):
             assert remote.contains_prefix(c._keyer("").keys(list(range(8)))) == 2
         assert remote._checker._shutdown  # the helper thread pool is gone
         assert remote.get(c._keyer("").keys(list(range(8)))) == [None, None]  # a closed tier only misses
+
+
+def test_empty_and_sub_page_prompts_cache_nothing_and_return_empty_kv():
+    c = cache()
+    assert c.put([], kv_for(0)) == 0 and c.lookup([]) == 0
+    n, kv = c.get([])
+    assert n == 0 and kv.shape == SPEC.kv_shape(0)
+    assert c.put([1, 2, 3], kv_for(3)) == 0  # less than one page: nothing is cached
+    assert c.get([1, 2, 3])[0] == 0
+    c.check_integrity()
