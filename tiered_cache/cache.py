@@ -19,10 +19,10 @@ import torch
 from tiered_cache.cache_stats import CacheStats, Movements, PoolFigures
 from tiered_cache.codec import BlobError, decode_page, encode_page
 from tiered_cache.config import CacheConfig, LowerTier, WritePolicy
-from tiered_cache.errors import KVShapeError, PoolExhaustedError
+from tiered_cache.errors import PoolExhaustedError
 from tiered_cache.keys import PageKeyer
 from tiered_cache.memtune import tune_malloc
-from tiered_cache.pool import PagePool
+from tiered_cache.pool import PagePool, check_tensor
 from tiered_cache.radix import RadixTree
 from tiered_cache.radix_node import EvictedNode, RadixNode, Tier
 from tiered_cache.spec import DType, KVSpec
@@ -441,14 +441,8 @@ class TieredCache:
         return keyer
 
     def _check_kv(self, kv: Any, num_tokens: int) -> None:
-        expected = self.spec.kv_shape(num_tokens)
-        if not isinstance(kv, torch.Tensor):
-            raise KVShapeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-        if tuple(kv.shape) != expected:
-            raise KVShapeError(f"kv has shape {tuple(kv.shape)}, expected {expected} "
-                               "(layers, 2, tokens, kv_heads, head_dim) for these tokens")
-        if kv.dtype != self.spec.dtype.torch:
-            raise KVShapeError(f"kv has dtype {kv.dtype}, expected {self.spec.dtype.torch}")
+        """KV in the tensor-API shape (layers, 2, tokens, kv_heads, head_dim) and the spec's dtype."""
+        check_tensor("kv", kv, self.spec.kv_shape(num_tokens), self.spec.dtype.torch, self.spec.model_id)
 
     def _count_device(self, hits: int, wanted: int) -> None:
         self._device.hits += hits

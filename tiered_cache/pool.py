@@ -154,9 +154,14 @@ class PagePool:
         return torch.from_numpy(arr).to(self.device)
 
     def _check_tensor(self, what: str, tensor: Any, shape: tuple[int, ...]) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            raise KVShapeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tuple(tensor.shape) != shape:
-            raise KVShapeError(f"{what} has shape {tuple(tensor.shape)}, expected {shape} for {self.spec.model_id}")
-        if tensor.dtype != self.kv.dtype:
-            raise KVShapeError(f"{what} has dtype {tensor.dtype}, expected {self.kv.dtype} (no silent casts)")
+        check_tensor(what, tensor, shape, self.kv.dtype, self.spec.model_id)
+
+
+def check_tensor(what: str, tensor: Any, shape: tuple[int, ...], dtype: torch.dtype, model: str) -> None:
+    """Raise KVShapeError unless `tensor` is a torch.Tensor of exactly `shape` and `dtype`."""
+    if not isinstance(tensor, torch.Tensor):
+        raise KVShapeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != shape:
+        raise KVShapeError(f"{what} has shape {tuple(tensor.shape)}, expected {shape} for {model}")
+    if tensor.dtype != dtype:
+        raise KVShapeError(f"{what} has dtype {tensor.dtype}, expected {dtype} (no silent casts)")

@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tiered_cache import __version__
 from tiered_cache.codec import BlobError, BlobFault, check_fingerprint, read_header, verify_blob
 from tiered_cache.keys import KEY_BYTES
+from tiered_cache.service.client import message_options
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.store import BlobStore
 from tiered_cache.tiers.base import BlobTier
@@ -43,12 +44,8 @@ _REFUSALS = {
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Channel/server options: messages bounded by one page, a large HTTP/2 window for streams
-    (a server stream of 1 MiB messages measured ~1.15 GiB/s with 16 MiB lookahead)."""
-    return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.http2.lookahead_bytes", 16 * 2**20),
-            ("grpc.so_reuseport", 0)]
+    """Server options: those shared with clients, and no port sharing (a busy port is an error)."""
+    return [*message_options(max_message_bytes), ("grpc.so_reuseport", 0)]
 
 
 @dataclass
