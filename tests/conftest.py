@@ -31,7 +31,7 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """One real redis-server for the whole session, on a free loopback port."""
-    from tiered_cache.redis_process import RedisServer
+    from tiered_cache.tiers.redis_process import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()

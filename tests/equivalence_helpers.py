@@ -7,7 +7,7 @@ from typing import Any
 
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
-from tiered_cache.spec import KVSpec
+from tiered_cache.model.spec import KVSpec
 
 
 def cache_with_prefix_in(tier: str, spec: KVSpec, tmp: Path, store_address: str | None = None,

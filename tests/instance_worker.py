@@ -12,7 +12,7 @@ import torch
 
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
-from tiered_cache.presets import get_preset
+from tiered_cache.model.presets import get_preset
 
 SPEC = get_preset("smollm2-135m").spec
 TOKENS = list(range(5000, 5000 + 1000))  # 62 full pages of 16 tokens and 8 tokens left over

@@ -7,9 +7,9 @@ import zlib
 
 import torch
 
-from tiered_cache.codec import encode_page
-from tiered_cache.keys import PageKeyer
-from tiered_cache.spec import KVSpec
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.model.spec import KVSpec
+from tiered_cache.tiers.codec import encode_page
 
 SPEC = KVSpec("service-test", 2, 2, 32, page_size=4)  # 2 KiB pages
 FINGERPRINT = bytes.fromhex(SPEC.fingerprint)

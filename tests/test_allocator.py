@@ -3,7 +3,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tiered_cache.allocator import PageAllocator
+from tiered_cache.device.allocator import PageAllocator
 from tiered_cache.errors import PageStateError, PoolExhaustedError
 
 TOTAL = 24

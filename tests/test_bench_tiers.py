@@ -5,9 +5,9 @@ from conftest import run_cli
 
 from tiered_cache.bench.codec_bench import _pages_from_kv, measure
 from tiered_cache.bench.tiers_bench import bench_disk, bench_host, bench_redis
-from tiered_cache.spec import KVSpec
+from tiered_cache.model.presets import preset_spec
 
-SPEC = KVSpec.preset("smollm2-135m", page_size=4)
+SPEC = preset_spec("smollm2-135m", page_size=4)
 
 
 def test_tier_benches_compare_with_their_baselines(tmp_path, redis_server):

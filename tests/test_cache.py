@@ -5,7 +5,7 @@ import torch
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig, WritePolicy
 from tiered_cache.errors import KVShapeError, PoolExhaustedError
-from tiered_cache.spec import DType, KVSpec
+from tiered_cache.model.spec import DType, KVSpec
 
 SPEC = KVSpec("cache-test", 2, 2, 16, page_size=4)
 PAGE = SPEC.bytes_per_page

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_cache.codec import BlobError, Codec, decode_page, encode_page, read_header, verify_blob
-from tiered_cache.keys import PageKeyer
-from tiered_cache.spec import DType, KVSpec, Layout
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.model.spec import DType, KVSpec, Layout
+from tiered_cache.tiers.codec import BlobError, Codec, decode_page, encode_page, read_header, verify_blob
 
 SPEC = KVSpec("m", 3, 2, 16, page_size=4)
 

@@ -1,8 +1,8 @@
 import pytest
 
-from tiered_cache.codec import Codec
 from tiered_cache.config import CacheConfig, LowerTier, WritePolicy
-from tiered_cache.radix_node import EvictionPolicy
+from tiered_cache.index.radix_node import EvictionPolicy
+from tiered_cache.tiers.codec import Codec
 
 
 def test_defaults_are_embedded_and_need_nothing():

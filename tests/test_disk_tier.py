@@ -7,7 +7,7 @@ import time
 import pytest
 from tier_helpers import SPEC, blobs_for, keys_for
 
-from tiered_cache.codec import decode_page
+from tiered_cache.tiers.codec import decode_page
 from tiered_cache.tiers.disk import DiskTier
 
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_cache.kernel_source import kernel_dir
-from tiered_cache.pool import PagePool
-from tiered_cache.spec import DType, KVSpec, Layout
+from tiered_cache.device.kernel_source import kernel_dir
+from tiered_cache.device.pool import PagePool
+from tiered_cache.model.spec import DType, KVSpec, Layout
 
 HERE = Path(__file__).parent / "kernel_emulation"
 i64p = ctypes.POINTER(ctypes.c_int64)
@@ -109,7 +109,7 @@ def test_every_kernel_compiles_for_sm90_with_nvcc(tmp_path):
 
 
 def test_dispatch_picks_torch_without_cuda_and_explains_cupy():
-    from tiered_cache.pool_ops import select_ops
+    from tiered_cache.device.pool_ops import select_ops
 
     assert select_ops(torch.device("cpu")).name == "torch"
     assert PagePool(SPECS[0], 2).ops.name == "torch"

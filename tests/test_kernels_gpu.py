@@ -5,10 +5,10 @@ race test that writes KV and offloads it at once."""
 import pytest
 import torch
 
-from tiered_cache.offload import PinnedBuffers, Transfers
-from tiered_cache.pool import PagePool
-from tiered_cache.pool_ops import select_ops
-from tiered_cache.spec import DType, KVSpec, Layout
+from tiered_cache.device.pool import PagePool
+from tiered_cache.device.pool_ops import select_ops
+from tiered_cache.device.transfers import PinnedBuffers, Transfers
+from tiered_cache.model.spec import DType, KVSpec, Layout
 
 pytestmark = pytest.mark.gpu
 SPECS = [

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from tiered_cache.keys import KEY_BYTES, PageKeyer, chain_keys, root_key
-from tiered_cache.spec import KVSpec
+from tiered_cache.index.keys import KEY_BYTES, PageKeyer, chain_keys, root_key
+from tiered_cache.model.presets import preset_spec
 
-SPEC = KVSpec.preset("smollm2-135m", page_size=4)
+SPEC = preset_spec("smollm2-135m", page_size=4)
 
 
 def reference_keys(tokens, page_size, namespace, fingerprint):
@@ -89,8 +89,9 @@ def test_bad_roots_and_parents():
 
 def test_keys_are_equal_in_another_process():
     tokens = list(range(7, 7 + 64))
-    code = ("import sys; from tiered_cache.keys import PageKeyer; from tiered_cache.spec import KVSpec;"
-            "k = PageKeyer(KVSpec.preset('smollm2-135m', page_size=4), 'tenant-a');"
+    code = ("import sys; from tiered_cache.index.keys import PageKeyer;"
+            "from tiered_cache.model.presets import preset_spec;"
+            "k = PageKeyer(preset_spec('smollm2-135m', page_size=4), 'tenant-a');"
             "print(','.join(x.hex() for x in k.keys(list(range(7, 71)))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "987"})

@@ -4,9 +4,9 @@ stream and event path in test_kernels_gpu.py."""
 import pytest
 import torch
 
-from tiered_cache.offload import NoFreeBufferError, PinnedBuffers, Transfers
-from tiered_cache.pool import PagePool
-from tiered_cache.spec import KVSpec, Layout
+from tiered_cache.device.pool import PagePool
+from tiered_cache.device.transfers import NoFreeBufferError, PinnedBuffers, Transfers
+from tiered_cache.model.spec import KVSpec, Layout
 
 
 @pytest.mark.parametrize("layout", list(Layout))

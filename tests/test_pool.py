@@ -2,14 +2,15 @@ import numpy as np
 import pytest
 import torch
 
+from tiered_cache.device.pool import PagePool
 from tiered_cache.errors import KVShapeError, PageStateError, PoolExhaustedError
-from tiered_cache.pool import PagePool
-from tiered_cache.spec import DType, KVSpec, Layout
+from tiered_cache.model.presets import preset_spec
+from tiered_cache.model.spec import DType, KVSpec, Layout
 
 SPECS = [
     KVSpec("tiny", 2, 1, 4, page_size=1),
     KVSpec("odd", 3, 3, 24, page_size=5),
-    KVSpec.preset("smollm2-135m", page_size=16),
+    preset_spec("smollm2-135m", page_size=16),
     KVSpec("gqa", 4, 2, 128, page_size=64),
 ]
 
@@ -109,7 +110,7 @@ def test_errors_are_clear_and_change_nothing():
 
 
 def test_with_capacity_and_usage():
-    spec = KVSpec.preset("smollm2-135m")
+    spec = preset_spec("smollm2-135m")
     pool = PagePool.with_capacity(spec, "4MiB")
     assert pool.num_pages == 4 * 2**20 // spec.bytes_per_page
     pool.allocate(3)

@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from tiered_cache.keys import PageKeyer
-from tiered_cache.radix import RadixTree
-from tiered_cache.radix_node import EvictionPolicy, Tier
-from tiered_cache.spec import KVSpec
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.index.radix import RadixTree
+from tiered_cache.index.radix_node import EvictionPolicy, Tier
+from tiered_cache.model.spec import KVSpec
 
 SPEC = KVSpec("model", 1, 1, 1, page_size=2)
 KEYS = PageKeyer(SPEC, "")

@@ -5,10 +5,10 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tiered_cache.keys import PageKeyer
-from tiered_cache.radix import RadixTree
-from tiered_cache.radix_node import EvictionPolicy
-from tiered_cache.spec import KVSpec
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.index.radix import RadixTree
+from tiered_cache.index.radix_node import EvictionPolicy
+from tiered_cache.model.spec import KVSpec
 
 PAGE = 2
 KEYERS = {ns: PageKeyer(KVSpec("model", 1, 1, 1, page_size=PAGE), ns) for ns in ("", "b")}

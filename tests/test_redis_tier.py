@@ -3,8 +3,8 @@ import time
 import redis as redis_py
 from tier_helpers import blobs_for
 
-from tiered_cache.redis_process import RedisServer
 from tiered_cache.tiers.redis import RedisTier
+from tiered_cache.tiers.redis_process import RedisServer
 
 
 def test_round_trip_prefix_and_ttl(redis_server, redis_prefix):

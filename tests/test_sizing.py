@@ -4,8 +4,9 @@ import math
 import pytest
 from conftest import run_cli
 
-from tiered_cache.sizing import RequestMix, size_report
-from tiered_cache.spec import KVSpec
+from tiered_cache.model.presets import preset_spec
+from tiered_cache.model.sizing import RequestMix, size_report
+from tiered_cache.model.spec import KVSpec
 
 
 def test_size_cli_reproduces_the_textbook_figure():
@@ -18,7 +19,7 @@ def test_size_cli_reproduces_the_textbook_figure():
 def test_size_json_matches_the_library():
     data = json.loads(run_cli("size", "--model", "llama-3.1-8b", "--context", "8192",
                               "--gpu-memory", "24GiB", "--json").stdout)
-    spec = KVSpec.preset("llama-3.1-8b")
+    spec = preset_spec("llama-3.1-8b")
     assert data["bytes_per_token"] == spec.bytes_per_token == 131_072
     assert data["bytes_per_request"] == 8192 * 131_072
     assert data["fits"] is True

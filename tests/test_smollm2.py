@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tiered_cache.integrations import smollm2
-from tiered_cache.presets import get_preset
+from tiered_cache.model.presets import get_preset
 
 pytestmark = pytest.mark.slow
 

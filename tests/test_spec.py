@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from tiered_cache.hf_config import read_hf_config
-from tiered_cache.presets import get_preset, preset_names
-from tiered_cache.spec import DType, KVSpec, Layout
+from tiered_cache.model.hf_config import read_hf_config, spec_from_hf_config
+from tiered_cache.model.presets import get_preset, preset_names, preset_spec
+from tiered_cache.model.spec import DType, KVSpec, Layout
 
 
 def kv_bytes(layers, kv_heads, head_dim, itemsize):
@@ -14,7 +14,7 @@ def kv_bytes(layers, kv_heads, head_dim, itemsize):
 
 
 def test_llama_3_70b_textbook_figure():
-    spec = KVSpec.preset("llama-3-70b")
+    spec = preset_spec("llama-3-70b")
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype) == (80, 8, 128, DType.FP16)
     assert spec.bytes_per_token == 327_680 == 320 * 1024
     assert spec.bytes_for_tokens(32_768) == 10 * 2**30
@@ -38,7 +38,7 @@ def test_parameter_counts_match_published_model_sizes(name, params_billions):
 
 def test_smollm2_matches_the_measured_kv_size():
     # FACTS.md: SmolLM2-135M stores 23,040 bytes of fp16 KV per token.
-    assert KVSpec.preset("smollm2-135m").bytes_per_token == 23_040
+    assert preset_spec("smollm2-135m").bytes_per_token == 23_040
 
 
 def test_preset_lookup_by_model_id_and_unknown_name():
@@ -49,25 +49,25 @@ def test_preset_lookup_by_model_id_and_unknown_name():
 
 def test_from_hf_config_gqa_mqa_and_head_dim(tmp_path):
     base = {"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8}
-    mha = KVSpec.from_hf_config(base)
+    mha = spec_from_hf_config(base)
     assert (mha.num_kv_heads, mha.head_dim) == (8, 64)
-    mqa = KVSpec.from_hf_config({**base, "num_key_value_heads": 1})
+    mqa = spec_from_hf_config({**base, "num_key_value_heads": 1})
     assert mqa.num_kv_heads == 1 and mqa.bytes_per_token == kv_bytes(4, 1, 64, 2)
-    explicit = KVSpec.from_hf_config({**base, "num_key_value_heads": 2, "head_dim": 256,
+    explicit = spec_from_hf_config({**base, "num_key_value_heads": 2, "head_dim": 256,
                                       "torch_dtype": "float32", "_name_or_path": "org/m"})
     assert (explicit.head_dim, explicit.dtype, explicit.model_id) == (256, DType.FP32, "org/m")
     # From a file and from a folder holding config.json, identical results.
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**base, "num_key_value_heads": 2}))
-    assert KVSpec.from_hf_config(folder) == KVSpec.from_hf_config(folder / "config.json")
-    assert KVSpec.from_hf_config(folder).num_kv_heads == 2
+    assert spec_from_hf_config(folder) == spec_from_hf_config(folder / "config.json")
+    assert spec_from_hf_config(folder).num_kv_heads == 2
 
 
 def test_from_hf_config_reads_multimodal_text_config():
     cfg = {"_name_or_path": "vlm", "text_config": {"num_hidden_layers": 2, "hidden_size": 64,
                                                    "num_attention_heads": 4, "num_key_value_heads": 2}}
-    spec = KVSpec.from_hf_config(cfg)
+    spec = spec_from_hf_config(cfg)
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.model_id) == (2, 2, 16, "vlm")
 
 
@@ -87,11 +87,11 @@ def test_from_hf_config_errors_name_the_problem(cfg, message):
 
 def test_missing_or_broken_config_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no Hugging Face config"):
-        KVSpec.from_hf_config(tmp_path / "nope.json")
+        spec_from_hf_config(tmp_path / "nope.json")
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
-        KVSpec.from_hf_config(bad)
+        spec_from_hf_config(bad)
 
 
 def test_spec_validation():
@@ -117,15 +117,15 @@ def test_fingerprint_changes_with_every_byte_relevant_field():
 
 
 def test_fingerprint_is_equal_in_another_process():
-    code = ("from tiered_cache.spec import KVSpec;"
-            "print(KVSpec.preset('mixtral-8x7b', page_size=64).fingerprint)")
+    code = ("from tiered_cache.model.presets import preset_spec;"
+            "print(preset_spec('mixtral-8x7b', page_size=64).fingerprint)")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": "123"})
-    assert other.stdout.strip() == KVSpec.preset("mixtral-8x7b", page_size=64).fingerprint
+    assert other.stdout.strip() == preset_spec("mixtral-8x7b", page_size=64).fingerprint
 
 
 def test_dict_round_trip_and_unknown_field():
-    spec = KVSpec.preset("qwen2.5-7b", dtype="bf16")
+    spec = preset_spec("qwen2.5-7b", dtype="bf16")
     assert KVSpec.from_dict(spec.to_dict()) == spec
     with pytest.raises(ValueError, match="unknown KVSpec field"):
         KVSpec.from_dict({**spec.to_dict(), "colour": "red"})

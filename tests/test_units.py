@@ -1,6 +1,6 @@
 import pytest
 
-from tiered_cache.units import format_binary, format_bytes, parse_size
+from tiered_cache.model.units import format_binary, format_bytes, parse_size
 
 
 @pytest.mark.parametrize("text, expected", [

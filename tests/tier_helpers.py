@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tiered_cache.codec import encode_page
-from tiered_cache.keys import PageKeyer
-from tiered_cache.spec import KVSpec
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.model.spec import KVSpec
+from tiered_cache.tiers.codec import encode_page
 
 SPEC = KVSpec("tier-test", 2, 2, 16, page_size=4)  # 1 KiB pages
 

@@ -17,18 +17,18 @@ import numpy as np
 import torch
 
 from tiered_cache.cache_stats import CacheStats, Movements, PoolFigures
-from tiered_cache.codec import BlobError, decode_page, encode_page
 from tiered_cache.config import CacheConfig, LowerTier, WritePolicy
+from tiered_cache.device.pool import PagePool, check_tensor
 from tiered_cache.errors import PoolExhaustedError
-from tiered_cache.keys import PageKeyer
-from tiered_cache.memtune import tune_malloc
-from tiered_cache.pool import PagePool, check_tensor
-from tiered_cache.radix import RadixTree
-from tiered_cache.radix_node import EvictedNode, RadixNode, Tier
-from tiered_cache.spec import DType, KVSpec
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.index.radix import RadixTree
+from tiered_cache.index.radix_node import EvictedNode, RadixNode, Tier
+from tiered_cache.index.tokens import as_token_array
+from tiered_cache.model.spec import DType, KVSpec
 from tiered_cache.tiers.base import BlobTier, TierStats
+from tiered_cache.tiers.codec import BlobError, decode_page, encode_page
 from tiered_cache.tiers.host import HostTier
-from tiered_cache.tokens import as_token_array
+from tiered_cache.tiers.memtune import tune_malloc
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from tiered_cache.codec import Codec
-from tiered_cache.radix_node import EvictionPolicy
-from tiered_cache.units import parse_size
+from tiered_cache.index.radix_node import EvictionPolicy
+from tiered_cache.model.units import parse_size
+from tiered_cache.tiers.codec import Codec
 
 ENV_PREFIX = "TIERED_CACHE_"
 # Variables under the prefix that are not cache settings (read elsewhere).

@@ -11,9 +11,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tiered_cache.codec import Codec, decode_page, encode_page
-from tiered_cache.keys import PageKeyer
-from tiered_cache.spec import DType, KVSpec
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.model.spec import DType, KVSpec
+from tiered_cache.tiers.codec import Codec, decode_page, encode_page
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def _real_kv(path: str | None) -> tuple[torch.Tensor, str] | None:
 
 def run_codec_bench(args: argparse.Namespace) -> int:
     from tiered_cache.cli.table import render_table
-    from tiered_cache.presets import get_preset
+    from tiered_cache.model.presets import get_preset
 
     spec16 = get_preset("smollm2-135m").spec
     rows: list[CodecRow] = []

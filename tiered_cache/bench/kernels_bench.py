@@ -9,9 +9,9 @@ from collections.abc import Callable
 import torch
 
 from tiered_cache.bench.timing import Comparison
-from tiered_cache.offload import PinnedBuffers, Transfers
-from tiered_cache.pool import PagePool
-from tiered_cache.spec import KVSpec
+from tiered_cache.device.pool import PagePool
+from tiered_cache.device.transfers import PinnedBuffers, Transfers
+from tiered_cache.model.spec import KVSpec
 
 GB = 1e9
 

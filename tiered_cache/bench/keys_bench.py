@@ -7,8 +7,8 @@ import hashlib
 import numpy as np
 
 from tiered_cache.bench.timing import Comparison, best_time
-from tiered_cache.keys import PageKeyer
-from tiered_cache.spec import KVSpec
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.model.presets import preset_spec
 
 
 def bench_keys(num_tokens: int = 32768, page_sizes: tuple[int, ...] = (1, 16, 64, 256),
@@ -18,7 +18,7 @@ def bench_keys(num_tokens: int = 32768, page_sizes: tuple[int, ...] = (1, 16, 64
     raw_s = best_time(lambda: hashlib.sha256(raw).digest(), repeat=20)
     rows = []
     for page_size in page_sizes:
-        keyer = PageKeyer(KVSpec.preset("llama-3.1-8b", page_size=page_size), "bench")
+        keyer = PageKeyer(preset_spec("llama-3.1-8b", page_size=page_size), "bench")
         ours_s = best_time(lambda k=keyer: k.keys(tokens), repeat=5)
         rows.append(Comparison(f"{num_tokens:,} tokens", f"page keys, {page_size}-token pages",
                                num_tokens / ours_s / 1e6, "one SHA-256 over all tokens",

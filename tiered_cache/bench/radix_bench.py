@@ -13,8 +13,8 @@ import time
 from collections.abc import Callable
 
 from tiered_cache.bench.timing import Comparison
-from tiered_cache.radix import RadixTree
-from tiered_cache.radix_node import RadixNode
+from tiered_cache.index.radix import RadixTree
+from tiered_cache.index.radix_node import RadixNode
 
 _PAGES_PER_BRANCH = 4  # new pages a branch adds below its fork point
 

@@ -17,11 +17,11 @@ import grpc
 import torch
 
 from tiered_cache.bench.timing import Comparison, best_time
-from tiered_cache.codec import encode_page
-from tiered_cache.keys import PageKeyer
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.model.spec import KVSpec
 from tiered_cache.service.client import StoreClient, channel_options
 from tiered_cache.service.process import StoreProcess
-from tiered_cache.spec import KVSpec
+from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.remote import RemoteTier
 
 GIB = 2**30
@@ -84,8 +84,8 @@ def bench_fetch(spec: KVSpec, num_pages: int) -> list[Comparison]:
 def _redis_row(items: list[tuple[bytes, bytes]], total: int, scale: str, ours: float) -> Comparison:
     import redis
 
-    from tiered_cache.redis_process import RedisServer
     from tiered_cache.tiers.redis import SOCKET_READ_SIZE
+    from tiered_cache.tiers.redis_process import RedisServer
 
     server = RedisServer(Path(tempfile.mkdtemp()), maxmemory=f"{2 * total // 2**20 + 64}mb")
     server.start()

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from tiered_cache.bench.timing import Comparison, best_time
-from tiered_cache.codec import encode_page
-from tiered_cache.keys import PageKeyer
-from tiered_cache.spec import KVSpec
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.model.spec import KVSpec
+from tiered_cache.tiers.codec import encode_page
 
 GIB = 2**30
 
@@ -88,8 +88,8 @@ def bench_disk(spec: KVSpec, num_pages: int, folder: str | None = None) -> list[
 def bench_redis(spec: KVSpec, num_pages: int, url: str | None = None) -> list[Comparison]:
     import redis
 
-    from tiered_cache.redis_process import RedisServer
     from tiered_cache.tiers.redis import SOCKET_READ_SIZE, RedisTier
+    from tiered_cache.tiers.redis_process import RedisServer
 
     keys, pages = _data(spec, num_pages)
     blobs = [encode_page(p, spec, k) for k, p in zip(keys, pages, strict=True)]

@@ -82,7 +82,7 @@ def projection(rows: list[TtftRow], model: str = "llama-3-70b",
     at the rate each tier reached here, end to end through this CPU pipeline: prefix bytes over
     (TTFT from the tier - TTFT from the device pool) for the longest measured prefix. Longer
     prefixes reuse that rate (prefill grows faster than linearly; moving KV does not)."""
-    from tiered_cache.presets import get_preset
+    from tiered_cache.model.presets import get_preset
 
     preset = get_preset(model)
     cfg = preset.config
@@ -103,7 +103,7 @@ def projection(rows: list[TtftRow], model: str = "llama-3-70b",
 
 def render(rows: list[TtftRow], projected: list[dict[str, Any]]) -> str:
     from tiered_cache.cli.table import render_table
-    from tiered_cache.units import format_binary
+    from tiered_cache.model.units import format_binary
 
     measured = render_table(
         [[f"{r.prefix_tokens:,}", format_binary(r.kv_bytes), f"{r.recompute_s * 1e3:,.0f} ms",

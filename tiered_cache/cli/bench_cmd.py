@@ -71,7 +71,7 @@ def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
 
         return bench_keys(args.tokens), "prompt"
     from tiered_cache.bench import tiers_bench
-    from tiered_cache.presets import get_preset
+    from tiered_cache.model.presets import get_preset
 
     if args.bench == "kernels":
         import torch

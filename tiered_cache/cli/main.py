@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from tiered_cache import __version__
 from tiered_cache.cli import bench_cmd, demo_cmd, serve_cmd, size_cmd, stats_cmd
 from tiered_cache.errors import TieredCacheError
-from tiered_cache.memtune import tune_malloc
+from tiered_cache.tiers.memtune import tune_malloc
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from tiered_cache.cli.table import render_table
-from tiered_cache.units import format_binary, format_bytes, parse_size
+from tiered_cache.model.units import format_binary, format_bytes, parse_size
 
 
 def add_parser(commands: Any) -> None:
@@ -31,7 +31,7 @@ def add_parser(commands: Any) -> None:
 
 
 def _list_presets() -> int:
-    from tiered_cache.presets import get_preset, preset_names
+    from tiered_cache.model.presets import get_preset, preset_names
 
     rows = []
     for name in preset_names():
@@ -45,16 +45,16 @@ def _list_presets() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tiered_cache.hf_config import read_hf_config
-    from tiered_cache.presets import get_preset
-    from tiered_cache.sizing import RequestMix, size_report
-    from tiered_cache.spec import DType, KVSpec
+    from tiered_cache.model.hf_config import read_hf_config, spec_from_hf_config
+    from tiered_cache.model.presets import get_preset
+    from tiered_cache.model.sizing import RequestMix, size_report
+    from tiered_cache.model.spec import DType
 
     if args.list:
         return _list_presets()
     if args.hf_config:
         config = read_hf_config(args.hf_config)
-        spec = KVSpec.from_hf_config(args.hf_config, dtype=args.dtype, page_size=args.page_size)
+        spec = spec_from_hf_config(args.hf_config, dtype=args.dtype, page_size=args.page_size)
         label = config.model_id
     else:
         preset = get_preset(args.model)

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from tiered_cache.cli.table import render_table
-from tiered_cache.units import format_binary
+from tiered_cache.model.units import format_binary
 
 
 def _instance(role: str, address: str) -> dict[str, Any]:

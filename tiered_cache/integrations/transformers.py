@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from tiered_cache.cache import TieredCache
-from tiered_cache.spec import DType, KVSpec
+from tiered_cache.model.hf_config import spec_from_hf_config
+from tiered_cache.model.spec import DType, KVSpec
 
 
 @dataclass
@@ -40,7 +41,7 @@ def spec_for(model: Any, dtype: DType | str = DType.FP16, page_size: int = 16,
              model_id: str | None = None) -> KVSpec:
     """The KVSpec of a transformers model's KV, stored as `dtype`."""
     config = model.config.to_dict()
-    return KVSpec.from_hf_config(config, model_id=model_id or config.get("_name_or_path") or "hf-model",
+    return spec_from_hf_config(config, model_id=model_id or config.get("_name_or_path") or "hf-model",
                                  dtype=dtype, page_size=page_size)
 
 

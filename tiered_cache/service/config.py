@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiered_cache.units import parse_size
+from tiered_cache.model.units import parse_size
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 _FRAMING = 64 * 1024  # protobuf framing around a page blob, with room to spare

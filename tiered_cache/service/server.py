@@ -23,12 +23,12 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tiered_cache import __version__
-from tiered_cache.codec import BlobError, BlobFault, check_fingerprint, read_header, verify_blob
-from tiered_cache.keys import KEY_BYTES
+from tiered_cache.index.keys import KEY_BYTES
 from tiered_cache.service.client import message_options
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.store import BlobStore
 from tiered_cache.tiers.base import BlobTier
+from tiered_cache.tiers.codec import BlobError, BlobFault, check_fingerprint, read_header, verify_blob
 from tiered_cache.tiers.memory import MemoryTier
 from tiered_cache.v1 import cache_pb2 as pb
 

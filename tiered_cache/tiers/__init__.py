@@ -1,7 +1,3 @@
-"""Tiers below the device pool: host RAM (decoded pages), then disk, Redis or a remote store (blobs)."""
-
-from tiered_cache.tiers.base import BlobTier, TierStats
-from tiered_cache.tiers.disk import DiskTier
-from tiered_cache.tiers.host import HostTier
-
-__all__ = ["BlobTier", "DiskTier", "HostTier", "TierStats"]
+"""Tiers below the device pool: host RAM (decoded pages), then disk, Redis or a remote store (blobs),
+and the blob codec. Import tier modules directly (`tiered_cache.tiers.disk`): only `host` needs
+torch, and the store server imports this package without it."""

@@ -14,9 +14,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from tiered_cache.codec import BlobError, verify_blob
+from tiered_cache.model.units import parse_size
 from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
-from tiered_cache.units import parse_size
+from tiered_cache.tiers.codec import BlobError, verify_blob
 
 _TMP_SUFFIX = ".tmp"
 

@@ -14,11 +14,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from tiered_cache.allocator import PageAllocator
+from tiered_cache.device.allocator import PageAllocator
 from tiered_cache.errors import KVShapeError
-from tiered_cache.spec import KVSpec
+from tiered_cache.model.spec import KVSpec
+from tiered_cache.model.units import parse_size
 from tiered_cache.tiers.base import TierStats, leading_run
-from tiered_cache.units import parse_size
 
 # Called with (keys, pages) about to leave host RAM; `pages` is a copy, page-first.
 HostEvictCallback = Callable[[list[bytes], torch.Tensor], None]

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from tiered_cache.model.units import parse_size
 from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
-from tiered_cache.units import parse_size
 
 
 class MemoryTier:

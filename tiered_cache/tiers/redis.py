@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from tiered_cache.codec import BlobError, verify_blob
 from tiered_cache.tiers.base import TierStats, leading_run
+from tiered_cache.tiers.codec import BlobError, verify_blob
 
 T = TypeVar("T")
 # A large read buffer: the default 32 KiB measured at half the throughput for MiB values.

@@ -17,9 +17,9 @@ from typing import TypeVar
 
 import grpc
 
-from tiered_cache.codec import BlobError, verify_blob
 from tiered_cache.service.client import StoreClient
 from tiered_cache.tiers.base import TierStats, leading_run
+from tiered_cache.tiers.codec import BlobError, verify_blob
 
 T = TypeVar("T")
 

@@ -9,8 +9,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tiered_cache.spec import KVSpec
-from tiered_cache.units import format_binary, parse_size
+from tiered_cache.model.spec import KVSpec
+from tiered_cache.model.units import format_binary, parse_size
 
 
 @dataclass(frozen=True)

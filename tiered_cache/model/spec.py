@@ -11,52 +11,14 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
-from pathlib import Path
 from typing import Any
+
+from tiered_cache.model.dtype import DType
+
+__all__ = ["PAGE_FORMAT_VERSION", "DType", "KVSpec", "Layout"]
 
 # Bump when the meaning of a page's bytes changes for the same geometry (e.g. a new page layout).
 PAGE_FORMAT_VERSION = 1
-
-
-class DType(enum.Enum):
-    """Element type of stored KV. The value is the canonical name used in configs and fingerprints."""
-
-    FP16 = "float16"
-    BF16 = "bfloat16"
-    FP32 = "float32"
-    FP8_E4M3 = "float8_e4m3fn"
-
-    @property
-    def itemsize(self) -> int:
-        return _ITEMSIZE[self]
-
-    @property
-    def torch(self) -> Any:
-        """The matching `torch.dtype` (imports torch on first use)."""
-        import torch
-
-        return getattr(torch, self.value)
-
-    @classmethod
-    def parse(cls, name: Any) -> DType:
-        """Accept a DType, a torch.dtype, or a name such as 'fp16', 'float16', 'bf16', 'torch.bfloat16'."""
-        if isinstance(name, DType):
-            return name
-        text = str(name).lower().removeprefix("torch.")
-        found = _ALIASES.get(text)
-        if found is None:
-            known = ", ".join(sorted(_ALIASES))
-            raise ValueError(f"unknown KV dtype {name!r}; expected one of: {known}")
-        return found
-
-
-_ITEMSIZE = {DType.FP16: 2, DType.BF16: 2, DType.FP32: 4, DType.FP8_E4M3: 1}
-_ALIASES = {
-    "float16": DType.FP16, "fp16": DType.FP16, "half": DType.FP16,
-    "bfloat16": DType.BF16, "bf16": DType.BF16,
-    "float32": DType.FP32, "fp32": DType.FP32, "float": DType.FP32,
-    "float8_e4m3fn": DType.FP8_E4M3, "fp8": DType.FP8_E4M3, "fp8_e4m3": DType.FP8_E4M3,
-}
 
 
 class Layout(enum.Enum):
@@ -175,40 +137,3 @@ class KVSpec:
         if unknown:
             raise ValueError(f"unknown KVSpec field(s): {', '.join(sorted(unknown))}")
         return cls(**data)
-
-    @classmethod
-    def from_hf_config(
-        cls,
-        config: dict[str, Any] | str | Path,
-        *,
-        model_id: str | None = None,
-        dtype: DType | str | None = None,
-        page_size: int = 16,
-        layout: Layout = Layout.NHD,
-    ) -> KVSpec:
-        """Build a spec from a Hugging Face `config.json` (a dict, a file, or a folder holding one).
-
-        GQA/MQA come from `num_key_value_heads` (absent means one KV head per attention head);
-        `head_dim` is used when given, else `hidden_size // num_attention_heads`. Multimodal configs
-        with a `text_config` use that. The KV dtype defaults to the config's `torch_dtype`/`dtype`.
-        """
-        from tiered_cache.hf_config import read_hf_config
-
-        hf = read_hf_config(config)
-        return cls(
-            model_id=model_id or hf.model_id,
-            num_layers=hf.num_layers,
-            num_kv_heads=hf.num_kv_heads,
-            head_dim=hf.head_dim,
-            dtype=DType.parse(dtype) if dtype is not None else hf.dtype,
-            page_size=page_size,
-            layout=layout,
-        )
-
-    @classmethod
-    def preset(cls, name: str, **changes: Any) -> KVSpec:
-        """The spec of a well-known model by name (see `tiered_cache.presets`)."""
-        from tiered_cache.presets import get_preset
-
-        spec = get_preset(name).spec
-        return replace(spec, **changes) if changes else spec

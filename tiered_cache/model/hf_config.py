@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tiered_cache.spec import DType
+from tiered_cache.model.dtype import DType
+from tiered_cache.model.spec import KVSpec, Layout
 
 
 @dataclass(frozen=True)
@@ -103,3 +104,19 @@ def read_hf_config(config: dict[str, Any] | str | Path) -> HFModelConfig:
         max_context=cfg.get("max_position_embeddings"),
         dtype=DType.parse(dtype_name),
     )
+
+
+def spec_from_hf_config(config: dict[str, Any] | str | Path, *, model_id: str | None = None,
+                        dtype: DType | str | None = None, page_size: int = 16,
+                        layout: Layout = Layout.NHD) -> KVSpec:
+    """Build a spec from a Hugging Face `config.json` (a dict, a file, or a folder holding one).
+
+    GQA/MQA come from `num_key_value_heads` (absent means one KV head per attention head);
+    `head_dim` is used when given, else `hidden_size // num_attention_heads`. Multimodal configs
+    with a `text_config` use that. The KV dtype defaults to the config's `torch_dtype`/`dtype`.
+    `model_id` names the weights (see `KVSpec`); without it the config's `_name_or_path` is used.
+    """
+    hf = read_hf_config(config)
+    return KVSpec(model_id=model_id or hf.model_id, num_layers=hf.num_layers, num_kv_heads=hf.num_kv_heads,
+                  head_dim=hf.head_dim, dtype=DType.parse(dtype) if dtype is not None else hf.dtype,
+                  page_size=page_size, layout=layout)

@@ -1,7 +1,7 @@
 """Well-known models, described by the fields of their Hugging Face `config.json`.
 
 Keeping the config rather than derived numbers means KV sizes and parameter counts come from the
-same code path as any user-supplied config (`KVSpec.from_hf_config`).
+same code path as any user-supplied config (`spec_from_hf_config`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
-from tiered_cache.hf_config import HFModelConfig, read_hf_config
-from tiered_cache.spec import DType, KVSpec
+from tiered_cache.model.hf_config import HFModelConfig, read_hf_config, spec_from_hf_config
+from tiered_cache.model.spec import DType, KVSpec
 
 
 def _llama(layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int, ctx: int,
@@ -80,5 +80,11 @@ def get_preset(name: str) -> ModelPreset:
                        "(or pass a Hugging Face config.json)")
     short = next(alias for alias, target in _ALIASES.items() if target == model_id)
     config = replace(read_hf_config(_CONFIGS[model_id]), model_id=model_id)
-    spec = KVSpec.from_hf_config(_CONFIGS[model_id], model_id=model_id, dtype=DType.FP16)
+    spec = spec_from_hf_config(_CONFIGS[model_id], model_id=model_id, dtype=DType.FP16)
     return ModelPreset(name=short, config=config, spec=spec)
+
+
+def preset_spec(name: str, **changes: Any) -> KVSpec:
+    """The spec of a well-known model by name, e.g. `preset_spec("llama-3-70b", page_size=64)`."""
+    spec = get_preset(name).spec
+    return replace(spec, **changes) if changes else spec

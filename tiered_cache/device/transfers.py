@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_cache.allocator import as_page_array
+from tiered_cache.device.allocator import as_page_array
+from tiered_cache.device.pool import PagePool
 from tiered_cache.errors import TieredCacheError
-from tiered_cache.pool import PagePool
 
 
 class NoFreeBufferError(TieredCacheError):

@@ -11,7 +11,7 @@ import heapq
 from collections.abc import Callable
 from typing import Any
 
-from tiered_cache.radix_node import RadixNode
+from tiered_cache.index.radix_node import RadixNode
 
 _COMPACT_SLACK = 1024
 

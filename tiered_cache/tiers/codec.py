@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from tiered_cache.errors import TieredCacheError
-from tiered_cache.spec import DType, KVSpec
+from tiered_cache.model.spec import DType, KVSpec
 
 MAGIC = b"TCKV"
 VERSION = 1

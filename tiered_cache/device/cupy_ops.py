@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from tiered_cache.kernel_source import kernel_dir, kernel_source
-from tiered_cache.spec import Layout
+from tiered_cache.device.kernel_source import kernel_dir, kernel_source
+from tiered_cache.model.spec import Layout
 
 _THREADS = 256  # per block: 8 warps
 _MAX_BLOCKS = 65535

@@ -1,6 +1,6 @@
 """`RadixTree`: the page-aligned prefix index of one instance.
 
-Edges are labelled with page keys (`tiered_cache.keys`), one key per page. Keys chain over the
+Edges are labelled with page keys (`tiered_cache.index.keys`), one key per page. Keys chain over the
 whole prefix and are rooted in a namespace, so a match is always page-aligned and two namespaces
 never share a node; each namespace also gets its own root so that even equal keys could not meet.
 """
@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from tiered_cache.errors import IntegrityError
-from tiered_cache.eviction_queue import EvictionQueue
-from tiered_cache.radix_node import (
+from tiered_cache.index.eviction_queue import EvictionQueue
+from tiered_cache.index.radix_node import (
     EvictedNode,
     EvictionPolicy,
     InsertResult,

@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_cache.allocator import PageAllocator, as_page_array
+from tiered_cache.device.allocator import PageAllocator, as_page_array
+from tiered_cache.device.pool_ops import PageOps, select_ops
 from tiered_cache.errors import KVShapeError, PageStateError
-from tiered_cache.pool_ops import PageOps, select_ops
-from tiered_cache.spec import KVSpec, Layout
-from tiered_cache.units import parse_size
+from tiered_cache.model.spec import KVSpec, Layout
+from tiered_cache.model.units import parse_size
 
 
 @dataclass(frozen=True)

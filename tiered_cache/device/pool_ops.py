@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from tiered_cache.spec import Layout
+from tiered_cache.model.spec import Layout
 
 
 class PageOps(Protocol):
@@ -60,7 +60,7 @@ def _register_cupy() -> bool:
     """Register the CUDA kernels when CuPy and a device are there (imported only on first need)."""
     if "cupy" in _REGISTRY:
         return True
-    from tiered_cache import cupy_ops
+    from tiered_cache.device import cupy_ops
 
     if not cupy_ops.available():
         return False

@@ -14,8 +14,8 @@ import hashlib
 import struct
 from typing import Any
 
-from tiered_cache.spec import KVSpec
-from tiered_cache.tokens import as_token_array
+from tiered_cache.index.tokens import as_token_array
+from tiered_cache.model.spec import KVSpec
 
 KEY_BYTES = 32
 _sha256 = hashlib.sha256

@@ -14,7 +14,7 @@ def kernel_dir() -> Path:
             return packaged
     except ModuleNotFoundError:
         pass
-    checkout = Path(__file__).resolve().parent.parent / "kernels"
+    checkout = Path(__file__).resolve().parents[2] / "kernels"
     if checkout.is_dir():
         return checkout
     raise FileNotFoundError("CUDA kernel sources not found: reinstall tiered-cache (kernels/ is package data)")
