@@ -62,6 +62,25 @@ def test_write_then_offload_at_once_copies_finished_kv():
         ticket.release()
 
 
+def test_pages_freed_during_offload_are_not_reallocated_mid_copy():
+    spec = SPECS[0]
+    pool = PagePool(spec, 64, "cuda")
+    transfers = Transfers(pool, PinnedBuffers(pool, 32, 1))
+    pages = pool.allocate(32)
+    n = 32 * spec.page_size
+    kv = torch.ones(spec.kv_shape(n), device="cuda", dtype=spec.dtype.torch)
+    pool.store(pool.slots(pages, n), kv)
+    ticket = transfers.offload(pages)  # no synchronize: the copy may still be running
+    pool.free(pages)
+    new = pool.allocate(32)  # without pins, LIFO allocation would hand back exactly `pages`
+    assert not set(new.tolist()) & set(pages.tolist())
+    pool.store(pool.slots(new, n), kv * 2)  # on the compute stream, concurrent with the copy
+    assert torch.all(ticket.wait() == 1)
+    ticket.release()
+    assert pool.num_free == 32 and pool.allocator.num_pending == 0
+    pool.check_integrity()
+
+
 def test_layer_by_layer_load_back():
     spec = SPECS[1]
     pool = PagePool(spec, 16, "cuda")
@@ -77,3 +96,6 @@ def test_layer_by_layer_load_back():
         assert torch.equal(pool.kv[:, layer, torch.as_tensor(targets, device="cuda")],
                            pool.kv[:, layer, torch.as_tensor(pages, device="cuda")])
     load.synchronize()
+    pool.free(targets)  # synchronize() unpinned them: free at once
+    assert pool.allocator.num_pending == 0
+    pool.check_integrity()

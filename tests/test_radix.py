@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from tiered_cache.errors import StaleHandleError
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.index.radix import RadixTree
 from tiered_cache.index.radix_node import EvictionPolicy, Tier
@@ -134,3 +135,51 @@ def test_hundred_thousand_nodes_stay_consistent():
     assert sum(len(e.keys) for e in evicted) >= 5000
     assert tree.size_info().total == before - sum(len(e.keys) for e in evicted)
     tree.check_integrity()
+
+
+def test_nodes_own_copies_of_exactly_their_values():
+    tree = RadixTree()
+    caller = np.arange(100, 104, dtype=np.int64)
+    node = tree.insert(pages(1, 1, 2, 2, 3, 3, 4, 4), caller).node
+    assert node.values.base is None and node.values.flags.owndata
+    caller[:] = -1  # the caller reuses its array: the tree must not follow
+    assert tree.match_prefix(pages(1, 1, 2, 2, 3, 3, 4, 4)).values.tolist() == [100, 101, 102, 103]
+    head = tree.match_prefix(pages(1, 1, 2, 2)).node  # splits node after 2 pages
+    assert head is not node and node.values.tolist() == [102, 103] and head.values.tolist() == [100, 101]
+    for n in (head, node):
+        assert n.values.base is None and n.values.flags.owndata and n.values.size == 2
+    longer = np.arange(200, 206, dtype=np.int64)
+    tail = tree.insert(pages(1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6), longer).node  # 4 existing pages
+    assert tail.values.tolist() == [204, 205] and tail.values.base is None
+    tree.check_integrity()
+
+
+def test_evicted_handles_are_stale():
+    tree = RadixTree()
+    node = tree.insert(pages(1, 1, 2, 2), [0, 1]).node
+    assert not node.is_root
+    assert [e.values.tolist() for e in tree.evict(10)] == [[0, 1]]
+    assert not node.is_root and node.removed
+    tree.insert(pages(1, 1, 2, 2), [5, 6])  # the same tokens again: a new node, the old handle stays stale
+    for call in (tree.lock, tree.unlock, lambda n: tree.set_residency(n, Tier.HOST)):
+        with pytest.raises(StaleHandleError, match=r"evicted .* match the prefix again"):
+            call(node)
+    with pytest.raises(ValueError):  # StaleHandleError is a ValueError, as a bad unlock always was
+        tree.unlock(node)
+    assert tree.size_info() == (2, 0)
+    tree.check_integrity()
+    assert tree.match_prefix(pages(1, 1, 2, 2)).values.tolist() == [5, 6]
+
+
+def test_a_split_node_is_still_a_valid_handle():
+    tree = RadixTree()
+    node = tree.insert(pages(1, 1, 2, 2, 3, 3), [0, 1, 2]).node
+    tree.match_prefix(pages(1, 1, 9, 9))  # splits node into [1,1] -> [2,2,3,3]
+    assert tree.num_nodes == 2 and not node.removed
+    tree.lock(node)
+    assert tree.size_info() == (0, 3)  # node and the new head above it are protected
+    assert tree.evict(10) == []
+    tree.set_residency(node, Tier.HOST)
+    tree.unlock(node)
+    tree.check_integrity()
+    assert {e.residency for e in tree.evict(10)} == {Tier.DEVICE, Tier.HOST}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tiered_cache.errors import StaleHandleError
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.index.radix import RadixTree
 from tiered_cache.index.radix_node import EvictionPolicy
@@ -31,6 +33,9 @@ class RadixModel(RuleBasedStateMachine):
         self.hits: dict[tuple, int] = {}
         self.by_key: dict[bytes, tuple] = {}
         self.locks: list[tuple] = []  # (handle, [(ns, prefix), ...])
+        # Every non-empty match handle, locked or not, with its last page; a handle is stale exactly
+        # when that page was evicted after the match (a live handle's node holds its last page).
+        self.handles: list[list] = []  # [handle, prefixes, evicted?]
         self.clock = 0
         self.next_value = 0
 
@@ -90,9 +95,25 @@ class RadixModel(RuleBasedStateMachine):
         for prefix in prefixes[:expected]:
             self.access[prefix] = self.clock
             self.hits[prefix] += 1
+        if expected:
+            self.handles.append([result.node, prefixes[:expected], False])
         if lock and expected:
             self.tree.lock(result.node)
             self.locks.append((result.node, prefixes[:expected]))
+
+    @precondition(lambda self: self.handles)
+    @rule(index=st.integers(0, 1000))
+    def lock_old_handle(self, index):
+        """Lock a handle from some earlier match: it works unless its node was evicted since."""
+        handle, prefixes, evicted = self.handles[index % len(self.handles)]
+        if evicted:
+            with pytest.raises(StaleHandleError):
+                self.tree.lock(handle)
+            with pytest.raises(StaleHandleError):
+                self.tree.unlock(handle)
+        else:
+            self.tree.lock(handle)
+            self.locks.append((handle, prefixes))
 
     @precondition(lambda self: self.locks)
     @rule(index=st.integers(0, 1000))
@@ -115,6 +136,8 @@ class RadixModel(RuleBasedStateMachine):
             assert node.start == len(entries[0][1]) // PAGE - 1
             for e in entries:  # a page inserted again later starts afresh, with no hits
                 del self.values[e], self.hits[e], self.access[e]
+            for h in self.handles:
+                h[2] = h[2] or h[1][-1] in entries
             freed += len(entries)
         if freed < num_pages:
             assert not self.evictable_leaves(), "stopped early with pages still evictable"

@@ -24,6 +24,11 @@ class PageStateError(TieredCacheError, ValueError):
     """Pages given to the pool are out of range, repeated, already free, or not allocated."""
 
 
+class StaleHandleError(TieredCacheError, ValueError):
+    """A radix-tree handle names a node that was evicted: its values may now hold other tokens.
+    Match the prefix again to get a live handle."""
+
+
 class KVShapeError(TieredCacheError, ValueError):
     """A KV tensor's shape, dtype or device does not match the spec it is used with."""
 

@@ -27,11 +27,18 @@ def as_page_array(pages: Any, num_pages: int) -> np.ndarray:
 
 
 class PageAllocator:
-    """Tracks which of `num_pages` pages are free.
+    """Tracks which of `num_pages` pages are free, and which are pinned by a transfer in flight.
 
     The free list is a stack in a preallocated array: `allocate(n)` takes the top n entries and
-    `free(pages)` pushes them back, each a single vectorised slice. `in_use` mirrors the stack
-    so double frees and frees of never-allocated pages are caught before any state changes.
+    `free(pages)` pushes them back, each a single vectorised slice. `in_use` marks the pages the
+    caller owns (allocated, not yet freed), so double frees and frees of never-allocated pages
+    are caught before any state changes.
+
+    A page is in exactly one state:
+      free     on the stack, `in_use` False, no pins; `allocate` may hand it out.
+      used     `in_use` True (pinned or not); the caller owns it.
+      pending  freed by the caller while pinned: `in_use` False, pins > 0, not on the stack.
+               A copy may still read or write it, so it reaches the stack with its last `unpin`.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -42,6 +49,13 @@ class PageAllocator:
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._top = num_pages  # entries [0, _top) of _stack are free
         self.in_use = np.zeros(num_pages, dtype=bool)
+        self._pins = np.zeros(num_pages, dtype=np.int64)
+        self._num_pending = 0
+
+    @property
+    def num_pending(self) -> int:
+        """Pages freed while pinned: neither the caller's nor free until their last `unpin`."""
+        return self._num_pending
 
     @property
     def num_free(self) -> int:
@@ -49,6 +63,7 @@ class PageAllocator:
 
     @property
     def num_used(self) -> int:
+        """Pages not free: allocated ones and pending ones."""
         return self.num_pages - self._top
 
     def can_allocate(self, n: int) -> bool:
@@ -66,8 +81,9 @@ class PageAllocator:
         return pages
 
     def free(self, pages: Any) -> None:
-        """Return pages to the free list. Raises PageStateError (changing nothing) for pages out of
-        range, repeated within the call, or not currently allocated (double free)."""
+        """Give pages back. Unpinned pages return to the free list now; pinned ones become pending
+        and return with their last `unpin`. Raises PageStateError (changing nothing) for pages out
+        of range, repeated within the call, or not currently allocated (double free, pending too)."""
         arr = as_page_array(pages, self.num_pages)
         if arr.size == 0:
             return
@@ -77,6 +93,35 @@ class PageAllocator:
         if not_used.size:
             raise PageStateError(f"double free or never allocated: pages {not_used.tolist()[:16]} are already free")
         self.in_use[arr] = False
+        pinned = self._pins[arr] > 0
+        self._num_pending += int(pinned.sum())
+        self._push(arr[~pinned])
+
+    def pin(self, pages: Any) -> None:
+        """Keep allocated `pages` out of the free list until a matching `unpin`, even if they are
+        freed meanwhile: a transfer reading or writing them pins them. Pins count, so a page may be
+        pinned more than once (also within one call). Raises PageStateError (changing nothing)
+        unless every page is allocated."""
+        arr = as_page_array(pages, self.num_pages)
+        self.require_allocated(arr)
+        np.add.at(self._pins, arr, 1)
+
+    def unpin(self, pages: Any) -> None:
+        """Undo one `pin` of each of `pages`; a pending page whose last pin goes is free again.
+        Raises PageStateError (changing nothing) for a page with fewer pins than this call removes."""
+        arr = as_page_array(pages, self.num_pages)
+        if arr.size == 0:
+            return
+        unique, counts = np.unique(arr, return_counts=True)
+        short = unique[self._pins[unique] < counts]
+        if short.size:
+            raise PageStateError(f"unpin() without a matching pin() on pages {short.tolist()[:16]}")
+        self._pins[unique] -= counts
+        released = unique[(self._pins[unique] == 0) & ~self.in_use[unique]]
+        self._num_pending -= released.size
+        self._push(released)
+
+    def _push(self, arr: np.ndarray) -> None:
         self._stack[self._top:self._top + arr.size] = arr[::-1]
         self._top += arr.size
 
@@ -87,13 +132,22 @@ class PageAllocator:
             raise PageStateError(f"pages {np.unique(free).tolist()[:16]} are free; allocate them before use")
 
     def check_integrity(self) -> None:
-        """free + used == total, and the free stack holds exactly the pages not in use."""
+        """free + used + pending == total; the free stack holds exactly the pages neither in use
+        nor pinned; pin counts are never negative."""
         free = self._stack[:self._top]
         if np.unique(free).size != free.size:
             raise IntegrityError("a page appears twice in the free list")
         if self.in_use[free].any():
             raise IntegrityError("a page is both free and in use")
-        if free.size + int(self.in_use.sum()) != self.num_pages:
+        if (self._pins < 0).any():
+            raise IntegrityError(f"negative pin counts on pages {np.flatnonzero(self._pins < 0).tolist()[:16]}")
+        if (self._pins[free] > 0).any():
+            raise IntegrityError("a pinned page is in the free list")
+        used = int(self.in_use.sum())
+        pending = int(((self._pins > 0) & ~self.in_use).sum())
+        if pending != self._num_pending:
+            raise IntegrityError(f"counted {pending} pending pages, recorded {self._num_pending}")
+        if free.size + used + pending != self.num_pages:
             raise IntegrityError(
-                f"free ({free.size}) + used ({int(self.in_use.sum())}) != total ({self.num_pages})"
+                f"free ({free.size}) + used ({used}) + pending ({pending}) != total ({self.num_pages})"
             )

@@ -76,6 +76,14 @@ class PagePool:
         """Give pages back. Raises PageStateError, freeing nothing, on a double free or bad index."""
         self.allocator.free(pages)
 
+    def pin(self, pages: Any) -> None:
+        """Keep allocated pages from reuse until `unpin`, even if freed meanwhile (a copy is in flight)."""
+        self.allocator.pin(pages)
+
+    def unpin(self, pages: Any) -> None:
+        """Undo one `pin`; a page freed while pinned becomes free with its last unpin."""
+        self.allocator.unpin(pages)
+
     def usage(self) -> PoolUsage:
         a = self.allocator
         return PoolUsage(a.num_pages, a.num_free, a.num_used, self.spec.bytes_per_page)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from tiered_cache.errors import IntegrityError
+from tiered_cache.errors import IntegrityError, StaleHandleError
 from tiered_cache.index.eviction_queue import EvictionQueue
 from tiered_cache.index.radix_node import (
     EvictedNode,
@@ -33,6 +33,12 @@ def _common_length(node_keys: list[bytes], keys: Sequence[bytes], start: int) ->
     while i < limit and node_keys[i] == keys[start + i]:
         i += 1
     return i
+
+
+def _require_live(node: RadixNode, call: str) -> None:
+    if node.removed:
+        raise StaleHandleError(f"{call}() on {node!r}: the node was evicted and its values may now hold "
+                               "other tokens; match the prefix again for a live handle")
 
 
 class RadixTree:
@@ -88,7 +94,8 @@ class RadixTree:
 
         Pages already cached keep their existing values: the result says how many leading pages
         that was, so the caller can free its duplicate pages. The new pages form one new leaf
-        marked as held in `residency`.
+        marked as held in `residency`. The tree keeps its own copy of the values it stores, so
+        the caller may reuse `values` afterwards.
         """
         vals = np.asarray(values, dtype=np.int64).reshape(-1)
         if vals.size != len(keys):
@@ -96,7 +103,8 @@ class RadixTree:
         node, i = self._walk(self._root(namespace), keys, None)
         existing = i
         if i < len(keys):
-            leaf = RadixNode(namespace, node, list(keys[i:]), vals[i:], node.end, Tier(residency))
+            # A copy, never a view: a view would pin the caller's whole array and follow its changes.
+            leaf = RadixNode(namespace, node, list(keys[i:]), vals[i:].copy(), node.end, Tier(residency))
             leaf.last_access = self._clock
             node.children[leaf.keys[0]] = leaf
             self._num_nodes += 1
@@ -109,7 +117,10 @@ class RadixTree:
         return InsertResult(existing, node)
 
     def lock(self, node: RadixNode) -> None:
-        """Protect `node` and its ancestors from eviction until a matching `unlock`."""
+        """Protect `node` and its ancestors from eviction until a matching `unlock`.
+
+        Raises StaleHandleError if `node` was evicted since it was returned (match again)."""
+        _require_live(node, "lock")
         if node.is_root:
             return
         node.own_locks += 1
@@ -124,7 +135,9 @@ class RadixTree:
             current = current.parent
 
     def unlock(self, node: RadixNode) -> None:
-        """Undo one `lock(node)`. Raises ValueError for an unlock without a lock."""
+        """Undo one `lock(node)`. Raises ValueError for an unlock without a lock (StaleHandleError,
+        a ValueError too, if `node` was evicted, which a locked node never is)."""
+        _require_live(node, "unlock")
         if node.is_root:
             return
         if node.own_locks <= 0:
@@ -156,7 +169,8 @@ class RadixTree:
         return evicted
 
     def set_residency(self, node: RadixNode, residency: Tier) -> None:
-        """Record which local tiers hold `node`'s pages."""
+        """Record which local tiers hold `node`'s pages. Raises StaleHandleError if `node` was evicted."""
+        _require_live(node, "set_residency")
         node.residency = Tier(residency)
 
     # --- internals -------------------------------------------------------------------------------
@@ -209,14 +223,14 @@ class RadixTree:
         """
         parent = child.parent
         assert parent is not None and 0 < at < len(child)
-        head = RadixNode(child.namespace, parent, child.keys[:at], child.values[:at], child.start,
+        head = RadixNode(child.namespace, parent, child.keys[:at], child.values[:at].copy(), child.start,
                          child.residency)
         head.lock_ref = child.lock_ref
         head.last_access = child.last_access
         head.hits = child.hits
         parent.children[head.keys[0]] = head
         child.keys = child.keys[at:]
-        child.values = child.values[at:]
+        child.values = child.values[at:].copy()  # each node owns exactly its slice
         child.start += at
         child.parent = head
         head.children[child.keys[0]] = child
@@ -228,6 +242,7 @@ class RadixTree:
         assert parent is not None and not node.children and node.lock_ref == 0
         del parent.children[node.keys[0]]
         node.parent = None
+        node.removed = True  # handles to it are stale from now on
         self._num_nodes -= 1
         self._evictable -= len(node)
         if not parent.children:
@@ -250,6 +265,8 @@ class RadixTree:
                     raise IntegrityError(f"{node!r} is not linked from its parent")
                 if not node.keys or node.keys[0] != first_key or len(node.values) != len(node.keys):
                     raise IntegrityError(f"{node!r} has {len(node.keys)} keys and {len(node.values)} values")
+                if node.removed or node.values.base is not None:
+                    raise IntegrityError(f"{node!r} is marked evicted or holds a view instead of its own values")
                 if node.namespace != namespace or node.start != parent.end:
                     raise IntegrityError(f"{node!r} has the wrong namespace or start")
                 expected_lock = node.own_locks + sum(c.lock_ref for c in node.children.values())

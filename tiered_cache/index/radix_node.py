@@ -56,6 +56,7 @@ class RadixNode:
         "parent",
         "queued",
         "qver",
+        "removed",
         "residency",
         "start",
         "values",
@@ -77,13 +78,15 @@ class RadixNode:
         self.id = next(_ids)
         self.qver = 0  # bumped whenever its entry in the eviction queue goes stale
         self.queued = False  # an unlocked leaf with a live entry in the eviction queue
+        self.removed = False  # evicted: a handle to it is stale and must not be locked
 
     def __len__(self) -> int:
         return len(self.keys)
 
     @property
     def is_root(self) -> bool:
-        return self.parent is None
+        """A namespace root (an evicted node also has no parent, but is no root)."""
+        return self.parent is None and not self.removed
 
     @property
     def end(self) -> int:
@@ -91,8 +94,9 @@ class RadixNode:
         return self.start + len(self.keys)
 
     def __repr__(self) -> str:
+        state = ", evicted" if self.removed else ""
         return (f"RadixNode(ns={self.namespace!r}, pages={self.start}..{self.end}, "
-                f"lock_ref={self.lock_ref}, children={len(self.children)})")
+                f"lock_ref={self.lock_ref}, children={len(self.children)}{state})")
 
 
 class MatchResult(NamedTuple):
