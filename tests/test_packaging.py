@@ -29,6 +29,45 @@ def test_core_imports_without_torch_ray_cupy_or_transformers():
     assert '"bytes_per_token": 23040' in result.stdout
 
 
+def test_store_server_never_imports_torch(tmp_path):
+    """The store server imports, stores on RAM and disk and serves over gRPC with torch blocked."""
+    code = BLOCK_HEAVY.replace("'grpc', 'redis'", "'numba'") + f"""
+import numpy as np
+import tiered_cache.cli.main, tiered_cache.cli.serve_cmd
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.model.spec import KVSpec
+from tiered_cache.service.client import StoreClient
+from tiered_cache.service.config import ServerConfig
+from tiered_cache.service.server import StoreServer, build_store
+from tiered_cache.service.store import BlobStore
+from tiered_cache.tiers.codec import encode_page
+from tiered_cache.tiers.disk import DiskTier
+from tiered_cache.tiers.memory import MemoryTier
+
+spec = KVSpec('no-torch', 2, 2, 16, page_size=4)
+keys = PageKeyer(spec).keys(list(range(6 * spec.page_size)))
+pages = np.random.default_rng(0).integers(0, 256, size=(6, spec.bytes_per_page), dtype=np.uint8)
+items = [(k, encode_page(p, spec, k)) for k, p in zip(keys, pages)]
+size = len(items[0][1])
+store = BlobStore(MemoryTier(2 * size), [DiskTier({str(tmp_path / 'a')!r}, 100 * size)])
+assert store.put(items) == (6, 0)
+assert store.locate(keys) == ['disk'] * 4 + ['ram'] * 2
+assert store.flush() == 2 and store.locate(keys) == ['disk'] * 4 + ['ram'] * 2
+assert store.get(keys) == [b for _, b in items] and [s.name for s in store.stats()] == ['ram', 'disk']
+server = StoreServer(ServerConfig(port=0, disk_path={str(tmp_path / 'b')!r}))
+with StoreClient(f'127.0.0.1:{{server.start()}}') as client:
+    assert client.put(items).stored == 6 and client.lookup(keys).leading == 6
+    assert [(g.key, g.blob) for g in client.get(keys)] == items
+assert server.stop() == 6
+assert isinstance(build_store(ServerConfig(disk_path=None)), BlobStore)
+assert 'torch' not in sys.modules
+print('ok')
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
 def test_kernel_sources_are_found_in_a_checkout():
     from tiered_cache.device.kernel_source import kernel_dir, kernel_source
 

@@ -2,6 +2,7 @@
 
 import signal
 import subprocess
+import threading
 import time
 
 import grpc
@@ -10,6 +11,9 @@ from service_helpers import FINGERPRINT, SPEC, large_items, make_items, with_cod
 
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.process import StoreProcess
+from tiered_cache.service.store import BlobStore
+from tiered_cache.tiers.disk import DiskTier
+from tiered_cache.tiers.memory import MemoryTier
 from tiered_cache.v1 import cache_pb2 as pb
 
 
@@ -170,3 +174,89 @@ def test_sigterm_lets_an_in_flight_stream_finish():
     assert [r.blob for r in rest] == [blob for _, blob in items[1:]]
     assert proc.stop() == 0
     assert any("shutting down" in line for line in proc.output)
+
+
+# --- BlobStore in-process (what the server's handlers call) ------------------------------------------
+def _blob_size() -> int:
+    return len(make_items(1)[0][1])
+
+
+def test_blob_store_demotes_promotes_and_counts(tmp_path):
+    size = _blob_size()
+    store = BlobStore(MemoryTier(3 * size), [DiskTier(tmp_path, 100 * size, fsync=False)])
+    items = make_items(5, start=300)
+    keys = [k for k, _ in items]
+    assert store.put(items) == (5, 0)
+    assert store.put(items) == (2, 3)  # the 3 in RAM are held; the 2 on disk come back into RAM
+    assert store.locate(keys) == ["ram", "ram", "disk", "disk", "ram"]
+    assert store.get(keys[2:4]) == [b for _, b in items[2:4]]  # found on disk, promoted into RAM
+    assert store.locate(keys) == ["disk", "ram", "ram", "ram", "disk"]
+    assert store.locate([bytes(32)]) == [None] and store.get([bytes(32)]) == [None]
+    ram, disk = store.stats()
+    assert (ram.name, disk.name) == ("ram", "disk") and store.tiers == [store.ram, *store.lower]
+    assert ram.promotions == 0 and disk.promotions == 2
+    assert disk.demotions == 5 and disk.pages == 5 and ram.evictions == 6  # k0 was on disk already: not re-put
+    assert store.get(keys) == [b for _, b in items]
+
+
+def test_blob_store_write_through_and_flush(tmp_path):
+    size = _blob_size()
+    items = make_items(4, start=400)
+    keys = [k for k, _ in items]
+    through = BlobStore(MemoryTier(100 * size), [DiskTier(tmp_path / "a", 100 * size, fsync=False)], write_through=True)
+    assert through.put(items) == (4, 0)
+    assert through.lower[0].contains(keys) == [True] * 4 and through.flush() == 0
+    lazy = BlobStore(MemoryTier(100 * size), [DiskTier(tmp_path / "b", 100 * size, fsync=False)])
+    assert lazy.put(items[:3]) == (3, 0)
+    assert lazy.lower[0].contains(keys) == [False] * 4
+    lazy.lower[0].put(items[:1])  # already below: not copied again
+    assert lazy.flush() == 2 and lazy.flush() == 0
+    assert lazy.lower[0].get(keys[:3]) == [b for _, b in items[:3]]
+    assert BlobStore(MemoryTier(size)).flush() == 0
+
+
+class _HeldDisk(DiskTier):
+    """A disk tier whose `get` waits until the test releases it: a slow tier, deterministically."""
+
+    def __init__(self, path, capacity) -> None:
+        super().__init__(path, capacity, fsync=False)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def get(self, keys):
+        self.entered.set()
+        assert self.release.wait(60), "the test never released the held disk get"
+        return super().get(keys)
+
+
+def test_a_lookup_from_ram_does_not_wait_behind_a_get_from_disk(tmp_path):
+    size = _blob_size()
+    disk = _HeldDisk(tmp_path, 100 * size)
+    on_disk, in_ram = make_items(3, start=500), make_items(3, start=600)
+    disk.put(on_disk)
+    store = BlobStore(MemoryTier(100 * size), [disk])
+    store.put(in_ram)
+    slow: list = []
+    getter = threading.Thread(target=lambda: slow.append(store.get([k for k, _ in on_disk])))
+    getter.start()
+    try:
+        assert disk.entered.wait(30)
+        done: list = []
+
+        def lookup_and_get() -> None:
+            keys = [k for k, _ in in_ram]
+            done.append(store.locate(keys))
+            done.append(store.get(keys))
+            done.append(store.put(make_items(2, start=700)))
+
+        other = threading.Thread(target=lookup_and_get)
+        other.start()
+        other.join(30)
+        assert not other.is_alive(), "a RAM lookup waited behind another client's disk get"
+        assert done == [["ram"] * 3, [b for _, b in in_ram], (2, 0)]
+        assert getter.is_alive()  # the disk get was held the whole time
+    finally:
+        disk.release.set()
+        getter.join(30)
+    assert slow == [[b for _, b in on_disk]]
+    assert store.locate([k for k, _ in on_disk]) == ["ram"] * 3

@@ -1,17 +1,22 @@
 """`BlobStore`: what a store server keeps: a RAM blob tier in front of disk and/or Redis.
 
 The store never decodes pages, so one server serves every model (fingerprints travel in the
-blobs). Eviction from a tier demotes to the next; a hit below RAM is promoted back into RAM.
-gRPC handlers run on a thread pool, so every call takes the store's lock.
+blobs). It is a `TierChain` with the RAM tier first: eviction from a tier demotes to the next,
+and a hit below RAM is promoted back into RAM. gRPC handlers run on a thread pool; the chain
+locks each tier on its own, so a Lookup answered from RAM never waits behind another client's
+Get from disk or Redis. Torch-free (the store server never imports torch).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 from tiered_cache.tiers.base import BlobTier, TierStats
+from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.memory import MemoryTier
+
+_FETCH_ROUNDS = 3  # a key that moved tier between locate and fetch (an eviction) is looked up again
 
 
 class BlobStore:
@@ -19,83 +24,60 @@ class BlobStore:
         self.ram = ram
         self.lower = list(lower)
         self.write_through = write_through
-        self.lock = threading.RLock()
-        self.promotions: dict[str, int] = {}
-        self.demotions: dict[str, int] = {}
-        self.ram.on_evict = self._demoter(0)
-        for i, tier in enumerate(self.lower):
-            if hasattr(tier, "on_evict"):
-                tier.on_evict = self._demoter(i + 1)
+        self.chain = TierChain([ram, *self.lower])
 
     @property
     def tiers(self) -> list[BlobTier]:
-        return [self.ram, *self.lower]
-
-    def _demoter(self, index: int):
-        def demote(items: list[tuple[bytes, bytes]]) -> None:
-            if index < len(self.lower):
-                tier = self.lower[index]
-                self.demotions[tier.name] = self.demotions.get(tier.name, 0) + tier.put(items)
-        return demote
+        return self.chain.tiers
 
     def locate(self, keys: Sequence[bytes]) -> list[str | None]:
         """The name of the first tier holding each key, or None."""
-        with self.lock:
-            where: list[str | None] = [None] * len(keys)
-            for tier in self.tiers:
-                missing = [i for i, w in enumerate(where) if w is None]
-                if not missing:
-                    break
-                for i, held in zip(missing, tier.contains([keys[i] for i in missing]), strict=True):
-                    if held:
-                        where[i] = tier.name
-            return where
+        return [None if w is None else self.chain.tiers[w].name for w in self.chain.locate(keys)]
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Each key's blob or None; blobs found below RAM are promoted into RAM."""
-        with self.lock:
-            out = self.ram.get(keys)
-            for tier in self.lower:
-                missing = [i for i, b in enumerate(out) if b is None]
-                if not missing:
-                    break
-                found = tier.get([keys[i] for i in missing])
-                promoted = []
-                for i, blob in zip(missing, found, strict=True):
-                    if blob is not None:
-                        out[i] = blob
-                        promoted.append((keys[i], blob))
-                if promoted:
-                    self.promotions[tier.name] = self.promotions.get(tier.name, 0) + len(promoted)
-                    self.ram.put(promoted)
-            return out
+        out: list[bytes | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        for _ in range(_FETCH_ROUNDS):
+            asked = [keys[i] for i in todo]
+            where = self.chain.locate(asked)
+            blobs = self.chain.fetch(asked, where, promote=True)
+            retry = []
+            for i, w, blob in zip(todo, where, blobs, strict=True):
+                if blob is not None:
+                    out[i] = blob
+                elif w is not None:  # located, then gone (evicted or demoted meanwhile): forgotten, ask again
+                    retry.append(i)
+            if not retry:
+                break
+            todo = retry
+        return out
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> tuple[int, int]:
-        """Store verified (key, blob) pairs: (new pages stored, pages already held)."""
-        with self.lock:
-            held = self.ram.contains([k for k, _ in items])
-            fresh = [item for item, h in zip(items, held, strict=True) if not h]
-            stored = self.ram.put(fresh)
-            if self.write_through and self.lower and fresh:
-                self.lower[0].put(fresh)
-            return stored, len(items) - len(fresh)
+        """Store verified (key, blob) pairs: (new pages stored, pages already held in RAM)."""
+        held = self.chain.contains([k for k, _ in items], 0)
+        fresh = [item for item, h in zip(items, held, strict=True) if not h]
+        stored = self.chain.put(fresh, 0) if fresh else 0
+        if self.write_through and self.lower and fresh:
+            self.chain.put(fresh, 1)
+        return stored, len(items) - len(fresh)
 
     def flush(self) -> int:
         """Copy every RAM blob that the next tier lacks into it (graceful shutdown); returns how many."""
-        with self.lock:
-            if not self.lower:
-                return 0
-            items = self.ram.items()
-            below = self.lower[0].contains([k for k, _ in items])
-            todo = [item for item, b in zip(items, below, strict=True) if not b]
-            return self.lower[0].put(todo) if todo else 0
+        if not self.lower:
+            return 0
+        items = self.chain.items(0)
+        below = self.chain.contains([k for k, _ in items], 1)
+        todo = [item for item, b in zip(items, below, strict=True) if not b]
+        return self.chain.put(todo, 1) if todo else 0
 
     def stats(self) -> list[TierStats]:
-        with self.lock:
-            out = []
-            for tier in self.tiers:
-                s = tier.stats()
-                s.promotions = self.promotions.get(tier.name, 0)
-                s.demotions = self.demotions.get(tier.name, 0)
-                out.append(s)
-            return out
+        """Each tier's figures; promotions are pages copied up into RAM, demotions pages pushed down
+        by an eviction from the tier above. Nothing is above RAM inside the server (the chain counts
+        the pages RAM serves as read out of it; its hits say that already)."""
+        out = self.chain.stats()
+        return [replace(out[0], promotions=0), *out[1:]]
+
+    def close(self) -> None:
+        """Close tiers that hold connections (Redis clients)."""
+        self.chain.close()

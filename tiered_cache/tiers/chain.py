@@ -1,0 +1,191 @@
+"""`TierChain`: blob tiers in order, fastest first, as one store with put / locate / fetch / demote.
+
+Used below host RAM by `TieredCache` and, with a RAM blob tier in front, by the store server's
+`BlobStore`. Torch-free (the store server never imports torch).
+
+- Eviction from tier i demotes its blobs into tier i+1 (through the tiers' `on_evict` hook).
+- Residency: the chain remembers, per key, which of its tiers it put the key into or found it in
+  (a bounded map). It never re-puts a key a tier is known to hold, and `locate` asks a tier only
+  about keys it cannot answer from that map, each tier at most once per call. Knowledge can go
+  stale (Redis evicts by itself, a shared store is filled by other instances): a stale "held"
+  turns into a miss on fetch and is forgotten then; a miss never turns into wrong bytes.
+- Concurrency: one lock per tier around every call to that tier, taken in tier order (a demotion
+  from tier i into tier i+1 holds both), and a small lock for the counters and the residency map.
+  No lock spans the whole chain, so a fetch from Redis never waits behind a disk write.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import replace
+
+from tiered_cache.tiers.base import BlobTier, EvictCallback, TierStats
+
+_DEFAULT_MAX_KNOWN = 1 << 20  # keys whose residency is remembered (~100 B each)
+
+
+class TierChain:
+    def __init__(self, tiers: Sequence[BlobTier], max_known: int = _DEFAULT_MAX_KNOWN) -> None:
+        self.tiers: list[BlobTier] = list(tiers)
+        self.promotions: Counter[str] = Counter()  # blobs read from a tier to be copied up
+        self.demotions: Counter[str] = Counter()  # blobs written into a tier from the one above
+        self.skipped_puts = 0  # puts avoided because the tier was known to hold the key
+        self._tier_locks = [threading.RLock() for _ in self.tiers]
+        self._meta = threading.Lock()
+        self._held: OrderedDict[bytes, int] = OrderedDict()  # key -> bit i set: tier i holds it
+        self._max_known = max_known
+        for i, tier in enumerate(self.tiers):
+            if hasattr(tier, "on_evict"):
+                tier.on_evict = self._demoter(i)
+
+    def __len__(self) -> int:
+        return len(self.tiers)
+
+    # --- residency -------------------------------------------------------------------------------
+    def known_in(self, key: bytes, index: int) -> bool:
+        """Whether tier `index` is known to hold `key` (from this chain's own puts and reads)."""
+        with self._meta:
+            return bool(self._held.get(key, 0) >> index & 1)
+
+    def _mark(self, keys: Sequence[bytes], index: int, held: bool) -> None:
+        bit = 1 << index
+        with self._meta:
+            for key in keys:
+                old = self._held.get(key, 0)
+                new = old | bit if held else old & ~bit
+                if new:
+                    self._held[key] = new
+                    self._held.move_to_end(key)
+                elif old:
+                    del self._held[key]
+            while len(self._held) > self._max_known:
+                self._held.popitem(last=False)
+
+    # --- interface -------------------------------------------------------------------------------
+    def locate(self, keys: Sequence[bytes], leading: bool = False) -> list[int | None]:
+        """Index of the first tier holding each key, or None. Known residency answers first; each
+        tier is then asked once, about the keys still unanswered. With `leading`, only the
+        leading run matters: keys after the first one no tier holds come back None."""
+        where: list[int | None] = [None] * len(keys)
+        with self._meta:
+            for i, key in enumerate(keys):
+                bits = self._held.get(key, 0)
+                if bits:
+                    where[i] = (bits & -bits).bit_length() - 1
+        for index, tier in enumerate(self.tiers):
+            missing = [i for i, w in enumerate(where) if w is None]
+            if not missing:
+                break
+            with self._tier_locks[index]:
+                held = tier.contains([keys[i] for i in missing])
+                # Marked under the tier's lock: an eviction after it unmarks, never before it.
+                self._mark([keys[i] for i, h in zip(missing, held, strict=True) if h], index, True)
+            for i, h in zip(missing, held, strict=True):
+                if h:
+                    where[i] = index
+        if leading:
+            first_miss = next((i for i, w in enumerate(where) if w is None), len(where))
+            where[first_miss:] = [None] * (len(where) - first_miss)
+        return where
+
+    def fetch(self, keys: Sequence[bytes], where: Sequence[int | None] | None = None,
+              promote: bool = False) -> list[bytes | None]:
+        """The verified blob of each key from the tier `where` names (`locate` when not given),
+        one batched `get` per tier. A key a tier turned out not to hold is None and forgotten.
+        With `promote`, blobs found below the first tier are copied into it."""
+        where = self.locate(keys) if where is None else where
+        out: list[bytes | None] = [None] * len(keys)
+        for index, tier in enumerate(self.tiers):
+            positions = [i for i, w in enumerate(where) if w == index]
+            if not positions:
+                continue
+            wanted = [keys[i] for i in positions]
+            with self._tier_locks[index]:
+                blobs = tier.get(wanted)
+            for i, blob in zip(positions, blobs, strict=True):
+                out[i] = blob
+            self._mark([k for k, b in zip(wanted, blobs, strict=True) if b is None], index, False)
+            hits = [(k, b) for k, b in zip(wanted, blobs, strict=True) if b is not None]
+            self._count(self.promotions, tier.name, len(hits))
+            if promote and index > 0 and hits:
+                self.put(hits, 0)
+        return out
+
+    def put(self, items: Sequence[tuple[bytes, bytes]], index: int = 0, demotion: bool = False) -> int:
+        """Store (key, blob) pairs in tier `index`, skipping keys it is known to hold. Returns how
+        many the tier reports stored; with `demotion` they count as demoted into that tier (pages
+        pushed down from above the chain, e.g. the engine's host RAM)."""
+        if not self.tiers:
+            return 0
+        todo = [(k, b) for k, b in items if not self.known_in(k, index)]
+        skipped = len(items) - len(todo)
+        if skipped:
+            with self._meta:
+                self.skipped_puts += skipped
+        if not todo:
+            return 0
+        keys = [k for k, _ in todo]
+        with self._tier_locks[index]:
+            # Marked before the put, under the tier's lock: a key the put itself evicts (a batch
+            # larger than the tier, a blob too big for it) is unmarked by the demoter afterwards.
+            self._mark(keys, index, True)
+            stored = self.tiers[index].put(todo)
+            if not stored:  # nothing stored (a tier that is down, blobs too big): claim nothing
+                self._mark(keys, index, False)
+        if stored and demotion:
+            self._count(self.demotions, self.tiers[index].name, stored)
+        return stored
+
+    def delete(self, keys: Sequence[bytes], index: int) -> None:
+        """Forget `keys` in tier `index` (a blob that failed to decode there)."""
+        with self._tier_locks[index]:
+            self.tiers[index].delete(keys)
+        self._mark(keys, index, False)
+
+    def contains(self, keys: Sequence[bytes], index: int) -> list[bool]:
+        """Ask tier `index` itself (not the residency map), and remember its answer."""
+        with self._tier_locks[index]:
+            held = self.tiers[index].contains(keys)
+            self._mark([k for k, h in zip(keys, held, strict=True) if h], index, True)
+            self._mark([k for k, h in zip(keys, held, strict=True) if not h], index, False)
+        return held
+
+    def items(self, index: int) -> list[tuple[bytes, bytes]]:
+        """Every (key, blob) tier `index` holds, for a tier that lists them (`MemoryTier.items`)."""
+        with self._tier_locks[index]:
+            return list(self.tiers[index].items())
+
+    def stats(self) -> list[TierStats]:
+        """Each tier's own figures with the chain's promotions and demotions filled in."""
+        out = []
+        for index, tier in enumerate(self.tiers):
+            with self._tier_locks[index]:
+                own = tier.stats()
+            with self._meta:
+                out.append(replace(own, promotions=self.promotions[tier.name],
+                                   demotions=self.demotions[tier.name]))
+        return out
+
+    def close(self) -> None:
+        """Close tiers that hold connections or threads (Redis clients, gRPC channels)."""
+        for tier in self.tiers:
+            close = getattr(tier, "close", None)
+            if close is not None:
+                close()
+
+    # --- demotion --------------------------------------------------------------------------------
+    def _demoter(self, index: int) -> EvictCallback:
+        """Tier `index` is dropping these blobs: forget them there and put them one tier down.
+        Runs inside that tier's call, so its lock is held; the next tier's lock is taken after it."""
+        def demote(items: list[tuple[bytes, bytes]]) -> None:
+            self._mark([k for k, _ in items], index, False)
+            if index + 1 < len(self.tiers):
+                self.put(items, index + 1, demotion=True)
+        return demote
+
+    def _count(self, counter: Counter[str], name: str, n: int) -> None:
+        if n:
+            with self._meta:
+                counter[name] += n
