@@ -4,6 +4,7 @@ import sys
 
 import pytest
 
+from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.hf_config import read_hf_config, spec_from_hf_config
 from tiered_cache.model.presets import get_preset, preset_names, preset_spec
 from tiered_cache.model.spec import DType, KVSpec, Layout
@@ -49,9 +50,9 @@ def test_preset_lookup_by_model_id_and_unknown_name():
 
 def test_from_hf_config_gqa_mqa_and_head_dim(tmp_path):
     base = {"num_hidden_layers": 4, "hidden_size": 512, "num_attention_heads": 8}
-    mha = spec_from_hf_config(base)
+    mha = spec_from_hf_config(base, model_id="m")
     assert (mha.num_kv_heads, mha.head_dim) == (8, 64)
-    mqa = spec_from_hf_config({**base, "num_key_value_heads": 1})
+    mqa = spec_from_hf_config({**base, "num_key_value_heads": 1}, model_id="m")
     assert mqa.num_kv_heads == 1 and mqa.bytes_per_token == kv_bytes(4, 1, 64, 2)
     explicit = spec_from_hf_config({**base, "num_key_value_heads": 2, "head_dim": 256,
                                       "torch_dtype": "float32", "_name_or_path": "org/m"})
@@ -60,8 +61,8 @@ def test_from_hf_config_gqa_mqa_and_head_dim(tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({**base, "num_key_value_heads": 2}))
-    assert spec_from_hf_config(folder) == spec_from_hf_config(folder / "config.json")
-    assert spec_from_hf_config(folder).num_kv_heads == 2
+    assert spec_from_hf_config(folder, model_id="m") == spec_from_hf_config(folder / "config.json", model_id="m")
+    assert spec_from_hf_config(folder, model_id="m").num_kv_heads == 2
 
 
 def test_from_hf_config_reads_multimodal_text_config():
@@ -114,6 +115,17 @@ def test_fingerprint_changes_with_every_byte_relevant_field():
     assert len(prints) == len(variants) + 1
     assert KVSpec("m", 2, 2, 64).fingerprint == base.fingerprint
     assert len(bytes.fromhex(base.fingerprint)) == 32
+
+
+def test_kv_dtype_and_layout_change_every_page_key():
+    # Same model and tokens, but the page bytes differ: no page may be shared.
+    tokens = list(range(64))
+    base = KVSpec("org/m@rev", 2, 2, 64)
+    keys = PageKeyer(base, "t").keys(tokens)
+    assert len(keys) == 4 and keys == PageKeyer(KVSpec("org/m@rev", 2, 2, 64), "t").keys(tokens)
+    for other in (base.with_options(dtype=DType.BF16), base.with_options(dtype=DType.FP32),
+                  base.with_options(layout=Layout.HND)):
+        assert not set(PageKeyer(other, "t").keys(tokens)) & set(keys), other
 
 
 def test_fingerprint_is_equal_in_another_process():

@@ -54,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
         return _list_presets()
     if args.hf_config:
         config = read_hf_config(args.hf_config)
-        spec = spec_from_hf_config(args.hf_config, dtype=args.dtype, page_size=args.page_size)
+        # Only sizes: this spec never keys a page, so it needs no identity of the weights.
+        spec = spec_from_hf_config(args.hf_config, model_id="sizing-only", dtype=args.dtype,
+                                   page_size=args.page_size)
         label = config.model_id
     else:
         preset = get_preset(args.model)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tiered_cache.cache import TieredCache
+from tiered_cache.integrations.model_identity import derived_model_id
 from tiered_cache.model.hf_config import spec_from_hf_config
 from tiered_cache.model.spec import DType, KVSpec
 
@@ -39,10 +40,16 @@ class GenerationResult:
 
 def spec_for(model: Any, dtype: DType | str = DType.FP16, page_size: int = 16,
              model_id: str | None = None) -> KVSpec:
-    """The KVSpec of a transformers model's KV, stored as `dtype`."""
-    config = model.config.to_dict()
-    return spec_from_hf_config(config, model_id=model_id or config.get("_name_or_path") or "hf-model",
-                                 dtype=dtype, page_size=page_size)
+    """The KVSpec of a transformers model's KV, stored as `dtype`.
+
+    `model_id` names the weights (e.g. a Hub repo id plus revision). Without it the id is
+    derived from the weights themselves, `"<model_type>@weights:<hash>"` (see
+    `derived_model_id`), never from the folder it was loaded from: a fine-tune does not share
+    pages with its base, and one checkpoint shares them from any folder or process.
+    Raises ValueError if the weights are not loaded (meta device) and no `model_id` is given.
+    """
+    return spec_from_hf_config(model.config.to_dict(), model_id=model_id or derived_model_id(model),
+                               dtype=dtype, page_size=page_size)
 
 
 def kv_of_cache(cache: Any) -> torch.Tensor:

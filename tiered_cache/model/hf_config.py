@@ -70,8 +70,15 @@ def _positive_int(cfg: dict[str, Any], key: str, source: str, default: int | Non
 
 
 def read_hf_config(config: dict[str, Any] | str | Path) -> HFModelConfig:
-    """Parse a config (dict, `config.json` path, or model folder). Raises ValueError naming the bad key."""
-    cfg, source = _load(config)
+    """Parse a config (dict, `config.json` path, or model folder). Raises ValueError naming the bad key.
+
+    `model_id` here is a display name for sizing (`_name_or_path`, else `model_type`), not an
+    identity: `spec_from_hf_config` does not fall back to it.
+    """
+    return _parse(*_load(config))
+
+
+def _parse(cfg: dict[str, Any], source: str) -> HFModelConfig:
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the LM config inside
         cfg = {**cfg["text_config"], "_name_or_path": cfg.get("_name_or_path", "")}
     layers = _positive_int(cfg, "num_hidden_layers", source)
@@ -114,9 +121,21 @@ def spec_from_hf_config(config: dict[str, Any] | str | Path, *, model_id: str | 
     GQA/MQA come from `num_key_value_heads` (absent means one KV head per attention head);
     `head_dim` is used when given, else `hidden_size // num_attention_heads`. Multimodal configs
     with a `text_config` use that. The KV dtype defaults to the config's `torch_dtype`/`dtype`.
-    `model_id` names the weights (see `KVSpec`); without it the config's `_name_or_path` is used.
+    `model_id` names the weights (see `KVSpec`): pages are shared only between equal ids, so it
+    must differ whenever the weights do. Without it the config's `_name_or_path` is used; a
+    config without one raises ValueError rather than guess (`model_type` names an architecture,
+    not weights: a base model and its fine-tune would share pages).
     """
-    hf = read_hf_config(config)
-    return KVSpec(model_id=model_id or hf.model_id, num_layers=hf.num_layers, num_kv_heads=hf.num_kv_heads,
+    cfg, source = _load(config)
+    hf = _parse(cfg, source)
+    model_id = model_id if model_id is not None else str(cfg.get("_name_or_path") or "")
+    if not model_id:
+        raise ValueError(
+            f"{source}: no model identity (no model_id and no _name_or_path); pass model_id=... naming "
+            "the weights, e.g. the Hub repo id plus revision ('meta-llama/Llama-3.1-8B@<commit>'), or "
+            "build the spec from the loaded model with tiered_cache.integrations.transformers.spec_for(model), "
+            "which hashes its weights")
+    return KVSpec(model_id=model_id, num_layers=hf.num_layers, num_kv_heads=hf.num_kv_heads,
                   head_dim=hf.head_dim, dtype=DType.parse(dtype) if dtype is not None else hf.dtype,
                   page_size=page_size, layout=layout)
+
