@@ -28,6 +28,7 @@ def push_down(cache: TieredCache, tier: str) -> None:
     """Leave the cached pages only in `tier` (device, host, disk) before the next request."""
     if tier == "device":
         return
+    cache.flush()  # write-through copies run in the background
     cache.evict()
     if tier in ("disk", "remote"):
         cache.host.delete(list(cache.host.index))

@@ -25,6 +25,7 @@ def main() -> None:
     if role == "put":
         kv = torch.randn(SPEC.kv_shape(len(TOKENS)), generator=torch.Generator().manual_seed(1)).half()
         stored = cache.put(TOKENS, kv)
+        cache.close()  # finishes the background write-through to the store
         torch.save(kv, workdir / "kv_a.pt")
         print(json.dumps({"stored": stored}))
         return

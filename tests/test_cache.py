@@ -1,4 +1,3 @@
-import numpy as np
 import pytest
 import torch
 
@@ -69,6 +68,7 @@ def test_device_eviction_demotes_to_host_and_a_hit_promotes_back():
 def test_write_through_copies_to_host_at_once():
     c = cache(write_policy=WritePolicy.WRITE_THROUGH)
     c.put(list(range(8)), kv_for(8))
+    assert c.flush(timeout=30)  # the copy runs in the background, off the request path
     assert c.host.stats().pages == 2
 
 
@@ -80,17 +80,15 @@ def test_paged_api_lifecycle_and_fragmentation():
     assert h.num_device_pages == 2
     prefix = c.load(h)
     assert len(prefix) == 2
-    suffix_pages = c.allocate(h, 2)  # tokens 8..9 go into one new page, 2 of 4 slots unused
+    c.allocate(h, 2)  # tokens 8..9 go into one new page, 2 of 4 slots unused
     assert c.stats().pool.unused_slots == 2
-    c.pool.store(c.pool.slots(suffix_pages, 2), kv[:, :, 8:10])
+    c.write(h, kv[:, :, 8:10])
     assert c.commit(h, prompt) == 0  # no new full page yet
     more = list(range(10, 16))
     kv_more = kv_for(6, seed=9)
     pages = c.allocate(h, 6)  # 2 more tokens fill page 3, 4 more go into page 4
     assert len(pages) == 1 and c.stats().pool.unused_slots == 0
-    all_own = np.concatenate([suffix_pages, pages])
-    slots = c.pool.slots(all_own, 8)
-    c.pool.store(slots[2:], kv_more)
+    c.write(h, kv_more)
     full_kv = torch.cat([kv, kv_more], dim=2)
     assert c.commit(h, prompt + more) == 8
     c.release(h)
@@ -124,8 +122,13 @@ def test_locked_prefix_is_never_evicted_and_exhaustion_is_an_error():
     tokens, kv = list(range(16)), kv_for(16)
     c.put(tokens, kv)
     h = c.match(tokens)
+    assert c.put(list(range(100, 108)), kv_for(8)) == 0  # no room: nothing stored, nothing raised
+    other = c.match(list(range(200, 208)))
     with pytest.raises(PoolExhaustedError):
-        c.put(list(range(100, 108)), kv_for(8))
+        c.allocate(other, 8)  # the paged API says so: the engine must wait or preempt
+    c.release(other)
+    n, got = c.get(tokens)
+    assert n == 16 and torch.equal(got, kv)  # the locked prefix is intact
     c.release(h)
     assert c.put(list(range(100, 108)), kv_for(8)) == 8
     c.check_integrity()
@@ -157,6 +160,7 @@ def test_close_releases_lower_tier_connections(tmp_path):
                           remote_addresses=[store.address], write_policy="write_through")
         with TieredCache(SPEC, cfg) as c:
             c.put(list(range(8)), kv_for(8))
+            assert c.flush(timeout=30)  # write-through runs in the background
             remote = c.lower[0]
             assert remote.contains_prefix(c._keyer("").keys(list(range(8)))) == 2
         assert remote._checker._shutdown  # the helper thread pool is gone

@@ -38,6 +38,7 @@ def test_fill_until_pages_reach_redis_then_get_everything_back(tmp_path, redis_s
     for tokens, kv in data:
         assert cache.put(tokens, kv) == PROMPT
         cache.check_integrity()
+    assert cache.flush(timeout=60)  # demotion below host RAM is write-behind
     st = cache.stats()
     assert st.tier("device").evictions > 0 and st.tier("host").demotions > 0
     assert st.tier("disk").demotions > 0 and st.tier("redis").demotions > 0, "pages must reach Redis"
@@ -54,7 +55,9 @@ def test_fill_until_pages_reach_redis_then_get_everything_back(tmp_path, redis_s
             assert torch.equal(got, kv), f"{codec.value}: KV came back different"
         cache.check_integrity()
     st = cache.stats()
-    assert st.tier("redis").promotions > 0 and st.tier("disk").promotions > 0
+    # Which lower tier serves a page depends on how far the write-behind demotions triggered by
+    # these very reads have got; that pages came back up from below, byte-exact, is what matters.
+    assert st.tier("redis").promotions + st.tier("disk").promotions > 0
     assert st.tier("host").promotions > 0
     assert all(t.errors == 0 and t.corrupt == 0 for t in st.tiers)
 
@@ -64,6 +67,7 @@ def test_corrupt_and_foreign_blobs_below_are_misses_never_wrong_kv(tmp_path, red
     data = prompts(6)
     for tokens, kv in data:
         cache.put(tokens, kv)
+    assert cache.flush(timeout=60)  # let the write-behind settle before tampering with the disk
     disk = cache.lower[0]
     # One victim page in each of two prompts (a bad page ends its prompt's prefix, hiding later ones).
     by_prompt = [[k for k in cache._keyer("").keys(t) if k in disk.index] for t, _ in data]

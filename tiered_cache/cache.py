@@ -1,16 +1,29 @@
 """`TieredCache`: the one object an inference engine talks to.
 
-Device pool (indexed by the radix tree) -> host RAM (decoded pages) -> lower tiers (blobs: disk,
-Redis, later a remote store), in that order. Eviction is demotion one tier down; a hit below the
-device is promoted back up (into host RAM and the device pool). Everything is single-threaded:
-one engine thread drives a cache.
+Device pool (indexed by the radix tree) -> host RAM (decoded pages) -> a `TierChain` of blob
+tiers (disk, Redis, remote stores). The request path does only what the request needs:
+
+- `match` walks the tree and asks the tiers below once (host RAM, then each lower tier at most
+  once) how far the prefix continues; `prefetch` starts bringing those pages up in the background
+  and `load` waits only for what has not arrived. A page from below is copied twice: decoded (or
+  copied from host RAM) into reused staging memory, then scattered into its device page.
+- `commit` inserts only pages whose every token was written (`write` / `mark_written`).
+- Demotion is write-behind: above `high_watermark` a background thread moves cold pages device ->
+  host until `low_watermark`; host RAM evictions are encoded and put below by another background
+  thread through a bounded queue (full: dropped and counted). An allocation that finds the pool
+  full still evicts inline, but only copies device -> host there.
+
+Thread safety: one lock guards tree, pool and host-RAM metadata (and host-RAM copies, which are
+memory); lower-tier I/O, encoding and decoding run outside it. A handle is used by one thread at
+a time; several threads may use the cache at once.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -18,51 +31,43 @@ import torch
 
 from tiered_cache.cache_stats import CacheStats, Movements, PoolFigures
 from tiered_cache.config import CacheConfig, LowerTier, WritePolicy
+from tiered_cache.demotion import BackgroundQueue
 from tiered_cache.device.pool import PagePool, check_tensor
 from tiered_cache.errors import PoolExhaustedError
+from tiered_cache.handle import HOST, CacheHandle, Prefetch
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.index.radix import RadixTree
 from tiered_cache.index.radix_node import EvictedNode, RadixNode, Tier
 from tiered_cache.index.tokens import as_token_array
 from tiered_cache.model.spec import DType, KVSpec
+from tiered_cache.staging import StagingBuffers
 from tiered_cache.tiers.base import BlobTier, TierStats
+from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.codec import BlobError, decode_page, encode_page
 from tiered_cache.tiers.host import HostTier
 from tiered_cache.tiers.memtune import tune_malloc
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
+_MAX_REPLANS = 3  # times one fetch looks again for pages that moved down while it ran
+_DEMOTION_BATCH = 64  # pages the background demoter moves per pass of the lock
 
 
 @dataclass
-class CacheHandle:
-    """A request's hold on the cache, from `match` to `release`.
+class Fetched:
+    """Pages brought up from below into a leased staging buffer: the first `n` are valid."""
 
-    Ownership of device pages: `device_pages` are the prefix's pages, owned by the tree and kept
-    alive by the lock on `node`; `own_pages` were allocated for this request's suffix and belong
-    to it until `commit` hands the full ones to the tree. `release` frees what it still owns.
-    """
-
-    namespace: str
-    keys: list[bytes]
-    node: RadixNode
-    device_pages: np.ndarray
-    available_pages: int  # pages found in any tier when matched (device ones included)
-    own_pages: list[int] = field(default_factory=list)
-    own_tokens: int = 0  # tokens the suffix pages were allocated for
-    released: bool = False
-    sources: Counter[str] = field(default_factory=Counter)  # tier name -> prefix pages it supplied
-
-    @property
-    def num_device_pages(self) -> int:
-        return len(self.device_pages)
+    buffer: torch.Tensor
+    n: int
+    tiers: list[str]  # the tier that supplied each of the n pages
 
 
 class TieredCache:
     """KV cache over a device page pool, host RAM and optional lower tiers.
 
-    Tensor API: `put`, `get`, `lookup`. Paged API: `match` -> `load` -> `allocate` -> (engine
-    writes K/V with `pool.store`) -> `commit` -> `release`. KV tensors use the shapes of DESIGN.md
-    §6; tokens are 1-D integer sequences; `namespace` defaults to the config's.
+    Tensor API: `put`, `get`, `lookup`. Paged API: `match` -> (`prefetch`) -> `load` ->
+    `allocate` -> engine writes K/V (`write`, or into `pool.kv` then `mark_written`) -> `commit`
+    -> `release`. KV tensors use the shapes of DESIGN.md §6; tokens are 1-D integer sequences;
+    `namespace` defaults to the config's.
     """
 
     def __init__(self, spec: KVSpec, config: CacheConfig | None = None,
@@ -73,18 +78,30 @@ class TieredCache:
             raise ValueError("the int8 codec needs fp16, bf16 or fp32 KV")
         if self.config.malloc_tuning:
             tune_malloc()
-        self.pool = PagePool.with_capacity(spec, self.config.pool_capacity, self.config.device)
+        # Normal tensors even when built under torch.inference_mode(): background threads (not in
+        # inference mode) write into the pool and the host slab too.
+        with torch.inference_mode(False):
+            self.pool = PagePool.with_capacity(spec, self.config.pool_capacity, self.config.device)
+            self.host = HostTier(spec, self.config.host_capacity, on_evict=self._host_evicted)
         self.tree = RadixTree(self.config.eviction_policy)
-        self.host = HostTier(spec, self.config.host_capacity, on_evict=self._demote_from_host)
-        self.lower: list[BlobTier] = list(lower) if lower is not None else self._build_lower_tiers()
-        for i, tier in enumerate(self.lower):
-            if hasattr(tier, "on_evict"):
-                tier.on_evict = self._demoter(i + 1)
+        self.chain = TierChain(list(lower) if lower is not None else self._build_lower_tiers())
+        self.lower: list[BlobTier] = self.chain.tiers
         self.moves = Movements()
+        self._lock = threading.RLock()
         self._keyers: dict[str, PageKeyer] = {}
         self._device = TierStats("device", capacity_bytes=self.pool.num_pages * spec.bytes_per_page)
         self._unused_slots = 0
-        self._staging_buffer: torch.Tensor | None = None
+        self._staging = StagingBuffers(spec, pin=self.pool.kv.device.type == "cuda")
+        self._demoter = BackgroundQueue("demoter", capacity=max(2, self.config.demotion_queue))
+        self._writer = BackgroundQueue("lower-writer", capacity=self.config.demotion_queue)
+        self._demotion_pending = False
+        # Pages host RAM dropped that are queued for the tiers below: still served from here
+        # until the put is done, so write-behind never opens a window of misses.
+        self._in_flight: dict[bytes, torch.Tensor] = {}
+        self._prefetch_slots = threading.BoundedSemaphore(self.config.max_prefetches)
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._prefetch_declined = 0
+        self._closed = False
 
     def _build_lower_tiers(self) -> list[BlobTier]:
         cfg = self.config
@@ -109,42 +126,56 @@ class TieredCache:
     def put(self, tokens: Any, kv: torch.Tensor, namespace: str | None = None) -> int:
         """Cache the KV of `tokens` (shape (layers, 2, len(tokens), kv_heads, head_dim)).
 
-        Only full pages are cached. Returns how many tokens were newly stored (pages already
-        cached on the device are skipped). Raises KVShapeError, TypeError or ValueError for bad
-        input before anything changes.
+        Only full pages are cached; when the pool cannot hold them all, the leading pages that fit
+        are. Returns how many tokens were newly stored (pages already on the device are skipped).
+        Raises KVShapeError, TypeError or ValueError for bad input before anything changes.
         """
         ns = self._ns(namespace)
         toks = as_token_array(tokens)
         self._check_kv(kv, len(toks))
         keys = self._keyer(ns).keys(toks)
-        match = self.tree.match_prefix(keys, ns)
-        n_new = len(keys) - match.num_pages
-        if n_new == 0:
-            return 0
-        self.tree.lock(match.node)  # keep the prefix on the device while room is made
+        ps = self.spec.page_size
+        with self._lock:
+            match = self.tree.match_prefix(keys, ns)
+            if match.num_pages == len(keys):
+                return 0
+            self.tree.lock(match.node)  # keep the prefix on the device while room is made
+            try:
+                pages = self._allocate_fitting(len(keys) - match.num_pages)
+            except BaseException:
+                self.tree.unlock(match.node)
+                raise
+        n = len(pages)
+        start = match.num_pages
         try:
-            pages = self._allocate(n_new)
-            ps = self.spec.page_size
-            self.pool.store(self.pool.slots(pages, n_new * ps), kv[:, :, match.num_pages * ps:len(keys) * ps])
-            self._device.bytes_in += n_new * self.spec.bytes_per_page
-            node, _, dup = self._adopt(ns, keys, match.values, pages, Tier.DEVICE)
-            self._after_insert(node, keys[match.num_pages + dup:], pages[dup:])
-        finally:
+            if n:  # the pages are ours until adopted: the copy needs no lock
+                self.pool.store(self.pool.slots(pages, n * ps), kv[:, :, start * ps:(start + n) * ps])
+        except BaseException:
+            with self._lock:
+                self.pool.free(pages)
+                self.tree.unlock(match.node)
+            raise
+        with self._lock:
             self.tree.unlock(match.node)
-        return n_new * ps
+            if not n:
+                return 0
+            self._device.bytes_in += n * self.spec.bytes_per_page
+            _, _, dup = self._adopt(ns, keys[:start + n], match.values, pages)
+            self._after_insert(ns, keys[:start + n], n - dup)
+        return (n - dup) * ps
 
     def lookup(self, tokens: Any, namespace: str | None = None) -> int:
         """How many leading tokens are cached in any tier (whole pages; nothing is moved)."""
         ns = self._ns(namespace)
         keys = self._keyer(ns).keys(as_token_array(tokens))
-        on_device = self.tree.match_prefix(keys, ns).num_pages
-        return (on_device + self._probe_below(keys[on_device:])) * self.spec.page_size
+        with self._lock:
+            on_device = self.tree.match_prefix(keys, ns).num_pages
+            in_host = [k in self.host.index or k in self._in_flight for k in keys[on_device:]]
+        return (on_device + len(self._plan(keys[on_device:], in_host))) * self.spec.page_size
 
     def get(self, tokens: Any, namespace: str | None = None) -> tuple[int, torch.Tensor]:
-        """The longest cached prefix of `tokens`: (n tokens, KV of shape (layers, 2, n, heads, dim)).
-
-        Pages found below the device are promoted (into host RAM and the device pool) first.
-        """
+        """The longest cached prefix of `tokens` that fits on the device: (n tokens, KV of shape
+        (layers, 2, n, heads, dim)). Pages found below the device are promoted first."""
         handle = self.match(tokens, namespace)
         try:
             pages = self.load(handle)
@@ -155,112 +186,233 @@ class TieredCache:
 
     # --- paged API -------------------------------------------------------------------------------
     def match(self, tokens: Any, namespace: str | None = None) -> CacheHandle:
-        """Find the cached prefix and lock its device pages. Pages found only in lower tiers are
-        counted in `available_pages`; `load` brings them to the device."""
+        """Find the cached prefix and lock its device pages. Pages found only below the device
+        (host RAM, lower tiers: each asked once) are counted in `available_pages` and planned for
+        `prefetch` / `load`."""
         ns = self._ns(namespace)
         keys = self._keyer(ns).keys(as_token_array(tokens))
-        result = self.tree.match_prefix(keys, ns)
-        self._count_device(result.num_pages, len(keys))
-        self.tree.lock(result.node)
-        below = self._probe_below(keys[result.num_pages:])
-        handle = CacheHandle(ns, keys, result.node, result.values, result.num_pages + below)
+        with self._lock:
+            self._check_open()
+            result = self.tree.match_prefix(keys, ns)
+            self._count_device(result.num_pages, len(keys))
+            self.tree.lock(result.node)
+            in_host = [k in self.host.index or k in self._in_flight for k in keys[result.num_pages:]]
+        try:
+            plan = self._plan(keys[result.num_pages:], in_host)
+        except BaseException:
+            with self._lock:
+                self.tree.unlock(result.node)
+            raise
+        handle = CacheHandle(self, ns, self.spec.page_size, keys, result.node, result.values,
+                             result.num_pages + len(plan), plan)
         handle.sources["device"] = result.num_pages
         return handle
 
+    def prefetch(self, handle: CacheHandle) -> bool:
+        """Start bringing the handle's pages below the device up into staging memory in the
+        background; `load` then waits only for what has not arrived. Returns False (and `load`
+        fetches inline) when there is nothing below or `max_prefetches` are already in flight.
+        `release` cancels a prefetch that is still running."""
+        with self._lock:
+            self._check_live(handle)
+            if handle.prefetch is not None:
+                return True
+            start = handle.num_device_pages
+            wanted, plan = handle.keys[start:handle.available_pages], handle.plan[:handle.available_pages - start]
+            if not wanted:
+                return False
+            if not self._prefetch_slots.acquire(blocking=False):
+                self._prefetch_declined += 1
+                return False
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(self.config.prefetch_workers,
+                                                      thread_name_prefix="tiered-cache-prefetch")
+            cancel = threading.Event()
+
+            def job() -> Fetched:
+                try:
+                    return self._fetch(wanted, plan, cancel)
+                finally:
+                    self._prefetch_slots.release()
+
+            handle.prefetch = Prefetch(self._prefetcher.submit(job), cancel)
+        return True
+
     def load(self, handle: CacheHandle) -> np.ndarray:
-        """Promote the handle's pages found below the device into device pages; returns all the
-        prefix's device pages, in order. Pages that turn out missing or corrupt end the prefix."""
-        self._check_live(handle)
-        start = handle.num_device_pages
-        wanted = handle.keys[start:handle.available_pages]
-        staging = self._fetch_below(wanted, handle.sources)
-        if staging is None:
-            handle.available_pages = start
+        """Bring the handle's pages found below the device into device pages; returns all the
+        prefix's device pages, in order. Pages that turn out missing or corrupt end the prefix,
+        and so does a full pool: the prefix then ends where the room did (the engine computes
+        the rest). Never raises PoolExhaustedError."""
+        with self._lock:
+            self._check_live(handle)
+            start = handle.num_device_pages
+            wanted, plan = handle.keys[start:handle.available_pages], handle.plan[:handle.available_pages - start]
+            if wanted and handle.own_pages:
+                raise ValueError("load() after allocate(): the pages allocated for the suffix would no longer "
+                                 "follow the prefix; call load() before allocate()")
+            pending, handle.prefetch = handle.prefetch, None
+        if not wanted:
             return handle.device_pages
-        n = staging.shape[0]
-        pages = self._allocate(n)
-        self.pool.scatter(pages, staging)
-        self._device.bytes_in += n * self.spec.bytes_per_page
-        node, all_pages, _ = self._adopt(handle.namespace, handle.keys[:start + n], handle.device_pages, pages,
-                                         Tier.DEVICE | Tier.HOST)
-        self._move_lock(handle, node)
-        handle.device_pages = all_pages
-        handle.available_pages = start + n
-        return handle.device_pages
+        fetched = None
+        if pending is not None:
+            try:
+                fetched = pending.future.result()
+            except Exception:  # a failed prefetch is retried inline, never surfaced as an error
+                fetched = None
+        if fetched is None:
+            fetched = self._fetch(wanted, plan)
+        try:
+            return self._install(handle, start, fetched)
+        finally:
+            self._staging.give_back(fetched.buffer)
 
     def allocate(self, handle: CacheHandle, num_tokens: int) -> np.ndarray:
         """Room for `num_tokens` more tokens after those the handle already has pages for: fills the
         free slots of its last page first, then allocates new device pages (evicting if needed).
         Returns only the new pages. Raises PoolExhaustedError when eviction cannot make room."""
-        self._check_live(handle)
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must not be negative, got {num_tokens}")
-        needed = self.spec.pages_for_tokens(handle.own_tokens + num_tokens) - len(handle.own_pages)
-        pages = self._allocate(max(0, needed))
-        self._unused_slots -= self._handle_unused(handle)
-        handle.own_pages.extend(pages.tolist())
-        handle.own_tokens += num_tokens
-        self._unused_slots += self._handle_unused(handle)
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
+        with self._lock:
+            self._check_live(handle)
+            needed = self.spec.pages_for_tokens(handle.own_tokens + num_tokens) - len(handle.own_pages)
+            pages = self._allocate(max(0, needed))
+            self._unused_slots -= self._handle_unused(handle)
+            handle.own_pages.extend(pages.tolist())
+            handle.own_tokens += int(num_tokens)
+            self._unused_slots += self._handle_unused(handle)
+            self._maybe_demote()
         return pages
 
-    def commit(self, handle: CacheHandle, tokens: Any) -> int:
-        """Insert the full pages of `tokens` (the prefix and the suffix the engine wrote into the
-        handle's own pages). Returns the number of tokens newly cached."""
-        self._check_live(handle)
-        keys = self._keyer(handle.namespace).keys(as_token_array(tokens))
-        start = handle.num_device_pages
-        if keys[:start] != handle.keys[:start]:
-            raise ValueError("commit() tokens do not start with the prefix this handle matched")
-        n_new = min(len(keys) - start, len(handle.own_pages))
-        if n_new <= 0:
-            return 0
-        new_pages = np.array(handle.own_pages[:n_new], dtype=np.int64)
-        self._unused_slots -= self._handle_unused(handle)
-        del handle.own_pages[:n_new]  # from here on the tree owns them (or they are freed as duplicates)
-        handle.own_tokens = max(0, handle.own_tokens - n_new * self.spec.page_size)
-        self._unused_slots += self._handle_unused(handle)
-        node, all_pages, dup = self._adopt(handle.namespace, keys[:start + n_new], handle.device_pages,
-                                           new_pages, Tier.DEVICE)
-        self._after_insert(node, keys[start + dup:start + n_new], new_pages[dup:])
-        self._move_lock(handle, node)
-        handle.keys, handle.device_pages = keys, all_pages
-        return (n_new - dup) * self.spec.page_size
+    def write(self, handle: CacheHandle, kv: torch.Tensor) -> None:
+        """Write the KV of the handle's next `kv.shape[2]` tokens (tensor-API shape) into its own
+        pages, after the tokens already written, and count them as written."""
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 5:
+            raise ValueError(f"write() needs a (layers, 2, tokens, kv_heads, head_dim) tensor, got "
+                             f"{getattr(kv, 'shape', type(kv).__name__)}")
+        n = int(kv.shape[2])
+        self._check_kv(kv, n)
+        with self._lock:
+            self._check_writable(handle, n)
+            slots = self.pool.slots(np.array(handle.own_pages, dtype=np.int64), handle.own_written + n)
+        self.pool.store(slots[handle.own_written:], kv)  # the handle's own pages: no lock needed
+        handle.own_written += n
+
+    def mark_written(self, handle: CacheHandle, num_tokens: int) -> None:
+        """Record that the engine wrote the KV of the handle's next `num_tokens` tokens itself
+        (into `pool.kv`, at `pool.slots(handle.own_pages, ...)`). Only written tokens are ever
+        committed. Raises ValueError past the tokens allocated."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
+        with self._lock:
+            self._check_writable(handle, int(num_tokens))
+            handle.own_written += int(num_tokens)
+
+    def commit(self, handle: CacheHandle, tokens: Any, num_written: int | None = None) -> int:
+        """Insert the full pages of `tokens` whose KV was written: the matched prefix and the
+        suffix the engine wrote into the handle's own pages (`write` / `mark_written`).
+
+        `num_written` (default: everything the handle knows was written) is how many leading
+        tokens of `tokens` to commit; a partly written page is never inserted. Committing tokens
+        that were not written is a ValueError, and so are tokens that do not start with the
+        handle's prefix. Returns the number of tokens newly cached.
+        """
+        ns_tokens = as_token_array(tokens)
+        with self._lock:
+            self._check_live(handle)
+            written = handle.written_tokens
+            if num_written is None:
+                if len(ns_tokens) > written:
+                    raise ValueError(f"commit() got {len(ns_tokens)} tokens but only {written} were written "
+                                     f"(write()/mark_written()); pass num_written={written} to commit the "
+                                     f"written part")
+                num_written = len(ns_tokens)
+            if isinstance(num_written, bool) or not isinstance(num_written, (int, np.integer)) or num_written < 0:
+                raise ValueError(f"num_written must be a non-negative integer, got {num_written!r}")
+            if num_written > written:
+                raise ValueError(f"commit(num_written={num_written}) but only {written} tokens of this handle "
+                                 f"were written ({handle.prefix_tokens} matched + {handle.own_written} written)")
+            if num_written > len(ns_tokens):
+                raise ValueError(f"commit(num_written={num_written}) but only {len(ns_tokens)} tokens were given")
+            keys = self._keyer(handle.namespace).keys(ns_tokens[:num_written])
+            start = handle.num_device_pages
+            if keys[:start] != handle.keys[:min(start, len(keys))]:
+                raise ValueError("commit() tokens do not start with the prefix this handle matched")
+            n_new = min(len(keys) - start, len(handle.own_pages))
+            if n_new <= 0:
+                return 0
+            new_pages = np.array(handle.own_pages[:n_new], dtype=np.int64)
+            self._unused_slots -= self._handle_unused(handle)
+            del handle.own_pages[:n_new]  # from here on the tree owns them (or they are freed as duplicates)
+            moved = n_new * self.spec.page_size
+            handle.own_tokens -= moved
+            handle.own_written -= moved
+            self._unused_slots += self._handle_unused(handle)
+            node, all_pages, dup = self._adopt(handle.namespace, keys[:start + n_new], handle.device_pages,
+                                               new_pages)
+            self._move_lock(handle, node)
+            handle.keys, handle.device_pages = keys, all_pages
+            handle.available_pages = len(all_pages)
+            handle.plan = []
+            self._after_insert(handle.namespace, keys[:start + n_new], n_new - dup)
+            return (n_new - dup) * self.spec.page_size
 
     def release(self, handle: CacheHandle) -> None:
-        """Unlock the prefix and free the pages the handle still owns (e.g. a partial last page)."""
-        self._check_live(handle)
-        self.tree.unlock(handle.node)
-        self._unused_slots -= self._handle_unused(handle)
-        if handle.own_pages:
-            self.pool.free(np.array(handle.own_pages, dtype=np.int64))
-        handle.own_pages.clear()
-        handle.released = True
+        """Unlock the prefix, cancel a prefetch still running, and free the pages the handle still
+        owns (e.g. a partial last page). Raises ValueError for a handle of another cache or one
+        released already."""
+        with self._lock:
+            self._check_live(handle)
+            self.tree.unlock(handle.node)
+            self._unused_slots -= self._handle_unused(handle)
+            if handle.own_pages:
+                self.pool.free(np.array(handle.own_pages, dtype=np.int64))
+            handle.own_pages.clear()
+            handle.own_tokens = handle.own_written = 0
+            handle.released = True
+            pending, handle.prefetch = handle.prefetch, None
+        if pending is not None:
+            pending.cancel.set()
+            pending.future.add_done_callback(self._return_prefetch_buffer)
 
     def evict(self, num_pages: int | None = None) -> int:
         """Move up to `num_pages` unlocked device pages (all when None) down to host RAM, least
         recently used first, freeing them in the pool. Returns how many pages were moved."""
-        evicted = self.tree.evict(self.tree.size_info().evictable if num_pages is None else num_pages)
-        self._demote_from_device(evicted)
-        return sum(len(node.keys) for node in evicted)
+        with self._lock:
+            evicted = self.tree.evict(self.tree.size_info().evictable if num_pages is None else num_pages)
+            self._demote_now(evicted)
+            return sum(len(node.keys) for node in evicted)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the background demotions and lower-tier writes queued so far are done
+        (tests, benches, a clean shutdown). False if `timeout` passed first."""
+        return self._demoter.flush(timeout) and self._writer.flush(timeout)
 
     # --- statistics ------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
-        usage = self.pool.usage()
-        size = self.tree.size_info()
-        device = self._device
-        device.pages, device.used_bytes = size.total, size.total * self.spec.bytes_per_page
-        tiers = [device, self.moves.apply(self.host.stats())]
-        tiers += [self.moves.apply(t.stats()) for t in self.lower]
-        pool = PoolFigures(usage.total_pages, usage.used_pages, usage.free_pages, usage.page_bytes,
-                           self._unused_slots)
-        return CacheStats(tiers, pool, self.spec.page_size, self.tree.num_nodes, size.evictable, size.protected)
+        with self._lock:
+            usage = self.pool.usage()
+            size = self.tree.size_info()
+            device = replace(self._device, pages=size.total, used_bytes=size.total * self.spec.bytes_per_page)
+            tiers = [device, self.moves.apply(self.host.stats())]
+            pool = PoolFigures(usage.total_pages, usage.used_pages, usage.free_pages, usage.page_bytes,
+                               self._unused_slots)
+            nodes = self.tree.num_nodes
+        for tier in self.chain.stats():
+            tiers.append(replace(tier, corrupt=tier.corrupt + self.moves.refused[tier.name]))
+        queues = [self._demoter.figures(), self._writer.figures()]
+        return CacheStats(tiers, pool, self.spec.page_size, nodes, size.evictable, size.protected, queues,
+                          self._prefetch_declined, self.chain.skipped_puts)
 
     def close(self) -> None:
-        """Close the lower tiers' connections (Redis clients, gRPC channels, helper threads)."""
-        for tier in self.lower:
-            close = getattr(tier, "close", None)
-            if close is not None:
-                close()
+        """Finish queued background work, then close the lower tiers' connections."""
+        if self._closed:
+            return
+        self._demoter.close()  # runs what is queued first (it may queue writes below)
+        self._writer.close()
+        self._closed = True
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        self.chain.close()
 
     def __enter__(self) -> TieredCache:
         return self
@@ -270,15 +422,17 @@ class TieredCache:
 
     def check_integrity(self) -> None:
         """Tree and pool invariants, and every tree page allocated in the pool."""
-        self.tree.check_integrity()
-        self.pool.check_integrity()
-        held = self.tree.size_info().total
-        if held > self.pool.usage().used_pages:
-            raise AssertionError(f"the tree holds {held} pages but only {self.pool.usage().used_pages} are in use")
+        with self._lock:
+            self.tree.check_integrity()
+            self.pool.check_integrity()
+            held = self.tree.size_info().total
+            if held > self.pool.usage().used_pages:
+                raise AssertionError(f"the tree holds {held} pages but only {self.pool.usage().used_pages} "
+                                     "are in use")
 
-    # --- ownership ---------------------------------------------------------------------------------
-    def _adopt(self, ns: str, keys: list[bytes], prefix_pages: np.ndarray, new_pages: np.ndarray,
-               residency: Tier) -> tuple[RadixNode, np.ndarray, int]:
+    # --- ownership (call with the lock held) ------------------------------------------------------
+    def _adopt(self, ns: str, keys: list[bytes], prefix_pages: np.ndarray,
+               new_pages: np.ndarray) -> tuple[RadixNode, np.ndarray, int]:
         """Insert `keys` held in `prefix_pages` + `new_pages` and hand the new pages to the tree.
 
         Another request may have cached some of the same pages meanwhile (two handles that
@@ -286,7 +440,7 @@ class TieredCache:
         Returns the node ending at the last key, the tree's pages for all keys, and the number
         of duplicates (the leading new pages the tree already had).
         """
-        inserted = self.tree.insert(keys, np.concatenate([prefix_pages, new_pages]), ns, residency)
+        inserted = self.tree.insert(keys, np.concatenate([prefix_pages, new_pages]), ns, Tier.DEVICE)
         dup = inserted.num_existing - len(prefix_pages)
         if dup <= 0:
             return inserted.node, np.concatenate([prefix_pages, new_pages]), 0
@@ -300,121 +454,231 @@ class TieredCache:
         self.tree.unlock(handle.node)
         handle.node = node
 
-    # --- movement between tiers ------------------------------------------------------------------
+    def _install(self, handle: CacheHandle, start: int, fetched: Fetched) -> np.ndarray:
+        """Put fetched pages into device pages (as many as fit) and into the tree."""
+        with self._lock:
+            self._check_live(handle)
+            pages = self._allocate_fitting(fetched.n)
+        n = len(pages)
+        if n:
+            self.pool.scatter(pages, fetched.buffer[:n])  # the pages are ours until adopted
+        with self._lock:
+            for name in fetched.tiers[:n]:
+                handle.sources[name] += 1
+            if name_host := sum(1 for name in fetched.tiers[:n] if name == "host"):
+                self.moves.promotions["host"] += name_host
+            if n:
+                self._device.bytes_in += n * self.spec.bytes_per_page
+                node, all_pages, _ = self._adopt(handle.namespace, handle.keys[:start + n], handle.device_pages,
+                                                 pages)
+                self._move_lock(handle, node)
+                handle.device_pages = all_pages
+            handle.available_pages = start + n
+            handle.plan = []
+            self._maybe_demote()
+        return handle.device_pages
+
+    # --- movement between tiers -------------------------------------------------------------------
     def _allocate(self, n: int) -> np.ndarray:
+        """`n` device pages, evicting (device -> host, inline) when the pool is short."""
         shortfall = n - self.pool.num_free
         if shortfall > 0:
-            self._demote_from_device(self.tree.evict(shortfall))
+            self._demote_now(self.tree.evict(shortfall))
         if not self.pool.can_allocate(n):
             raise PoolExhaustedError(n, self.pool.num_free, self.pool.num_pages)
         return self.pool.allocate(n)
 
-    def _demote_from_device(self, evicted: list[EvictedNode]) -> None:
+    def _allocate_fitting(self, n: int) -> np.ndarray:
+        """Up to `n` device pages: as many as free and evictable pages allow."""
+        room = self.pool.num_free + self.tree.size_info().evictable
+        return self._allocate(min(n, room)) if n else _NO_PAGES
+
+    def _demote_now(self, evicted: list[EvictedNode]) -> None:
+        """Evicted nodes' pages: copy those host RAM lacks into it, then free them (lock held)."""
         if not evicted:
             return
         keys = [k for node in evicted for k in node.keys]
         pages = np.concatenate([node.values for node in evicted])
-        missing = [i for i, k in enumerate(keys) if k not in self.host.index]
-        if missing:
-            staging = self.pool.gather(pages[missing], out=None).to("cpu")
-            stored = self.host.put([keys[i] for i in missing], staging)
-            self.moves.demotions["host"] += stored
-            self._device.bytes_out += len(missing) * self.spec.bytes_per_page
+        self._copy_to_host(keys, pages)
         self.pool.free(pages)
         self._device.evictions += len(keys)
 
-    def _demote_from_host(self, keys: list[bytes], pages: torch.Tensor) -> None:
-        if self.lower:
-            self._put_below(0, [(k, self._encode(p, k)) for k, p in zip(keys, pages, strict=True)])
-
-    def _demoter(self, index: int) -> Any:
-        def demote(items: list[tuple[bytes, bytes]]) -> None:
-            if index < len(self.lower):
-                self._put_below(index, items)
-        return demote
-
-    def _put_below(self, index: int, items: list[tuple[bytes, bytes]]) -> None:
-        tier = self.lower[index]
-        self.moves.demotions[tier.name] += tier.put(items)
-
-    def _after_insert(self, node: RadixNode, keys: list[bytes], pages: np.ndarray) -> None:
-        """Write-through copies new pages to host RAM and every lower tier at once."""
-        if self.config.write_policy is not WritePolicy.WRITE_THROUGH:
+    def _copy_to_host(self, keys: list[bytes], pages: np.ndarray) -> None:
+        missing = [i for i, k in enumerate(keys) if k not in self.host.index]
+        if not missing:
             return
-        staging = self.pool.gather(pages).to("cpu")
-        self.host.put(keys, staging)
-        if self.lower:
-            blobs = [(k, self._encode(p, k)) for k, p in zip(keys, staging, strict=True)]
-            for tier in self.lower:
-                tier.put(blobs)
-        self.tree.set_residency(node, node.residency | Tier.HOST)
+        buffer = self._staging.lease(len(missing))
+        try:
+            staged = buffer[:len(missing)]
+            self.pool.gather(pages[missing], out=staged)
+            stored = self.host.put([keys[i] for i in missing], staged)
+        finally:
+            self._staging.give_back(buffer)
+        self.moves.demotions["host"] += stored
+        self._device.bytes_out += len(missing) * self.spec.bytes_per_page
 
-    def _probe_below(self, keys: list[bytes]) -> int:
-        """Leading pages of `keys` held below the device, page runs from any tier in turn."""
-        tiers: list[Any] = [self.host, *self.lower]
-        pos = 0
-        while pos < len(keys):
-            for tier in tiers:
-                run = tier.contains_prefix(keys[pos:])
-                if run:
-                    pos += run
-                    break
-            else:
-                break
-        return pos
+    def _maybe_demote(self) -> None:
+        """Above the high watermark, have the background demoter bring the pool down to the low one."""
+        used = self.pool.usage().used_pages
+        if not self._demotion_pending and used > self.config.high_watermark * self.pool.num_pages:
+            self._demotion_pending = self._demoter.submit(self._demote_to_low_watermark)
 
-    def _fetch_below(self, keys: list[bytes], sources: Counter[str]) -> torch.Tensor | None:
-        """Page-first staging of the leading `keys` found below the device, promoting lower-tier
-        hits into host RAM, counting pages per supplying tier in `sources`. Stops at the first
-        page no tier can supply intact. The staging tensor is the cache's reusable buffer: valid
-        until the next fetch (the caller copies it into the pool at once)."""
-        staging = self._staging(len(keys))
-        pos = 0
-        while pos < len(keys):
-            n, _ = self.host.get(keys[pos:], out=staging[pos:])
-            if n:
-                self.moves.promotions["host"] += n
-                sources["host"] += n
+    def _demote_to_low_watermark(self) -> None:
+        """Background: move cold pages device -> host RAM in batches until the low watermark.
+        Each batch's pages leave the tree under the lock, are copied to host RAM, then freed; in
+        between no one else can reach them (not in the tree, not free)."""
+        try:
+            while True:
+                with self._lock:
+                    excess = self.pool.usage().used_pages - int(self.config.low_watermark * self.pool.num_pages)
+                    if excess <= 0 or self._closed:
+                        return
+                    evicted = self.tree.evict(min(excess, _DEMOTION_BATCH))
+                    if not evicted:
+                        return
+                    self._demote_now(evicted)
+        finally:
+            self._demotion_pending = False
+
+    def _host_evicted(self, keys: list[bytes], pages: torch.Tensor) -> None:
+        """Host RAM is dropping these pages (a copy): queue them for the tiers below, unless the
+        first lower tier is known to hold them already."""
+        if not self.chain.tiers:
+            return
+        todo = [i for i, k in enumerate(keys) if not self.chain.known_in(k, 0)]
+        if not todo:
+            return
+        chosen = pages if len(todo) == len(keys) else pages[torch.tensor(todo)]
+        chosen_keys = [keys[i] for i in todo]
+        if self._writer.submit(self._write_below, chosen_keys, chosen, False):
+            for key, page in zip(chosen_keys, chosen, strict=True):
+                self._in_flight[key] = page
+
+    def _after_insert(self, ns: str, keys: list[bytes], num_new: int) -> None:
+        """New pages entered the tree. Write-through queues a copy to host RAM and every lower
+        tier; the request path itself copies nothing."""
+        if self.config.write_policy is WritePolicy.WRITE_THROUGH and num_new > 0:
+            self._demoter.submit(self._write_through, ns, keys, num_new)
+        self._maybe_demote()
+
+    def _write_through(self, ns: str, keys: list[bytes], num_new: int) -> None:
+        """Background: copy the last `num_new` pages of `keys` to host RAM, then queue them below.
+        Pages evicted meanwhile were copied to host RAM by the eviction: they are read from there."""
+        first = len(keys) - num_new
+        with self._lock:
+            if self._closed:
+                return
+            on_device = max(first, self.tree.match_prefix(keys, self._ns(ns)).num_pages)
+            buffer = self._staging.lease(num_new)
+            try:
+                take = on_device - first
+                if take:
+                    match = self.tree.match_prefix(keys[:on_device], ns)
+                    staged = buffer[:take]
+                    self.pool.gather(match.values[first:], out=staged)
+                    self.host.put(keys[first:on_device], staged)
+                n_host, _ = self.host.get(keys[on_device:], out=buffer[take:num_new])
+                total = take + n_host
+                copy = buffer[:total].clone() if self.chain.tiers and total else None
+            finally:
+                self._staging.give_back(buffer)
+        if copy is not None:
+            self._writer.submit(self._write_below, keys[first:first + total], copy, True)
+
+    def _write_below(self, keys: list[bytes], pages: torch.Tensor, every_tier: bool) -> None:
+        """Background: encode pages and put them into the first lower tier (all, for write-through)."""
+        try:
+            items = [(k, self._encode(p, k)) for k, p in zip(keys, pages, strict=True)]
+            for index in range(len(self.chain.tiers) if every_tier else 1):
+                self.chain.put(items, index, demotion=True)
+        finally:
+            if not every_tier:
+                with self._lock:
+                    for key in keys:
+                        self._in_flight.pop(key, None)
+
+    def _plan(self, keys: list[bytes], in_host: list[bool]) -> list[int]:
+        """Where each page of the leading run of `keys` found below the device lives: HOST, or
+        the index of the lower tier to fetch it from. Each lower tier is asked at most once."""
+        plan: list[int] = [HOST if held else -2 for held in in_host]
+        ask = [i for i, p in enumerate(plan) if p == -2]
+        if ask and self.chain.tiers:
+            where = self.chain.locate([keys[i] for i in ask])
+            for i, w in zip(ask, where, strict=True):
+                if w is not None:
+                    plan[i] = w
+        first_miss = next((i for i, p in enumerate(plan) if p == -2), len(plan))
+        return plan[:first_miss]
+
+    def _fetch(self, keys: list[bytes], plan: list[int], cancel: threading.Event | None = None) -> Fetched:
+        """Copy the leading pages of `keys` into a leased staging buffer, page-first: host RAM
+        pages under the lock (memory), lower-tier blobs fetched (one batched call per tier) and
+        decoded outside it. A page that left host RAM since `match` (demoted meanwhile) is looked
+        for below once; the fetch stops at the first page that no longer arrives intact."""
+        buffer = self._staging.lease(len(keys))
+        raw = buffer.view(torch.uint8).reshape(buffer.shape[0], -1).numpy()
+        plan = list(plan)
+        blobs = self._fetch_blobs(keys, plan, 0)
+        tiers: list[str] = []
+        pos, replans = 0, 0
+        while pos < len(keys) and not (cancel is not None and cancel.is_set()):
+            if plan[pos] == HOST:
+                end = pos
+                while end < len(keys) and plan[end] == HOST:
+                    end += 1
+                with self._lock:
+                    n = self._copy_from_host(keys[pos:end], buffer[pos:end])
+                tiers += ["host"] * n
                 pos += n
-                continue
-            n = self._fetch_lower(keys[pos:], staging[pos:], sources)
-            if not n:
-                break
-            pos += n
-        return staging[:pos] if pos else None
-
-    def _fetch_lower(self, keys: list[bytes], out: torch.Tensor, sources: Counter[str]) -> int:
-        """Decode the leading run of `keys` one lower tier holds straight into `out` (page-first)
-        and promote those pages into host RAM; returns how many pages."""
-        raw = out.view(torch.uint8).reshape(out.shape[0], -1).numpy()
-        for tier in self.lower:
-            run = tier.contains_prefix(keys)
-            if not run:
-                continue
-            n = 0
-            for key, blob in zip(keys[:run], tier.get(keys[:run]), strict=True):
-                if not self._decode_into(tier, key, blob, raw[n]):
+                arrived = pos == end
+            else:
+                index = plan[pos]
+                arrived = self._decode_into(index, keys[pos], blobs.get(pos), raw[pos])
+                if arrived:
+                    tiers.append(self.chain.tiers[index].name)
+                    pos += 1
+            if not arrived:
+                # The page moved since `match` (background demotion goes on while we read): look
+                # for the rest below again, a bounded number of times; then the prefix ends here.
+                if replans == _MAX_REPLANS or not self.chain.tiers:
                     break
-                n += 1
-            if n:
-                self.moves.promotions[tier.name] += n
-                sources[tier.name] += n
-                self.host.put(keys[:n], out[:n])  # promotion into host RAM
-                return n
-        return 0
+                replans += 1
+                where = self.chain.locate(keys[pos:], leading=True)
+                cut = next((i for i, w in enumerate(where) if w is None), len(where))
+                keys, plan = keys[:pos + cut], plan[:pos] + [w for w in where[:cut] if w is not None]
+                blobs.update(self._fetch_blobs(keys, plan, pos))
+        return Fetched(buffer, pos, tiers)
 
-    def _staging(self, num_pages: int) -> torch.Tensor:
-        """A page-first host buffer of at least `num_pages` pages, kept and reused: fresh memory
-        costs first-touch page faults (0.2-0.7 GiB/s here) on every load otherwise."""
-        if self._staging_buffer is None or self._staging_buffer.shape[0] < num_pages:
-            size = max(num_pages, 2 * (0 if self._staging_buffer is None else self._staging_buffer.shape[0]))
-            self._staging_buffer = torch.zeros(self.spec.staging_shape(size), dtype=self.spec.dtype.torch)
-        return self._staging_buffer[:num_pages]
+    def _fetch_blobs(self, keys: list[bytes], plan: list[int], start: int) -> dict[int, bytes | None]:
+        """Blobs of the planned lower-tier pages at positions >= `start` (one call per tier)."""
+        below = [i for i in range(start, len(keys)) if plan[i] != HOST]
+        if not below:
+            return {}
+        got = self.chain.fetch([keys[i] for i in below], [plan[i] for i in below])
+        return dict(zip(below, got, strict=True))
+
+    def _copy_from_host(self, keys: list[bytes], out: torch.Tensor) -> int:
+        """Copy the leading run of `keys` held in host RAM or queued for below into `out` (lock held)."""
+        n = 0
+        while n < len(keys):
+            if keys[n] in self._in_flight:
+                out[n].copy_(self._in_flight[keys[n]])
+                n += 1
+                continue
+            run, _ = self.host.get(keys[n:], out=out[n:])
+            if not run:
+                break
+            n += run
+        return n
+
+    def _return_prefetch_buffer(self, future: Any) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._staging.give_back(future.result().buffer)
 
     def _encode(self, page: torch.Tensor, key: bytes) -> bytes:
         return encode_page(page, self.spec, key, self.config.codec, self.config.codec_min_saving)
 
-    def _decode_into(self, tier: Any, key: bytes, blob: bytes | None, out: np.ndarray) -> bool:
+    def _decode_into(self, index: int, key: bytes, blob: bytes | None, out: np.ndarray) -> bool:
         """Decode `blob` into `out` (one page's bytes); a bad blob is counted, deleted, and False."""
         if blob is None:
             return False
@@ -422,8 +686,9 @@ class TieredCache:
             # NOTE: a BlobTier verifies the checksum of every blob it returns (DESIGN.md §7).
             decode_page(blob, self.spec, key, out=out, check_crc=False)
         except BlobError:
-            self.moves.refused[tier.name] += 1
-            tier.delete([key])
+            with self._lock:
+                self.moves.refused[self.chain.tiers[index].name] += 1
+            self.chain.delete([key], index)
             return False
         return True
 
@@ -451,7 +716,20 @@ class TieredCache:
     def _handle_unused(self, handle: CacheHandle) -> int:
         return max(0, len(handle.own_pages) * self.spec.page_size - handle.own_tokens)
 
-    @staticmethod
-    def _check_live(handle: CacheHandle) -> None:
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this TieredCache is closed")
+
+    def _check_live(self, handle: CacheHandle) -> None:
+        if not isinstance(handle, CacheHandle):
+            raise TypeError(f"expected a CacheHandle, got {type(handle).__name__}")
+        if handle.owner is not self:
+            raise ValueError("this cache handle belongs to another TieredCache")
         if handle.released:
             raise ValueError("this cache handle was already released")
+
+    def _check_writable(self, handle: CacheHandle, n: int) -> None:
+        self._check_live(handle)
+        if handle.own_written + n > handle.own_tokens:
+            raise ValueError(f"writing {n} more tokens would pass the {handle.own_tokens} allocated "
+                             f"({handle.own_written} written so far); allocate() first")

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from tiered_cache.demotion import QueueFigures
 from tiered_cache.tiers.base import TierStats
 
 
@@ -45,6 +46,12 @@ class CacheStats:
     tree_nodes: int
     evictable_pages: int
     protected_pages: int
+    queues: list[QueueFigures] = field(default_factory=list)  # background work: depth, dropped, ...
+    prefetch_declined: int = 0  # prefetches not started because max_prefetches were in flight
+    skipped_puts: int = 0  # lower-tier puts avoided: the tier was known to hold the page
+
+    def queue(self, name: str) -> QueueFigures:
+        return next(q for q in self.queues if q.name == name)
 
     def tier(self, name: str) -> TierStats:
         return next(t for t in self.tiers if t.name == name)
@@ -66,4 +73,7 @@ class CacheStats:
             },
             "tree": {"nodes": self.tree_nodes, "evictable_pages": self.evictable_pages,
                      "protected_pages": self.protected_pages},
+            "queues": [asdict(q) for q in self.queues],
+            "prefetch_declined": self.prefetch_declined,
+            "skipped_puts": self.skipped_puts,
         }

@@ -59,7 +59,17 @@ class CacheConfig:
     codec_min_saving: float = 0.05
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
-    malloc_tuning: bool = True  # keep freed heap for reuse: see tiered_cache/memtune.py
+    malloc_tuning: bool = True  # keep freed heap for reuse: see tiered_cache/tiers/memtune.py
+    # Write-behind demotion: above `high_watermark` (fraction of device pages in use) a background
+    # thread moves cold pages device -> host until `low_watermark`; host -> lower-tier writes go
+    # through a queue of at most `demotion_queue` jobs (full: dropped and counted, never waited on).
+    high_watermark: float = 0.9
+    low_watermark: float = 0.75
+    demotion_queue: int = 256
+    # Prefetch: threads that bring pages up from host RAM / lower tiers ahead of `load`, and how
+    # many prefetches may be in flight at once (past it `prefetch` declines; `load` fetches inline).
+    prefetch_workers: int = 2
+    max_prefetches: int = 16
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -75,6 +85,12 @@ class CacheConfig:
         for name in ("redis_timeout_s", "remote_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0 < self.low_watermark < self.high_watermark <= 1:
+            raise ValueError(f"watermarks must satisfy 0 < low_watermark < high_watermark <= 1, "
+                             f"got low={self.low_watermark} high={self.high_watermark}")
+        for name in ("demotion_queue", "prefetch_workers", "max_prefetches"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
 
     def replace(self, **changes: Any) -> CacheConfig:
         return dataclasses.replace(self, **changes)
@@ -157,8 +173,12 @@ def _coerce(name: str, value: Any) -> Any:
             if text not in _TRUE | _FALSE:
                 raise ValueError(f"expected true or false, got {value!r}")
             return text in _TRUE
-        if name in {"codec_min_saving", "redis_timeout_s", "remote_timeout_s"}:
+        if name in {"codec_min_saving", "redis_timeout_s", "remote_timeout_s", "high_watermark", "low_watermark"}:
             return float(value)
+        if name in {"demotion_queue", "prefetch_workers", "max_prefetches"}:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError(f"expected an integer, got {value!r}")
+            return int(value)
         if name == "remote_addresses":
             items = value.split(",") if isinstance(value, str) else value
             return tuple(str(v).strip() for v in items if str(v).strip())

@@ -33,8 +33,10 @@ def int8_quality(model: Any, prompts: list[list[int]], shared_prefix: list[int],
         cache = TieredCache(spec, CacheConfig(pool_capacity="128MiB", host_capacity="128MiB", lower_tiers=["disk"],
                                               disk_path=folder, codec="int8", write_policy="write_through"))
         generate(model, shared_prefix, cache, max_new_tokens=1)
+        cache.flush()  # write-through copies run in the background
         differs, kls = 0, []
         for prompt in prompts:
+            cache.flush()
             cache.evict()
             cache.host.delete(list(cache.host.index))  # the prefix now comes back through int8 blobs
             lossy = generate(model, prompt, cache, new_tokens, eos_token_id)

@@ -59,10 +59,12 @@ def measure(lengths: tuple[int, ...] = (512, 1024, 2048, 4096), repeat: int = 3)
             for tier in TIERS:
                 writer = _cache(tier, spec, Path(tmp) / f"{tier}-{length}", store.address)
                 generate(model, prefix, writer, 1)  # cache the prefix
+                writer.flush()  # write-through copies run in the background
                 reader = _cache(tier, spec, Path(tmp) / f"{tier}-{length}", store.address) if tier == "remote" \
                     else writer
                 best = float("inf")
                 for _ in range(repeat):
+                    reader.flush()
                     if tier != "device":
                         reader.evict()
                     if tier in ("disk", "remote"):

@@ -59,6 +59,7 @@ def main() -> None:
         say(f"empty local cache; looking the prompt up: {cache.lookup(prompt):,} tokens are in the store")
         rows.append(_row("prefix from the remote store", generate(model, prompt, cache, MAX_NEW_TOKENS, eos),
                          tokenizer))
+    cache.close()  # finishes the background write-through to the store
     print(json.dumps({"role": role, "question": QUESTIONS[role], "prompt_tokens": len(prompt), "rows": rows,
                       "bytes_per_token": spec.bytes_per_token}))
 

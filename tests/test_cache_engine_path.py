@@ -1,0 +1,355 @@
+"""The engine path: only written KV is cached, the request path never waits on the tiers below,
+prefetch, residency, few copies, and the defects a careless engine found (issue 11 §6)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from kv_oracle import token_kv
+
+from tiered_cache.cache import TieredCache
+from tiered_cache.config import CacheConfig
+from tiered_cache.errors import KVShapeError, PoolExhaustedError
+from tiered_cache.model.spec import DType, KVSpec
+from tiered_cache.service.process import StoreProcess
+from tiered_cache.tiers.memory import MemoryTier
+
+SPEC = KVSpec("engine-path-test", 2, 2, 8, dtype=DType.FP32, page_size=4)
+PAGE = SPEC.bytes_per_page
+
+
+def make(pool_pages=16, host_pages=16, lower=None, **cfg) -> TieredCache:
+    config = CacheConfig(pool_capacity=pool_pages * PAGE, host_capacity=host_pages * PAGE, malloc_tuning=False, **cfg)
+    return TieredCache(SPEC, config, lower=lower)
+
+
+class GatedTier(MemoryTier):
+    """A real RAM blob tier whose puts wait until `gate` is set: a Redis or store that hangs."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.gate = threading.Event()
+        self.lookups = 0
+        self.gets = 0
+        self.put_keys: list[bytes] = []
+
+    def put(self, items):
+        self.gate.wait(30)
+        self.put_keys += [k for k, _ in items]
+        return super().put(items)
+
+    def contains(self, keys):
+        self.lookups += 1
+        return super().contains(keys)
+
+    def get(self, keys):
+        self.gets += 1
+        return super().get(keys)
+
+
+def run_with_deadline(fn, seconds=20.0):
+    """Run `fn` on a thread; fail if it does not return in `seconds` (it must not block)."""
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.setdefault("value", fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn} blocked on the request path"
+    return result.get("value")
+
+
+# --- §1: only written KV is cached --------------------------------------------------------------
+def test_allocate_n_write_k_commit_serves_only_written_pages_to_another_instance(tmp_path):
+    tokens = list(range(100, 140))  # 10 pages
+    written = 22  # 5 full pages and 2 tokens of the 6th
+    with StoreProcess(["--no-disk"]) as store:
+        cfg = {"lower_tiers": ["remote"], "remote_addresses": [store.address], "write_policy": "write_through"}
+        a = make(**cfg)
+        h = a.match(tokens)
+        a.allocate(h, len(tokens))
+        a.pool.kv.normal_()  # stale garbage in every page, as after earlier requests
+        a.write(h, token_kv(SPEC, tokens[:written]))
+        with pytest.raises(ValueError, match="only 22 were written"):
+            a.commit(h, tokens)
+        with pytest.raises(ValueError, match="only 22 tokens of this handle were written"):
+            a.commit(h, tokens, num_written=30)
+        assert a.commit(h, tokens, num_written=written) == 20
+        a.release(h)
+        a.close()  # finishes the write-behind to the store
+        b = make(**cfg)
+        assert b.lookup(tokens) == 20
+        n, kv = b.get(tokens)
+        assert n == 20 and torch.equal(kv, token_kv(SPEC, tokens[:20]))
+        b.close()
+
+
+def test_mark_written_is_how_an_engine_writing_the_pool_itself_commits():
+    c = make()
+    tokens = list(range(16))
+    h = c.match(tokens)
+    pages = c.allocate(h, 16)
+    slots = c.pool.slots(pages, 16)
+    c.pool.store(slots[:8], token_kv(SPEC, tokens)[:, :, :8])  # the engine's own kernel
+    assert c.commit(h, tokens, num_written=0) == 0  # nothing marked yet: nothing cached
+    c.mark_written(h, 8)
+    with pytest.raises(ValueError, match="would pass the 16 allocated"):
+        c.mark_written(h, 9)
+    assert c.commit(h, tokens, num_written=8) == 8
+    c.release(h)
+    n, kv = c.get(tokens)
+    assert n == 8 and torch.equal(kv, token_kv(SPEC, tokens[:8]))
+    c.check_integrity()
+
+
+def test_load_after_allocate_is_refused():
+    c = make()
+    tokens = list(range(8))
+    c.put(tokens, token_kv(SPEC, tokens))
+    c.evict()
+    h = c.match(tokens + [1, 2, 3, 4])
+    c.allocate(h, 4)
+    with pytest.raises(ValueError, match=r"load\(\) after allocate\(\)"):
+        c.load(h)
+    c.release(h)
+    c.check_integrity()
+
+
+# --- §3: the request path never waits on the tiers below ----------------------------------------
+def test_put_and_commit_never_wait_for_a_hanging_lower_tier_and_a_full_queue_drops():
+    below = GatedTier(1 << 20)
+    c = make(pool_pages=4, host_pages=2, lower=[below], demotion_queue=1, write_policy="write_through")
+    for i in range(8):  # every put demotes; the one writer job hangs, the queue of 1 fills, the rest drop
+        tokens = list(range(i * 100, i * 100 + 8))
+        assert run_with_deadline(lambda t=tokens: c.put(t, token_kv(SPEC, t))) == 8
+    writer = c.stats().queue("lower-writer")
+    assert writer.dropped > 0 and writer.depth <= writer.capacity
+    below.gate.set()
+    assert c.flush(timeout=30)
+    for i in range(8):  # whatever was dropped is a miss, never wrong bytes
+        tokens = list(range(i * 100, i * 100 + 8))
+        n, kv = c.get(tokens)
+        assert torch.equal(kv, token_kv(SPEC, tokens[:n]))
+    c.close()
+
+
+def test_watermarks_demote_in_the_background():
+    c = make(pool_pages=10, host_pages=32, high_watermark=0.5, low_watermark=0.2)
+    for i in range(4):
+        tokens = list(range(i * 100, i * 100 + 8))
+        c.put(tokens, token_kv(SPEC, tokens))
+    assert c.flush(timeout=30)
+    usage = c.pool.usage()
+    assert usage.used_pages <= 5, "the demoter should have brought the pool below the high watermark"
+    assert c.stats().tier("host").demotions >= 3
+    for i in range(4):
+        tokens = list(range(i * 100, i * 100 + 8))
+        n, kv = c.get(tokens)
+        assert n == 8 and torch.equal(kv, token_kv(SPEC, tokens))
+    c.check_integrity()
+    c.close()
+
+
+def test_residency_asks_below_once_per_load_and_never_re_puts():
+    below = GatedTier(1 << 20)
+    below.gate.set()
+    c = make(pool_pages=4, host_pages=2, lower=[below], write_policy="write_through")
+    tokens = list(range(16))
+    c.put(tokens, token_kv(SPEC, tokens))
+    c.flush()  # the write-through copy below is done
+    c.evict()
+    c.host.delete(list(c.host.index))  # only the tier below holds the pages now
+    c.flush()
+    below.lookups = below.gets = 0
+    h = c.match(tokens)
+    pages = c.load(h)
+    assert len(pages) == 4 and below.lookups <= 1 and below.gets == 1
+    c.release(h)
+    c.evict()  # the pages go down again: host RAM, then below, which already holds them
+    c.host.delete(list(c.host.index))
+    c.put(list(range(500, 516)), token_kv(SPEC, list(range(500, 516))))
+    c.flush()
+    keys = c._keyer("").keys(tokens)
+    assert sorted(below.put_keys.count(k) for k in keys) == [1, 1, 1, 1], "a page below was put again"
+    c.close()
+
+
+def test_prefetch_then_load_serves_the_same_bytes_and_release_cancels():
+    below = MemoryTier(1 << 20)
+    c = make(pool_pages=8, host_pages=2, lower=[below], max_prefetches=1)
+    prompts = [list(range(i * 100, i * 100 + 16)) for i in range(3)]
+    for p in prompts:
+        c.put(p, token_kv(SPEC, p))
+    c.flush()
+    c.evict()
+    c.flush()
+    a, b = c.match(prompts[0]), c.match(prompts[1])
+    assert a.available_pages == 4 and a.num_device_pages == 0
+    assert c.prefetch(a) is True
+    assert c.prefetch(b) in (True, False)  # one slot: declined unless a's prefetch already finished
+    pages = c.load(a)
+    assert torch.equal(c.pool.read_tokens(pages, 16), token_kv(SPEC, prompts[0]))
+    c.release(b)  # cancels b's prefetch (if it started); nothing leaks
+    c.release(a)
+    h = c.match(prompts[2])
+    c.prefetch(h)
+    c.release(h)  # released before load: the staging buffer comes back, no lock is left
+    assert c.tree.size_info().protected == 0
+    c.check_integrity()
+    c.close()
+
+
+def test_a_page_from_below_is_copied_twice_on_its_way_to_the_pool(monkeypatch):
+    below = MemoryTier(1 << 20)
+    c = make(pool_pages=8, host_pages=2, lower=[below], write_policy="write_through")
+    tokens = list(range(16))
+    c.put(tokens, token_kv(SPEC, tokens))
+    c.flush()
+    c.evict()
+    c.host.delete(list(c.host.index))
+    c.flush()
+    copies: list[str] = []
+    import tiered_cache.cache as cache_module
+
+    real_decode, real_scatter, real_host_put = cache_module.decode_page, c.pool.scatter, c.host.put
+    monkeypatch.setattr(cache_module, "decode_page", lambda *a, **k: (copies.append("decode"), real_decode(*a, **k))[1])
+    monkeypatch.setattr(c.pool, "scatter", lambda *a, **k: (copies.append("scatter"), real_scatter(*a, **k))[1])
+    monkeypatch.setattr(c.host, "put", lambda *a, **k: (copies.append("host"), real_host_put(*a, **k))[1])
+    h = c.match(tokens)
+    pages = c.load(h)
+    assert len(pages) == 4
+    assert copies.count("decode") == 4 and copies.count("scatter") == 1 and "host" not in copies
+    assert torch.equal(c.pool.read_tokens(pages, 16), token_kv(SPEC, tokens))
+    c.release(h)
+    c.close()
+
+
+# --- §6: defects found by trying it as a careless engine would -----------------------------------
+def test_get_of_a_prefix_longer_than_the_pool_loads_what_fits():
+    c = make(pool_pages=4, host_pages=16)
+    tokens = list(range(32))  # 8 pages, the pool has 4
+    assert c.put(tokens, token_kv(SPEC, tokens)) == 16  # the leading pages that fit
+    c.evict()
+    assert c.lookup(tokens) == 16
+    n, kv = c.get(tokens)
+    assert n == 16 and torch.equal(kv, token_kv(SPEC, tokens[:16]))
+    c.check_integrity()
+
+
+def test_load_while_every_device_page_is_locked_reports_what_it_could_load():
+    c = make(pool_pages=4, host_pages=16)
+    a, b = list(range(16)), list(range(100, 116))
+    c.put(a, token_kv(SPEC, a))
+    c.evict()
+    c.put(b, token_kv(SPEC, b))
+    hold = c.match(b)  # locks all 4 device pages
+    h = c.match(a)
+    assert h.available_pages == 4
+    pages = c.load(h)  # no room at all: nothing loaded, nothing raised
+    assert len(pages) == 0
+    c.release(h)
+    n, _ = c.get(a)
+    assert n == 0
+    c.release(hold)
+    n, kv = c.get(a)
+    assert n == 16 and torch.equal(kv, token_kv(SPEC, a))
+    c.check_integrity()
+
+
+@pytest.mark.parametrize("kind", ["meta", "sparse"])
+def test_unusable_kv_is_refused_before_any_page_is_allocated(kind):
+    c = make(pool_pages=8)
+    tokens = list(range(8))
+    good = token_kv(SPEC, tokens)
+    bad = torch.empty(SPEC.kv_shape(8), dtype=torch.float32, device="meta") if kind == "meta" else good.to_sparse()
+    for _ in range(8):
+        with pytest.raises(KVShapeError):
+            c.put(tokens, bad)
+    assert c.pool.usage().used_pages == 0
+    assert c.put(tokens, good) == 8
+    c.check_integrity()
+
+
+def test_foreign_and_released_handles_are_refused():
+    a, b = make(), make()
+    tokens = list(range(8))
+    a.put(tokens, token_kv(SPEC, tokens))
+    h = a.match(tokens)
+    for call in (lambda: b.release(h), lambda: b.load(h), lambda: b.allocate(h, 4), lambda: b.commit(h, tokens)):
+        with pytest.raises(ValueError, match="another TieredCache"):
+            call()
+    b.check_integrity()
+    a.release(h)
+    with pytest.raises(ValueError, match="already released"):
+        a.release(h)
+    with pytest.raises(ValueError, match="already released"):
+        a.allocate(h, 1)
+    a.check_integrity()
+
+
+def test_allocate_refuses_nonsense_and_reports_exhaustion_without_changes():
+    c = make(pool_pages=2)
+    h = c.match(list(range(4)))
+    with pytest.raises(ValueError, match="non-negative"):
+        c.allocate(h, -1)
+    with pytest.raises(PoolExhaustedError):
+        c.allocate(h, 100)
+    assert c.pool.usage().used_pages == 0 and h.own_pages == []
+    c.release(h)
+
+
+# --- thread safety ------------------------------------------------------------------------------
+def test_eight_threads_share_one_cache_and_every_byte_is_right():
+    below = MemoryTier(64 * (PAGE + 512))
+    c = make(pool_pages=12, host_pages=8, lower=[below], high_watermark=0.8, low_watermark=0.5)
+    prefixes = [list(range(i * 1000, i * 1000 + 12)) for i in range(4)]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(120):
+                base = prefixes[rng.integers(len(prefixes))]
+                tokens = base + rng.integers(0, 3, size=int(rng.integers(0, 9))).tolist()
+                choice = rng.integers(3)
+                if choice == 0:
+                    c.put(tokens, token_kv(SPEC, tokens))
+                elif choice == 1:
+                    n, kv = c.get(tokens)
+                    assert torch.equal(kv, token_kv(SPEC, tokens[:n])), "wrong KV under concurrency"
+                else:
+                    h = c.match(tokens)
+                    try:
+                        if rng.integers(2):
+                            c.prefetch(h)
+                        pages = c.load(h)
+                        assert torch.equal(c.pool.read_tokens(pages, len(pages) * SPEC.page_size),
+                                           token_kv(SPEC, tokens[:len(pages) * SPEC.page_size]))
+                        rest = len(tokens) - h.prefix_tokens
+                        try:
+                            c.allocate(h, rest)
+                        except PoolExhaustedError:
+                            continue
+                        c.write(h, token_kv(SPEC, tokens)[:, :, h.prefix_tokens:])
+                        c.commit(h, tokens)
+                    finally:
+                        c.release(h)
+        except BaseException as exc:  # surfaced by the main thread
+            errors.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads) and not stop.is_set():
+        c.check_integrity()
+        stop.wait(0.05)
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[0]
+    assert c.flush(timeout=30)
+    c.check_integrity()
+    assert c.tree.size_info().protected == 0
+    c.close()

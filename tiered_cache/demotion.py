@@ -1,0 +1,108 @@
+"""Background work of a `TieredCache`: a thread per queue, each with a bounded queue of jobs.
+
+The request path only submits: `submit` never blocks, and a full queue drops the job and counts
+it (a dropped demotion loses a copy below, never correctness: the pages stay where they were or
+are recomputed). `flush` waits until everything submitted so far has run, for tests, benches
+and an orderly shutdown. Jobs that raise are counted and logged; the thread keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QueueFigures:
+    name: str
+    depth: int  # jobs waiting now
+    capacity: int
+    submitted: int
+    done: int
+    dropped: int  # refused because the queue was full
+    failed: int  # raised while running
+
+
+class BackgroundQueue:
+    """One daemon thread running submitted jobs in order, with at most `capacity` waiting."""
+
+    def __init__(self, name: str, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"{name}: queue capacity must be positive, got {capacity}")
+        self.name = name
+        self.capacity = capacity
+        # (job, args, is_job): flush markers ride the same queue but are not counted as jobs.
+        self._jobs: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...], bool] | None] = queue.Queue(capacity + 1)
+        self._counts = {"submitted": 0, "done": 0, "dropped": 0, "failed": 0}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread: threading.Thread | None = None  # started by the first submit: idle caches cost no thread
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=f"tiered-cache-{self.name}", daemon=True)
+                self._thread.start()
+
+    def submit(self, job: Callable[..., Any], *args: Any) -> bool:
+        """Queue `job(*args)`; False (and counted as dropped) when the queue is full or closed."""
+        if self._closed:
+            self._add("dropped")
+            return False
+        self._start()
+        try:
+            if self._jobs.qsize() >= self.capacity:
+                raise queue.Full
+            self._jobs.put_nowait((job, args, True))
+        except queue.Full:
+            self._add("dropped")
+            return False
+        self._add("submitted")
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every job submitted so far has run; False if `timeout` passed first."""
+        if self._closed or self._thread is None:
+            return True
+        done = threading.Event()
+        self._jobs.put((done.set, (), False))  # FIFO: runs after everything queued before it
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Run what is queued (waiting up to `timeout`), then stop the thread."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(timeout)
+
+    def figures(self) -> QueueFigures:
+        with self._lock:
+            counts = dict(self._counts)
+        return QueueFigures(self.name, self._jobs.qsize(), self.capacity, **counts)
+
+    def _add(self, what: str) -> None:
+        with self._lock:
+            self._counts[what] += 1
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, args, is_job = item
+            try:
+                job(*args)
+            except Exception:  # a background job must never kill the thread
+                log.exception("tiered-cache %s: background job failed", self.name)
+                self._add("failed")
+            else:
+                if is_job:
+                    self._add("done")

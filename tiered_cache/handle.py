@@ -1,0 +1,65 @@
+"""`CacheHandle`: one request's hold on a `TieredCache`, from `match` to `release`."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tiered_cache.index.radix_node import RadixNode
+
+HOST = -1  # in a handle's plan: the page is in host RAM (chain tier indices are >= 0)
+
+
+@dataclass
+class Prefetch:
+    """Pages on their way up for a handle: `future` gives a `Fetched`; `cancel` stops it early."""
+
+    future: Future[Any]
+    cancel: threading.Event
+
+
+@dataclass(eq=False)
+class CacheHandle:
+    """A request's hold on the cache. Use one handle from one thread at a time.
+
+    Who owns which device pages (the cache checks every call against this):
+    - `device_pages`: the matched prefix, owned by the tree, kept alive by the lock on `node`;
+    - `own_pages`: allocated for this request's suffix; they belong to the handle until `commit`
+      hands the fully written ones to the tree, and `release` frees what is left.
+    Only `own_written` tokens of the `own_tokens` allocated hold KV the engine wrote (`write`,
+    `mark_written`); `commit` never inserts a page past them.
+    """
+
+    owner: Any = field(repr=False)  # the TieredCache that issued it (checked by identity)
+    namespace: str
+    page_size: int
+    keys: list[bytes]
+    node: RadixNode
+    device_pages: np.ndarray
+    available_pages: int  # pages found in any tier when matched (device ones included)
+    plan: list[int] = field(default_factory=list)  # per page past the device prefix: HOST or a chain tier
+    own_pages: list[int] = field(default_factory=list)
+    own_tokens: int = 0  # tokens the suffix pages were allocated for
+    own_written: int = 0  # of those, tokens whose KV was written
+    released: bool = False
+    sources: Counter[str] = field(default_factory=Counter)  # tier name -> prefix pages it supplied
+    prefetch: Prefetch | None = field(default=None, repr=False)
+
+    @property
+    def num_device_pages(self) -> int:
+        return len(self.device_pages)
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens of the matched prefix now in device pages."""
+        return len(self.device_pages) * self.page_size
+
+    @property
+    def written_tokens(self) -> int:
+        """Tokens whose KV is in device pages: the prefix plus what the engine wrote after it."""
+        return self.prefix_tokens + self.own_written
