@@ -238,7 +238,7 @@ def test_get_of_a_prefix_longer_than_the_pool_loads_what_fits():
 
 
 def test_load_while_every_device_page_is_locked_reports_what_it_could_load():
-    c = make(pool_pages=4, host_pages=16)
+    c = make(pool_pages=4, host_pages=16, high_watermark=1.0)  # no background demotion: the pool stays full
     a, b = list(range(16)), list(range(100, 116))
     c.put(a, token_kv(SPEC, a))
     c.evict()

@@ -87,6 +87,9 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
     handle = cache.match(ids, namespace) if cache is not None else None
     try:
         if handle is not None:
+            # An engine prefetches at admission and loads when the request is scheduled; here the
+            # two are back to back, so load() simply waits for the prefetch it started.
+            cache.prefetch(handle)
             pages = cache.load(handle)
             reused = min(len(pages) * cache.spec.page_size, len(ids) - 1)
             if reused > 0:

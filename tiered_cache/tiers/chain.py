@@ -9,13 +9,15 @@ Used below host RAM by `TieredCache` and, with a RAM blob tier in front, by the 
   about keys it cannot answer from that map, each tier at most once per call. Knowledge can go
   stale (Redis evicts by itself, a shared store is filled by other instances): a stale "held"
   turns into a miss on fetch and is forgotten then; a miss never turns into wrong bytes.
-- Concurrency: one lock per tier around every call to that tier, taken in tier order (a demotion
+- Concurrency: one lock per tier around every call to that tier (none for a tier marked
+  `thread_safe`, e.g. Redis and remote clients), taken in tier order (a demotion
   from tier i into tier i+1 holds both), and a small lock for the counters and the residency map.
   No lock spans the whole chain, so a fetch from Redis never waits behind a disk write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
@@ -32,7 +34,10 @@ class TierChain:
         self.promotions: Counter[str] = Counter()  # blobs read from a tier to be copied up
         self.demotions: Counter[str] = Counter()  # blobs written into a tier from the one above
         self.skipped_puts = 0  # puts avoided because the tier was known to hold the key
-        self._tier_locks = [threading.RLock() for _ in self.tiers]
+        # Tiers that are safe to call from several threads (a Redis client pool, gRPC channels)
+        # get no lock: a lookup must not queue behind another thread's multi-MiB put.
+        self._tier_locks = [contextlib.nullcontext() if getattr(tier, "thread_safe", False) else threading.RLock()
+                            for tier in self.tiers]
         self._meta = threading.Lock()
         self._held: OrderedDict[bytes, int] = OrderedDict()  # key -> bit i set: tier i holds it
         self._max_known = max_known

@@ -21,6 +21,7 @@ SOCKET_READ_SIZE = 1 << 20
 
 class RedisTier:
     name = "redis"
+    thread_safe = True  # redis-py's connection pool serves every thread
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "tiered-cache",
                  ttl_s: float | None = None, timeout_s: float = 1.0, backoff_s: float = 0.05,

@@ -52,6 +52,7 @@ class _Server:
 
 class RemoteTier:
     name = "remote"
+    thread_safe = True  # gRPC channels serve every thread; each call keeps its own state
 
     def __init__(self, addresses: Sequence[str], token: str | None = None, tls_ca: str | None = None,
                  timeout_s: float = 5.0, fingerprint: bytes = b"", backoff_s: float = 0.1,
