@@ -30,3 +30,19 @@ def test_keys_bench_and_cli_json():
     assert [r["operation"] for r in data] == [f"page keys, {p}-token pages" for p in (1, 16, 64, 256)]
     table = run_cli("bench", "radix", "--nodes", "200", "--ops", "100").stdout
     assert "heap rebuilt per call" in table and "speed vs baseline" in table
+
+
+TENSOR_ROWS = ["PagePool.store (pages in order)", "PagePool.read_tokens (out=)", "PagePool.read_tokens (new tensor)",
+               "TieredCache.put (new prefix)", "TieredCache.get (device hit)",
+               "match + load + release (from host RAM)"]
+
+
+def test_tensor_bench_reports_each_path_beside_memcpy():
+    data = json.loads(run_cli("bench", "tensor", "--model", "smollm2-135m", "--tokens", "64", "--repeat", "2",
+                              "--json").stdout)
+    assert [r["operation"] for r in data] == TENSOR_ROWS
+    assert {r["baseline_name"] for r in data} == {"memcpy (torch copy_)"}
+    assert data[0]["baseline"] > 0 and all(r["baseline"] == data[0]["baseline"] for r in data)  # one memcpy run
+    assert all(r["value"] > 0 and r["unit"] == "GiB/s" and r["scale"] == "64 tokens, 1 MiB" for r in data)
+    refused = run_cli("bench", "tensor", "--model", "smollm2-135m", "--tokens", "60", check=False)
+    assert refused.returncode != 0 and "multiple of the page size (16)" in refused.stderr

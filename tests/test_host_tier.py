@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 from tier_helpers import SPEC, keys_for, pages_for
@@ -56,3 +58,28 @@ def test_delete_and_bad_input():
         host.put(keys, pages[:1])
     with pytest.raises(ValueError, match="holds no page"):
         HostTier(SPEC, 100)
+
+
+def test_a_large_unpinned_slab_is_pretouched_in_the_background():
+    spec = SPEC.with_options(page_size=64)  # 16 KiB pages
+    host = HostTier(spec, "64MiB", pin=False)
+    assert isinstance(host.pretouch, threading.Thread) and host.pretouch.daemon  # not zero-filled
+    keys, pages = keys_for(40, spec), pages_for(40, spec)
+    assert host.put(keys, pages) == 40  # most likely while the thread still runs
+    host.pretouch.join()
+    n, got = host.get(keys)
+    assert n == 40 and torch.equal(got, pages)
+    assert HostTier(SPEC, 8 * SPEC.bytes_per_page, pin=False).pretouch is None  # small: zero-filled at once
+
+
+def test_where_the_pretouch_writes_zeros_put_waits_for_it(monkeypatch):
+    from tiered_cache.device import memory
+
+    monkeypatch.setattr(memory, "_populate", lambda address, length: False)  # e.g. not Linux
+    spec = SPEC.with_options(page_size=64)
+    host = HostTier(spec, "32MiB", pin=False)
+    assert not host.pretouch.preserves_bytes
+    keys, pages = keys_for(3, spec), pages_for(3, spec)
+    host.put(keys, pages)
+    assert not host.pretouch.is_alive()
+    assert torch.equal(host.get(keys)[1], pages)

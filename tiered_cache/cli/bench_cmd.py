@@ -19,7 +19,14 @@ def add_parser(commands: Any) -> None:
     radix.add_argument("--ops", type=int, default=2000, help="operations timed per size (default 2000)")
     keys = which.add_parser("keys", help="page-key hashing throughput")
     keys.add_argument("--tokens", type=int, default=32768, help="prompt length (default 32768)")
-    subs = [radix, keys]
+    tensor = which.add_parser("tensor", help="tensor API (pool store/read_tokens, cache put/get, load) vs memcpy")
+    tensor.add_argument("--model", default="llama-3.1-8b", help="preset whose KV is moved")
+    tensor.add_argument("--tokens", type=int, default=2048, help="prefix length, whole pages (default 2048: "
+                                                                  "256 MiB for llama-3.1-8b in fp16)")
+    tensor.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
+    tensor.add_argument("--layout", choices=["nhd", "hnd"], default="nhd", help="page layout (default nhd)")
+    tensor.add_argument("--repeat", type=int, default=5, help="runs per figure, best kept (default 5)")
+    subs = [radix, keys, tensor]
     for name, what in (("host", "host RAM tier vs memcpy"), ("disk", "disk tier vs write+fsync / read"),
                        ("redis", "Redis tier vs raw redis-py SET/MGET")):
         sub = which.add_parser(name, help=what)
@@ -70,6 +77,15 @@ def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
         from tiered_cache.bench.keys_bench import bench_keys
 
         return bench_keys(args.tokens), "prompt"
+    if args.bench == "tensor":
+        from tiered_cache.bench.tensor_bench import bench_tensor
+        from tiered_cache.model.presets import preset_spec
+
+        spec = preset_spec(args.model, page_size=args.page_size, layout=args.layout)
+        if args.tokens <= 0 or args.tokens % spec.page_size:
+            raise SystemExit(f"tiered-cache bench tensor: --tokens must be a positive multiple of the page "
+                             f"size ({spec.page_size}); the cache keeps whole pages only")
+        return bench_tensor(spec, args.tokens, args.repeat), "prefix"
     from tiered_cache.bench import tiers_bench
     from tiered_cache.model.presets import get_preset
 

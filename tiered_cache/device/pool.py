@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tiered_cache.device.allocator import PageAllocator, as_page_array
+from tiered_cache.device.memory import allocate_pretouched, empty_cpu
 from tiered_cache.device.pool_ops import PageOps, select_ops
 from tiered_cache.errors import KVShapeError, PageStateError
 from tiered_cache.model.spec import KVSpec, Layout
@@ -35,17 +36,20 @@ class PagePool:
     """Pages of KV in the layer-first layout of DESIGN.md §6, with allocate/free and data movement.
 
     `kv[0, layer]` / `kv[1, layer]` are plain views of one layer's K / V pages, which is what an
-    attention kernel reads. The tensor is allocated and zero-filled once, so its memory is touched
-    before the first request needs it.
+    attention kernel reads. The tensor is allocated once; a large CPU pool is left uninitialised
+    and a daemon thread (`pretouch`) faults its memory in off the request path (small and device
+    pools are zero-filled: `allocate_pretouched`). Only pages a caller wrote are read as KV (the
+    cache commits a page after storing it), so no unwritten byte reaches a caller who did not
+    ask for those pages.
     """
 
     def __init__(self, spec: KVSpec, num_pages: int, device: str | torch.device = "cpu",
                  ops: str | None = None) -> None:
         self.spec = spec
         self.device = torch.device(device)
-        self.allocator = PageAllocator(num_pages)
-        self.kv = torch.zeros(spec.pool_shape(num_pages), dtype=spec.dtype.torch, device=self.device)
         self.ops: PageOps = select_ops(self.device, ops)
+        self.allocator = PageAllocator(num_pages)
+        self.kv, self.pretouch = allocate_pretouched(spec.pool_shape(num_pages), spec.dtype.torch, self.device)
 
     @classmethod
     def with_capacity(cls, spec: KVSpec, capacity: str | int, device: str | torch.device = "cpu",
@@ -70,6 +74,8 @@ class PagePool:
 
     def allocate(self, n: int) -> np.ndarray:
         """`n` free page indices (int64). Raises PoolExhaustedError, allocating nothing, if fewer are free."""
+        if self.pretouch is not None:
+            self.pretouch.before_write()  # every write goes to allocated pages
         return self.allocator.allocate(n)
 
     def free(self, pages: Any) -> None:
@@ -104,16 +110,23 @@ class PagePool:
         """Write the K/V of new tokens, shape (layers, 2, n, kv_heads, head_dim), into `slots`.
 
         Every slot must lie in an allocated page and appear once. Raises KVShapeError or
-        PageStateError before anything is written.
+        PageStateError before anything is written. `kv` may live on another device (it is copied).
+        Slots that fill pages in order (what `slots()` returns) move at memcpy speed with the torch
+        ops: one copy per run of consecutive pages; other slots go through `ops.store`.
         """
         slot_arr = as_page_array(slots, self.num_pages * self.spec.page_size)
         if np.unique(slot_arr).size != slot_arr.size:
             raise PageStateError("store() got the same slot twice; each token needs its own slot")
         self._check_tensor("kv", kv, self.spec.kv_shape(slot_arr.size))
         self.allocator.require_allocated(np.unique(slot_arr // self.spec.page_size))
-        if slot_arr.size:
+        if not slot_arr.size:
+            return
+        heads = _page_heads(slot_arr, self.spec.page_size) if self.ops.name == "torch" else None
+        if heads is None:
             self.ops.store(self.kv, self.spec.layout, self.spec.page_size, self._index(slot_arr),
                            kv.to(self.device))
+        else:
+            self._move(heads, kv.transpose(0, 1), to_pool=True)
 
     def gather(self, pages: Any, out: torch.Tensor | None = None) -> torch.Tensor:
         """Copy `pages` into one contiguous page-first staging tensor (`out`, or a new one on the
@@ -142,13 +155,67 @@ class PagePool:
         if arr.size:
             self.ops.scatter(self.kv, self._index(arr), staging.to(self.device))
 
-    def read_tokens(self, pages: Any, num_tokens: int) -> torch.Tensor:
-        """KV of the first `num_tokens` tokens stored over `pages`, in tensor-API shape (a copy)."""
-        slots = self._index(self.slots(pages, num_tokens))
-        pages_t, offsets = slots // self.spec.page_size, slots % self.spec.page_size
-        if self.spec.layout is Layout.NHD:
-            return self.kv[:, :, pages_t, offsets].transpose(0, 1).contiguous()
-        return self.kv[:, :, pages_t, :, offsets].permute(2, 1, 0, 3, 4).contiguous()
+    def read_tokens(self, pages: Any, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """KV of the first `num_tokens` tokens stored over `pages`, in tensor-API shape
+        (layers, 2, num_tokens, kv_heads, head_dim): copied into `out` (any device and strides,
+        so a caller can reuse memory) or into a new tensor on the pool's device, and returned.
+
+        Returns whatever those pages hold: pass pages you wrote. Raises PageStateError for
+        pages out of range or too few for `num_tokens`, KVShapeError for a wrong `out`.
+        """
+        arr = as_page_array(pages, self.num_pages)
+        ps = self.spec.page_size
+        if not 0 <= num_tokens <= arr.size * ps:
+            raise PageStateError(f"{num_tokens} tokens do not fit in {arr.size} pages of {ps} tokens")
+        shape = self.spec.kv_shape(num_tokens)
+        if out is None:
+            out = (empty_cpu(shape, self.kv.dtype) if self.device.type == "cpu"
+                   else torch.empty(shape, dtype=self.kv.dtype, device=self.device))
+        else:
+            self._check_tensor("out", out, shape)
+        if num_tokens:
+            self._move(arr[:self.spec.pages_for_tokens(num_tokens)], out.transpose(0, 1), to_pool=False)
+        return out
+
+    # --- token copies --------------------------------------------------------------------------------
+    # Token i of a (2, layers, n, heads, dim) view lives in page heads[i // ps] at offset i % ps.
+    # A run of consecutive pages is one strided copy over K/V and every layer (memcpy speed in
+    # NHD); more runs than _MAX_RUN_COPIES go through one index op per call or per (K/V, layer).
+    def _move(self, heads: np.ndarray, tokens: torch.Tensor, to_pool: bool) -> None:
+        ps = self.spec.page_size
+        full, rem = divmod(tokens.shape[2], ps)
+        whole = tokens[:, :, :full * ps].unflatten(2, (full, ps))  # (2, L, pages, ps, H, D)
+        if _count_runs(heads[:full]) <= _MAX_RUN_COPIES:
+            for i, page, count in _runs(heads[:full]):
+                _copy(self._page_view(page, count), whole[:, :, i:i + count], to_pool)
+        else:
+            self._move_indexed(heads[:full], whole, to_pool)
+        if rem:
+            _copy(self._page_view(int(heads[full]), 1)[:, :, 0, :rem], tokens[:, :, full * ps:], to_pool)
+
+    def _page_view(self, first: int, count: int) -> torch.Tensor:
+        """Pages first .. first+count-1 as (2, layers, count, page_size, heads, dim): a view of the pool."""
+        view = self.kv[:, :, first:first + count]
+        return view if self.spec.layout is Layout.NHD else view.transpose(3, 4)
+
+    def _move_indexed(self, pages: np.ndarray, whole: torch.Tensor, to_pool: bool) -> None:
+        idx = self._index(pages)
+        if self.spec.layout is Layout.HND:
+            whole = whole.transpose(3, 4)  # now in the pool's page layout
+        if to_pool:
+            self.kv.index_copy_(2, idx, whole.to(self.device))
+            return
+        buffer = None
+        for k in range(2):
+            for layer in range(self.spec.num_layers):
+                target = whole[k, layer]
+                if target.is_contiguous() and target.device == self.device:
+                    torch.index_select(self.kv[k, layer], 0, idx, out=target)
+                    continue
+                if buffer is None:
+                    buffer = torch.empty(target.shape, dtype=self.kv.dtype, device=self.device)
+                torch.index_select(self.kv[k, layer], 0, idx, out=buffer)
+                target.copy_(buffer)
 
     # --- checks ------------------------------------------------------------------------------------
     def _pages(self, pages: Any) -> np.ndarray:
@@ -166,10 +233,48 @@ class PagePool:
 
 
 def check_tensor(what: str, tensor: Any, shape: tuple[int, ...], dtype: torch.dtype, model: str) -> None:
-    """Raise KVShapeError unless `tensor` is a torch.Tensor of exactly `shape` and `dtype`."""
+    """Raise KVShapeError unless `tensor` is a dense torch.Tensor holding data (any real device) of
+    exactly `shape` and `dtype`. Cheap: call it before allocating anything."""
     if not isinstance(tensor, torch.Tensor):
         raise KVShapeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise KVShapeError(f"{what} has layout {tensor.layout}, expected a dense torch.strided tensor "
+                           "(call .to_dense() first)")
+    if tensor.device.type == "meta":
+        raise KVShapeError(f"{what} is on the meta device and holds no data; expected a tensor on a real device")
     if tuple(tensor.shape) != shape:
         raise KVShapeError(f"{what} has shape {tuple(tensor.shape)}, expected {shape} for {model}")
     if tensor.dtype != dtype:
         raise KVShapeError(f"{what} has dtype {tensor.dtype}, expected {dtype} (no silent casts)")
+
+
+_MAX_RUN_COPIES = 16
+
+
+def _page_heads(slots: np.ndarray, page_size: int) -> np.ndarray | None:
+    """The pages `slots` fill, in order, when slot i = heads[i // page_size] * page_size +
+    i % page_size (whole pages from offset 0; the last may stop early). None for any other order."""
+    heads = slots[::page_size] // page_size
+    n = slots.size
+    expected = np.repeat(heads * page_size, page_size)[:n] + np.arange(n) % page_size
+    return heads if np.array_equal(slots, expected) else None
+
+
+def _count_runs(pages: np.ndarray) -> int:
+    return int(pages.size > 0) + int(np.count_nonzero(np.diff(pages) != 1))
+
+
+def _runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
+    """(index into `pages`, first page, length) of each run of consecutive page numbers."""
+    if not pages.size:
+        return []
+    starts = np.r_[0, np.flatnonzero(np.diff(pages) != 1) + 1]
+    ends = np.r_[starts[1:], pages.size]
+    return [(int(s), int(pages[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+
+
+def _copy(pool_view: torch.Tensor, tokens: torch.Tensor, to_pool: bool) -> None:
+    if to_pool:
+        pool_view.copy_(tokens)
+    else:
+        tokens.copy_(pool_view)
