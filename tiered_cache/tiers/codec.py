@@ -149,8 +149,9 @@ def _assemble(spec: KVSpec, key: bytes, codec: Codec, payload: Any) -> bytes:
     header = _HEADER.pack(MAGIC, VERSION, codec.wire_id, _DTYPES.index(spec.dtype), len(shape),
                           bytes.fromhex(spec.fingerprint), key, spec.page_size, 0,
                           spec.bytes_per_page, len(payload)) + struct.pack(f"<{len(shape)}I", *shape)
-    body = header + memoryview(payload).cast("B")
-    return body + _CRC.pack(zlib.crc32(body))
+    data = memoryview(payload).cast("B")
+    # One copy of the payload (join), the checksum chained over header then payload in place.
+    return b"".join((header, data, _CRC.pack(zlib.crc32(data, zlib.crc32(header)))))
 
 
 def _shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
