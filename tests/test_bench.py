@@ -33,7 +33,7 @@ def test_keys_bench_and_cli_json():
 
 
 TENSOR_ROWS = ["PagePool.store (pages in order)", "PagePool.read_tokens (out=)", "PagePool.read_tokens (new tensor)",
-               "TieredCache.put (new prefix)", "TieredCache.get (device hit)",
+               "TieredCache.put (new prefix)", "TieredCache.get (device hit)", "TieredCache.get (device hit, out=)",
                "match + load + release (from host RAM)"]
 
 
@@ -46,3 +46,11 @@ def test_tensor_bench_reports_each_path_beside_memcpy():
     assert all(r["value"] > 0 and r["unit"] == "GiB/s" and r["scale"] == "64 tokens, 1 MiB" for r in data)
     refused = run_cli("bench", "tensor", "--model", "smollm2-135m", "--tokens", "60", check=False)
     assert refused.returncode != 0 and "multiple of the page size (16)" in refused.stderr
+
+
+def test_engine_bench_runs_every_configuration_beside_host_only():
+    data = json.loads(run_cli("bench", "engine", "--pages", "4", "--requests", "12", "--json").stdout)
+    assert [r["below"] for r in data] == ["host only", "redis", "remote"]
+    assert all(r["requests"] == 8 and r["pages_per_request"] == 4 for r in data)  # 4 warm-up requests left out
+    assert all(0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] for r in data)
+    assert all(r["baseline_p99_ms"] == data[0]["p99_ms"] for r in data)  # host only is the baseline

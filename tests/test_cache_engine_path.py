@@ -353,3 +353,16 @@ def test_eight_threads_share_one_cache_and_every_byte_is_right():
     c.check_integrity()
     assert c.tree.size_info().protected == 0
     c.close()
+
+
+def test_get_into_a_reused_output_tensor():
+    c = make()
+    tokens = list(range(14))  # 3 full pages and 2 tokens
+    c.put(tokens, token_kv(SPEC, tokens))
+    out = torch.full(SPEC.kv_shape(14), -7.0)
+    n, kv = c.get(tokens, out=out)
+    assert n == 12 and kv.data_ptr() == out.data_ptr() and torch.equal(kv, token_kv(SPEC, tokens[:12]))
+    assert (out[:, :, 12:] == -7.0).all()  # past the cached prefix nothing is written
+    with pytest.raises(KVShapeError, match="out has shape"):
+        c.get(tokens, out=torch.empty(SPEC.kv_shape(10)))
+    c.check_integrity()

@@ -288,3 +288,20 @@ def test_where_the_pretouch_writes_zeros_allocate_waits_for_it(monkeypatch):
     kv = torch.randn(spec.kv_shape(32)).half()
     pool.store(pool.slots(pages, 32), kv)
     assert torch.equal(pool.read_tokens(pages, 32), kv)
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+@pytest.mark.parametrize("order", list(PAGE_ORDERS))
+@pytest.mark.parametrize("spec", FAST_SPECS, ids=lambda s: s.model_id)
+def test_page_run_gather_and_scatter_match_the_reference_ops(spec, order, layout):
+    spec = spec.with_options(layout=layout)
+    pages = np.array(PAGE_ORDERS[order])
+    fast, reference = poisoned_pools(spec, seed=3)
+    staging = torch.randn(spec.staging_shape(len(pages)), generator=torch.Generator().manual_seed(5))
+    staging = staging.to(spec.dtype.torch)
+    fast.scatter(pages, staging)
+    TorchPageOps().scatter(reference.kv, torch.from_numpy(pages), staging)
+    assert same_bytes(fast.kv, reference.kv)
+    expected = torch.empty_like(staging)
+    TorchPageOps().gather(reference.kv, torch.from_numpy(pages), expected)
+    assert same_bytes(fast.gather(pages), expected) and same_bytes(expected, staging)

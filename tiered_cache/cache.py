@@ -173,14 +173,23 @@ class TieredCache:
             in_host = [k in self.host.index or k in self._in_flight for k in keys[on_device:]]
         return (on_device + len(self._plan(keys[on_device:], in_host))) * self.spec.page_size
 
-    def get(self, tokens: Any, namespace: str | None = None) -> tuple[int, torch.Tensor]:
+    def get(self, tokens: Any, namespace: str | None = None,
+            out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """The longest cached prefix of `tokens` that fits on the device: (n tokens, KV of shape
-        (layers, 2, n, heads, dim)). Pages found below the device are promoted first."""
-        handle = self.match(tokens, namespace)
+        (layers, 2, n, heads, dim)). Pages found below the device are promoted first.
+
+        `out`, a (layers, 2, len(tokens), heads, dim) tensor of the spec's dtype on any device,
+        receives the KV (its first n tokens; the view is returned): reusing it saves faulting in
+        fresh memory on every call.
+        """
+        toks = as_token_array(tokens)
+        if out is not None:
+            check_tensor("out", out, self.spec.kv_shape(len(toks)), self.spec.dtype.torch, self.spec.model_id)
+        handle = self.match(toks, namespace)
         try:
             pages = self.load(handle)
             n = len(pages) * self.spec.page_size
-            return n, self.pool.read_tokens(pages, n)
+            return n, self.pool.read_tokens(pages, n, out=None if out is None else out[:, :, :n])
         finally:
             self.release(handle)
 

@@ -26,7 +26,12 @@ def add_parser(commands: Any) -> None:
     tensor.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     tensor.add_argument("--layout", choices=["nhd", "hnd"], default="nhd", help="page layout (default nhd)")
     tensor.add_argument("--repeat", type=int, default=5, help="runs per figure, best kept (default 5)")
-    subs = [radix, keys, tensor]
+    engine = which.add_parser("engine", help="request-path latency while every request forces demotion: "
+                                             "host RAM only vs Redis vs a store server below")
+    engine.add_argument("--model", default="smollm2-135m", help="preset whose pages are moved")
+    engine.add_argument("--pages", type=int, default=32, help="pages each request stores and demotes (default 32)")
+    engine.add_argument("--requests", type=int, default=200, help="requests per configuration (default 200)")
+    subs = [radix, keys, tensor, engine]
     for name, what in (("host", "host RAM tier vs memcpy"), ("disk", "disk tier vs write+fsync / read"),
                        ("redis", "Redis tier vs raw redis-py SET/MGET")):
         sub = which.add_parser(name, help=what)
@@ -159,6 +164,12 @@ _INT8_QUESTIONS = [
 def run(args: argparse.Namespace) -> int:
     if args.bench in ("ttft", "int8"):
         return _run_model_bench(args)
+    if args.bench == "engine":
+        from tiered_cache.bench.engine_bench import bench_engine, render
+
+        rows = bench_engine(args.model, args.pages, args.requests)
+        print(json.dumps([r.to_dict() for r in rows], indent=2) if args.json else render(rows))
+        return 0
     if args.bench == "codec":
         from tiered_cache.bench.codec_bench import run_codec_bench
 

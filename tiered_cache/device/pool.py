@@ -140,7 +140,9 @@ class PagePool:
             if not out.is_contiguous():
                 raise KVShapeError("gather() needs a contiguous `out` tensor")
         if arr.size:
-            if out.device == self.device:
+            if out.device == self.device and self._page_runs(arr):
+                self._move_pages(arr, out, to_pool=False)
+            elif out.device == self.device:
                 self.ops.gather(self.kv, self._index(arr), out)
             else:
                 staged = torch.empty(shape, dtype=self.kv.dtype, device=self.device)
@@ -152,8 +154,22 @@ class PagePool:
         """Copy a page-first staging tensor into `pages` (allocated, each once): gather's reverse."""
         arr = self._pages(pages)
         self._check_tensor("staging", staging, self.spec.staging_shape(arr.size))
-        if arr.size:
+        if arr.size and staging.device == self.device and self._page_runs(arr):
+            self._move_pages(arr, staging, to_pool=True)
+        elif arr.size:
             self.ops.scatter(self.kv, self._index(arr), staging.to(self.device))
+
+    def _page_runs(self, pages: np.ndarray) -> bool:
+        """Whether whole-page moves should copy runs of consecutive pages (torch ops, few runs)
+        rather than go through the ops' indexed gather/scatter."""
+        return self.ops.name == "torch" and _count_runs(pages) <= _MAX_RUN_COPIES
+
+    def _move_pages(self, pages: np.ndarray, staging: torch.Tensor, to_pool: bool) -> None:
+        """Page-first `staging` (n, layers, 2, *inner) <-> `pages` of the pool, one strided copy
+        per run of consecutive pages: (2, layers, count, *inner) on both sides."""
+        order = (2, 1, 0, *range(3, staging.dim()))
+        for i, page, count in _runs(pages):
+            _copy(self.kv[:, :, page:page + count], staging[i:i + count].permute(order), to_pool)
 
     def read_tokens(self, pages: Any, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """KV of the first `num_tokens` tokens stored over `pages`, in tensor-API shape

@@ -1,0 +1,120 @@
+"""`tiered-cache bench engine`: request-path latency when every request forces demotion.
+
+Each request stores a fresh prompt of `pages` pages (`TieredCache.put`, what a prefill does)
+into a pool that is already full, so room is made by demoting that many cold pages device ->
+host RAM, and host RAM in turn drops as many toward the tiers below. The same requests run with
+nothing below host RAM (the baseline), with a real Redis below, and with a real store server
+below, in one run. The request path must not pay for the tiers below: encoding and network puts
+belong to the write-behind queue, so the p99 with a lower tier should stay near the baseline's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tiered_cache.cache import TieredCache
+from tiered_cache.config import CacheConfig
+from tiered_cache.model.presets import preset_spec
+
+
+@dataclass(frozen=True)
+class EngineRow:
+    below: str  # what is under host RAM
+    requests: int
+    pages_per_request: int
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    dropped: int  # lower-tier writes the full write-behind queue dropped
+    baseline_p99_ms: float
+
+    @property
+    def p99_ratio(self) -> float:
+        return self.p99_ms / self.baseline_p99_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "p99_vs_host_only": self.p99_ratio}
+
+
+def _requests(spec: Any, count: int, pages: int) -> list[tuple[list[int], torch.Tensor]]:
+    n = pages * spec.page_size
+    gen = torch.Generator().manual_seed(0)
+    kv = torch.randn(spec.kv_shape(n), generator=gen).to(spec.dtype.torch)  # one tensor: content is not timed
+    return [(list(range(i * n, (i + 1) * n)), kv) for i in range(count)]
+
+
+def _latencies(cache: TieredCache, requests: list[tuple[list[int], torch.Tensor]], warmup: int) -> list[float]:
+    times = []
+    for i, (tokens, kv) in enumerate(requests):
+        start = time.perf_counter()
+        cache.put(tokens, kv)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def _p(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def bench_engine(model: str = "smollm2-135m", pages: int = 32, requests: int = 120,
+                 below: tuple[str, ...] = ("host only", "redis", "remote")) -> list[EngineRow]:
+    from tiered_cache.service.process import StoreProcess
+    from tiered_cache.tiers.redis_process import RedisServer
+
+    spec = preset_spec(model, page_size=16)
+    reqs = _requests(spec, requests, pages)
+    warmup = max(4, requests // 10)
+    base = {"pool_capacity": 2 * pages * spec.bytes_per_page, "host_capacity": 2 * pages * spec.bytes_per_page,
+            "malloc_tuning": True}
+    results: dict[str, tuple[list[float], int]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        redis = RedisServer(Path(tmp), maxmemory="1gb") if "redis" in below else None
+        if redis is not None:
+            redis.start()
+        store = StoreProcess(["--no-disk", "--ram", "2GiB"]) if "remote" in below else None
+        try:
+            if store is not None:
+                store.start()
+            for name in below:
+                extra: dict[str, Any] = {}
+                if name == "redis" and redis is not None:
+                    extra = {"lower_tiers": ["redis"], "redis_url": redis.url, "redis_prefix": "bench-engine"}
+                elif name == "remote" and store is not None:
+                    extra = {"lower_tiers": ["remote"], "remote_addresses": [store.address]}
+                print(f"{name}: {requests} requests of {pages} pages, each demoting as many ...",
+                      file=sys.stderr, flush=True)
+                cache = TieredCache(spec, CacheConfig(**base, **extra))
+                times = _latencies(cache, reqs, warmup)
+                dropped = cache.stats().queue("lower-writer").dropped
+                cache.close()
+                results[name] = (times, dropped)
+        finally:
+            if store is not None:
+                store.stop()
+            if redis is not None:
+                redis.stop()
+    baseline = _p(results[below[0]][0], 0.99) * 1e3
+    rows = []
+    for name, (times, dropped) in results.items():
+        rows.append(EngineRow(name, len(times), pages, statistics.median(times) * 1e3, _p(times, 0.99) * 1e3,
+                              max(times) * 1e3, dropped, baseline))
+    return rows
+
+
+def render(rows: list[EngineRow]) -> str:
+    from tiered_cache.cli.table import render_table
+
+    table = [[r.below, f"{r.requests}", f"{r.pages_per_request}", f"{r.p50_ms:,.2f} ms", f"{r.p99_ms:,.2f} ms",
+              f"{r.max_ms:,.2f} ms", f"{r.dropped}", f"{r.p99_ratio:.2f}x"] for r in rows]
+    return render_table(table, ["below host RAM", "requests", "pages demoted each", "p50", "p99", "max",
+                                "writes dropped", "p99 vs host only"], align_right=(1, 2, 3, 4, 5, 6, 7))
