@@ -49,7 +49,7 @@ def test_tensor_bench_reports_each_path_beside_memcpy():
 
 
 def test_engine_bench_runs_every_configuration_beside_host_only():
-    data = json.loads(run_cli("bench", "engine", "--pages", "4", "--requests", "12", "--json").stdout)
+    data = json.loads(run_cli("bench", "engine", "--pages", "4", "--requests", "12", "--gap-ms", "1", "--json").stdout)
     assert [r["below"] for r in data] == ["host only", "redis", "remote"]
     assert all(r["requests"] == 8 and r["pages_per_request"] == 4 for r in data)  # 4 warm-up requests left out
     assert all(0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] for r in data)

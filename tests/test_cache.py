@@ -51,7 +51,7 @@ def test_namespaces_are_separate():
 
 
 def test_device_eviction_demotes_to_host_and_a_hit_promotes_back():
-    c = cache(pool_pages=4, host_pages=16)
+    c = cache(pool_pages=4, host_pages=16, high_watermark=1.0)  # inline eviction only: exact counts
     seqs = [list(range(i * 100, i * 100 + 8)) for i in range(4)]
     kvs = [kv_for(8, seed=i) for i in range(4)]
     for s, kv in zip(seqs, kvs, strict=True):

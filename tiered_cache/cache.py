@@ -20,18 +20,19 @@ a time; several threads may use the cache at once.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from tiered_cache.cache_stats import CacheStats, Movements, PoolFigures
 from tiered_cache.config import CacheConfig, LowerTier, WritePolicy
-from tiered_cache.demotion import BackgroundQueue
+from tiered_cache.demotion import BackgroundQueue, Foreground
 from tiered_cache.device.pool import PagePool, check_tensor
 from tiered_cache.errors import PoolExhaustedError
 from tiered_cache.handle import HOST, CacheHandle, Prefetch
@@ -50,6 +51,21 @@ from tiered_cache.tiers.memtune import tune_malloc
 _NO_PAGES = np.empty(0, dtype=np.int64)
 _MAX_REPLANS = 3  # times one fetch looks again for pages that moved down while it ran
 _DEMOTION_BATCH = 64  # pages the background demoter moves per pass of the lock
+_WRITE_CHUNK = 8  # pages the lower-tier writer encodes and puts between looks for a quiet moment
+_YIELD_S = 0.05  # longest a background step waits for requests in progress to finish
+_RETAIN_SHARE = 4  # at most 1/4 of host RAM slots wait for the writer; past that, pages are copied
+
+
+_F = TypeVar("_F", bound=Any)
+
+
+def _request_path(method: _F) -> _F:
+    """Mark a call as a request in progress: background steps wait (briefly) until none is."""
+    @functools.wraps(method)
+    def wrapper(self: TieredCache, *args: Any, **kwargs: Any) -> Any:
+        with self._foreground:
+            return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
 
 
 @dataclass
@@ -82,12 +98,16 @@ class TieredCache:
         # inference mode) write into the pool and the host slab too.
         with torch.inference_mode(False):
             self.pool = PagePool.with_capacity(spec, self.config.pool_capacity, self.config.device)
-            self.host = HostTier(spec, self.config.host_capacity, on_evict=self._host_evicted)
+            self.host = HostTier(spec, self.config.host_capacity, on_evict=self._host_evicted,
+                                 retain=self._host_retain)
         self.tree = RadixTree(self.config.eviction_policy)
         self.chain = TierChain(list(lower) if lower is not None else self._build_lower_tiers())
         self.lower: list[BlobTier] = self.chain.tiers
         self.moves = Movements()
         self._lock = threading.RLock()
+        self._demoting = 0  # pages the background demoter took from the tree and has not freed yet
+        self._demoting_keys: set[bytes] = set()  # their keys: a lookup waits for them, never misses them
+        self._demoted = threading.Condition(self._lock)  # notified when it frees them
         self._keyers: dict[str, PageKeyer] = {}
         self._device = TierStats("device", capacity_bytes=self.pool.num_pages * spec.bytes_per_page)
         self._unused_slots = 0
@@ -101,6 +121,7 @@ class TieredCache:
         self._prefetch_slots = threading.BoundedSemaphore(self.config.max_prefetches)
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetch_declined = 0
+        self._foreground = Foreground()  # requests in progress: background steps wait for a gap
         self._closed = False
 
     def _build_lower_tiers(self) -> list[BlobTier]:
@@ -123,6 +144,7 @@ class TieredCache:
         return tiers
 
     # --- tensor API ------------------------------------------------------------------------------
+    @_request_path
     def put(self, tokens: Any, kv: torch.Tensor, namespace: str | None = None) -> int:
         """Cache the KV of `tokens` (shape (layers, 2, len(tokens), kv_heads, head_dim)).
 
@@ -164,15 +186,18 @@ class TieredCache:
             self._after_insert(ns, keys[:start + n], n - dup)
         return (n - dup) * ps
 
+    @_request_path
     def lookup(self, tokens: Any, namespace: str | None = None) -> int:
         """How many leading tokens are cached in any tier (whole pages; nothing is moved)."""
         ns = self._ns(namespace)
         keys = self._keyer(ns).keys(as_token_array(tokens))
         with self._lock:
+            self._await_keys(keys)
             on_device = self.tree.match_prefix(keys, ns).num_pages
             in_host = [k in self.host.index or k in self._in_flight for k in keys[on_device:]]
         return (on_device + len(self._plan(keys[on_device:], in_host))) * self.spec.page_size
 
+    @_request_path
     def get(self, tokens: Any, namespace: str | None = None,
             out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """The longest cached prefix of `tokens` that fits on the device: (n tokens, KV of shape
@@ -194,6 +219,7 @@ class TieredCache:
             self.release(handle)
 
     # --- paged API -------------------------------------------------------------------------------
+    @_request_path
     def match(self, tokens: Any, namespace: str | None = None) -> CacheHandle:
         """Find the cached prefix and lock its device pages. Pages found only below the device
         (host RAM, lower tiers: each asked once) are counted in `available_pages` and planned for
@@ -202,6 +228,7 @@ class TieredCache:
         keys = self._keyer(ns).keys(as_token_array(tokens))
         with self._lock:
             self._check_open()
+            self._await_keys(keys)
             result = self.tree.match_prefix(keys, ns)
             self._count_device(result.num_pages, len(keys))
             self.tree.lock(result.node)
@@ -217,6 +244,7 @@ class TieredCache:
         handle.sources["device"] = result.num_pages
         return handle
 
+    @_request_path
     def prefetch(self, handle: CacheHandle) -> bool:
         """Start bringing the handle's pages below the device up into staging memory in the
         background; `load` then waits only for what has not arrived. Returns False (and `load`
@@ -247,6 +275,7 @@ class TieredCache:
             handle.prefetch = Prefetch(self._prefetcher.submit(job), cancel)
         return True
 
+    @_request_path
     def load(self, handle: CacheHandle) -> np.ndarray:
         """Bring the handle's pages found below the device into device pages; returns all the
         prefix's device pages, in order. Pages that turn out missing or corrupt end the prefix,
@@ -275,6 +304,7 @@ class TieredCache:
         finally:
             self._staging.give_back(fetched.buffer)
 
+    @_request_path
     def allocate(self, handle: CacheHandle, num_tokens: int) -> np.ndarray:
         """Room for `num_tokens` more tokens after those the handle already has pages for: fills the
         free slots of its last page first, then allocates new device pages (evicting if needed).
@@ -292,6 +322,7 @@ class TieredCache:
             self._maybe_demote()
         return pages
 
+    @_request_path
     def write(self, handle: CacheHandle, kv: torch.Tensor) -> None:
         """Write the KV of the handle's next `kv.shape[2]` tokens (tensor-API shape) into its own
         pages, after the tokens already written, and count them as written."""
@@ -306,6 +337,7 @@ class TieredCache:
         self.pool.store(slots[handle.own_written:], kv)  # the handle's own pages: no lock needed
         handle.own_written += n
 
+    @_request_path
     def mark_written(self, handle: CacheHandle, num_tokens: int) -> None:
         """Record that the engine wrote the KV of the handle's next `num_tokens` tokens itself
         (into `pool.kv`, at `pool.slots(handle.own_pages, ...)`). Only written tokens are ever
@@ -316,6 +348,7 @@ class TieredCache:
             self._check_writable(handle, int(num_tokens))
             handle.own_written += int(num_tokens)
 
+    @_request_path
     def commit(self, handle: CacheHandle, tokens: Any, num_written: int | None = None) -> int:
         """Insert the full pages of `tokens` whose KV was written: the matched prefix and the
         suffix the engine wrote into the handle's own pages (`write` / `mark_written`).
@@ -365,6 +398,7 @@ class TieredCache:
             self._after_insert(handle.namespace, keys[:start + n_new], n_new - dup)
             return (n_new - dup) * self.spec.page_size
 
+    @_request_path
     def release(self, handle: CacheHandle) -> None:
         """Unlock the prefix, cancel a prefetch still running, and free the pages the handle still
         owns (e.g. a partial last page). Raises ValueError for a handle of another cache or one
@@ -490,6 +524,7 @@ class TieredCache:
     # --- movement between tiers -------------------------------------------------------------------
     def _allocate(self, n: int) -> np.ndarray:
         """`n` device pages, evicting (device -> host, inline) when the pool is short."""
+        self._await_demoter(n)
         shortfall = n - self.pool.num_free
         if shortfall > 0:
             self._demote_now(self.tree.evict(shortfall))
@@ -499,8 +534,21 @@ class TieredCache:
 
     def _allocate_fitting(self, n: int) -> np.ndarray:
         """Up to `n` device pages: as many as free and evictable pages allow."""
+        self._await_demoter(n)
         room = self.pool.num_free + self.tree.size_info().evictable
         return self._allocate(min(n, room)) if n else _NO_PAGES
+
+    def _await_keys(self, keys: list[bytes]) -> None:
+        """Wait (briefly, lock released meanwhile) while the background demoter is moving any of
+        `keys` from the device to host RAM: they are in neither place until it is done."""
+        if self._demoting_keys and not self._demoting_keys.isdisjoint(keys):
+            self._demoted.wait_for(lambda: self._demoting_keys.isdisjoint(keys), timeout=1.0)
+
+    def _await_demoter(self, n: int) -> None:
+        """When `n` pages do not fit yet but the background demoter holds pages it is about to
+        free, wait for them (briefly; lock held, released while waiting)."""
+        if self._demoting and n > self.pool.num_free + self.tree.size_info().evictable:
+            self._demoted.wait_for(lambda: not self._demoting, timeout=1.0)
 
     def _demote_now(self, evicted: list[EvictedNode]) -> None:
         """Evicted nodes' pages: copy those host RAM lacks into it, then free them (lock held)."""
@@ -534,10 +582,12 @@ class TieredCache:
 
     def _demote_to_low_watermark(self) -> None:
         """Background: move cold pages device -> host RAM in batches until the low watermark.
-        Each batch's pages leave the tree under the lock, are copied to host RAM, then freed; in
-        between no one else can reach them (not in the tree, not free)."""
+        A batch leaves the tree under the lock; its pages are then copied out without the lock
+        (no one else can reach them: not in the tree, not free) and handed to host RAM and freed
+        under it again, so requests wait for the demoter only while it touches metadata."""
         try:
             while True:
+                self._foreground.wait_idle(_YIELD_S)
                 with self._lock:
                     excess = self.pool.usage().used_pages - int(self.config.low_watermark * self.pool.num_pages)
                     if excess <= 0 or self._closed:
@@ -545,13 +595,78 @@ class TieredCache:
                     evicted = self.tree.evict(min(excess, _DEMOTION_BATCH))
                     if not evicted:
                         return
-                    self._demote_now(evicted)
+                    keys = [k for node in evicted for k in node.keys]
+                    pages = np.concatenate([node.values for node in evicted])
+                    missing = [i for i, k in enumerate(keys) if k not in self.host.index]
+                    self._demoting += len(pages)
+                    self._demoting_keys.update(keys)
+                    chosen = [keys[i] for i in missing]
+                    new, slots, overflow = self.host.reserve(chosen)  # host slots now ours too
+                buffer = self._staging.lease(len(missing))
+                try:
+                    staged = buffer[:len(missing)]
+                    # The copies need no lock: no one else can reach these pages (out of the tree,
+                    # not free) or these slots (allocated, not indexed).
+                    if missing:
+                        self.pool.gather(pages[missing], out=staged)
+                    if new:
+                        self.host.copy_in(slots, staged if len(new) == len(missing) else staged[torch.tensor(new)])
+                finally:
+                    with self._lock:
+                        self.host.fill([chosen[i] for i in new], slots)
+                        if overflow:
+                            self._host_evicted([chosen[i] for i in overflow], staged[torch.tensor(overflow)].clone())
+                        self.moves.demotions["host"] += len(new)
+                        self._device.bytes_out += len(missing) * self.spec.bytes_per_page
+                        self.pool.free(pages)
+                        self._device.evictions += len(keys)
+                        self._demoting -= len(pages)
+                        self._demoting_keys.difference_update(keys)
+                        self._demoted.notify_all()
+                    self._staging.give_back(buffer)
         finally:
             self._demotion_pending = False
 
+    def _host_retain(self, keys: list[bytes], slots: np.ndarray) -> np.ndarray:
+        """Host RAM is dropping these pages (lock held): keep the slots of those the first lower
+        tier lacks until the writer has put them below, so nothing is copied on the request path.
+        Until then they are served from their slots. Returns the slots kept (none when the write
+        queue is full: those writes are dropped and counted)."""
+        if not self.chain.tiers:
+            return _NO_PAGES
+        todo = [i for i, k in enumerate(keys) if not self.chain.known_in(k, 0)]
+        budget = max(0, self.host.num_slots // _RETAIN_SHARE - self.host.num_retained)
+        if len(todo) > budget:  # past the budget, copy: slots kept for the writer shrink host RAM
+            rest = todo[budget:]
+            self._host_evicted([keys[i] for i in rest], self.host.slab[torch.from_numpy(slots[rest])])
+            todo = todo[:budget]
+        if not todo:
+            return _NO_PAGES
+        kept = slots[todo]
+        views = [self.host.slab[int(slot)] for slot in kept]
+        chosen = [keys[i] for i in todo]
+        if not self._writer.submit(self._write_retained, chosen, views, kept):
+            return _NO_PAGES
+        for key, view in zip(chosen, views, strict=True):
+            self._in_flight[key] = view
+        return kept
+
+    def _write_retained(self, keys: list[bytes], pages: list[torch.Tensor], slots: np.ndarray) -> None:
+        """Background: encode pages still held in host slots, put them below, give the slots back."""
+        try:
+            for start in range(0, len(keys), _WRITE_CHUNK):
+                self._foreground.wait_idle(_YIELD_S)
+                chunk = zip(keys[start:start + _WRITE_CHUNK], pages[start:start + _WRITE_CHUNK], strict=True)
+                self.chain.put([(k, self._encode(p, k)) for k, p in chunk], 0, demotion=True)
+        finally:
+            with self._lock:
+                for key in keys:
+                    self._in_flight.pop(key, None)
+                self.host.release(slots)
+
     def _host_evicted(self, keys: list[bytes], pages: torch.Tensor) -> None:
-        """Host RAM is dropping these pages (a copy): queue them for the tiers below, unless the
-        first lower tier is known to hold them already."""
+        """Pages that did not fit in host RAM at all (a copy): queue them for the tiers below, unless
+        the first lower tier is known to hold them already."""
         if not self.chain.tiers:
             return
         todo = [i for i, k in enumerate(keys) if not self.chain.known_in(k, 0)]
@@ -574,6 +689,7 @@ class TieredCache:
         """Background: copy the last `num_new` pages of `keys` to host RAM, then queue them below.
         Pages evicted meanwhile were copied to host RAM by the eviction: they are read from there."""
         first = len(keys) - num_new
+        self._foreground.wait_idle(_YIELD_S)
         with self._lock:
             if self._closed:
                 return
@@ -597,9 +713,12 @@ class TieredCache:
     def _write_below(self, keys: list[bytes], pages: torch.Tensor, every_tier: bool) -> None:
         """Background: encode pages and put them into the first lower tier (all, for write-through)."""
         try:
-            items = [(k, self._encode(p, k)) for k, p in zip(keys, pages, strict=True)]
-            for index in range(len(self.chain.tiers) if every_tier else 1):
-                self.chain.put(items, index, demotion=True)
+            for start in range(0, len(keys), _WRITE_CHUNK):
+                self._foreground.wait_idle(_YIELD_S)
+                chunk = zip(keys[start:start + _WRITE_CHUNK], pages[start:start + _WRITE_CHUNK], strict=True)
+                items = [(k, self._encode(p, k)) for k, p in chunk]
+                for index in range(len(self.chain.tiers) if every_tier else 1):
+                    self.chain.put(items, index, demotion=True)
         finally:
             if not every_tier:
                 with self._lock:

@@ -31,6 +31,8 @@ def add_parser(commands: Any) -> None:
     engine.add_argument("--model", default="smollm2-135m", help="preset whose pages are moved")
     engine.add_argument("--pages", type=int, default=32, help="pages each request stores and demotes (default 32)")
     engine.add_argument("--requests", type=int, default=200, help="requests per configuration (default 200)")
+    engine.add_argument("--gap-ms", type=float, default=20.0,
+                        help="idle host CPU between requests, as while a GPU computes (default 20; 0: saturated)")
     subs = [radix, keys, tensor, engine]
     for name, what in (("host", "host RAM tier vs memcpy"), ("disk", "disk tier vs write+fsync / read"),
                        ("redis", "Redis tier vs raw redis-py SET/MGET")):
@@ -167,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bench == "engine":
         from tiered_cache.bench.engine_bench import bench_engine, render
 
-        rows = bench_engine(args.model, args.pages, args.requests)
+        rows = bench_engine(args.model, args.pages, args.requests, args.gap_ms)
         print(json.dumps([r.to_dict() for r in rows], indent=2) if args.json else render(rows))
         return 0
     if args.bench == "codec":

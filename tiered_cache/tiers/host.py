@@ -25,13 +25,16 @@ from tiered_cache.tiers.base import TierStats, leading_run
 
 # Called with (keys, pages) about to leave host RAM; `pages` is a copy, page-first.
 HostEvictCallback = Callable[[list[bytes], torch.Tensor], None]
+# Called with (keys, slots) about to leave host RAM; returns the slots it keeps (reads them at
+# `slab[slot]` later, e.g. to write them below) until it gives them back with `release`.
+HostRetainCallback = Callable[[list[bytes], np.ndarray], np.ndarray]
 
 
 class HostTier:
     name = "host"
 
     def __init__(self, spec: KVSpec, capacity: int | str, pin: bool | None = None,
-                 on_evict: HostEvictCallback | None = None) -> None:
+                 on_evict: HostEvictCallback | None = None, retain: HostRetainCallback | None = None) -> None:
         self.spec = spec
         num_slots = parse_size(capacity) // spec.bytes_per_page
         if num_slots <= 0:
@@ -42,6 +45,8 @@ class HostTier:
         self.slots = PageAllocator(num_slots)
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self.on_evict = on_evict
+        self.retain = retain
+        self.num_retained = 0  # slots dropped from the index but still held by `retain`'s owner
         self._stats = TierStats(self.name, capacity_bytes=num_slots * spec.bytes_per_page)
 
     @property
@@ -73,12 +78,28 @@ class HostTier:
         """Store page-first `pages` under `keys`; returns how many new pages were copied in.
 
         Keys already held are only marked as used (a key names its content). To make room the
-        least recently used pages are evicted through `on_evict`; pages beyond what the slab can
-        hold are handed to `on_evict` directly, earliest pages kept (they head the prefix).
+        least recently used pages are evicted through `retain` / `on_evict`; pages beyond what the
+        slab can hold are handed to `on_evict` directly, earliest pages kept (they head the prefix).
         """
         if tuple(pages.shape) != self.spec.staging_shape(len(keys)) or pages.dtype != self.slab.dtype:
             raise KVShapeError(f"pages must be {self.spec.staging_shape(len(keys))} {self.slab.dtype}, "
                                f"got {tuple(pages.shape)} {pages.dtype}")
+        new, slots, overflow = self.reserve(keys)
+        if new:
+            source = pages if len(new) == len(keys) else pages[torch.tensor(new)]  # skip a copy when all new
+            self.copy_in(slots, source)
+            self.fill([keys[i] for i in new], slots)
+        if overflow and self.on_evict:
+            self._stats.evictions += len(overflow)
+            self.on_evict([keys[i] for i in overflow], pages[torch.tensor(overflow)].contiguous())
+        return len(new)
+
+    # A put in three steps, for callers that copy without holding their lock: `reserve` and
+    # `fill` change metadata (under the caller's lock); `copy_in` writes slots that are allocated
+    # but not yet indexed, so no one else reads or reuses them meanwhile.
+    def reserve(self, keys: Sequence[bytes]) -> tuple[list[int], np.ndarray, list[int]]:
+        """Slots for the keys not held yet (held ones are marked as used), evicting to make room:
+        (positions in `keys` that got a slot, their slots, positions that did not fit)."""
         new: list[int] = []
         seen: set[bytes] = set()
         for i, key in enumerate(keys):
@@ -88,22 +109,30 @@ class HostTier:
                 seen.add(key)
                 new.append(i)
         room = self.num_slots - (len(keys) - len(new))  # held batch keys are pinned by being most recent
-        overflow = new[room:]
-        new = new[:room]
-        self._make_room(len(new))
-        if new:
+        self._make_room(min(len(new), room))
+        room = min(room, self.slots.num_free)  # retained slots may leave less room than asked
+        overflow, new = new[room:], new[:room]
+        return new, self.slots.allocate(len(new)), overflow
+
+    def copy_in(self, slots: np.ndarray, pages: torch.Tensor) -> None:
+        """Write page-first `pages` into reserved `slots`."""
+        if len(slots):
             if self.pretouch is not None:
                 self.pretouch.before_write()
-            slots = self.slots.allocate(len(new))
-            source = pages if len(new) == len(keys) else pages[torch.tensor(new)]  # skip a copy when all new
-            _copy_into_slots(self.slab, slots, source)
-            for i, slot in zip(new, slots.tolist(), strict=True):
-                self.index[keys[i]] = slot
-            self._stats.bytes_in += len(new) * self.spec.bytes_per_page
-        if overflow and self.on_evict:
-            self._stats.evictions += len(overflow)
-            self.on_evict([keys[i] for i in overflow], pages[torch.tensor(overflow)].contiguous())
-        return len(new)
+            _copy_into_slots(self.slab, slots, pages)
+
+    def fill(self, keys: Sequence[bytes], slots: np.ndarray) -> None:
+        """Index reserved `slots`, now written, under `keys`. A key stored meanwhile by another
+        put keeps its slot; the duplicate slot is freed."""
+        duplicates = []
+        for key, slot in zip(keys, slots.tolist(), strict=True):
+            if key in self.index:
+                duplicates.append(slot)
+            else:
+                self.index[key] = slot
+        if duplicates:
+            self.slots.free(np.array(duplicates, dtype=np.int64))
+        self._stats.bytes_in += (len(keys) - len(duplicates)) * self.spec.bytes_per_page
 
     def delete(self, keys: Sequence[bytes]) -> None:
         slots = [self.index.pop(k) for k in keys if k in self.index]
@@ -114,16 +143,29 @@ class HostTier:
         self._stats.used_bytes = len(self.index) * self.spec.bytes_per_page
         return self._stats
 
-    def _make_room(self, n: int) -> None:
-        shortfall = n - self.slots.num_free
-        if shortfall <= 0:
-            return
-        victims = [self.index.popitem(last=False) for _ in range(shortfall)]
-        slots = np.array([slot for _, slot in victims], dtype=np.int64)
-        if self.on_evict:
-            self.on_evict([key for key, _ in victims], self.slab[torch.from_numpy(slots)])
+    def release(self, slots: np.ndarray) -> None:
+        """Give back slots kept through `retain`: they become free."""
         self.slots.free(slots)
-        self._stats.evictions += shortfall
+        self.num_retained -= len(slots)
+
+    def _make_room(self, n: int) -> None:
+        """Evict least recently used pages until `n` slots are free or nothing is left. Victims go
+        to `retain` when set (it may keep their slots: no copy), else, copied, to `on_evict`."""
+        # Slots kept by `retain` stay in use, so evict until the room is there (`retain` must bound
+        # what it keeps, or host RAM empties behind a slow writer) or nothing is left.
+        while self.slots.num_free < n and self.index:
+            shortfall = min(n - self.slots.num_free, len(self.index))
+            victims = [self.index.popitem(last=False) for _ in range(shortfall)]
+            keys = [key for key, _ in victims]
+            slots = np.array([slot for _, slot in victims], dtype=np.int64)
+            kept = np.empty(0, dtype=np.int64)
+            if self.retain is not None:
+                kept = self.retain(keys, slots)
+            elif self.on_evict is not None:
+                self.on_evict(keys, self.slab[torch.from_numpy(slots)])
+            self.num_retained += len(kept)
+            self.slots.free(np.setdiff1d(slots, kept) if len(kept) else slots)
+            self._stats.evictions += shortfall
 
 
 def _copy_into_slots(slab: torch.Tensor, slots: np.ndarray, pages: torch.Tensor) -> None:
