@@ -121,6 +121,7 @@ class TieredCache:
         self._prefetch_slots = threading.BoundedSemaphore(self.config.max_prefetches)
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetch_declined = 0
+        self._pages_dropped = 0  # pages whose write below was dropped (write-behind full)
         self._foreground = Foreground()  # requests in progress: background steps wait for a gap
         self._closed = False
 
@@ -444,7 +445,8 @@ class TieredCache:
             tiers.append(replace(tier, corrupt=tier.corrupt + self.moves.refused[tier.name]))
         queues = [self._demoter.figures(), self._writer.figures()]
         return CacheStats(tiers, pool, self.spec.page_size, nodes, size.evictable, size.protected, queues,
-                          self._prefetch_declined, self.chain.skipped_puts)
+                          self._prefetch_declined, self.chain.skipped_puts,
+                          self._pages_dropped)
 
     def close(self) -> None:
         """Finish queued background work, then close the lower tiers' connections."""
@@ -603,6 +605,7 @@ class TieredCache:
                     chosen = [keys[i] for i in missing]
                     new, slots, overflow = self.host.reserve(chosen)  # host slots now ours too
                 buffer = self._staging.lease(len(missing))
+                spill = None
                 try:
                     staged = buffer[:len(missing)]
                     # The copies need no lock: no one else can reach these pages (out of the tree,
@@ -611,11 +614,12 @@ class TieredCache:
                         self.pool.gather(pages[missing], out=staged)
                     if new:
                         self.host.copy_in(slots, staged if len(new) == len(missing) else staged[torch.tensor(new)])
+                    spill = staged[torch.tensor(overflow)].clone() if overflow else None  # no room in host RAM
                 finally:
                     with self._lock:
                         self.host.fill([chosen[i] for i in new], slots)
-                        if overflow:
-                            self._host_evicted([chosen[i] for i in overflow], staged[torch.tensor(overflow)].clone())
+                        if overflow and spill is not None:
+                            self._host_evicted([chosen[i] for i in overflow], spill)
                         self.moves.demotions["host"] += len(new)
                         self._device.bytes_out += len(missing) * self.spec.bytes_per_page
                         self.pool.free(pages)
@@ -630,13 +634,15 @@ class TieredCache:
     def _host_retain(self, keys: list[bytes], slots: np.ndarray) -> np.ndarray:
         """Host RAM is dropping these pages (lock held): keep the slots of those the first lower
         tier lacks until the writer has put them below, so nothing is copied on the request path.
-        Until then they are served from their slots. Returns the slots kept (none when the write
-        queue is full: those writes are dropped and counted)."""
+        Until then they are served from their slots. At most 1/_RETAIN_SHARE of host RAM waits
+        like this; past that the pages are copied out and queued (`_host_evicted`), and when the
+        job queue is full the writes are dropped and counted (never waited for). Returns the
+        slots kept."""
         if not self.chain.tiers:
             return _NO_PAGES
         todo = [i for i, k in enumerate(keys) if not self.chain.known_in(k, 0)]
         budget = max(0, self.host.num_slots // _RETAIN_SHARE - self.host.num_retained)
-        if len(todo) > budget:  # past the budget, copy: slots kept for the writer shrink host RAM
+        if len(todo) > budget:
             rest = todo[budget:]
             self._host_evicted([keys[i] for i in rest], self.host.slab[torch.from_numpy(slots[rest])])
             todo = todo[:budget]
@@ -646,6 +652,7 @@ class TieredCache:
         views = [self.host.slab[int(slot)] for slot in kept]
         chosen = [keys[i] for i in todo]
         if not self._writer.submit(self._write_retained, chosen, views, kept):
+            self._pages_dropped += len(todo)
             return _NO_PAGES
         for key, view in zip(chosen, views, strict=True):
             self._in_flight[key] = view
@@ -677,6 +684,8 @@ class TieredCache:
         if self._writer.submit(self._write_below, chosen_keys, chosen, False):
             for key, page in zip(chosen_keys, chosen, strict=True):
                 self._in_flight[key] = page
+        else:
+            self._pages_dropped += len(chosen_keys)
 
     def _after_insert(self, ns: str, keys: list[bytes], num_new: int) -> None:
         """New pages entered the tree. Write-through queues a copy to host RAM and every lower

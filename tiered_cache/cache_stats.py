@@ -49,6 +49,7 @@ class CacheStats:
     queues: list[QueueFigures] = field(default_factory=list)  # background work: depth, dropped, ...
     prefetch_declined: int = 0  # prefetches not started because max_prefetches were in flight
     skipped_puts: int = 0  # lower-tier puts avoided: the tier was known to hold the page
+    dropped_pages: int = 0  # pages whose write below was dropped: the write-behind was full
 
     def queue(self, name: str) -> QueueFigures:
         return next(q for q in self.queues if q.name == name)
@@ -76,4 +77,5 @@ class CacheStats:
             "queues": [asdict(q) for q in self.queues],
             "prefetch_declined": self.prefetch_declined,
             "skipped_puts": self.skipped_puts,
+            "dropped_pages": self.dropped_pages,
         }

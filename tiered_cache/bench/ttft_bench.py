@@ -89,7 +89,10 @@ def projection(rows: list[TtftRow], model: str = "llama-3-70b",
     preset = get_preset(model)
     cfg = preset.config
     longest = max(rows, key=lambda r: r.prefix_tokens)
-    rates = {t: longest.kv_bytes / max(longest.tier_s[t] - longest.tier_s["device"], 1e-6) for t in TIERS[1:]}
+    # A tier within 5% of the device row is within this machine's noise: no rate can be derived.
+    device = longest.tier_s["device"]
+    rates = {t: (longest.kv_bytes / (longest.tier_s[t] - device) if longest.tier_s[t] - device > 0.05 * device
+                 else None) for t in TIERS[1:]}
     out = []
     for n in sorted({r.prefix_tokens for r in rows} | set(extra_lengths)):
         flops = 2 * preset.num_params * n + 2 * cfg.num_layers * n * n * cfg.num_attention_heads * cfg.head_dim
@@ -97,10 +100,17 @@ def projection(rows: list[TtftRow], model: str = "llama-3-70b",
         kv = preset.spec.bytes_for_tokens(n)
         entry = {"model": model, "prefix_tokens": n, "kv_bytes": kv, "projected_recompute_s": recompute}
         for tier in TIERS[1:]:
-            entry[f"{tier}_GBps"] = rates[tier] / 1e9
-            entry[f"{tier}_projected_speedup"] = recompute / (kv / rates[tier])
+            rate = rates[tier]
+            entry[f"{tier}_GBps"] = None if rate is None else rate / 1e9
+            entry[f"{tier}_projected_speedup"] = None if rate is None else recompute / (kv / rate)
         out.append(entry)
     return out
+
+
+def _projected(entry: dict[str, Any], tier: str) -> str:
+    if entry[f"{tier}_GBps"] is None:
+        return "n/a: within noise of device"
+    return f"{entry[f'{tier}_GBps']:.2f} GB/s -> {entry[f'{tier}_projected_speedup']:.1f}x"
 
 
 def render(rows: list[TtftRow], projected: list[dict[str, Any]]) -> str:
@@ -113,7 +123,7 @@ def render(rows: list[TtftRow], projected: list[dict[str, Any]]) -> str:
         ["prefix", "KV", "recompute", *[f"from {t}" for t in TIERS]], align_right=range(0, 7))
     proj = render_table(
         [[f"{p['prefix_tokens']:,}", format_binary(p["kv_bytes"]), f"{p['projected_recompute_s'] * 1e3:,.0f} ms",
-          *[f"{p[f'{t}_GBps']:.2f} GB/s -> {p[f'{t}_projected_speedup']:.1f}x" for t in TIERS[1:]]]
+          *[_projected(p, t) for t in TIERS[1:]]]
          for p in projected],
         ["prefix", "KV (70B)", "prefill (assumed)", *[f"{t}: measured rate -> speed-up" for t in TIERS[1:]]],
         align_right=range(0, 6))
