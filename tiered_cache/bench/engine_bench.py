@@ -81,11 +81,9 @@ def bench_engine(model: str = "smollm2-135m", pages: int = 32, requests: int = 1
     spec = preset_spec(model, page_size=16)
     reqs = _requests(spec, requests, pages)
     warmup = max(4, requests // 10)
-    # The pool holds two requests' pages. The watermarks leave room for the next request, as an
-    # operator sets them: above half full the demoter brings the pool down to a quarter, so a
-    # request finds free pages; inline eviction is then the exception (the demoter fell behind).
+    # The pool and host RAM hold two requests' pages each; default watermarks.
     base = {"pool_capacity": 2 * pages * spec.bytes_per_page, "host_capacity": 2 * pages * spec.bytes_per_page,
-            "malloc_tuning": True, "high_watermark": 0.5, "low_watermark": 0.25}
+            "malloc_tuning": True}
     results: dict[str, tuple[list[float], int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp), maxmemory="1gb") if "redis" in below else None
