@@ -49,6 +49,7 @@ from tiered_cache.tiers.host import HostTier
 from tiered_cache.tiers.memtune import tune_malloc
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
+_NOWHERE = -2  # in a plan being built: no tier found the page (HOST is -1, lower tiers >= 0)
 _MAX_REPLANS = 3  # times one fetch looks again for pages that moved down while it ran
 _DEMOTION_BATCH = 64  # pages the background demoter moves per pass of the lock
 _WRITE_CHUNK = 8  # pages the lower-tier writer encodes and puts between looks for a quiet moment
@@ -510,8 +511,7 @@ class TieredCache:
         with self._lock:
             for name in fetched.tiers[:n]:
                 handle.sources[name] += 1
-            if name_host := sum(1 for name in fetched.tiers[:n] if name == "host"):
-                self.moves.promotions["host"] += name_host
+            self.moves.promotions["host"] += fetched.tiers[:n].count("host")
             if n:
                 self._device.bytes_in += n * self.spec.bytes_per_page
                 node, all_pages, _ = self._adopt(handle.namespace, handle.keys[:start + n], handle.device_pages,
@@ -661,10 +661,7 @@ class TieredCache:
     def _write_retained(self, keys: list[bytes], pages: list[torch.Tensor], slots: np.ndarray) -> None:
         """Background: encode pages still held in host slots, put them below, give the slots back."""
         try:
-            for start in range(0, len(keys), _WRITE_CHUNK):
-                self._foreground.wait_idle(_YIELD_S)
-                chunk = zip(keys[start:start + _WRITE_CHUNK], pages[start:start + _WRITE_CHUNK], strict=True)
-                self.chain.put([(k, self._encode(p, k)) for k, p in chunk], 0, demotion=True)
+            self._encode_and_put(keys, pages, 1)
         finally:
             with self._lock:
                 for key in keys:
@@ -702,14 +699,14 @@ class TieredCache:
         with self._lock:
             if self._closed:
                 return
-            on_device = max(first, self.tree.match_prefix(keys, self._ns(ns)).num_pages)
+            match = self.tree.match_prefix(keys, ns)
+            on_device = max(first, match.num_pages)
             buffer = self._staging.lease(num_new)
             try:
                 take = on_device - first
                 if take:
-                    match = self.tree.match_prefix(keys[:on_device], ns)
                     staged = buffer[:take]
-                    self.pool.gather(match.values[first:], out=staged)
+                    self.pool.gather(match.values[first:on_device], out=staged)
                     self.host.put(keys[first:on_device], staged)
                 n_host, _ = self.host.get(keys[on_device:], out=buffer[take:num_new])
                 total = take + n_host
@@ -722,29 +719,34 @@ class TieredCache:
     def _write_below(self, keys: list[bytes], pages: torch.Tensor, every_tier: bool) -> None:
         """Background: encode pages and put them into the first lower tier (all, for write-through)."""
         try:
-            for start in range(0, len(keys), _WRITE_CHUNK):
-                self._foreground.wait_idle(_YIELD_S)
-                chunk = zip(keys[start:start + _WRITE_CHUNK], pages[start:start + _WRITE_CHUNK], strict=True)
-                items = [(k, self._encode(p, k)) for k, p in chunk]
-                for index in range(len(self.chain.tiers) if every_tier else 1):
-                    self.chain.put(items, index, demotion=True)
+            self._encode_and_put(keys, pages, len(self.chain.tiers) if every_tier else 1)
         finally:
             if not every_tier:
                 with self._lock:
                     for key in keys:
                         self._in_flight.pop(key, None)
 
+    def _encode_and_put(self, keys: list[bytes], pages: Any, num_tiers: int) -> None:
+        """Encode pages and put them into the first `num_tiers` lower tiers, a chunk at a time,
+        each chunk after a quiet moment (no request in progress, or `_YIELD_S` passed)."""
+        for start in range(0, len(keys), _WRITE_CHUNK):
+            self._foreground.wait_idle(_YIELD_S)
+            chunk = zip(keys[start:start + _WRITE_CHUNK], pages[start:start + _WRITE_CHUNK], strict=True)
+            items = [(k, self._encode(p, k)) for k, p in chunk]
+            for index in range(num_tiers):
+                self.chain.put(items, index, demotion=True)
+
     def _plan(self, keys: list[bytes], in_host: list[bool]) -> list[int]:
         """Where each page of the leading run of `keys` found below the device lives: HOST, or
         the index of the lower tier to fetch it from. Each lower tier is asked at most once."""
-        plan: list[int] = [HOST if held else -2 for held in in_host]
-        ask = [i for i, p in enumerate(plan) if p == -2]
+        plan: list[int] = [HOST if held else _NOWHERE for held in in_host]
+        ask = [i for i, p in enumerate(plan) if p == _NOWHERE]
         if ask and self.chain.tiers:
             where = self.chain.locate([keys[i] for i in ask])
             for i, w in zip(ask, where, strict=True):
                 if w is not None:
                     plan[i] = w
-        first_miss = next((i for i, p in enumerate(plan) if p == -2), len(plan))
+        first_miss = next((i for i, p in enumerate(plan) if p == _NOWHERE), len(plan))
         return plan[:first_miss]
 
     def _fetch(self, keys: list[bytes], plan: list[int], cancel: threading.Event | None = None) -> Fetched:
