@@ -116,6 +116,10 @@ class TieredCache:
         self._demoter = BackgroundQueue("demoter", capacity=max(2, self.config.demotion_queue))
         self._writer = BackgroundQueue("lower-writer", capacity=self.config.demotion_queue)
         self._demotion_pending = False
+        # Set while no demotion is queued or running: the lower-tier writer waits for it, since
+        # room on the device is what the next request needs and a write below is not.
+        self._demoter_quiet = threading.Event()
+        self._demoter_quiet.set()
         # Pages host RAM dropped that are queued for the tiers below: still served from here
         # until the put is done, so write-behind never opens a window of misses.
         self._in_flight: dict[bytes, torch.Tensor] = {}
@@ -547,10 +551,11 @@ class TieredCache:
             self._demoted.wait_for(lambda: self._demoting_keys.isdisjoint(keys), timeout=1.0)
 
     def _await_demoter(self, n: int) -> None:
-        """When `n` pages do not fit yet but the background demoter holds pages it is about to
-        free, wait for them (briefly; lock held, released while waiting)."""
-        if self._demoting and n > self.pool.num_free + self.tree.size_info().evictable:
-            self._demoted.wait_for(lambda: not self._demoting, timeout=1.0)
+        """When `n` pages are not free yet but the background demoter holds pages it is about to
+        free, wait for them (briefly; lock held, released while waiting): finishing a copy
+        already under way costs the request less than starting its own eviction beside it."""
+        if self._demoting and n > self.pool.num_free:
+            self._demoted.wait_for(lambda: not self._demoting or n <= self.pool.num_free, timeout=1.0)
 
     def _demote_now(self, evicted: list[EvictedNode]) -> None:
         """Evicted nodes' pages: copy those host RAM lacks into it, then free them (lock held)."""
@@ -580,7 +585,10 @@ class TieredCache:
         """Above the high watermark, have the background demoter bring the pool down to the low one."""
         used = self.pool.usage().used_pages
         if not self._demotion_pending and used > self.config.high_watermark * self.pool.num_pages:
+            self._demoter_quiet.clear()
             self._demotion_pending = self._demoter.submit(self._demote_to_low_watermark)
+            if not self._demotion_pending:
+                self._demoter_quiet.set()
 
     def _demote_to_low_watermark(self) -> None:
         """Background: move cold pages device -> host RAM in batches until the low watermark.
@@ -630,6 +638,7 @@ class TieredCache:
                     self._staging.give_back(buffer)
         finally:
             self._demotion_pending = False
+            self._demoter_quiet.set()
 
     def _host_retain(self, keys: list[bytes], slots: np.ndarray) -> np.ndarray:
         """Host RAM is dropping these pages (lock held): keep the slots of those the first lower
@@ -728,8 +737,10 @@ class TieredCache:
 
     def _encode_and_put(self, keys: list[bytes], pages: Any, num_tiers: int) -> None:
         """Encode pages and put them into the first `num_tiers` lower tiers, a chunk at a time,
-        each chunk after a quiet moment (no request in progress, or `_YIELD_S` passed)."""
+        each chunk after a quiet moment (no request in progress and no demotion under way, or
+        `_YIELD_S` passed for each)."""
         for start in range(0, len(keys), _WRITE_CHUNK):
+            self._demoter_quiet.wait(_YIELD_S)
             self._foreground.wait_idle(_YIELD_S)
             chunk = zip(keys[start:start + _WRITE_CHUNK], pages[start:start + _WRITE_CHUNK], strict=True)
             items = [(k, self._encode(p, k)) for k, p in chunk]
