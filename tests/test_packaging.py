@@ -42,13 +42,13 @@ from tiered_cache.service.server import StoreServer, build_store
 from tiered_cache.service.store import BlobStore
 from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.disk import DiskTier
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.memory import MemoryTier, entry_cost
 
 spec = KVSpec('no-torch', 2, 2, 16, page_size=4)
 keys = PageKeyer(spec).keys(list(range(6 * spec.page_size)))
 pages = np.random.default_rng(0).integers(0, 256, size=(6, spec.bytes_per_page), dtype=np.uint8)
 items = [(k, encode_page(p, spec, k)) for k, p in zip(keys, pages)]
-size = len(items[0][1])
+size = entry_cost(items[0][1])
 store = BlobStore(MemoryTier(2 * size), [DiskTier({str(tmp_path / 'a')!r}, 100 * size)])
 assert store.put(items) == (6, 0)
 assert store.locate(keys) == ['disk'] * 4 + ['ram'] * 2

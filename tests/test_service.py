@@ -13,7 +13,7 @@ from tiered_cache.service.client import StoreClient
 from tiered_cache.service.process import StoreProcess
 from tiered_cache.service.store import BlobStore
 from tiered_cache.tiers.disk import DiskTier
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.memory import MemoryTier, entry_cost
 from tiered_cache.v1 import cache_pb2 as pb
 
 
@@ -178,7 +178,8 @@ def test_sigterm_lets_an_in_flight_stream_finish():
 
 # --- BlobStore in-process (what the server's handlers call) ------------------------------------------
 def _blob_size() -> int:
-    return len(make_items(1)[0][1])
+    """What one page costs the RAM tier (its blob and the entry around it)."""
+    return entry_cost(make_items(1)[0][1])
 
 
 def test_blob_store_demotes_promotes_and_counts(tmp_path):

@@ -17,7 +17,7 @@ from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.disk import DiskTier
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.memory import MemoryTier, entry_cost
 
 SPEC = KVSpec("chain-test", 2, 2, 16, page_size=4)  # 1 KiB pages
 
@@ -29,7 +29,7 @@ def make_blobs(n: int, start: int = 0, seed: int = 0) -> list[tuple[bytes, bytes
     return [(k, encode_page(p, SPEC, k)) for k, p in zip(keys, pages, strict=True)]
 
 
-BLOB = len(make_blobs(1)[0][1])
+BLOB = entry_cost(make_blobs(1)[0][1])  # what one blob costs the RAM tier
 
 
 class CountingRam(MemoryTier):

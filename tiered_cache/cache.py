@@ -146,7 +146,8 @@ class TieredCache:
                 from tiered_cache.tiers.remote import RemoteTier
 
                 tiers.append(RemoteTier(cfg.remote_addresses, cfg.remote_token, cfg.remote_tls_ca,
-                                        cfg.remote_timeout_s, fingerprint=bytes.fromhex(self.spec.fingerprint)))
+                                        cfg.remote_timeout_s, fingerprint=bytes.fromhex(self.spec.fingerprint),
+                                        budget_s=cfg.remote_budget_s))
         return tiers
 
     # --- tensor API ------------------------------------------------------------------------------

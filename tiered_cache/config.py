@@ -54,7 +54,8 @@ class CacheConfig:
     remote_addresses: tuple[str, ...] = ()  # HOST:PORT of store servers; keys spread over them
     remote_token: str | None = None
     remote_tls_ca: str | None = None  # PEM of the CA that signed the servers' certificates
-    remote_timeout_s: float = 5.0
+    remote_timeout_s: float = 5.0  # progress deadline: a stream fails when nothing moves this long
+    remote_budget_s: float | None = None  # optional bound on one whole get/put stream
     codec: Codec = Codec.RAW
     codec_min_saving: float = 0.05
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
@@ -85,6 +86,8 @@ class CacheConfig:
         for name in ("redis_timeout_s", "remote_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.remote_budget_s is not None and not self.remote_budget_s > 0:
+            raise ValueError(f"remote_budget_s must be positive or None, got {self.remote_budget_s}")
         if not 0 < self.low_watermark < self.high_watermark <= 1:
             raise ValueError(f"watermarks must satisfy 0 < low_watermark < high_watermark <= 1, "
                              f"got low={self.low_watermark} high={self.high_watermark}")
@@ -175,6 +178,8 @@ def _coerce(name: str, value: Any) -> Any:
             return text in _TRUE
         if name in {"codec_min_saving", "redis_timeout_s", "remote_timeout_s", "high_watermark", "low_watermark"}:
             return float(value)
+        if name == "remote_budget_s":
+            return None if value is None or str(value).strip().lower() in {"", "none"} else float(value)
         if name in {"demotion_queue", "prefetch_workers", "max_prefetches"}:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(f"expected an integer, got {value!r}")

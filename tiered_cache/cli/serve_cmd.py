@@ -23,6 +23,11 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--disk-capacity", help="disk tier size (default 10GiB)")
     p.add_argument("--redis", dest="redis_url", help="a Redis tier below disk, e.g. redis://127.0.0.1:6379/0")
     p.add_argument("--max-page", dest="max_page_bytes", help="largest page blob accepted (default 64MiB)")
+    p.add_argument("--workers", type=int, help="threads for store I/O of Get and Put (default 8)")
+    p.add_argument("--max-streams", dest="max_streams", type=int,
+                   help="Get/Put streams at once; past it calls fail fast with RESOURCE_EXHAUSTED (default 64)")
+    p.add_argument("--stream-idle", dest="stream_idle_s", type=float,
+                   help="seconds a stream may make no progress before it is ended (default 30)")
     p.add_argument("--write-through", action="store_true", default=None,
                    help="copy new pages below RAM at once (default: on eviction and at shutdown)")
     p.set_defaults(run=run)
@@ -36,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = {name: getattr(args, name) for name in
                  ("host", "port", "token", "tls_cert", "tls_key", "ram_capacity", "disk_path", "disk_capacity",
-                  "redis_url", "max_page_bytes", "write_through")}
+                  "redis_url", "max_page_bytes", "write_through", "workers", "max_streams", "stream_idle_s")}
     overrides["token"] = overrides["token"] or os.environ.get("TIERED_CACHE_SERVE_TOKEN")
     if args.no_disk:
         overrides["disk_path"] = ""

@@ -1,10 +1,17 @@
 """`StoreClient`: a thin, typed client of one store server (imports only the stubs and codec).
 
 Calls raise `grpc.RpcError` like any gRPC client; `tiers/remote.py` turns failures into misses.
+
+Deadlines: Lookup and Stats are small and get `timeout_s` as a plain deadline. Get and Put
+streams get a *progress* deadline instead: they fail only when no message moves for
+`timeout_s` (`StreamStalled`), so a 10 GiB prefix arrives as long as it keeps arriving; an
+optional overall `budget_s` bounds the whole call where the caller wants one.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +23,48 @@ from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
 
 DEFAULT_MAX_MESSAGE = ServerConfig().max_message_bytes  # the server's default page limit + framing
+
+
+class StreamStalled(grpc.RpcError):
+    """No message moved on a stream for the progress deadline; the call was cancelled."""
+
+    def __init__(self, what: str, idle_s: float) -> None:
+        super().__init__(f"{what}: nothing moved for {idle_s:g} s (progress deadline)")
+        self.idle_s = idle_s
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return str(self)
+
+
+class ProgressDeadline:
+    """Cancels `call` when `progress()` has not been called for `idle_s` (checked by a daemon
+    thread a few times per `idle_s`); `close()` when the call is over."""
+
+    def __init__(self, call: Any, idle_s: float, what: str) -> None:
+        self.call, self.idle_s, self.what = call, idle_s, what
+        self.stalled = False
+        self._last = time.monotonic()
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="tiered-cache-progress", daemon=True).start()
+
+    def progress(self) -> None:
+        self._last = time.monotonic()
+
+    def close(self) -> None:
+        self._done.set()
+
+    def error(self) -> StreamStalled:
+        return StreamStalled(self.what, self.idle_s)
+
+    def _watch(self) -> None:
+        while not self._done.wait(min(self.idle_s / 4, 1.0)):
+            if time.monotonic() - self._last > self.idle_s:
+                self.stalled = True
+                self.call.cancel()
+                return
 
 
 def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -49,15 +98,47 @@ class StoreClient:
         return self.stub.Lookup(pb.LookupRequest(keys=keys), timeout=timeout_s or self.timeout_s,
                                 metadata=self.metadata)
 
-    def get(self, keys: list[bytes], fingerprint: bytes = b"", timeout_s: float | None = None) -> Iterator[pb.PageBlob]:
-        """The held blobs among `keys`, streamed in order (a missing key is skipped)."""
-        return self.stub.Get(pb.GetRequest(keys=keys, fingerprint=fingerprint),
-                             timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+    def get(self, keys: list[bytes], fingerprint: bytes = b"", timeout_s: float | None = None,
+            budget_s: float | None = None) -> Iterator[pb.PageBlob]:
+        """The held blobs among `keys`, streamed in order (a missing key is skipped). Raises
+        `StreamStalled` when no blob arrives for `timeout_s`; `budget_s` bounds the whole call."""
+        call = self.stub.Get(pb.GetRequest(keys=keys, fingerprint=fingerprint), timeout=budget_s,
+                             metadata=self.metadata)
+        watch = ProgressDeadline(call, timeout_s or self.timeout_s, f"Get of {len(keys)} pages from {self.address}")
+        try:
+            for item in call:
+                watch.progress()
+                yield item
+        except grpc.RpcError as exc:
+            if watch.stalled:
+                raise watch.error() from exc
+            raise
+        finally:
+            watch.close()
+            call.cancel()  # a consumer that stops early frees the stream at once (no-op when done)
 
     def put(self, items: Iterable[tuple[bytes, bytes]], fingerprint: bytes = b"",
-            timeout_s: float | None = None) -> pb.PutResponse:
-        stream = (pb.PageBlob(key=k, blob=b, fingerprint=fingerprint) for k, b in items)
-        return self.stub.Put(stream, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+            timeout_s: float | None = None, budget_s: float | None = None) -> pb.PutResponse:
+        """Stream pages to the server and return its ack. Raises `StreamStalled` when the server
+        takes no page for `timeout_s` (or does not answer that long after the last)."""
+        watch: ProgressDeadline | None = None
+
+        def stream() -> Iterator[pb.PageBlob]:
+            for k, b in items:
+                yield pb.PageBlob(key=k, blob=b, fingerprint=fingerprint)
+                if watch is not None:
+                    watch.progress()  # the previous page was taken: flow control let it go
+
+        future = self.stub.Put.future(stream(), timeout=budget_s, metadata=self.metadata)
+        watch = ProgressDeadline(future, timeout_s or self.timeout_s, f"Put to {self.address}")
+        try:
+            return future.result()
+        except (grpc.RpcError, grpc.FutureCancelledError) as exc:
+            if watch.stalled:
+                raise watch.error() from exc
+            raise
+        finally:
+            watch.close()
 
     def stats(self, timeout_s: float | None = None) -> pb.StatsResponse:
         return self.stub.Stats(pb.StatsRequest(), timeout=timeout_s or self.timeout_s, metadata=self.metadata)

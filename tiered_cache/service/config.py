@@ -27,12 +27,15 @@ class ServerConfig:
     redis_prefix: str = "tiered-cache-store"
     max_page_bytes: int = 64 * 2**20  # the largest blob accepted; messages are bounded by it
     max_keys: int = 1 << 20  # per Lookup or Get request
-    workers: int = 8
+    workers: int = 8  # threads doing store I/O (disk, Redis, checksums) for Get and Put
+    max_streams: int = 64  # Get/Put streams at once; past it calls fail fast (RESOURCE_EXHAUSTED)
+    stream_idle_s: float = 30.0  # a stream with no progress for this long is ended
+    stream_buffer_bytes: int = 8 * 2**20  # blobs a stream holds per step (Put batch, Get read-ahead)
     grace_s: float = 10.0  # shutdown waits this long for in-flight streams
     write_through: bool = False  # copy new blobs to the tier below RAM at once
 
     def __post_init__(self) -> None:
-        for name in ("ram_capacity", "disk_capacity", "max_page_bytes"):
+        for name in ("ram_capacity", "disk_capacity", "max_page_bytes", "stream_buffer_bytes"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if self.disk_path:
             object.__setattr__(self, "disk_path", str(Path(self.disk_path).expanduser()))
@@ -40,6 +43,11 @@ class ServerConfig:
             raise ValueError("TLS needs both tls_cert and tls_key")
         if not 0 <= int(self.port) < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("workers", "max_streams"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not float(self.stream_idle_s) > 0:
+            raise ValueError(f"stream_idle_s must be positive, got {self.stream_idle_s}")
         if self.token is not None and not self.token:
             raise ValueError("token must not be empty (leave it unset for no auth)")
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from tiered_cache.tiers.base import BlobTier, TierStats
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.memory import ENTRY_OVERHEAD_BYTES, MemoryTier
 
 _FETCH_ROUNDS = 3  # a key that moved tier between locate and fetch (an eviction) is looked up again
 
@@ -54,13 +54,23 @@ class BlobStore:
         return out
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> tuple[int, int]:
-        """Store verified (key, blob) pairs: (new pages stored, pages already held in RAM)."""
-        held = self.chain.contains([k for k, _ in items], 0)
-        fresh = [item for item, h in zip(items, held, strict=True) if not h]
-        stored = self.chain.put(fresh, 0) if fresh else 0
+        """Store verified (key, blob) pairs: (new pages stored, pages already held). Every item is
+        one or the other: a key repeated within `items` counts once as stored, then as held."""
+        unique: dict[bytes, bytes] = {}
+        for key, blob in items:
+            unique.setdefault(key, blob)
+        keys = list(unique)
+        held = self.chain.contains(keys, 0)
+        fresh = [(k, unique[k]) for k, h in zip(keys, held, strict=True) if not h]
+        if fresh:
+            self.chain.put(fresh, 0)  # a blob too big for RAM goes straight to the tier below
         if self.write_through and self.lower and fresh:
             self.chain.put(fresh, 1)
-        return stored, len(items) - len(fresh)
+        return len(fresh), len(items) - len(fresh)
+
+    def fits(self, size: int) -> bool:
+        """Whether a blob of `size` bytes has a tier to go to (RAM, or any tier below it)."""
+        return size + ENTRY_OVERHEAD_BYTES <= self.ram.capacity or bool(self.lower)
 
     def flush(self) -> int:
         """Copy every RAM blob that the next tier lacks into it (graceful shutdown); returns how many."""

@@ -163,11 +163,12 @@ class TierChain:
             return list(self.tiers[index].items())
 
     def stats(self) -> list[TierStats]:
-        """Each tier's own figures with the chain's promotions and demotions filled in."""
+        """Each tier's own figures with the chain's promotions and demotions filled in. Takes no
+        tier lock: figures are counters a tier may report while a call is under way, and a stats
+        call must never wait behind data."""
         out = []
-        for index, tier in enumerate(self.tiers):
-            with self._tier_locks[index]:
-                own = tier.stats()
+        for tier in self.tiers:
+            own = tier.stats()
             with self._meta:
                 out.append(replace(own, promotions=self.promotions[tier.name],
                                    demotions=self.demotions[tier.name]))

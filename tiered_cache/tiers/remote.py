@@ -2,9 +2,12 @@
 
 Keys are spread over the servers by rendezvous (highest random weight) hashing with SHA-256, so
 every instance sends a key to the same server and adding a server moves only ~1/n of the keys.
-Each server has its own backoff: a server that fails (down, timeout, killed mid-stream) is
-skipped for a while and its keys read as misses; nothing raises into the request path, and no
-call waits past `timeout_s`. Every blob received is verified before it is returned.
+Each server has its own backoff: a server that fails (down, stalled, killed mid-stream) is
+skipped for a while and its keys read as misses; nothing raises into the request path. Streams
+fail only when nothing moves for `timeout_s` (a progress deadline: a long prefix arrives as long
+as it keeps arriving), or past `budget_s` when set. The servers owning keys of one call are asked
+in parallel and their pages merged in order. Every blob received is verified before it is
+returned.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -56,15 +59,19 @@ class RemoteTier:
 
     def __init__(self, addresses: Sequence[str], token: str | None = None, tls_ca: str | None = None,
                  timeout_s: float = 5.0, fingerprint: bytes = b"", backoff_s: float = 0.1,
-                 max_backoff_s: float = 5.0) -> None:
+                 max_backoff_s: float = 5.0, budget_s: float | None = None) -> None:
         if not addresses:
             raise ValueError("the remote tier needs at least one store server address (HOST:PORT)")
         self.addresses = list(addresses)
+        self.budget_s = budget_s  # overall bound of one get or put stream; None: progress only
         self.fingerprint = fingerprint  # when set, servers skip and refuse blobs of other models
         self.servers = [_Server(StoreClient(a, token, tls_ca, timeout_s), backoff_s, max_backoff_s)
                         for a in self.addresses]
         self._stats = TierStats(self.name)
         self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote-tier-crc")
+        # One thread per server beyond the first: the caller's thread asks one server itself.
+        self._fanout = (ThreadPoolExecutor(max_workers=len(self.servers) - 1, thread_name_prefix="remote-tier")
+                        if len(self.servers) > 1 else None)
         self._closed = False
 
     # --- plumbing ------------------------------------------------------------------------------
@@ -89,13 +96,27 @@ class RemoteTier:
         server.succeeded()
         return result
 
+    def _each_server(self, groups: dict[int, list[int]], fn: Callable[[int, list[int]], T]) -> dict[int, T]:
+        """`fn(server index, positions)` for every group, in parallel across servers."""
+        items = list(groups.items())
+        if self._fanout is None or len(items) == 1:
+            return {index: fn(index, positions) for index, positions in items}
+        futures = {index: self._fanout.submit(fn, index, positions) for index, positions in items[1:]}
+        results = {items[0][0]: fn(*items[0])}
+        results.update({index: future.result() for index, future in futures.items()})
+        return results
+
     # --- interface -----------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         out = [False] * len(keys)
-        for index, positions in self._by_server(keys).items():
-            reply = self._call(self.servers[index], lambda c, p=positions: c.lookup([keys[i] for i in p]), None)
+
+        def ask(index: int, positions: list[int]) -> Any:
+            return self._call(self.servers[index], lambda c: c.lookup([keys[i] for i in positions]), None)
+
+        groups = self._by_server(keys)
+        for index, reply in self._each_server(groups, ask).items():
             if reply is not None:
-                for i, tier in zip(positions, reply.tiers, strict=False):
+                for i, tier in zip(groups[index], reply.tiers, strict=False):
                     out[i] = tier != 0
         return out
 
@@ -106,36 +127,52 @@ class RemoteTier:
         return leading_run(self.contains(keys))
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Each key's verified blob or None. A key asked twice is answered at every position."""
         out: list[bytes | None] = [None] * len(keys)
-        checks: list[tuple[int, Future[bytes | None]]] = []
-        for index, positions in self._by_server(keys).items():
-            wanted = {keys[i]: i for i in positions}
+        positions_of: dict[bytes, list[int]] = {}
+        for i, key in enumerate(keys):
+            positions_of.setdefault(key, []).append(i)
+        unique = list(positions_of)
 
-            def fetch(client: StoreClient, wanted: dict[bytes, int] = wanted) -> None:
-                # Checksums run on another thread (zlib releases the GIL) while the stream flows.
+        def fetch(index: int, positions: list[int]) -> list[tuple[bytes, Future[bytes | None]]]:
+            asked = [unique[i] for i in positions]
+            checks: list[tuple[bytes, Future[bytes | None]]] = []
+
+            def stream(client: StoreClient) -> None:
+                # Checksums run on another thread (they release the GIL) while the stream flows.
                 # Blobs received before a stream breaks stay usable: each is verified on its own.
-                for item in client.get(list(wanted), self.fingerprint):
+                pending = set(asked)
+                for item in client.get(asked, self.fingerprint, budget_s=self.budget_s):
                     key = bytes(item.key)
-                    i = wanted.pop(key, None)
-                    if i is not None:
-                        checks.append((i, self._checker.submit(self._verified, key, item.blob)))
+                    if key in pending:
+                        pending.discard(key)
+                        checks.append((key, self._checker.submit(self._verified, key, item.blob)))
 
-            self._call(self.servers[index], fetch, None)
-        for i, check in checks:
-            out[i] = check.result()
+            self._call(self.servers[index], stream, None)
+            return checks
+
+        for checks in self._each_server(self._by_server(unique), fetch).values():
+            for key, check in checks:
+                blob = check.result()
+                for i in positions_of[key]:
+                    out[i] = blob
         self._stats.record_reads(out)
         return out
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
-        stored = 0
-        for index, positions in self._by_server([k for k, _ in items]).items():
+        def send(index: int, positions: list[int]) -> tuple[int, int, int]:
+            """(pages the server holds now, bytes sent, pages refused) for one server's share."""
             batch = [items[i] for i in positions]
-            reply = self._call(self.servers[index], lambda c, b=batch: c.put(b, self.fingerprint), None)
-            if reply is not None:
-                stored += reply.stored + reply.already_held
-                self._stats.bytes_in += sum(len(b) for _, b in batch)
-                self._stats.errors += len(reply.refused)
-        return stored
+            reply = self._call(self.servers[index],
+                               lambda c: c.put(batch, self.fingerprint, budget_s=self.budget_s), None)
+            if reply is None:
+                return 0, 0, 0
+            return reply.stored + reply.already_held, sum(len(b) for _, b in batch), len(reply.refused)
+
+        results = self._each_server(self._by_server([k for k, _ in items]), send).values()
+        self._stats.bytes_in += sum(r[1] for r in results)  # counted here: one thread
+        self._stats.errors += sum(r[2] for r in results)
+        return sum(r[0] for r in results)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         """Stores are shared and content-addressed: a client never deletes (the server evicts)."""
@@ -149,6 +186,8 @@ class RemoteTier:
         for server in self.servers:
             server.client.close()
         self._checker.shutdown(wait=False)
+        if self._fanout is not None:
+            self._fanout.shutdown(wait=False)
 
     def _verified(self, key: bytes, blob: bytes) -> bytes | None:
         try:

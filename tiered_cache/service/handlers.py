@@ -1,0 +1,270 @@
+"""The `tiered_cache.v1.KVCache` handlers, as asyncio coroutines over a `BlobStore`.
+
+The event loop only parses, checks and moves messages; every store call (which may read disk or
+Redis, and checksums blobs) runs on a thread pool: `io` for Get and Put data, a small `meta` pool
+for Lookup and Stats, so a Lookup never queues behind another client's multi-GiB Get. A stream
+that stalls is a parked coroutine, not a held thread, and is ended after `stream_idle_s`.
+
+Requests are parsed by our own deserializers, so a malformed message gets INVALID_ARGUMENT with
+a message a person can act on (grpc's default answer to an unparsable request is a bare
+INTERNAL). Every refusal is counted in the server's stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from tiered_cache import __version__
+from tiered_cache.index.keys import KEY_BYTES
+from tiered_cache.service.config import ServerConfig
+from tiered_cache.service.store import BlobStore
+from tiered_cache.service.streams import BatchSizer, ProgressWatch, Stalled, StreamSlots, page_blob_message
+from tiered_cache.tiers.base import TierStats
+from tiered_cache.tiers.codec import BlobError, BlobFault, check_fingerprint, read_header, verify_blob
+from tiered_cache.v1 import cache_pb2 as pb
+
+T = TypeVar("T")
+_TIERS = {"ram": pb.TIER_RAM, "disk": pb.TIER_DISK, "redis": pb.TIER_REDIS}
+_REFUSALS = {
+    BlobFault.CORRUPT: pb.CORRUPT_BLOB, BlobFault.WRONG_KEY: pb.KEY_MISMATCH,
+    BlobFault.WRONG_FINGERPRINT: pb.FINGERPRINT_MISMATCH, BlobFault.UNKNOWN_CODEC: pb.UNKNOWN_CODEC,
+    BlobFault.WRONG_SHAPE: pb.CORRUPT_BLOB,
+}
+_TIER_STATS_MAX_AGE_S = 1.0  # Stats asks the tiers (Redis INFO) at most once a second
+
+
+@dataclass
+class Malformed:
+    """What our deserializer returns for bytes that are not the expected message."""
+
+    message_type: str
+    size: int
+
+
+def parser(message_cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except (DecodeError, ValueError):
+            return Malformed(message_cls.DESCRIPTOR.full_name, len(data))
+    return parse
+
+
+class ServerCounters:
+    """Figures of the server itself. Only the event loop's thread changes them (no lock)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.requests = self.rejected = self.unauthenticated = self.refused_blobs = self.stalled_streams = 0
+
+
+class KVCacheService:
+    def __init__(self, store: BlobStore, config: ServerConfig, counters: ServerCounters,
+                 io: Executor, meta: Executor) -> None:
+        self.store = store
+        self.config = config
+        self.counters = counters
+        self.slots = StreamSlots(config.max_streams)
+        self._io = io
+        self._meta = meta
+        self._tier_stats: tuple[float, list[TierStats]] = (-_TIER_STATS_MAX_AGE_S, [])
+
+    # --- helpers -------------------------------------------------------------------------------
+    async def _run(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def _reject(self, context: grpc.aio.ServicerContext, message: str) -> None:
+        self.counters.rejected += 1
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    async def _check_keys(self, request: Any, context: grpc.aio.ServicerContext) -> list[bytes]:
+        if isinstance(request, Malformed):
+            await self._reject(context, f"request is not a valid {request.message_type} ({request.size} bytes)")
+        keys = list(request.keys)
+        if len(keys) > self.config.max_keys:
+            await self._reject(context, f"{len(keys)} keys in one request; the limit is {self.config.max_keys}")
+        for i, key in enumerate(keys):
+            if len(key) != KEY_BYTES:
+                await self._reject(context, f"key {i} is {len(key)} bytes; page keys are {KEY_BYTES} bytes (SHA-256)")
+        return keys
+
+    def _count_stalled(self, context: grpc.aio.ServicerContext, exc: Stalled) -> None:
+        """A stream made no progress: count it and say why in its status, if one can still be
+        sent (a client that reads nothing gets the stream reset instead)."""
+        self.counters.stalled_streams += 1
+        context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+        context.set_details(f"{exc}: stream ended (the server's stream_idle_s)")
+
+    # --- RPCs ----------------------------------------------------------------------------------
+    async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        self.counters.requests += 1
+        keys = await self._check_keys(request, context)
+        where = await self._run(self._meta, self.store.locate, keys)
+        tiers = [_TIERS.get(w, pb.TIER_RAM) if w else pb.TIER_NONE for w in where]
+        leading = next((i for i, w in enumerate(where) if w is None), len(where))
+        return pb.LookupResponse(leading=leading, tiers=tiers)
+
+    async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        self.counters.requests += 1
+        keys = await self._check_keys(request, context)
+        fingerprint = bytes(request.fingerprint)
+        if fingerprint and len(fingerprint) != KEY_BYTES:
+            await self._reject(context, f"fingerprint is {len(fingerprint)} bytes; expected 32 raw bytes")
+        await self.slots.acquire(context)
+        watch = ProgressWatch(self.config.stream_idle_s, "the client read nothing")
+        try:
+            await self._stream_blobs(keys, fingerprint, context, watch)
+        except asyncio.CancelledError:
+            if watch.stalled:
+                self._count_stalled(context, watch.error())
+            raise  # the call is cancelled (RST_STREAM): nothing waits behind the unread data
+        finally:
+            watch.close()
+            self.slots.release()
+
+    async def _stream_blobs(self, keys: list[bytes], fingerprint: bytes, context: grpc.aio.ServicerContext,
+                            watch: ProgressWatch) -> None:
+        """Read the next batch from the store while the current one is sent: at most two batches
+        of about `stream_buffer_bytes` each are held per stream. A write waits while the client
+        is not reading (HTTP/2 flow control); the watch ends the stream when that lasts."""
+        sizer = BatchSizer(self.config.stream_buffer_bytes)
+        start = 0
+
+        def next_batch() -> tuple[list[bytes], asyncio.Future[list[bytes | None]]] | None:
+            nonlocal start
+            if start >= len(keys):
+                return None
+            chunk = keys[start:start + sizer.count]
+            start += len(chunk)
+            return chunk, asyncio.ensure_future(self._run(self._io, self.store.get, chunk))
+
+        pending = next_batch()
+        try:
+            while pending is not None:
+                chunk, reading = pending
+                blobs = await reading
+                for blob in blobs:
+                    if blob is not None:
+                        sizer.see(len(blob))
+                pending = next_batch()
+                for key, blob in zip(chunk, blobs, strict=True):
+                    if blob is None or (fingerprint and not _fingerprint_ok(blob, fingerprint)):
+                        continue
+                    await context.write(page_blob_message(key, blob))
+                    watch.progress()
+        finally:
+            if pending is not None:
+                pending[1].cancel()
+
+    async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        self.counters.requests += 1
+        await self.slots.acquire(context)
+        response = pb.PutResponse()
+        sizer = BatchSizer(self.config.stream_buffer_bytes)
+        batch: list[Any] = []
+        nbytes = 0
+        watch = ProgressWatch(self.config.stream_idle_s, "no page received")
+        try:
+            while True:
+                item = await context.read()
+                watch.progress()
+                if item is grpc.aio.EOF:
+                    break
+                if isinstance(item, Malformed):
+                    await self._store_batch(batch, response)
+                    await self._reject(context, f"stream item is not a valid {item.message_type} "
+                                                f"({item.size} bytes); {response.stored} pages stored before it")
+                batch.append(item)
+                nbytes += len(item.blob)
+                if sizer.full(len(batch), nbytes):
+                    await self._store_batch(batch, response)
+                    nbytes = 0
+            await self._store_batch(batch, response)
+        except asyncio.CancelledError:
+            if not watch.stalled:
+                raise  # the client cancelled, or the server is stopping
+            self._count_stalled(context, watch.error())
+            # The way back is open (only the client's side is idle): end with the status.
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, context.details())
+        finally:
+            watch.close()
+            self.slots.release()
+        return response
+
+    async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        self.counters.requests += 1
+        c = self.counters
+        server = pb.ServerStats(version=__version__, uptime_s=time.monotonic() - c.started, requests=c.requests,
+                                rejected_requests=c.rejected, unauthenticated=c.unauthenticated,
+                                refused_blobs=c.refused_blobs, active_streams=self.slots.active,
+                                refused_streams=self.slots.refused, stalled_streams=c.stalled_streams)
+        tiers = [pb.TierStats(**{k: v for k, v in s.to_dict().items() if k != "hit_rate"})
+                 for s in await self._tiers_stats()]
+        return pb.StatsResponse(tiers=tiers, server=server)
+
+    async def _tiers_stats(self) -> list[TierStats]:
+        """The tiers' figures, asked at most once a second (a Redis tier answers with INFO)."""
+        taken, figures = self._tier_stats
+        if time.monotonic() - taken >= _TIER_STATS_MAX_AGE_S:
+            figures = await self._run(self._meta, self.store.stats)
+            self._tier_stats = (time.monotonic(), figures)
+        return figures
+
+    # --- Put internals -------------------------------------------------------------------------
+    async def _store_batch(self, batch: list[Any], response: pb.PutResponse) -> None:
+        if not batch:
+            return
+        items = [(bytes(item.key), item.blob, bytes(item.fingerprint)) for item in batch]
+        batch.clear()
+        refused, stored, held = await self._run(self._io, self._check_and_store, items)
+        response.refused.extend(refused)
+        response.stored += stored
+        response.already_held += held
+        self.counters.refused_blobs += len(refused)
+
+    def _check_and_store(self, items: Sequence[tuple[bytes, bytes, bytes]]) -> tuple[list[pb.Refusal], int, int]:
+        """On the io pool: verify each blob (checksums are CPU work), store those that pass."""
+        refused, good = [], []
+        for key, blob, fingerprint in items:
+            refusal = self._validate(key, blob, fingerprint)
+            if refusal is None:
+                good.append((key, blob))
+            else:
+                refused.append(refusal)
+        stored, held = self.store.put(good) if good else (0, 0)
+        return refused, stored, held
+
+    def _validate(self, key: bytes, blob: bytes, fingerprint: bytes) -> pb.Refusal | None:
+        if len(key) != KEY_BYTES:
+            return pb.Refusal(key=key, reason=pb.BAD_KEY, message=f"key is {len(key)} bytes, expected {KEY_BYTES}")
+        if len(blob) > self.config.max_page_bytes:
+            return pb.Refusal(key=key, reason=pb.TOO_LARGE,
+                              message=f"blob is {len(blob):,} bytes; this server takes at most "
+                                      f"{self.config.max_page_bytes:,}")
+        if not self.store.fits(len(blob)):
+            return pb.Refusal(key=key, reason=pb.NO_SPACE,
+                              message=f"blob is {len(blob):,} bytes, more than the RAM tier holds, and no tier "
+                                      f"is below it")
+        try:
+            header = verify_blob(blob, key)
+            if fingerprint:
+                check_fingerprint(header, fingerprint)
+        except BlobError as exc:
+            return pb.Refusal(key=key, reason=_REFUSALS[exc.fault], message=str(exc))
+        return None
+
+
+def _fingerprint_ok(blob: bytes, fingerprint: bytes) -> bool:
+    try:
+        check_fingerprint(read_header(blob, check_crc=False), fingerprint)
+    except BlobError:
+        return False
+    return True
