@@ -25,6 +25,55 @@ def page_blob_message(key: bytes, blob: bytes) -> bytes:
     return b"".join((b"\x0a", _varint(len(key)), key, b"\x12", _varint(len(blob)), blob))
 
 
+class ReceivedBlob:
+    """A `PageBlob` as the client receives it (key, blob), parsed without the message class."""
+
+    __slots__ = ("blob", "key")
+
+    def __init__(self, key: bytes, blob: bytes) -> None:
+        self.key, self.blob = key, blob
+
+
+def parse_page_blob(data: bytes) -> ReceivedBlob:
+    """The `key` and `blob` fields of a serialized `PageBlob`, with one copy of the blob (the
+    message class copies it in, then again into a Python `bytes` on access). Unknown fields are
+    skipped as protobuf requires; a malformed message raises ValueError."""
+    fields = {1: b"", 2: b""}
+    view, pos, end = memoryview(data), 0, len(data)
+    while pos < end:
+        tag, pos = _read_varint(view, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 2:
+            length, pos = _read_varint(view, pos)
+            if pos + length > end:
+                raise ValueError("PageBlob field runs past the message")
+            if number in fields:
+                fields[number] = bytes(view[pos:pos + length])
+            pos += length
+        elif wire == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"PageBlob has a field of unsupported wire type {wire}")
+    if pos != end:
+        raise ValueError("PageBlob is truncated")
+    return ReceivedBlob(fields[1], fields[2])
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(view) or shift > 63:
+            raise ValueError("PageBlob has a malformed varint")
+        byte = view[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
 def _varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:

@@ -1,0 +1,35 @@
+"""The hand-written PageBlob framing on both ends of Get equals protobuf's own."""
+
+import os
+
+import pytest
+
+from tiered_cache.service.streams import BatchSizer, page_blob_message, parse_page_blob
+from tiered_cache.v1 import cache_pb2 as pb
+
+
+@pytest.mark.parametrize("size", [1, 127, 128, 16383, 16384, 300_000, 2**20 + 7])
+def test_page_blob_framing_matches_protobuf(size):
+    key, blob, fingerprint = os.urandom(32), os.urandom(size), os.urandom(32)
+    assert page_blob_message(key, blob) == pb.PageBlob(key=key, blob=blob).SerializeToString()
+    parsed = parse_page_blob(pb.PageBlob(key=key, blob=blob, fingerprint=fingerprint).SerializeToString())
+    assert (parsed.key, parsed.blob) == (key, blob)  # unknown-to-us fields are skipped
+
+
+@pytest.mark.parametrize("bad", [b"\x0a\x05ab", b"\x0a", b"\x0b", b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"])
+def test_a_malformed_page_blob_is_an_error_not_a_short_blob(bad):
+    with pytest.raises(ValueError):
+        parse_page_blob(bad)
+
+
+def test_batch_sizer_holds_about_its_budget_whatever_the_page_size():
+    sizer = BatchSizer(8 * 2**20, cap=64)
+    assert sizer.count == 1  # nothing seen: one blob tells the size
+    sizer.see(2**20)
+    assert sizer.count == 8
+    sizer.see(64 * 2**20)
+    assert sizer.count == 1
+    small = BatchSizer(8 * 2**20, cap=64)
+    small.see(1024)
+    assert small.count == 64
+    assert small.full(64, 64 * 1024) and small.full(3, 8 * 2**20) and not small.full(3, 3 * 1024)
