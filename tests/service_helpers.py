@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import struct
-import zlib
 
 import torch
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.tiers.codec import blob_checksum, encode_page
 
 SPEC = KVSpec("service-test", 2, 2, 32, page_size=4)  # 2 KiB pages
 FINGERPRINT = bytes.fromhex(SPEC.fingerprint)
@@ -24,7 +23,7 @@ def make_items(n: int, start: int = 0, seed: int = 0, spec: KVSpec = SPEC) -> li
 def with_codec_byte(blob: bytes, codec_id: int) -> bytes:
     """The same blob claiming another codec, with a valid checksum (so only the codec is wrong)."""
     body = blob[:5] + bytes([codec_id]) + blob[6:-4]
-    return body + struct.pack("<I", zlib.crc32(body))
+    return body + struct.pack("<I", blob_checksum(body))
 
 
 def large_items(num_pages: int) -> list[tuple[bytes, bytes]]:

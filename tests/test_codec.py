@@ -1,10 +1,24 @@
+import struct
+import zlib
+
+import google_crc32c
 import numpy as np
 import pytest
 import torch
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import DType, KVSpec, Layout
-from tiered_cache.tiers.codec import BlobError, Codec, decode_page, encode_page, read_header, verify_blob
+from tiered_cache.tiers.codec import (
+    VERSION,
+    BlobError,
+    Codec,
+    blob_checksum,
+    decode_page,
+    encode_page,
+    read_header,
+    verify_blob,
+)
+from tiered_cache.tiers.disk import DiskTier
 
 SPEC = KVSpec("m", 3, 2, 16, page_size=4)
 
@@ -130,3 +144,91 @@ def test_check_crc_false_skips_only_the_checksum():
         decode_page(bytes(blob), SPEC, key)
     with pytest.raises(BlobError, match="asked for"):  # key, fingerprint and lengths are still checked
         decode_page(bytes(blob), SPEC, key_of(SPEC, 50), check_crc=False)
+
+
+def crc32c_bitwise(data: bytes) -> int:
+    """CRC-32C by the book (reflected polynomial 0x82F63B78), independent of any library."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 & -(crc & 1))
+    return crc ^ 0xFFFFFFFF
+
+
+def test_checksum_is_crc32c_in_c_over_parts_without_joining():
+    assert google_crc32c.implementation == "c"  # the pure-Python fallback is ~1000x slower
+    assert crc32c_bitwise(b"123456789") == 0xE3069283  # the standard check value of CRC-32C
+    assert blob_checksum(b"123456789") == 0xE3069283  # zlib's CRC-32 would be 0xCBF43926
+    parts = (b"1234", memoryview(b"xx567xx")[2:5], bytearray(b"8"), np.frombuffer(b"9", np.uint8))
+    assert blob_checksum(*parts) == 0xE3069283
+    assert blob_checksum() == 0 == blob_checksum(b"")
+
+
+@pytest.mark.parametrize("codec", [Codec.RAW, Codec.LZ4_SHUFFLE, Codec.INT8])
+def test_v2_blob_round_trips_with_a_crc32c_trailer_over_header_and_payload(codec):
+    page, key = page_of(SPEC, smooth=True), key_of(SPEC)
+    blob = encode_page(page, SPEC, key, codec, min_saving=0)
+    assert VERSION == 2 and blob[:5] == b"TCKV\x02"
+    assert struct.unpack("<I", blob[-4:])[0] == crc32c_bitwise(blob[:-4])
+    assert read_header(blob).codec is codec
+    for form in (blob, bytearray(blob), memoryview(blob)):  # tiers hand over any of these
+        out = decode_page(form, SPEC, key)
+        if not codec.lossy:
+            assert torch.equal(as_tensor(out, SPEC), page)
+
+
+def test_a_blob_of_a_mebibyte_or_more_checks_in_place():
+    spec = KVSpec("big", 4, 8, 128, page_size=64)  # 1 MiB pages: bytes blobs this large release the GIL
+    page, key = page_of(spec), key_of(spec)
+    blob = encode_page(page, spec, key)
+    assert len(blob) > 1 << 20
+    assert torch.equal(as_tensor(decode_page(blob, spec, key), spec), page)
+    flipped = bytearray(blob)
+    flipped[len(blob) // 3] ^= 0x10
+    with pytest.raises(BlobError, match="checksum"):
+        decode_page(bytes(flipped), spec, key)
+
+
+def test_a_flipped_bit_anywhere_is_refused():
+    key = key_of(SPEC)
+    blob = encode_page(page_of(SPEC), SPEC, key)
+    for at in range(len(blob)):  # header, shape, payload and trailer alike
+        bad = bytearray(blob)
+        bad[at] ^= 0x01
+        with pytest.raises(BlobError):
+            decode_page(bytes(bad), SPEC, key)
+    # Bytes that only the checksum covers: reserved header field, payload, trailer.
+    for at in (76, 200, len(blob) - 5, len(blob) - 1):
+        bad = bytearray(blob)
+        bad[at] ^= 0x80
+        with pytest.raises(BlobError, match="checksum"):
+            read_header(bytes(bad))
+
+
+def v1_blob(blob: bytes) -> bytes:
+    """The same page as format version 1 wrote it: same layout, version byte 1, zlib CRC-32 trailer."""
+    body = blob[:4] + b"\x01" + blob[5:-4]
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def test_a_version_1_blob_is_refused_naming_both_versions():
+    key = key_of(SPEC)
+    old = v1_blob(encode_page(page_of(SPEC), SPEC, key))
+    assert zlib.crc32(old[:-4]) == struct.unpack("<I", old[-4:])[0]  # a well-formed v1 blob
+    for read in (lambda: read_header(old), lambda: read_header(old, check_crc=False),
+                 lambda: decode_page(old, SPEC, key)):
+        with pytest.raises(BlobError, match=r"version 1 \(this build reads 2\)"):
+            read()
+
+
+def test_version_1_blobs_left_on_disk_are_misses_and_deleted(tmp_path):
+    keys = [key_of(SPEC, 0), key_of(SPEC, 4)]
+    blobs = [encode_page(page_of(SPEC, seed=i), SPEC, k) for i, k in enumerate(keys)]
+    (tmp_path / keys[0].hex()).write_bytes(v1_blob(blobs[0]))  # left by the previous build
+    (tmp_path / keys[1].hex()).write_bytes(blobs[1])
+    disk = DiskTier(tmp_path, "1MiB")
+    assert disk.contains(keys) == [True, True]
+    assert disk.get(keys) == [None, blobs[1]]
+    assert disk.stats().corrupt == 1 and disk.contains(keys) == [False, True]
+    assert not (tmp_path / keys[0].hex()).exists()
