@@ -366,3 +366,35 @@ def test_get_into_a_reused_output_tensor():
     with pytest.raises(KVShapeError, match="out has shape"):
         c.get(tokens, out=torch.empty(SPEC.kv_shape(10)))
     c.check_integrity()
+
+
+def test_get_without_out_hands_over_a_spare_faulted_in_ahead_and_never_shares_it():
+    # Pages large enough for the spare (it skips outputs under 4 MiB, which fault in cheaply).
+    spec = KVSpec("spare-output-test", 4, 4, 64, dtype=DType.FP32, page_size=64)  # 512 KiB pages
+    n = 16 * spec.page_size  # an 8 MiB result
+    kv = torch.randn(spec.kv_shape(n), generator=torch.Generator().manual_seed(3))
+    tokens = list(range(n))
+    with TieredCache(spec, CacheConfig(pool_capacity=32 * spec.bytes_per_page, host_capacity=32 * spec.bytes_per_page,
+                                       malloc_tuning=False)) as cache:
+        assert cache.put(tokens, kv) == n
+        got, first = cache.get(tokens)
+        assert got == n and torch.equal(first, kv)
+        cache._spare._queue.flush(10)  # the spare for the next get of this size is ready
+        _, second = cache.get(tokens)
+        assert cache._spare.taken == 1
+        assert torch.equal(second, kv)
+        assert second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+        first.zero_()  # the caller owns what it got: changing it changes nothing else
+        cache._spare._queue.flush(10)
+        _, third = cache.get(tokens)
+        assert torch.equal(second, kv) and torch.equal(third, kv) and cache._spare.taken == 2
+        assert third.untyped_storage().data_ptr() not in {first.untyped_storage().data_ptr(),
+                                                          second.untyped_storage().data_ptr()}
+        # A smaller get does not take a spare sized for the larger one (it would hold memory it needs not).
+        _, part = cache.get(tokens[:n // 2])
+        assert torch.equal(part, kv[:, :, :n // 2]) and cache._spare.taken == 2
+    with TieredCache(spec, CacheConfig(pool_capacity=32 * spec.bytes_per_page, spare_output=False,
+                                       malloc_tuning=False)) as plain:
+        assert plain._spare is None
+        plain.put(tokens, kv)
+        assert torch.equal(plain.get(tokens)[1], kv)

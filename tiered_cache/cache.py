@@ -41,6 +41,7 @@ from tiered_cache.index.radix import RadixTree
 from tiered_cache.index.radix_node import EvictedNode, RadixNode, Tier
 from tiered_cache.index.tokens import as_token_array
 from tiered_cache.model.spec import DType, KVSpec
+from tiered_cache.spare_output import SpareOutput
 from tiered_cache.staging import StagingBuffers
 from tiered_cache.tiers.base import BlobTier, TierStats
 from tiered_cache.tiers.chain import TierChain
@@ -128,6 +129,9 @@ class TieredCache:
         self._prefetch_declined = 0
         self._pages_dropped = 0  # pages whose write below was dropped (write-behind full)
         self._foreground = Foreground()  # requests in progress: background steps wait for a gap
+        # get() without out= on a CPU pool: one output tensor faulted in ahead (spare_output.py).
+        self._spare = (SpareOutput(self._foreground, self.pool.num_pages * spec.bytes_per_page)
+                       if self.config.spare_output and self.pool.kv.device.type == "cpu" else None)
         self._closed = False
 
     def _build_lower_tiers(self) -> list[BlobTier]:
@@ -221,7 +225,14 @@ class TieredCache:
         try:
             pages = self.load(handle)
             n = len(pages) * self.spec.page_size
-            return n, self.pool.read_tokens(pages, n, out=None if out is None else out[:, :, :n])
+            if out is not None:
+                return n, self.pool.read_tokens(pages, n, out=out[:, :, :n])
+            if self._spare is None or not n:
+                return n, self.pool.read_tokens(pages, n)
+            shape, dtype = self.spec.kv_shape(n), self.pool.kv.dtype
+            result = self.pool.read_tokens(pages, n, out=self._spare.take(shape, dtype))
+            self._spare.refill(shape, dtype)  # the next get of this size finds memory faulted in
+            return n, result
         finally:
             self.release(handle)
 
@@ -463,6 +474,8 @@ class TieredCache:
         self._closed = True
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        if self._spare is not None:
+            self._spare.close()
         self.chain.close()
 
     def __enter__(self) -> TieredCache:

@@ -61,6 +61,7 @@ class CacheConfig:
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
     malloc_tuning: bool = True  # keep freed heap for reuse: see tiered_cache/tiers/memtune.py
+    spare_output: bool = True  # get() without out=: keep one output tensor faulted in ahead (CPU pools)
     # Write-behind demotion: above `high_watermark` (fraction of device pages in use) a background
     # thread moves cold pages device -> host until `low_watermark`; host -> lower-tier writes go
     # through a queue of at most `demotion_queue` jobs (full: dropped and counted, never waited on).
@@ -169,7 +170,7 @@ def _coerce(name: str, value: Any) -> Any:
             return WritePolicy(getattr(value, "value", value))
         if name == "eviction_policy":
             return EvictionPolicy(getattr(value, "value", value))
-        if name in {"disk_fsync", "malloc_tuning"}:
+        if name in {"disk_fsync", "malloc_tuning", "spare_output"}:
             if isinstance(value, bool):
                 return value
             text = str(value).strip().lower()
