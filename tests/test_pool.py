@@ -305,3 +305,19 @@ def test_page_run_gather_and_scatter_match_the_reference_ops(spec, order, layout
     expected = torch.empty_like(staging)
     TorchPageOps().gather(reference.kv, torch.from_numpy(pages), expected)
     assert same_bytes(fast.gather(pages), expected) and same_bytes(expected, staging)
+
+
+@pytest.mark.parametrize("pages, rows", [
+    ([3, 4, 5, 6], [10, 11, 12, 13]),  # one run on both sides: views only
+    ([3, 4, 9, 10, 0], [7, 8, 2, 3, 15]),  # a few runs
+    (list(range(19, -1, -1)), list(range(20))),  # every page its own run: the gathered fallback
+])
+def test_scatter_rows_copies_source_rows_into_pages(pages, rows):
+    spec = KVSpec("rows", 2, 2, 8, dtype=DType.FP32, page_size=4)
+    pool = PagePool(spec, 20)
+    source = torch.randn(spec.staging_shape(16 if max(rows) < 16 else 20), generator=torch.Generator().manual_seed(1))
+    pool.allocate(20)
+    pool.scatter_rows(np.array(pages), source, np.array(rows))
+    assert torch.equal(pool.gather(np.array(pages)), source[torch.tensor(rows)])
+    with pytest.raises(PageStateError):
+        pool.scatter_rows(np.array(pages[:2]), source, np.array(rows[:1]))

@@ -309,6 +309,10 @@ class TieredCache:
             pending, handle.prefetch = handle.prefetch, None
         if not wanted:
             return handle.device_pages
+        if pending is None and all(where == HOST for where in plan):
+            loaded = self._load_from_host(handle, start, wanted)
+            if loaded is not None:
+                return loaded
         fetched = None
         if pending is not None:
             try:
@@ -527,18 +531,42 @@ class TieredCache:
         if n:
             self.pool.scatter(pages, fetched.buffer[:n])  # the pages are ours until adopted
         with self._lock:
-            for name in fetched.tiers[:n]:
-                handle.sources[name] += 1
-            self.moves.promotions["host"] += fetched.tiers[:n].count("host")
-            if n:
-                self._device.bytes_in += n * self.spec.bytes_per_page
-                node, all_pages, _ = self._adopt(handle.namespace, handle.keys[:start + n], handle.device_pages,
-                                                 pages)
-                self._move_lock(handle, node)
-                handle.device_pages = all_pages
-            handle.available_pages = start + n
-            handle.plan = []
-            self._maybe_demote()
+            return self._adopt_loaded(handle, start, pages, fetched.tiers[:n])
+
+    def _load_from_host(self, handle: CacheHandle, start: int, wanted: list[bytes]) -> np.ndarray | None:
+        """All of `wanted` in host RAM: copy its slots straight into new device pages, one copy
+        instead of two through a staging buffer. The lock is held from finding the slots to the
+        end of the copy, so they cannot be evicted or reused meanwhile. None (nothing done) when
+        host RAM does not hold them all: `load` then takes the staged path, which looks below."""
+        with self._lock:
+            self._check_live(handle)
+            if self.host.contains_prefix(wanted) < len(wanted):
+                return None
+            for key in wanted:  # most recent: room made on the device below evicts other pages first
+                self.host.index.move_to_end(key)
+            pages = self._allocate_fitting(len(wanted))
+            slots = self.host.leading_slots(wanted[:len(pages)])  # after: allocating may demote into host RAM
+            if len(slots) < len(pages):
+                self.pool.free(pages[len(slots):])
+                pages = pages[:len(slots)]
+            if len(pages):
+                self.pool.scatter_rows(pages, self.host.slab, slots)
+            return self._adopt_loaded(handle, start, pages, ["host"] * len(pages))
+
+    def _adopt_loaded(self, handle: CacheHandle, start: int, pages: np.ndarray, tiers: list[str]) -> np.ndarray:
+        """Pages loaded for `handle` after its first `start`: into the tree, counted (lock held)."""
+        n = len(pages)
+        for name in tiers:
+            handle.sources[name] += 1
+        self.moves.promotions["host"] += tiers.count("host")
+        if n:
+            self._device.bytes_in += n * self.spec.bytes_per_page
+            node, all_pages, _ = self._adopt(handle.namespace, handle.keys[:start + n], handle.device_pages, pages)
+            self._move_lock(handle, node)
+            handle.device_pages = all_pages
+        handle.available_pages = start + n
+        handle.plan = []
+        self._maybe_demote()
         return handle.device_pages
 
     # --- movement between tiers -------------------------------------------------------------------

@@ -159,6 +159,22 @@ class PagePool:
         elif arr.size:
             self.ops.scatter(self.kv, self._index(arr), staging.to(self.device))
 
+    def scatter_rows(self, pages: Any, source: torch.Tensor, rows: Any) -> None:
+        """Copy rows `rows` of a page-first `source` (e.g. host RAM's slab) into `pages`, one copy:
+        runs where both the rows and the pages are consecutive move as views, without the
+        gathered intermediate `scatter(pages, source[rows])` would make."""
+        arr, src = self._pages(pages), np.asarray(rows, dtype=np.int64)
+        if arr.size != src.size:
+            raise PageStateError(f"{arr.size} pages for {src.size} source rows")
+        if not arr.size:
+            return
+        both = np.r_[0, np.flatnonzero((np.diff(arr) != 1) | (np.diff(src) != 1)) + 1]
+        if len(both) > _MAX_RUN_COPIES:  # too fragmented: one indexed gather, then one scatter
+            self.scatter(arr, source[torch.from_numpy(src)])
+            return
+        for start, end in zip(both, np.r_[both[1:], arr.size], strict=True):
+            self.scatter(arr[start:end], source[int(src[start]):int(src[start]) + int(end - start)])
+
     def _page_runs(self, pages: np.ndarray) -> bool:
         """Whether whole-page moves should copy runs of consecutive pages (torch ops, few runs)
         rather than go through the ops' indexed gather/scatter."""

@@ -74,6 +74,17 @@ class HostTier:
         self._stats.bytes_out += n * self.spec.bytes_per_page
         return n, out[:n]
 
+    def leading_slots(self, keys: Sequence[bytes]) -> np.ndarray:
+        """The slots of the leading run of held `keys`, marked as used and counted as hits, for a
+        caller that copies straight out of `slab` (holding its lock, so the slots stay put)."""
+        n = self.contains_prefix(keys)
+        slots = np.fromiter((self.index[k] for k in keys[:n]), dtype=np.int64, count=n)
+        for key in keys[:n]:
+            self.index.move_to_end(key)
+        self._stats.hits += n
+        self._stats.bytes_out += n * self.spec.bytes_per_page
+        return slots
+
     def put(self, keys: Sequence[bytes], pages: torch.Tensor) -> int:
         """Store page-first `pages` under `keys`; returns how many new pages were copied in.
 
