@@ -1,13 +1,22 @@
 """Disk tier: one file per page blob under a folder, a byte capacity, LRU eviction.
 
+One owner per folder: the tier holds an exclusive lock on `<folder>/.lock` (folder_lock.py)
+from construction to `close()`; a second tier on the folder, in this process or another, gets
+FolderInUseError instead of deleting and evicting the first one's files under it.
+
 Writes are atomic: a temporary file is written and fsynced, then renamed over the final name,
 so a crash at any moment leaves whole blobs and stray temporaries only (removed at start). The
 index is rebuilt from the folder at start, oldest modification first. Every read is verified;
 a truncated or corrupt file is a miss, counted, and deleted.
+
+A full filesystem (ENOSPC, EDQUOT: smaller than the capacity, or shared) does not stop new pages:
+the least recent files make room for the rest of the batch and the write is tried once more; a
+write that still fails is counted in `errors` and dropped, leaving no partial file.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from collections import OrderedDict
@@ -17,8 +26,10 @@ from pathlib import Path
 from tiered_cache.model.units import parse_size
 from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
 from tiered_cache.tiers.codec import BlobError, verify_blob
+from tiered_cache.tiers.folder_lock import LOCK_NAME, FolderLock
 
 _TMP_SUFFIX = ".tmp"
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # the filesystem (or the user's quota) is full
 
 
 class DiskTier:
@@ -26,15 +37,23 @@ class DiskTier:
 
     def __init__(self, path: str | Path, capacity: int | str, on_evict: EvictCallback | None = None,
                  fsync: bool = True) -> None:
+        """Open (creating it if needed) and own the folder `path`: lock it, drop leftover
+        temporaries, index its blobs. Raises FolderInUseError when another tier owns it, OSError
+        when it cannot be created or written, ValueError for a bad capacity."""
         self.root = Path(path)
-        self.root.mkdir(parents=True, exist_ok=True)
         self.capacity = parse_size(capacity)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = FolderLock(self.root)
         self.fsync = fsync
         self.on_evict = on_evict
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recent first
         self.used = 0
         self._stats = TierStats(self.name, capacity_bytes=self.capacity)
-        self._rebuild()
+        try:
+            self._rebuild()
+        except BaseException:
+            self._lock.release()
+            raise
 
     def _path(self, key: bytes) -> Path:
         # One flat folder: a batch then needs a single folder fsync to make its renames durable
@@ -44,6 +63,8 @@ class DiskTier:
     def _rebuild(self) -> None:
         found = []
         for file in self.root.iterdir():
+            if file.name == LOCK_NAME:
+                continue
             if file.name.endswith(_TMP_SUFFIX):
                 file.unlink(missing_ok=True)  # a write that never completed
                 continue
@@ -76,31 +97,26 @@ class DiskTier:
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         stored = 0
-        dirs: set[Path] = set()
+        pending = sum(len(blob) for _, blob in items)  # bytes of the batch from this blob on
         for key, blob in items:
+            # What a full filesystem gets freed: the rest of the batch (so it meets a full disk once,
+            # not once per blob) and one blob more, as files take whole blocks.
+            room = pending + len(blob)
+            pending -= len(blob)
             if key in self.index:
                 self.index.move_to_end(key)
                 continue
             if len(blob) > self.capacity:
                 continue
             self._evict_to(self.capacity - len(blob))
-            try:
-                path = self._write(key, blob)
-            except OSError:
-                self._stats.errors += 1
+            if not self._store(key, blob, room):
                 continue
-            dirs.add(path.parent)
             self.index[key] = len(blob)
             self.used += len(blob)
             self._stats.bytes_in += len(blob)
             stored += 1
-        if self.fsync:
-            for folder in dirs:  # make the renames durable too, once per folder per batch
-                fd = os.open(folder, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+        if stored and self.fsync:
+            self._fsync_folder()  # make the renames durable too, once per batch
         return stored
 
     def delete(self, keys: Sequence[bytes]) -> None:
@@ -112,24 +128,57 @@ class DiskTier:
         self._stats.used_bytes = self.used
         return self._stats
 
+    def close(self) -> None:
+        """Give up the folder (idempotent): another tier may own it now. Its files stay for the
+        next owner; this tier must not be used after."""
+        self._lock.release()
+
     # --- files -----------------------------------------------------------------------------------
-    def _write(self, key: bytes, blob: bytes) -> Path:
+    def _store(self, key: bytes, blob: bytes, room: int) -> bool:
+        """Write one blob. On a full filesystem, evict least recent files for `room` bytes and try
+        once more; a write that still fails is counted and dropped (never raised)."""
+        try:
+            self._write(key, blob)
+            return True
+        except OSError as exc:
+            full = exc.errno in _FULL
+        if full and self.index:
+            self._evict_to(self.used - room)
+            try:
+                self._write(key, blob)
+                return True
+            except OSError:
+                pass
+        self._stats.errors += 1
+        return False
+
+    def _write(self, key: bytes, blob: bytes) -> None:
         final = self._path(key)
         tmp = final.parent / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(blob)
-            while view:
-                view = view[os.write(fd, view):]
-            if self.fsync:
-                os.fsync(fd)
+        try:  # whatever fails (a full disk mid-write, fsync, close, rename), no temporary stays
+            try:
+                view = memoryview(blob)
+                while view:
+                    view = view[os.write(fd, view):]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
         except BaseException:
-            os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        os.replace(tmp, final)
-        return final
+
+    def _fsync_folder(self) -> None:
+        try:
+            fd = os.open(self.root, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError:
+            self._stats.errors += 1  # the blobs are written; only their names may not survive a crash
 
     def _read(self, key: bytes) -> bytes | None:
         try:
