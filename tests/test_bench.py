@@ -54,3 +54,73 @@ def test_engine_bench_runs_every_configuration_beside_host_only():
     assert all(r["requests"] == 8 and r["pages_per_request"] == 4 for r in data)  # 4 warm-up requests left out
     assert all(0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] for r in data)
     assert all(r["baseline_p99_ms"] == data[0]["p99_ms"] for r in data)  # host only is the baseline
+
+
+def test_remote_clients_rows_for_each_count_through_the_cli():
+    data = json.loads(run_cli("bench", "remote", "--clients", "2", "--pages", "8", "--duration", "1",
+                              "--lookup-tokens", "2048", "--json").stdout)
+    one, two = "1 client, 8 × 1.00 MiB", "2 clients, 8 × 1.00 MiB"  # 1 is measured though not asked for
+    assert [(r["scale"], r["baseline_name"]) for r in data] == [
+        (one, "bare gRPC stream × 1, kept"), (one, "lookup p50, store idle"), (one, "lookup p99, store idle"),
+        (two, "bare gRPC stream × 2, kept"), (two, "lookup p50, store idle"), (two, "lookup p99, store idle"),
+        (two, "remote get, 1 client")]
+    assert all(r["value"] > 0 and r["baseline"] > 0 and 0 < r["ratio"] < 100 for r in data)
+    assert [r["unit"] for r in data] == ["GiB/s", "ms", "ms"] * 2 + ["GiB/s"]
+    assert data[-1]["baseline"] == data[0]["value"] and data[-1]["value"] == data[3]["value"]
+    for p50, p99 in ((data[1], data[2]), (data[4], data[5])):
+        assert p50["value"] <= p99["value"] and p50["baseline"] <= p99["baseline"]
+    assert data[1]["baseline"] == data[4]["baseline"]  # one idle measurement for every count
+    refused = run_cli("bench", "remote", "--clients", "4,0", check=False)
+    assert refused.returncode != 0 and "positive counts" in refused.stderr
+
+
+def test_remote_long_prefix_arrives_whole_on_default_settings():
+    data = json.loads(run_cli("bench", "remote", "--long-prefix", "0.05", "--json").stdout)
+    assert [(r["scale"], r["operation"], r["baseline_name"]) for r in data] == [
+        ("0.05 GiB, 51 × 1.00 MiB", "remote get, defaults (51/51 pages whole, verified)", "bare gRPC stream, kept")]
+    assert data[0]["value"] > 0 and data[0]["baseline"] > 0 and data[0]["unit"] == "GiB/s"
+
+
+def test_remote_bench_pages_are_checked_byte_for_byte(tmp_path):
+    import pickle
+
+    import pytest
+
+    from tiered_cache.bench.remote_clients import MappedBlobs, verify_pages
+
+    blobs = [bytes([i]) * (100 + i) for i in range(4)]
+    mapped = pickle.loads(pickle.dumps(MappedBlobs.write(tmp_path / "blobs", blobs)))  # as a client gets it
+    assert list(mapped) == blobs and verify_pages(blobs, mapped, "c") == sum(map(len, blobs))
+    with pytest.raises(RuntimeError, match=r"1 of 4 pages missing \(first: page 2\)"):
+        verify_pages([*blobs[:2], None, blobs[3]], mapped, "c")
+    flipped = bytearray(blobs[3])
+    flipped[50] ^= 1
+    with pytest.raises(RuntimeError, match="page 3 differs"):
+        verify_pages([*blobs[:3], bytes(flipped)], mapped, "c")
+
+
+class _DiesAtStart:
+    """A client process that exits before it can report (as a crash in a client would)."""
+
+    def __init__(self) -> None:
+        import os
+
+        os._exit(3)
+
+
+def test_remote_clients_failure_is_raised_with_its_cause():
+    import pytest
+
+    from tiered_cache.bench.remote_bench import _RawServer
+    from tiered_cache.bench.remote_clients import RawStreamClient, run_together
+
+    with _RawServer() as raw_addr:
+        reports = run_together([(RawStreamClient, (raw_addr, 4, 1024, "ok"))] * 2, 0.3)
+        assert all(r.nbytes % 4096 == 0 and r.nbytes > 0 and r.ended > r.started for r in reports)
+        # A client that cannot connect breaks the release: its error is raised, not the other's.
+        with pytest.raises(RuntimeError, match=r"client 1 of 2 \(RawStreamClient\) failed") as failed:
+            run_together([(RawStreamClient, (raw_addr, 4, 1024, "ok")),
+                          (RawStreamClient, ("127.0.0.1:1", 4, 1024, "unreachable"))], 0.3)
+        assert "UNAVAILABLE" in str(failed.value)
+        with pytest.raises(RuntimeError, match=r"client processes \[1\] never reported \(exit codes \[.*, 3\]\)"):
+            run_together([(RawStreamClient, (raw_addr, 4, 1024, "ok")), (_DiesAtStart, ())], 0.3)

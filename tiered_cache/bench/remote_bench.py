@@ -1,25 +1,38 @@
 """`tiered-cache bench remote`: fetching a many-page prefix through `RemoteTier` beside a bare gRPC
 stream of the same bytes and a raw Redis MGET of the same blobs, all in one run; and lookup
-latency for a 32k-token prompt beside a bare gRPC unary call of the same request size."""
+latency for a 32k-token prompt beside a bare gRPC unary call of the same request size.
+
+`bench_clients`: N client processes fetching one prefix at once (aggregate GiB/s) while another
+process times Lookups, beside N bare gRPC streams. `bench_long_prefix`: a prefix of GiBs through
+`RemoteTier` with its default deadlines, whole and verified, beside one bare gRPC stream."""
 
 from __future__ import annotations
 
 import re
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import grpc
 import torch
 
+from tiered_cache.bench.remote_clients import (
+    FetchClient,
+    LookupClient,
+    MappedBlobs,
+    RawStreamClient,
+    Report,
+    raw_channel,
+    raw_stream_request,
+    run_together,
+    verify_pages,
+)
 from tiered_cache.bench.timing import Comparison, best_time
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service.client import StoreClient, channel_options
+from tiered_cache.service.client import StoreClient
 from tiered_cache.service.process import StoreProcess
 from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.remote import RemoteTier
@@ -49,21 +62,31 @@ def _blobs(spec: KVSpec, num_pages: int, ns: str = "bench") -> list[tuple[bytes,
     return [(k, encode_page(page, spec, k)) for k in keys]
 
 
+def _lookup_items(num_tokens: int, page_size: int = 16) -> list[tuple[bytes, bytes]]:
+    """A prompt's page blobs, tiny (one layer, one head): what a Lookup is asked about."""
+    return _blobs(KVSpec("lookup-bench", 1, 1, 8, page_size=page_size), num_tokens // page_size, "lookup")
+
+
+def _store_args(total: int) -> list[str]:
+    """A RAM-only store server with room for `total` bytes of blobs and their overhead."""
+    return ["--no-disk", "--ram", f"{2 * total // 2**20 + 64}MiB"]
+
+
 def bench_fetch(spec: KVSpec, num_pages: int) -> list[Comparison]:
     items = _blobs(spec, num_pages)
     keys = [k for k, _ in items]
     size = len(items[0][1])
     total = size * num_pages
     scale = f"{num_pages} × {size / 2**20:.2f} MiB"
-    with StoreProcess(["--no-disk", "--ram", f"{2 * total // 2**20 + 64}MiB"]) as store, _RawServer() as raw_addr:
+    with StoreProcess(_store_args(total)) as store, _RawServer() as raw_addr:
         StoreClient(store.address, timeout_s=120).put(items)
         tier = RemoteTier([store.address], timeout_s=120)
         assert all(b is not None for b in tier.get(keys)), "the store lost pages during the benchmark"
         ours = best_time(lambda: tier.get(keys), repeat=3)
 
-        channel = grpc.insecure_channel(raw_addr, options=channel_options(80 * 2**20))
+        channel = raw_channel(raw_addr)
         stream = channel.unary_stream("/raw.Raw/Stream")
-        request = struct.pack("<QQ", num_pages, size)
+        request = raw_stream_request(num_pages, size)
         kept = best_time(lambda: list(stream(request, timeout=120)), repeat=3)  # kept, as a get must
 
         def drain() -> None:
@@ -105,14 +128,13 @@ def _redis_row(items: list[tuple[bytes, bytes]], total: int, scale: str, ours: f
 
 
 def bench_lookup(num_tokens: int = 32768, page_size: int = 16, repeat: int = 30) -> list[Comparison]:
-    spec = KVSpec("lookup-bench", 1, 1, 8, page_size=page_size)
-    items = _blobs(spec, num_tokens // page_size, "lookup")
+    items = _lookup_items(num_tokens, page_size)
     keys = [k for k, _ in items]
     with StoreProcess(["--no-disk"]) as store, _RawServer() as raw_addr:
         StoreClient(store.address, timeout_s=60).put(items)
         tier = RemoteTier([store.address])
         assert tier.contains_prefix(keys) == len(keys)
-        channel = grpc.insecure_channel(raw_addr, options=channel_options(80 * 2**20))
+        channel = raw_channel(raw_addr)
         echo = channel.unary_unary("/raw.Raw/Echo")
         request = b"".join(keys)
         ours, raw = [], []
@@ -128,3 +150,91 @@ def bench_lookup(num_tokens: int = 32768, page_size: int = 16, repeat: int = 30)
     label = f"{num_tokens:,} tokens ({len(keys):,} keys)"
     return [Comparison(label, "remote lookup, median", statistics.median(ours) * 1e3,
                        "bare gRPC unary, same bytes", statistics.median(raw) * 1e3, "ms", False)]
+
+
+def bench_clients(spec: KVSpec, num_pages: int, counts: list[int], duration_s: float = 5.0,
+                  lookup_tokens: int = 32768) -> list[Comparison]:
+    """For each N in `counts`: N client processes fetch the same prefix through their own
+    `RemoteTier` for `duration_s` (every page verified) while one more times Lookups of a
+    `lookup_tokens`-token prompt; then N bare gRPC streams of the same bytes for as long. One client
+    is always measured first: N clients' aggregate is also shown against it."""
+    assert all(n > 0 for n in counts) and duration_s > 0
+    counts = sorted(set(counts) | {1})
+    items, prompt = _blobs(spec, num_pages), _lookup_items(lookup_tokens)
+    keys, size = [k for k, _ in items], len(items[0][1])
+    with tempfile.TemporaryDirectory() as tmp, StoreProcess(_store_args(size * num_pages)) as store, \
+            _RawServer() as raw_addr:
+        expected = MappedBlobs.write(Path(tmp) / "blobs", [b for _, b in items])
+        StoreClient(store.address, timeout_s=120).put(items + prompt)
+        del items
+        lookup = (LookupClient, (store.address, [k for k, _ in prompt], "lookup client"))
+        print(f"timing lookups of {len(prompt):,} keys with the store idle for {duration_s:g} s ...", file=sys.stderr)
+        idle = run_together([lookup], duration_s)[0].latencies
+        rows: list[Comparison] = []
+        one_client = 0.0
+        for n in counts:
+            print(f"{n} client processes fetching {num_pages} pages for {duration_s:g} s, then {n} bare gRPC "
+                  "streams ...", file=sys.stderr)
+            fetchers = [(FetchClient, (store.address, keys, expected, f"fetch client {i}")) for i in range(n)]
+            *fetched, looked = run_together(fetchers + [lookup], duration_s)
+            raw = run_together([(RawStreamClient, (raw_addr, num_pages, size, f"raw client {i}"))
+                                for i in range(n)], duration_s)
+            ours, ceiling = _aggregate(fetched), _aggregate(raw)
+            one_client = one_client or ours
+            scale = f"{n} client{'s' if n > 1 else ''}, {num_pages} × {size / 2**20:.2f} MiB"
+            rows.append(Comparison(scale, "remote get, aggregate (verified)", ours,
+                                   f"bare gRPC stream × {n}, kept", ceiling, "GiB/s", True))
+            for q in (50, 99):
+                rows.append(Comparison(scale, f"lookup p{q}, {len(prompt):,} keys, during the gets",
+                                       _percentile(looked.latencies, q) * 1e3, f"lookup p{q}, store idle",
+                                       _percentile(idle, q) * 1e3, "ms", False))
+            if n > 1:
+                rows.append(Comparison(scale, "remote get, aggregate (verified)", ours, "remote get, 1 client",
+                                       one_client, "GiB/s", True))
+    return rows
+
+
+def _aggregate(reports: list[Report]) -> float:
+    """GiB/s of all clients together: every byte of their calls over the window from the first
+    release to the last call's end (calls still running past the deadline lengthen the window)."""
+    window = max(r.ended for r in reports) - min(r.started for r in reports)
+    return sum(r.nbytes for r in reports) / window / GIB
+
+
+def _percentile(values: tuple[float, ...], q: int) -> float:
+    assert values, "no call was timed"
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def bench_long_prefix(spec: KVSpec, gib: float, repeat: int = 2) -> list[Comparison]:
+    """A prefix of `gib` GiB put into a store server and fetched through `RemoteTier` with its
+    default settings (5 s progress deadline, no budget), every page verified, best of `repeat`;
+    beside one bare gRPC stream of the same bytes, kept. Raises when a page is missing or wrong."""
+    num_pages = max(1, round(gib * GIB / spec.bytes_per_page))
+    print(f"encoding {num_pages:,} pages ({num_pages * spec.bytes_per_page / GIB:.2f} GiB) ...", file=sys.stderr)
+    items = _blobs(spec, num_pages)
+    keys, expected = [k for k, _ in items], [b for _, b in items]
+    size = len(expected[0])
+    total = size * num_pages
+    with StoreProcess(_store_args(total)) as store, _RawServer() as raw_addr:
+        print(f"putting {total / GIB:.2f} GiB into a store server ...", file=sys.stderr)
+        StoreClient(store.address).put(items)
+        del items
+        tier = RemoteTier([store.address])  # defaults: the progress deadline is what lets GiBs through
+        ours = float("inf")
+        for run in range(repeat):
+            print(f"fetching {total / GIB:.2f} GiB through the remote tier ({run + 1}/{repeat}) ...", file=sys.stderr)
+            start = time.perf_counter()
+            blobs = tier.get(keys)
+            ours = min(ours, time.perf_counter() - start)
+            verify_pages(blobs, expected, "long prefix")
+            del blobs
+        tier.close()
+        channel = raw_channel(raw_addr)
+        stream = channel.unary_stream("/raw.Raw/Stream")
+        request = raw_stream_request(num_pages, size)
+        kept = best_time(lambda: list(stream(request, timeout=600)), repeat=repeat)
+        channel.close()
+    scale = f"{total / GIB:.2f} GiB, {num_pages:,} × {size / 2**20:.2f} MiB"
+    return [Comparison(scale, f"remote get, defaults ({num_pages:,}/{num_pages:,} pages whole, verified)",
+                       total / ours / GIB, "bare gRPC stream, kept", total / kept / GIB, "GiB/s", True)]

@@ -50,6 +50,12 @@ def add_parser(commands: Any) -> None:
     remote.add_argument("--page-size", type=int, default=8, help="tokens per page (default 8: 1 MiB pages)")
     remote.add_argument("--pages", type=int, default=256, help="pages in the prefix (default 256)")
     remote.add_argument("--lookup-tokens", type=int, default=32768, help="prompt length for the lookup latency")
+    remote.add_argument("--clients", help="comma list of client process counts, e.g. 1,4,16: each count's aggregate "
+                                          "get GiB/s and lookup latency during it, beside as many bare gRPC "
+                                          "streams (1 is always measured: the scaling baseline)")
+    remote.add_argument("--duration", type=float, default=5.0, help="seconds each --clients round runs (default 5)")
+    remote.add_argument("--long-prefix", type=float, metavar="GIB",
+                        help="fetch a prefix of GIB GiB through the remote tier on its default settings")
     subs.append(remote)
     kernels = which.add_parser("kernels", help="(CUDA) gather/scatter kernels vs D2D copy; offload vs pinned copy")
     kernels.add_argument("--model", default="llama-3.1-8b", help="preset whose pages are moved")
@@ -107,12 +113,7 @@ def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
             raise SystemExit(2)
         return bench_kernels(get_preset(args.model).spec, args.pages), "batch"
     if args.bench == "remote":
-        from tiered_cache.bench.remote_bench import bench_fetch, bench_lookup
-
-        spec = get_preset(args.model).spec.with_options(page_size=args.page_size)
-        print(f"fetching {args.pages} pages of {spec.bytes_per_page:,} bytes through a store server ...",
-              file=sys.stderr)
-        return bench_fetch(spec, args.pages) + bench_lookup(args.lookup_tokens), "batch"
+        return _remote_rows(args, get_preset(args.model).spec.with_options(page_size=args.page_size)), "batch"
 
     spec = get_preset(args.model).spec.with_options(page_size=args.page_size)
     print(f"moving {args.pages} pages of {spec.bytes_per_page:,} bytes ({args.model}) ...", file=sys.stderr)
@@ -121,6 +122,30 @@ def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
     if args.bench == "disk":
         return tiers_bench.bench_disk(spec, args.pages, args.dir), "batch"
     return tiers_bench.bench_redis(spec, args.pages, args.url), "batch"
+
+
+def _remote_rows(args: argparse.Namespace, spec: Any) -> list[Any]:
+    from tiered_cache.bench import remote_bench
+
+    if args.clients is None and args.long_prefix is None:
+        print(f"fetching {args.pages} pages of {spec.bytes_per_page:,} bytes through a store server ...",
+              file=sys.stderr)
+        return remote_bench.bench_fetch(spec, args.pages) + remote_bench.bench_lookup(args.lookup_tokens)
+    rows = []
+    if args.clients is not None:
+        try:
+            counts = [int(x) for x in args.clients.split(",")]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) <= 0 or args.duration <= 0:
+            raise SystemExit(f"tiered-cache bench remote: --clients takes positive counts such as 1,4,16 and "
+                             f"--duration positive seconds; got {args.clients!r} and {args.duration:g}")
+        rows += remote_bench.bench_clients(spec, args.pages, counts, args.duration, args.lookup_tokens)
+    if args.long_prefix is not None:
+        if not args.long_prefix > 0:
+            raise SystemExit(f"tiered-cache bench remote: --long-prefix takes GiB > 0, got {args.long_prefix:g}")
+        rows += remote_bench.bench_long_prefix(spec, args.long_prefix)
+    return rows
 
 
 def _run_model_bench(args: argparse.Namespace) -> int:
