@@ -34,7 +34,8 @@ def _echo(request: bytes, context: Any) -> bytes:
 
 
 def main() -> None:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=grpc_options(_MAX))
+    # A thread per stream (up to 32): the multi-client ceiling must not be capped by threads.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=grpc_options(_MAX))
     handlers = {"Stream": grpc.unary_stream_rpc_method_handler(_stream),
                 "Echo": grpc.unary_unary_rpc_method_handler(_echo)}
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("raw.Raw", handlers)])
