@@ -64,3 +64,24 @@ def test_redis_down_then_back(tmp_path):
         assert tier.get(keys) == [b for _, b in items]
     finally:
         server.stop()
+
+
+def test_stats_asks_redis_at_most_once_a_second(tmp_path):
+    server = RedisServer(tmp_path)  # its own server: DBSIZE counts only this test's pages
+    server.start()
+    try:
+        raw = redis_py.Redis.from_url(server.url)
+        tier = RedisTier(server.url, prefix="info")
+        # Counted through DBSIZE, which stats() sends with its INFO (counting INFO would count ours).
+        calls = lambda: int(raw.info("commandstats").get("cmdstat_dbsize", {}).get("calls", 0))  # noqa: E731
+        before = calls()
+        assert tier.stats().pages == 0
+        tier.put(blobs_for(4))
+        for _ in range(20):  # a dashboard polling in a loop
+            assert tier.stats().pages == 0  # the figure of the last ask, not a new INFO
+        assert calls() - before == 1
+        time.sleep(1.1)
+        assert tier.stats().pages == 4 and calls() - before == 2
+        tier.close()
+    finally:
+        server.stop()

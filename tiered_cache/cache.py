@@ -537,20 +537,16 @@ class TieredCache:
         """All of `wanted` in host RAM: copy its slots straight into new device pages, one copy
         instead of two through a staging buffer. The lock is held from finding the slots to the
         end of the copy, so they cannot be evicted or reused meanwhile. None (nothing done) when
-        host RAM does not hold them all: `load` then takes the staged path, which looks below."""
+        host RAM does not hold them all, or the device has no free page for each: evicting here
+        would demote pages into host RAM, which could push out the very pages being loaded.
+        `load` then takes the staged path (copied out of host RAM before anything is evicted)."""
         with self._lock:
             self._check_live(handle)
-            if self.host.contains_prefix(wanted) < len(wanted):
+            if self.host.contains_prefix(wanted) < len(wanted) or self.pool.num_free < len(wanted):
                 return None
-            for key in wanted:  # most recent: room made on the device below evicts other pages first
-                self.host.index.move_to_end(key)
-            pages = self._allocate_fitting(len(wanted))
-            slots = self.host.leading_slots(wanted[:len(pages)])  # after: allocating may demote into host RAM
-            if len(slots) < len(pages):
-                self.pool.free(pages[len(slots):])
-                pages = pages[:len(slots)]
-            if len(pages):
-                self.pool.scatter_rows(pages, self.host.slab, slots)
+            pages = self.pool.allocate(len(wanted))
+            slots = self.host.leading_slots(wanted)
+            self.pool.scatter_rows(pages, self.host.slab, slots)
             return self._adopt_loaded(handle, start, pages, ["host"] * len(pages))
 
     def _adopt_loaded(self, handle: CacheHandle, start: int, pages: np.ndarray, tiers: list[str]) -> np.ndarray:

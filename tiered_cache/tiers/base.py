@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
@@ -80,3 +81,25 @@ def leading_run(flags: Iterable[bool]) -> int:
             break
         n += 1
     return n
+
+
+class Backoff:
+    """Skips a failing server for a while: `backoff_s`, doubled on every failure up to
+    `max_backoff_s`, and back to nothing after a success."""
+
+    def __init__(self, backoff_s: float, max_backoff_s: float) -> None:
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.delay = 0.0
+        self.retry_at = 0.0
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self.retry_at
+
+    def failed(self) -> None:
+        self.delay = min(self.max_backoff_s, max(self.backoff_s, self.delay * 2))
+        self.retry_at = time.monotonic() + self.delay
+
+    def succeeded(self) -> None:
+        self.delay = 0.0

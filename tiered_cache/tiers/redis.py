@@ -25,8 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
-from tiered_cache.tiers.base import TierStats, leading_run
+from tiered_cache.tiers.base import Backoff, TierStats, leading_run
 from tiered_cache.tiers.codec import BlobError, verify_blob
+
+_INFO_MAX_AGE_S = 1.0  # stats() asks Redis (INFO, DBSIZE) at most once a second
 
 T = TypeVar("T")
 # A large read buffer: the default 32 KiB measured at half the throughput for MiB values.
@@ -60,28 +62,7 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]] 
     return nodes, settings
 
 
-class _Backoff:
-    """Skips a failing thing for a while: `backoff_s`, doubled on every failure up to `max_backoff_s`."""
-
-    def __init__(self, backoff_s: float, max_backoff_s: float) -> None:
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.delay = 0.0
-        self.retry_at = 0.0
-
-    @property
-    def available(self) -> bool:
-        return time.monotonic() >= self.retry_at
-
-    def failed(self) -> None:
-        self.delay = min(self.max_backoff_s, max(self.backoff_s, self.delay * 2))
-        self.retry_at = time.monotonic() + self.delay
-
-    def succeeded(self) -> None:
-        self.delay = 0.0
-
-
-class _Node(_Backoff):
+class _Node(Backoff):
     """One Redis server (the only one, or a cluster master): its client and its backoff."""
 
     def __init__(self, client: Any, address: str, backoff_s: float, max_backoff_s: float) -> None:
@@ -116,13 +97,14 @@ class RedisTier:
         self._single = None if self.cluster else _Node(redis.Redis.from_url(url, **self._options), url,
                                                        backoff_s, max_backoff_s)
         self._cluster: Any = None  # RedisCluster, connected on first use
-        self._topology = _Backoff(backoff_s, max_backoff_s)  # (re)reading the slot map
+        self._topology = Backoff(backoff_s, max_backoff_s)  # (re)reading the slot map
         self._stale = True  # the slot map must be (re)read before the next call
         self._nodes: dict[str, _Node] = {}  # cluster masters by "host:port"
         self._last_failed: str | None = None  # the master that failed last: asked last for the slot map
         self._lock = threading.Lock()  # the cluster client, slot map, `_nodes` and `_fanout`
         self._fanout: ThreadPoolExecutor | None = None  # asks a cluster's masters in parallel
         self._stats = TierStats(self.name)
+        self._info_at = -_INFO_MAX_AGE_S  # when stats() last asked the servers
 
     def _k(self, key: bytes) -> bytes:
         return self.prefix + key.hex().encode()
@@ -135,7 +117,7 @@ class RedisTier:
         return any(n.available for n in list(self._nodes.values())) or self._topology.available
 
     # --- routing -------------------------------------------------------------------------------
-    def _failed(self, backoff: _Backoff) -> None:
+    def _failed(self, backoff: Backoff) -> None:
         self._stats.errors += 1
         backoff.failed()
         self._stale = True
@@ -315,7 +297,13 @@ class RedisTier:
         self._pipelined(names, lambda pipe, group: pipe.delete(*[names[i] for i in group]))
 
     def stats(self) -> TierStats:
-        """Capacity, used bytes and pages summed over the servers that answer (INFO, DBSIZE)."""
+        """Capacity, used bytes and pages summed over the servers that answer (INFO, DBSIZE),
+        asked at most once every `_INFO_MAX_AGE_S`: a dashboard polling stats must not load Redis."""
+        now = time.monotonic()
+        if now - self._info_at < _INFO_MAX_AGE_S:
+            return self._stats
+        self._info_at = now
+
         def ask(client: Any) -> list[Any]:
             return client.pipeline(transaction=False).info("memory").dbsize().execute()
 

@@ -13,7 +13,6 @@ returned.
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -21,7 +20,7 @@ from typing import Any, TypeVar
 import grpc
 
 from tiered_cache.service.client import StoreClient
-from tiered_cache.tiers.base import TierStats, leading_run
+from tiered_cache.tiers.base import Backoff, TierStats, leading_run
 from tiered_cache.tiers.codec import BlobError, verify_blob
 
 T = TypeVar("T")
@@ -33,24 +32,10 @@ def owner(key: bytes, addresses: Sequence[str]) -> int:
                key=lambda i: hashlib.sha256(addresses[i].encode() + key).digest()[:8])
 
 
-class _Server:
+class _Server(Backoff):
     def __init__(self, client: StoreClient, backoff_s: float, max_backoff_s: float) -> None:
+        super().__init__(backoff_s, max_backoff_s)
         self.client = client
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.delay = 0.0
-        self.retry_at = 0.0
-
-    @property
-    def available(self) -> bool:
-        return time.monotonic() >= self.retry_at
-
-    def failed(self) -> None:
-        self.delay = min(self.max_backoff_s, max(self.backoff_s, self.delay * 2))
-        self.retry_at = time.monotonic() + self.delay
-
-    def succeeded(self) -> None:
-        self.delay = 0.0
 
 
 class RemoteTier:
