@@ -12,8 +12,12 @@ from tiered_cache.v1 import cache_pb2 as pb
 def test_page_blob_framing_matches_protobuf(size):
     key, blob, fingerprint = os.urandom(32), os.urandom(size), os.urandom(32)
     assert page_blob_message(key, blob) == pb.PageBlob(key=key, blob=blob).SerializeToString()
+    assert page_blob_message(key, blob, fingerprint) == \
+        pb.PageBlob(key=key, blob=blob, fingerprint=fingerprint).SerializeToString()
     parsed = parse_page_blob(pb.PageBlob(key=key, blob=blob, fingerprint=fingerprint).SerializeToString())
-    assert (parsed.key, parsed.blob) == (key, blob)  # unknown-to-us fields are skipped
+    assert (parsed.key, parsed.blob, parsed.fingerprint) == (key, blob, fingerprint)
+    unknown = pb.PageBlob(key=key, blob=blob).SerializeToString() + b"\x20\x05" + b"\x2a\x02hi"  # fields 4, 5
+    assert (parse_page_blob(unknown).key, parse_page_blob(unknown).blob) == (key, blob)  # skipped, as protobuf does
 
 
 @pytest.mark.parametrize("bad", [b"\x0a\x05ab", b"\x0a", b"\x0b", b"\x12\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01"])

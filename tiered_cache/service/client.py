@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.streams import ReceivedBlob, parse_page_blob
+from tiered_cache.service.streams import ReceivedBlob, page_blob_message, parse_page_blob
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
 
@@ -97,6 +97,9 @@ class StoreClient:
         self._get = self.channel.unary_stream("/tiered_cache.v1.KVCache/Get",
                                               request_serializer=pb.GetRequest.SerializeToString,
                                               response_deserializer=parse_page_blob)
+        # Put's items are serialized by hand too (streams.page_blob_message).
+        self._put = self.channel.stream_unary("/tiered_cache.v1.KVCache/Put", request_serializer=_put_item,
+                                              response_deserializer=pb.PutResponse.FromString)
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
 
     def lookup(self, keys: list[bytes], timeout_s: float | None = None) -> pb.LookupResponse:
@@ -127,13 +130,13 @@ class StoreClient:
         takes no page for `timeout_s` (or does not answer that long after the last)."""
         watch: ProgressDeadline | None = None
 
-        def stream() -> Iterator[pb.PageBlob]:
+        def stream() -> Iterator[tuple[bytes, bytes, bytes]]:
             for k, b in items:
-                yield pb.PageBlob(key=k, blob=b, fingerprint=fingerprint)
+                yield k, b, fingerprint
                 if watch is not None:
                     watch.progress()  # the previous page was taken: flow control let it go
 
-        future = self.stub.Put.future(stream(), timeout=budget_s, metadata=self.metadata)
+        future = self._put.future(stream(), timeout=budget_s, metadata=self.metadata)
         watch = ProgressDeadline(future, timeout_s or self.timeout_s, f"Put to {self.address}")
         try:
             return future.result()
@@ -164,3 +167,7 @@ class StoreClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _put_item(item: tuple[bytes, bytes, bytes]) -> bytes:
+    return page_blob_message(*item)

@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tiered_cache.service.client import message_options
 from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.handlers import KVCacheService, ServerCounters, parser
+from tiered_cache.service.handlers import KVCacheService, ServerCounters, parse_put_item, parser
 from tiered_cache.service.store import BlobStore
 from tiered_cache.tiers.base import BlobTier
 from tiered_cache.tiers.memory import MemoryTier
@@ -156,7 +156,7 @@ def _handlers(service: KVCacheService) -> grpc.GenericRpcHandler:
         "Lookup": grpc.unary_unary_rpc_method_handler(service.Lookup, parser(pb.LookupRequest), ser),
         # Get streams PageBlobs serialized by hand (streams.page_blob_message): one copy fewer.
         "Get": grpc.unary_stream_rpc_method_handler(service.Get, parser(pb.GetRequest), raw),
-        "Put": grpc.stream_unary_rpc_method_handler(service.Put, parser(pb.PageBlob), ser),
+        "Put": grpc.stream_unary_rpc_method_handler(service.Put, parse_put_item, ser),
         "Stats": grpc.unary_unary_rpc_method_handler(service.Stats, parser(pb.StatsRequest), ser),
     })
 

@@ -19,26 +19,29 @@ import grpc
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
-def page_blob_message(key: bytes, blob: bytes) -> bytes:
-    """A serialized `PageBlob{key, blob}`, built with one copy of the blob (a message object
-    copies it in and `SerializeToString` copies it again)."""
-    return b"".join((b"\x0a", _varint(len(key)), key, b"\x12", _varint(len(blob)), blob))
+def page_blob_message(key: bytes, blob: bytes, fingerprint: bytes = b"") -> bytes:
+    """A serialized `PageBlob{key, blob, fingerprint}`, built with one copy of the blob (a
+    message object copies it in and `SerializeToString` copies it again)."""
+    parts = [b"\x0a", _varint(len(key)), key, b"\x12", _varint(len(blob)), blob]
+    if fingerprint:
+        parts += [b"\x1a", _varint(len(fingerprint)), fingerprint]
+    return b"".join(parts)
 
 
 class ReceivedBlob:
-    """A `PageBlob` as the client receives it (key, blob), parsed without the message class."""
+    """A `PageBlob` as received (key, blob, fingerprint), parsed without the message class."""
 
-    __slots__ = ("blob", "key")
+    __slots__ = ("blob", "fingerprint", "key")
 
-    def __init__(self, key: bytes, blob: bytes) -> None:
-        self.key, self.blob = key, blob
+    def __init__(self, key: bytes, blob: bytes, fingerprint: bytes = b"") -> None:
+        self.key, self.blob, self.fingerprint = key, blob, fingerprint
 
 
 def parse_page_blob(data: bytes) -> ReceivedBlob:
-    """The `key` and `blob` fields of a serialized `PageBlob`, with one copy of the blob (the
-    message class copies it in, then again into a Python `bytes` on access). Unknown fields are
-    skipped as protobuf requires; a malformed message raises ValueError."""
-    fields = {1: b"", 2: b""}
+    """The fields of a serialized `PageBlob`, with one copy of the blob (the message class copies
+    it in, then again into a Python `bytes` on access). Unknown fields are skipped as protobuf
+    requires; a malformed message raises ValueError."""
+    fields = {1: b"", 2: b"", 3: b""}
     view, pos, end = memoryview(data), 0, len(data)
     while pos < end:
         tag, pos = _read_varint(view, pos)
@@ -58,7 +61,7 @@ def parse_page_blob(data: bytes) -> ReceivedBlob:
             raise ValueError(f"PageBlob has a field of unsupported wire type {wire}")
     if pos != end:
         raise ValueError("PageBlob is truncated")
-    return ReceivedBlob(fields[1], fields[2])
+    return ReceivedBlob(fields[1], fields[2], fields[3])
 
 
 def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
