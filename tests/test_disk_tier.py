@@ -114,11 +114,19 @@ def test_reopened_folder_serves_intact_files_and_drops_damaged_ones(tmp_path):
     flipped[len(flipped) // 2] ^= 0x01
     paths[1].write_bytes(bytes(flipped))  # one bit of the payload rotted
     paths[2].write_bytes(b"")  # renamed, but its bytes never reached the disk (no fsync)
+    v1 = bytearray(blobs[3])
+    v1[4] = 1  # the same page written by a build of blob format version 1
+    (tmp_path / ("ab" * 32)).write_bytes(bytes(v1))
     disk = DiskTier(tmp_path, "1MiB")
-    # Names are indexed at start (reading every byte of a full disk there would stall the start);
-    # each read is verified, so a damaged file is a miss, counted and deleted, never served.
+    # At start each file's header is read: a length that disagrees with it (truncated, empty) or
+    # another blob format is dropped then. Reading every byte of a full disk there would stall the
+    # start, so a flipped byte is caught by the checksum of the first read: a miss, counted and
+    # deleted, never served.
+    assert disk.contains(keys) == [False, True, False, True, True, True]
+    assert disk.stats().corrupt == 3 and not paths[0].exists() and not paths[2].exists()
+    assert not (tmp_path / ("ab" * 32)).exists()
     assert disk.get(keys) == [None, None, None, *blobs[3:]]
-    assert disk.stats().corrupt == 3 and disk.contains(keys) == [False] * 3 + [True] * 3
+    assert disk.stats().corrupt == 4 and disk.contains(keys) == [False] * 3 + [True] * 3
     assert not any(p.exists() for p in paths[:3]) and (tmp_path / LOCK_NAME).exists()
     disk.close()
     again = DiskTier(tmp_path, "1MiB")

@@ -139,6 +139,8 @@ def test_tls(tmp_path):
 def test_stats_cli_table_json_and_watch(store):
     from conftest import run_cli
 
+    with StoreClient(store.address) as client:
+        client.put(make_items(1, start=9000))  # a page to show, whichever tests ran before
     table = run_cli("stats", "--address", store.address).stdout
     assert "ram" in table and "disk" in table and "hit rate" in table and "tiered-cache 0.1.0" in table
     import json

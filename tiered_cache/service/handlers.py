@@ -45,7 +45,6 @@ _REFUSALS = {
     BlobFault.WRONG_FINGERPRINT: pb.FINGERPRINT_MISMATCH, BlobFault.UNKNOWN_CODEC: pb.UNKNOWN_CODEC,
     BlobFault.WRONG_SHAPE: pb.CORRUPT_BLOB,
 }
-_TIER_STATS_MAX_AGE_S = 1.0  # Stats asks the tiers (Redis INFO) at most once a second
 
 
 @dataclass
@@ -90,7 +89,6 @@ class KVCacheService:
         self.slots = StreamSlots(config.max_streams)
         self._io = io
         self._meta = meta
-        self._tier_stats: tuple[float, list[TierStats]] = (-_TIER_STATS_MAX_AGE_S, [])
 
     # --- helpers -------------------------------------------------------------------------------
     async def _run(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
@@ -239,12 +237,9 @@ class KVCacheService:
         return pb.StatsResponse(tiers=tiers, server=server)
 
     async def _tiers_stats(self) -> list[TierStats]:
-        """The tiers' figures, asked at most once a second (a Redis tier answers with INFO)."""
-        taken, figures = self._tier_stats
-        if time.monotonic() - taken >= _TIER_STATS_MAX_AGE_S:
-            figures = await self._run(self._meta, self.store.stats)
-            self._tier_stats = (time.monotonic(), figures)
-        return figures
+        """The tiers' figures, on the meta pool: no data lock is taken (tiers report counters), and
+        a Redis tier asks INFO at most once a second by itself (tiers/redis.py)."""
+        return await self._run(self._meta, self.store.stats)
 
     # --- Put internals -------------------------------------------------------------------------
     async def _store_batch(self, batch: list[Any], response: pb.PutResponse) -> None:

@@ -258,6 +258,24 @@ def read_header(blob: Any, check_crc: bool = True) -> BlobHeader:
                       tuple(shape), offset, payload_len)
 
 
+HEADER_BYTES = _HEADER.size
+
+
+def expected_blob_size(head: Any) -> int:
+    """The total size a blob must have, from its first `HEADER_BYTES` bytes alone: lets a store
+    drop a truncated or padded file without reading it. Raises BlobError for a head that is not
+    a current-version blob header."""
+    view = memoryview(head).cast("B")
+    if len(view) < _HEADER.size:
+        raise BlobError(f"blob truncated: {len(view)} bytes is shorter than a header")
+    magic, version, _, _, ndim, _, _, _, _, _, payload_len = _HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise BlobError(f"not a page blob: magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise BlobError(f"unknown blob format version {version} (this build reads {VERSION})")
+    return _HEADER.size + 4 * ndim + payload_len + _CRC.size
+
+
 def verify_blob(blob: Any, key: bytes, check_crc: bool = True) -> BlobHeader:
     """Header and checksum are intact and the blob is the page keyed `key`. Raises BlobError."""
     header = read_header(blob, check_crc)

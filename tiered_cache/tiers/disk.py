@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tiered_cache.model.units import parse_size
 from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
-from tiered_cache.tiers.codec import BlobError, verify_blob
+from tiered_cache.tiers.codec import HEADER_BYTES, BlobError, expected_blob_size, verify_blob
 from tiered_cache.tiers.folder_lock import LOCK_NAME, FolderLock
 
 _TMP_SUFFIX = ".tmp"
@@ -74,11 +74,25 @@ class DiskTier:
             except (ValueError, OSError):
                 continue
             if len(key) == 32 and file.is_file():
-                found.append((st.st_mtime_ns, key, st.st_size))
+                if self._intact_size(file, st.st_size):
+                    found.append((st.st_mtime_ns, key, st.st_size))
+                else:  # truncated by a crash, padded, or of another blob format: a miss for good
+                    self._stats.corrupt += 1
+                    file.unlink(missing_ok=True)
         for _, key, size in sorted(found):
             self.index[key] = size
             self.used += size
         self._evict_to(self.capacity)
+
+    @staticmethod
+    def _intact_size(file: Path, size: int) -> bool:
+        """Whether the file is as long as its blob header says (reads the header only: a flipped
+        byte inside is caught by the checksum on first read, not by reading every file here)."""
+        try:
+            with open(file, "rb") as f:
+                return expected_blob_size(f.read(HEADER_BYTES)) == size
+        except (OSError, BlobError):
+            return False
 
     # --- interface -------------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
