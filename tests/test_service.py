@@ -143,6 +143,7 @@ def test_stats_cli_table_json_and_watch(store):
         client.put(make_items(1, start=9000))  # a page to show, whichever tests ran before
     table = run_cli("stats", "--address", store.address).stdout
     assert "ram" in table and "disk" in table and "hit rate" in table and "tiered-cache 0.1.0" in table
+    assert "refused (max_streams)" in table and "ended stalled" in table
     import json
 
     data = json.loads(run_cli("stats", "--address", store.address, "--json").stdout)

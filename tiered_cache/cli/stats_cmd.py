@@ -55,7 +55,8 @@ def render(result: dict[str, Any]) -> str:
     head = (f"{result['address']}  tiered-cache {s.get('version', '?')}, up {float(s.get('uptime_s', 0)):,.0f} s, "
             f"{int(s.get('requests', 0)):,} requests, {int(s.get('rejected_requests', 0)):,} rejected, "
             f"{int(s.get('unauthenticated', 0)):,} unauthenticated, {int(s.get('refused_blobs', 0)):,} blobs refused, "
-            f"{int(s.get('active_streams', 0))} streams open")
+            f"{int(s.get('active_streams', 0))} streams open, {int(s.get('refused_streams', 0)):,} refused "
+            f"(max_streams), {int(s.get('stalled_streams', 0)):,} ended stalled")
     rows = [[t["name"], format_binary(t["capacity_bytes"]), format_binary(t["used_bytes"]), f"{t['pages']:,}",
              f"{t['hit_rate']:.1%}", f"{t['hits']:,}", f"{t['misses']:,}", f"{t['evictions']:,}",
              f"{t['promotions']:,}", f"{t['demotions']:,}", format_binary(t["bytes_in"]),
