@@ -53,7 +53,10 @@ _NO_PAGES = np.empty(0, dtype=np.int64)
 _NOWHERE = -2  # in a plan being built: no tier found the page (HOST is -1, lower tiers >= 0)
 _MAX_REPLANS = 3  # times one fetch looks again for pages that moved down while it ran
 _DEMOTION_BATCH = 64  # pages the background demoter moves per pass of the lock
-_WRITE_CHUNK = 8  # pages the lower-tier writer encodes and puts between looks for a quiet moment
+# Bytes the lower-tier writer encodes and puts between looks for a quiet moment: a request that
+# arrives mid-chunk shares the cores with it for at most ~1-2 ms (8 pages of 360 KiB, 2.9 MiB,
+# put the store-below p99 at 4x of host only; 1 MiB chunks at 1.0-1.5x: PERFORMANCE.md).
+_WRITE_CHUNK_BYTES = 1 << 20
 _YIELD_S = 0.05  # longest a background step waits for requests in progress to finish
 _RETAIN_SHARE = 4  # at most 1/4 of host RAM slots wait for the writer; past that, pages are copied
 
@@ -777,10 +780,11 @@ class TieredCache:
         """Encode pages and put them into the first `num_tiers` lower tiers, a chunk at a time,
         each chunk after a quiet moment (no request in progress and no demotion under way, or
         `_YIELD_S` passed for each)."""
-        for start in range(0, len(keys), _WRITE_CHUNK):
+        step = max(1, _WRITE_CHUNK_BYTES // self.spec.bytes_per_page)
+        for start in range(0, len(keys), step):
             self._demoter_quiet.wait(_YIELD_S)
             self._foreground.wait_idle(_YIELD_S)
-            chunk = zip(keys[start:start + _WRITE_CHUNK], pages[start:start + _WRITE_CHUNK], strict=True)
+            chunk = zip(keys[start:start + step], pages[start:start + step], strict=True)
             items = [(k, self._encode(p, k)) for k, p in chunk]
             for index in range(num_tiers):
                 self.chain.put(items, index, demotion=True)
