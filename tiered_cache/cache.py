@@ -32,7 +32,7 @@ import torch
 
 from tiered_cache.cache_stats import CacheStats, Movements, PoolFigures
 from tiered_cache.config import CacheConfig, LowerTier, WritePolicy
-from tiered_cache.demotion import BackgroundQueue, Foreground
+from tiered_cache.demotion import BACKGROUND_NICE, BackgroundQueue, Foreground
 from tiered_cache.device.pool import PagePool, check_tensor
 from tiered_cache.errors import PoolExhaustedError
 from tiered_cache.handle import HOST, CacheHandle, Prefetch
@@ -118,7 +118,7 @@ class TieredCache:
         self._unused_slots = 0
         self._staging = StagingBuffers(spec, pin=self.pool.kv.device.type == "cuda")
         self._demoter = BackgroundQueue("demoter", capacity=max(2, self.config.demotion_queue))
-        self._writer = BackgroundQueue("lower-writer", capacity=self.config.demotion_queue)
+        self._writer = BackgroundQueue("lower-writer", capacity=self.config.demotion_queue, nice=BACKGROUND_NICE)
         self._demotion_pending = False
         # Set while no demotion is queued or running: the lower-tier writer waits for it, since
         # room on the device is what the next request needs and a write below is not.

@@ -9,7 +9,9 @@ and an orderly shutdown. Jobs that raise are counted and logged; the thread keep
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,14 +31,33 @@ class QueueFigures:
     failed: int  # raised while running
 
 
+# Background threads run at a lower CPU priority than the threads serving requests: where both
+# want a core (and they share the host's cores with the Redis or store server), the scheduler
+# gives it to the request. Linux lets a thread raise its own nice value without privileges.
+BACKGROUND_NICE = 10
+
+
+def lower_priority(nice: int) -> bool:
+    """Raise the calling thread's nice value by `nice` (Linux: per thread); False where it cannot."""
+    if not nice or not sys.platform.startswith("linux"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        return False
+    return True
+
+
 class BackgroundQueue:
     """One daemon thread running submitted jobs in order, with at most `capacity` waiting."""
 
-    def __init__(self, name: str, capacity: int) -> None:
+    def __init__(self, name: str, capacity: int, nice: int = 0) -> None:
         if capacity <= 0:
             raise ValueError(f"{name}: queue capacity must be positive, got {capacity}")
         self.name = name
         self.capacity = capacity
+        self.nice = nice
         # (job, args, is_job): flush markers ride the same queue but are not counted as jobs.
         self._jobs: queue.Queue[tuple[Callable[..., Any], tuple[Any, ...], bool] | None] = queue.Queue(capacity + 1)
         self._counts = {"submitted": 0, "done": 0, "dropped": 0, "failed": 0}
@@ -93,6 +114,7 @@ class BackgroundQueue:
             self._counts[what] += 1
 
     def _run(self) -> None:
+        lower_priority(self.nice)
         while True:
             item = self._jobs.get()
             if item is None:
