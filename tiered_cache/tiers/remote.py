@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 
 from tiered_cache.service.client import StoreClient
+from tiered_cache.service.streams import ReceivedBlob
 from tiered_cache.tiers.base import Backoff, TierStats, leading_run
 from tiered_cache.tiers.codec import BlobError, verify_blob
 
@@ -123,15 +124,19 @@ class RemoteTier:
             asked = [unique[i] for i in positions]
             checks: list[tuple[bytes, Future[bytes | None]]] = []
 
-            def stream(client: StoreClient) -> None:
+            pending = set(asked)
+
+            def check(item: ReceivedBlob) -> None:
                 # Checksums run on another thread (they release the GIL) while the stream flows.
+                if item.key in pending:
+                    pending.discard(item.key)
+                    checks.append((item.key, self._checker.submit(self._verified, item.key, item.blob)))
+
+            def stream(client: StoreClient) -> None:
                 # Blobs received before a stream breaks stay usable: each is verified on its own.
-                pending = set(asked)
-                for item in client.get(asked, self.fingerprint, budget_s=self.budget_s):
-                    key = bytes(item.key)
-                    if key in pending:
-                        pending.discard(key)
-                        checks.append((key, self._checker.submit(self._verified, key, item.blob)))
+                result = client.get_all(asked, self.fingerprint, budget_s=self.budget_s, on_blob=check)
+                if result.error is not None:
+                    raise result.error
 
             self._call(self.servers[index], stream, None)
             return checks
