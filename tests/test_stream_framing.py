@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from tiered_cache.service.streams import BatchSizer, page_blob_message, parse_page_blob
+from tiered_cache.service.framing import page_blob_message, parse_page_blob
+from tiered_cache.service.streams import BatchSizer
 from tiered_cache.v1 import cache_pb2 as pb
 
 

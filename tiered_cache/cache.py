@@ -119,7 +119,6 @@ class TieredCache:
         self._staging = StagingBuffers(spec, pin=self.pool.kv.device.type == "cuda")
         self._demoter = BackgroundQueue("demoter", capacity=max(2, self.config.demotion_queue))
         self._writer = BackgroundQueue("lower-writer", capacity=self.config.demotion_queue, nice=BACKGROUND_NICE)
-        self._demotion_pending = False
         # Set while no demotion is queued or running: the lower-tier writer waits for it, since
         # room on the device is what the next request needs and a write below is not.
         self._demoter_quiet = threading.Event()
@@ -625,10 +624,9 @@ class TieredCache:
     def _maybe_demote(self) -> None:
         """Above the high watermark, have the background demoter bring the pool down to the low one."""
         used = self.pool.usage().used_pages
-        if not self._demotion_pending and used > self.config.high_watermark * self.pool.num_pages:
+        if self._demoter_quiet.is_set() and used > self.config.high_watermark * self.pool.num_pages:
             self._demoter_quiet.clear()
-            self._demotion_pending = self._demoter.submit(self._demote_to_low_watermark)
-            if not self._demotion_pending:
+            if not self._demoter.submit(self._demote_to_low_watermark):
                 self._demoter_quiet.set()
 
     def _demote_to_low_watermark(self) -> None:
@@ -678,7 +676,6 @@ class TieredCache:
                         self._demoted.notify_all()
                     self._staging.give_back(buffer)
         finally:
-            self._demotion_pending = False
             self._demoter_quiet.set()
 
     def _host_retain(self, keys: list[bytes], slots: np.ndarray) -> np.ndarray:

@@ -45,9 +45,9 @@ class SpareOutput:
     def refill(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Have the background thread prepare a spare of `shape` (dropped when one is on its way,
         too large, or too small to be worth it: the small ones cost little to fault in)."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        if HUGEPAGE_MIN_BYTES <= nbytes <= self.max_bytes:
-            self._queue.submit(self._prepare, math.prod(shape), dtype)
+        numel = math.prod(shape)
+        if HUGEPAGE_MIN_BYTES <= numel * dtype.itemsize <= self.max_bytes:
+            self._queue.submit(self._prepare, numel, dtype)
 
     def close(self) -> None:
         self._queue.close(timeout=5.0)

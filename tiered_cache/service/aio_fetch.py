@@ -17,7 +17,8 @@ from typing import Any
 
 import grpc
 
-from tiered_cache.service.streams import ProgressWatch, ReceivedBlob, parse_page_blob
+from tiered_cache.service.framing import ReceivedBlob, parse_page_blob
+from tiered_cache.service.streams import ProgressWatch
 from tiered_cache.v1 import cache_pb2 as pb
 
 _GET = "/tiered_cache.v1.KVCache/Get"

@@ -20,7 +20,7 @@ import grpc
 
 from tiered_cache.service.aio_fetch import AioFetcher, FetchResult
 from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.streams import ReceivedBlob, page_blob_message, parse_page_blob
+from tiered_cache.service.framing import ReceivedBlob, page_blob_message, parse_page_blob
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
 
@@ -98,11 +98,11 @@ class StoreClient:
         self._get = self.channel.unary_stream("/tiered_cache.v1.KVCache/Get",
                                               request_serializer=pb.GetRequest.SerializeToString,
                                               response_deserializer=parse_page_blob)
-        # Put's items are serialized by hand too (streams.page_blob_message).
+        # Put's items are serialized by hand too (framing.page_blob_message).
         self._put = self.channel.stream_unary("/tiered_cache.v1.KVCache/Put", request_serializer=_put_item,
                                               response_deserializer=pb.PutResponse.FromString)
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        self._bulk: tuple[list[tuple[str, int]], str | None] = (options, tls_ca)
+        self._options, self._tls_ca = options, tls_ca  # for the aio channel of get_all
         self._fetcher: AioFetcher | None = None  # the aio channel of get_all, opened on first use
 
     def lookup(self, keys: list[bytes], timeout_s: float | None = None) -> pb.LookupResponse:
@@ -132,8 +132,7 @@ class StoreClient:
         """Like `get`, but the whole stream at once, read on an aio channel (faster for bulk
         fetches: see aio_fetch.py); the error that ended it, if any, is returned, not raised."""
         if self._fetcher is None:
-            options, tls_ca = self._bulk
-            self._fetcher = AioFetcher(self.address, options, tls_ca, self.metadata, StreamStalled)
+            self._fetcher = AioFetcher(self.address, self._options, self._tls_ca, self.metadata, StreamStalled)
         return self._fetcher.get_all(keys, fingerprint, timeout_s or self.timeout_s, budget_s, on_blob)
 
     def put(self, items: Iterable[tuple[bytes, bytes]], fingerprint: bytes = b"",

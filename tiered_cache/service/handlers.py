@@ -25,15 +25,9 @@ from google.protobuf.message import DecodeError
 from tiered_cache import __version__
 from tiered_cache.index.keys import KEY_BYTES
 from tiered_cache.service.config import ServerConfig
+from tiered_cache.service.framing import page_blob_message, parse_page_blob
 from tiered_cache.service.store import BlobStore
-from tiered_cache.service.streams import (
-    BatchSizer,
-    ProgressWatch,
-    Stalled,
-    StreamSlots,
-    page_blob_message,
-    parse_page_blob,
-)
+from tiered_cache.service.streams import BatchSizer, ProgressWatch, Stalled, StreamSlots
 from tiered_cache.tiers.base import TierStats
 from tiered_cache.tiers.codec import BlobError, BlobFault, check_fingerprint, read_header, verify_blob
 from tiered_cache.v1 import cache_pb2 as pb

@@ -154,7 +154,7 @@ def _handlers(service: KVCacheService) -> grpc.GenericRpcHandler:
     raw = lambda message: message if isinstance(message, bytes) else message.SerializeToString()  # noqa: E731
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Lookup": grpc.unary_unary_rpc_method_handler(service.Lookup, parser(pb.LookupRequest), ser),
-        # Get streams PageBlobs serialized by hand (streams.page_blob_message): one copy fewer.
+        # Get streams PageBlobs serialized by hand (framing.page_blob_message): one copy fewer.
         "Get": grpc.unary_stream_rpc_method_handler(service.Get, parser(pb.GetRequest), raw),
         "Put": grpc.stream_unary_rpc_method_handler(service.Put, parse_put_item, ser),
         "Stats": grpc.unary_unary_rpc_method_handler(service.Stats, parser(pb.StatsRequest), ser),

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import grpc
 
 from tiered_cache.service.client import StoreClient
-from tiered_cache.service.streams import ReceivedBlob
+from tiered_cache.service.framing import ReceivedBlob
 from tiered_cache.tiers.base import Backoff, TierStats, leading_run
 from tiered_cache.tiers.codec import BlobError, verify_blob
 

@@ -1,0 +1,75 @@
+"""PageBlob messages framed by hand on both ends of Get and Put.
+
+A `PageBlob` is three length-delimited fields (key, blob, fingerprint). Building and parsing
+them directly makes one copy of each blob per side, where the protobuf message class makes two
+(copied into the message, then out again on serialization or on access).
+"""
+
+from __future__ import annotations
+
+
+def page_blob_message(key: bytes, blob: bytes, fingerprint: bytes = b"") -> bytes:
+    """A serialized `PageBlob{key, blob, fingerprint}`, built with one copy of the blob (a
+    message object copies it in and `SerializeToString` copies it again)."""
+    parts = [b"\x0a", _varint(len(key)), key, b"\x12", _varint(len(blob)), blob]
+    if fingerprint:
+        parts += [b"\x1a", _varint(len(fingerprint)), fingerprint]
+    return b"".join(parts)
+
+
+class ReceivedBlob:
+    """A `PageBlob` as received (key, blob, fingerprint), parsed without the message class."""
+
+    __slots__ = ("blob", "fingerprint", "key")
+
+    def __init__(self, key: bytes, blob: bytes, fingerprint: bytes = b"") -> None:
+        self.key, self.blob, self.fingerprint = key, blob, fingerprint
+
+
+def parse_page_blob(data: bytes) -> ReceivedBlob:
+    """The fields of a serialized `PageBlob`, with one copy of the blob (the message class copies
+    it in, then again into a Python `bytes` on access). Unknown fields are skipped as protobuf
+    requires; a malformed message raises ValueError."""
+    fields = {1: b"", 2: b"", 3: b""}
+    view, pos, end = memoryview(data), 0, len(data)
+    while pos < end:
+        tag, pos = _read_varint(view, pos)
+        number, wire = tag >> 3, tag & 7
+        if wire == 2:
+            length, pos = _read_varint(view, pos)
+            if pos + length > end:
+                raise ValueError("PageBlob field runs past the message")
+            if number in fields:
+                fields[number] = bytes(view[pos:pos + length])
+            pos += length
+        elif wire == 0:
+            _, pos = _read_varint(view, pos)
+        elif wire in (1, 5):
+            pos += 8 if wire == 1 else 4
+        else:
+            raise ValueError(f"PageBlob has a field of unsupported wire type {wire}")
+    if pos != end:
+        raise ValueError("PageBlob is truncated")
+    return ReceivedBlob(fields[1], fields[2], fields[3])
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(view) or shift > 63:
+            raise ValueError("PageBlob has a malformed varint")
+        byte = view[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
