@@ -98,3 +98,74 @@ def test_two_instances_reuse_a_prefix_through_the_store(tmp_path):
         assert result["remote_promotions"] == 62 and result["remote_hits"] == 62 and result["device_hits"] == 0
         stats = StoreClient(store.address).stats()
         assert stats.tiers[0].pages == 62 and stats.tiers[0].hits >= 62
+
+
+def test_the_ring_follows_servers_that_join_and_leave():
+    items = make_items(60)
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk"]) as a, StoreProcess(["--no-disk"]) as b:
+        tier = RemoteTier([], allow_empty=True)
+        assert tier.put(items) == 0 and tier.get(keys) == [None] * 60  # no server yet: misses
+        assert tier.set_addresses([a.address]) and not tier.set_addresses([a.address])
+        assert tier.put(items) == 60
+        first = tier.servers[0]
+        assert tier.set_addresses([b.address, a.address, a.address])  # b joins (order and repeats ignored)
+        assert tier.addresses == sorted([a.address, b.address]) and first in tier.servers  # a kept its channel
+        got = tier.get(keys)
+        moved = [i for i, k in enumerate(keys) if tier.addresses[owner(k, tier.addresses)] == b.address]
+        assert 0 < len(moved) < 60
+        # Keys now owned by b are misses until put again; the rest are served by a, byte for byte.
+        assert all(got[i] is None for i in moved)
+        assert all(got[i] == items[i][1] for i in range(60) if i not in moved)
+        assert tier.put(items) == 60 and tier.get(keys) == [blob for _, blob in items]
+        b.kill()  # b dies: until it leaves the ring its keys read as misses, never errors
+        got = tier.get(keys)
+        assert all(got[i] is None for i in moved) and all(got[i] == items[i][1] for i in range(60) if i not in moved)
+        assert tier.set_addresses([a.address])  # b left: its keys belong to a again, which still holds them
+        assert tier.get(keys) == [blob for _, blob in items]
+        tier.close()
+        assert tier.get(keys) == [None] * 60
+
+
+def test_a_ring_change_makes_the_chain_put_pages_to_their_new_owners():
+    """What a chain knew the old ring held must not stop it writing pages to their new owners."""
+    from tiered_cache.tiers.chain import TierChain
+
+    items = make_items(40)
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk"]) as a, StoreProcess(["--no-disk"]) as b:
+        chain = TierChain([RemoteTier([a.address])])
+        assert chain.put(items) == 40 and all(chain.known_in(k, 0) for k in keys)
+        chain.put(items)
+        assert chain.skipped_puts == 40  # known held: not sent again
+        chain.tiers[0].set_addresses([b.address])
+        chain.forget(0)
+        assert not any(chain.known_in(k, 0) for k in keys)
+        chain.put(items)
+        assert StoreClient(b.address).lookup(keys).leading == 40
+        chain.close()
+
+
+def test_set_remote_addresses_forgets_what_the_old_ring_held():
+    import torch
+
+    from tiered_cache.cache import TieredCache
+    from tiered_cache.config import CacheConfig
+    from tiered_cache.model.spec import KVSpec
+
+    spec = KVSpec(model_id="ring-test", num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
+    with StoreProcess(["--no-disk"]) as a, StoreProcess(["--no-disk"]) as b:
+        config = CacheConfig(pool_capacity=64 * spec.bytes_per_page, host_capacity=64 * spec.bytes_per_page,
+                             lower_tiers=["remote"], remote_addresses=[a.address], write_policy="write_through")
+        tokens = list(range(64))
+        kv = torch.randn(2, 2, 64, 2, 8).to(spec.dtype.torch)
+        with TieredCache(spec, config) as cache:
+            assert cache.put(tokens, kv) == 64
+            cache.flush()
+            assert StoreClient(a.address).stats().tiers[0].pages == 16
+            assert cache.chain.skipped_puts == 0 and len(cache.chain._held) == 16
+            assert cache.set_remote_addresses([b.address]) and not cache.set_remote_addresses([b.address])
+            assert len(cache.chain._held) == 0
+            assert cache.lookup(tokens) == 64  # local tiers are untouched
+    with pytest.raises(ValueError, match="no remote tier"):
+        TieredCache(spec, CacheConfig(pool_capacity=4 * spec.bytes_per_page)).set_remote_addresses(["x:1"])

@@ -454,6 +454,19 @@ class TieredCache:
         (tests, benches, a clean shutdown). False if `timeout` passed first."""
         return self._demoter.flush(timeout) and self._writer.flush(timeout)
 
+    def set_remote_addresses(self, addresses: Sequence[str]) -> bool:
+        """Point the remote tier at `addresses` (a cluster's shard directory changed). Keys move
+        to their new owners by rendezvous hashing: pages on a shard that left read as misses, and
+        what this cache knew the old ring held is forgotten so new owners get pages again.
+        Returns whether anything changed; raises ValueError without a remote tier."""
+        for index, tier in enumerate(self.chain.tiers):
+            if hasattr(tier, "set_addresses"):
+                changed = bool(tier.set_addresses(addresses))
+                if changed:
+                    self.chain.forget(index)
+                return changed
+        raise ValueError("this cache has no remote tier (lower_tiers has no 'remote')")
+
     # --- statistics ------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
         with self._lock:

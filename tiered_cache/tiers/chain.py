@@ -68,6 +68,18 @@ class TierChain:
             while len(self._held) > self._max_known:
                 self._held.popitem(last=False)
 
+    def forget(self, index: int) -> None:
+        """Drop what is known about tier `index` (its contents changed wholesale, e.g. the servers
+        behind a remote tier): later puts go to it again and lookups ask it."""
+        bit = 1 << index
+        with self._meta:
+            for key in [k for k, held in self._held.items() if held & bit]:
+                held = self._held[key] & ~bit
+                if held:
+                    self._held[key] = held
+                else:
+                    del self._held[key]
+
     # --- interface -------------------------------------------------------------------------------
     def locate(self, keys: Sequence[bytes], leading: bool = False) -> list[int | None]:
         """Index of the first tier holding each key, or None. Known residency answers first; each

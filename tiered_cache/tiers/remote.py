@@ -8,13 +8,19 @@ fail only when nothing moves for `timeout_s` (a progress deadline: a long prefix
 as it keeps arriving), or past `budget_s` when set. The servers owning keys of one call are asked
 in parallel and their pages merged in order. Every blob received is verified before it is
 returned.
+
+The set of servers can change while the tier is in use (`set_addresses`: a cluster's shard
+directory moved): each call works on the ring it started with, so a shard that leaves turns its
+keys into misses, never into errors.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -25,6 +31,7 @@ from tiered_cache.tiers.base import Backoff, TierStats, leading_run
 from tiered_cache.tiers.codec import BlobError, verify_blob
 
 T = TypeVar("T")
+_MAX_FANOUT = 16  # threads asking servers in parallel (created only as calls need them)
 
 
 def owner(key: bytes, addresses: Sequence[str]) -> int:
@@ -39,35 +46,73 @@ class _Server(Backoff):
         self.client = client
 
 
+@dataclass(frozen=True)
+class _Ring:
+    """The servers at one moment: replaced whole, never changed in place."""
+
+    addresses: tuple[str, ...]
+    servers: tuple[_Server, ...]
+
+
 class RemoteTier:
     name = "remote"
     thread_safe = True  # gRPC channels serve every thread; each call keeps its own state
 
     def __init__(self, addresses: Sequence[str], token: str | None = None, tls_ca: str | None = None,
                  timeout_s: float = 5.0, fingerprint: bytes = b"", backoff_s: float = 0.1,
-                 max_backoff_s: float = 5.0, budget_s: float | None = None) -> None:
-        if not addresses:
+                 max_backoff_s: float = 5.0, budget_s: float | None = None, allow_empty: bool = False) -> None:
+        """`allow_empty`: start with no server (every call a miss) until `set_addresses` names some,
+        as a cluster worker does before its shard directory answers."""
+        if not addresses and not allow_empty:
             raise ValueError("the remote tier needs at least one store server address (HOST:PORT)")
-        self.addresses = list(addresses)
         self.budget_s = budget_s  # overall bound of one get or put stream; None: progress only
         self.fingerprint = fingerprint  # when set, servers skip and refuse blobs of other models
-        self.servers = [_Server(StoreClient(a, token, tls_ca, timeout_s), backoff_s, max_backoff_s)
-                        for a in self.addresses]
+        self._client_args = (token, tls_ca, timeout_s)
+        self._backoff = (backoff_s, max_backoff_s)
+        self._ring_lock = threading.Lock()
+        self._ring = _Ring((), ())
         self._stats = TierStats(self.name)
         self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote-tier-crc")
-        # One thread per server beyond the first: the caller's thread asks one server itself.
-        self._fanout = (ThreadPoolExecutor(max_workers=len(self.servers) - 1, thread_name_prefix="remote-tier")
-                        if len(self.servers) > 1 else None)
+        # The caller's thread asks one server itself; these threads ask the others.
+        self._fanout = ThreadPoolExecutor(max_workers=_MAX_FANOUT, thread_name_prefix="remote-tier")
         self._closed = False
+        self.set_addresses(addresses)
+
+    @property
+    def addresses(self) -> list[str]:
+        return list(self._ring.addresses)
+
+    @property
+    def servers(self) -> list[_Server]:
+        return list(self._ring.servers)
+
+    def set_addresses(self, addresses: Sequence[str]) -> bool:
+        """Make `addresses` the ring (order does not matter; duplicates count once). Servers that
+        stay keep their channel and backoff; channels of servers that left are closed (a call
+        still streaming from one ends as a miss). Returns whether the ring changed."""
+        wanted = tuple(sorted(set(addresses)))
+        with self._ring_lock:
+            old = self._ring
+            if wanted == old.addresses or self._closed:
+                return False
+            kept = dict(zip(old.addresses, old.servers, strict=True))
+            token, tls_ca, timeout_s = self._client_args
+            servers = tuple(kept.pop(a, None) or _Server(StoreClient(a, token, tls_ca, timeout_s), *self._backoff)
+                            for a in wanted)
+            self._ring = _Ring(wanted, servers)
+        for server in kept.values():
+            server.client.close()
+        return True
 
     # --- plumbing ------------------------------------------------------------------------------
-    def _by_server(self, keys: Sequence[bytes]) -> dict[int, list[int]]:
-        """Positions of `keys` grouped by owning server (one server: no hashing needed)."""
-        if len(self.servers) == 1:
-            return {0: list(range(len(keys)))}
+    @staticmethod
+    def _by_server(ring: _Ring, keys: Sequence[bytes]) -> dict[int, list[int]]:
+        """Positions of `keys` grouped by owning server (one server: no hashing; none: no groups)."""
+        if len(ring.servers) <= 1:
+            return {0: list(range(len(keys)))} if ring.servers and keys else {}
         groups: dict[int, list[int]] = {}
         for i, key in enumerate(keys):
-            groups.setdefault(owner(key, self.addresses), []).append(i)
+            groups.setdefault(owner(key, ring.addresses), []).append(i)
         return groups
 
     def _call(self, server: _Server, fn: Callable[[StoreClient], T], default: T) -> T:
@@ -85,7 +130,7 @@ class RemoteTier:
     def _each_server(self, groups: dict[int, list[int]], fn: Callable[[int, list[int]], T]) -> dict[int, T]:
         """`fn(server index, positions)` for every group, in parallel across servers."""
         items = list(groups.items())
-        if self._fanout is None or len(items) == 1:
+        if len(items) <= 1:
             return {index: fn(index, positions) for index, positions in items}
         futures = {index: self._fanout.submit(fn, index, positions) for index, positions in items[1:]}
         results = {items[0][0]: fn(*items[0])}
@@ -95,11 +140,12 @@ class RemoteTier:
     # --- interface -----------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         out = [False] * len(keys)
+        ring = self._ring
 
         def ask(index: int, positions: list[int]) -> Any:
-            return self._call(self.servers[index], lambda c: c.lookup([keys[i] for i in positions]), None)
+            return self._call(ring.servers[index], lambda c: c.lookup([keys[i] for i in positions]), None)
 
-        groups = self._by_server(keys)
+        groups = self._by_server(ring, keys)
         for index, reply in self._each_server(groups, ask).items():
             if reply is not None:
                 for i, tier in zip(groups[index], reply.tiers, strict=False):
@@ -107,8 +153,9 @@ class RemoteTier:
         return out
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
-        if len(self.servers) == 1:  # the server computes the leading run itself
-            reply = self._call(self.servers[0], lambda c: c.lookup(list(keys)), None)
+        ring = self._ring
+        if len(ring.servers) == 1:  # the server computes the leading run itself
+            reply = self._call(ring.servers[0], lambda c: c.lookup(list(keys)), None)
             return reply.leading if reply is not None else 0
         return leading_run(self.contains(keys))
 
@@ -119,6 +166,7 @@ class RemoteTier:
         for i, key in enumerate(keys):
             positions_of.setdefault(key, []).append(i)
         unique = list(positions_of)
+        ring = self._ring
 
         def fetch(index: int, positions: list[int]) -> list[tuple[bytes, Future[bytes | None]]]:
             asked = [unique[i] for i in positions]
@@ -138,10 +186,10 @@ class RemoteTier:
                 if result.error is not None:
                     raise result.error
 
-            self._call(self.servers[index], stream, None)
+            self._call(ring.servers[index], stream, None)
             return checks
 
-        for checks in self._each_server(self._by_server(unique), fetch).values():
+        for checks in self._each_server(self._by_server(ring, unique), fetch).values():
             for key, check in checks:
                 blob = check.result()
                 for i in positions_of[key]:
@@ -150,16 +198,17 @@ class RemoteTier:
         return out
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
+        ring = self._ring
         def send(index: int, positions: list[int]) -> tuple[int, int, int]:
             """(pages the server holds now, bytes sent, pages refused) for one server's share."""
             batch = [items[i] for i in positions]
-            reply = self._call(self.servers[index],
+            reply = self._call(ring.servers[index],
                                lambda c: c.put(batch, self.fingerprint, budget_s=self.budget_s), None)
             if reply is None:
                 return 0, 0, 0
             return reply.stored + reply.already_held, sum(len(b) for _, b in batch), len(reply.refused)
 
-        results = self._each_server(self._by_server([k for k, _ in items]), send).values()
+        results = self._each_server(self._by_server(ring, [k for k, _ in items]), send).values()
         self._stats.bytes_in += sum(r[1] for r in results)  # counted here: one thread
         self._stats.errors += sum(r[2] for r in results)
         return sum(r[0] for r in results)
@@ -172,12 +221,13 @@ class RemoteTier:
 
     def close(self) -> None:
         """Close the channels; afterwards every call is a miss (never an error)."""
-        self._closed = True
-        for server in self.servers:
+        with self._ring_lock:
+            self._closed = True
+            ring, self._ring = self._ring, _Ring((), ())
+        for server in ring.servers:
             server.client.close()
         self._checker.shutdown(wait=False)
-        if self._fanout is not None:
-            self._fanout.shutdown(wait=False)
+        self._fanout.shutdown(wait=False)
 
     def _verified(self, key: bytes, blob: bytes) -> bytes | None:
         try:
