@@ -146,26 +146,40 @@ def test_a_ring_change_makes_the_chain_put_pages_to_their_new_owners():
         chain.close()
 
 
-def test_set_remote_addresses_forgets_what_the_old_ring_held():
+def test_a_cache_republishes_its_pages_to_owners_that_joined_the_ring():
+    """A shard that joins owns ~1/n of the keys; pages every instance holds locally (a shared
+    system prompt) would never be written again, so the cache puts its moved pages there."""
     import torch
 
     from tiered_cache.cache import TieredCache
     from tiered_cache.config import CacheConfig
+    from tiered_cache.index.keys import PageKeyer
     from tiered_cache.model.spec import KVSpec
+    from tiered_cache.tiers.remote import owner_address
 
     spec = KVSpec(model_id="ring-test", num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
     with StoreProcess(["--no-disk"]) as a, StoreProcess(["--no-disk"]) as b:
         config = CacheConfig(pool_capacity=64 * spec.bytes_per_page, host_capacity=64 * spec.bytes_per_page,
                              lower_tiers=["remote"], remote_addresses=[a.address], write_policy="write_through")
-        tokens = list(range(64))
-        kv = torch.randn(2, 2, 64, 2, 8).to(spec.dtype.torch)
+        tokens = list(range(160))
+        keys = PageKeyer(spec).keys(tokens)
+        kv = torch.randn(2, 2, 160, 2, 8).to(spec.dtype.torch)
         with TieredCache(spec, config) as cache:
-            assert cache.put(tokens, kv) == 64
+            assert cache.put(tokens, kv) == 160
             cache.flush()
-            assert StoreClient(a.address).stats().tiers[0].pages == 16
-            assert cache.chain.skipped_puts == 0 and len(cache.chain._held) == 16
-            assert cache.set_remote_addresses([b.address]) and not cache.set_remote_addresses([b.address])
-            assert len(cache.chain._held) == 0
-            assert cache.lookup(tokens) == 64  # local tiers are untouched
+            assert StoreClient(a.address).lookup(keys).leading == 40
+            assert cache.set_remote_addresses([a.address, b.address])
+            assert not cache.set_remote_addresses([b.address, a.address])  # same ring: nothing to do
+            cache.flush()
+            ring = sorted([a.address, b.address])
+            moved = [owner_address(k, ring) == b.address for k in keys]
+            assert 0 < sum(moved) < 40
+            assert list(StoreClient(b.address).lookup(keys).tiers) == [1 if m else 0 for m in moved]
+            # b leaves: its keys go back to a, which still holds them.
+            assert cache.set_remote_addresses([a.address])
+            cache.flush()
+            assert StoreClient(a.address).lookup(keys).leading == 40
+        with TieredCache(spec, config.replace(remote_addresses=(a.address, b.address))) as other:
+            assert other.lookup(tokens) == 160  # a fresh instance finds every page on the new ring
     with pytest.raises(ValueError, match="no remote tier"):
         TieredCache(spec, CacheConfig(pool_capacity=4 * spec.bytes_per_page)).set_remote_addresses(["x:1"])

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -455,17 +455,47 @@ class TieredCache:
         return self._demoter.flush(timeout) and self._writer.flush(timeout)
 
     def set_remote_addresses(self, addresses: Sequence[str]) -> bool:
-        """Point the remote tier at `addresses` (a cluster's shard directory changed). Keys move
-        to their new owners by rendezvous hashing: pages on a shard that left read as misses, and
-        what this cache knew the old ring held is forgotten so new owners get pages again.
-        Returns whether anything changed; raises ValueError without a remote tier."""
-        for index, tier in enumerate(self.chain.tiers):
-            if hasattr(tier, "set_addresses"):
-                changed = bool(tier.set_addresses(addresses))
-                if changed:
-                    self.chain.forget(index)
-                return changed
-        raise ValueError("this cache has no remote tier (lower_tiers has no 'remote')")
+        """Point the remote tier at `addresses` (a cluster's shard directory changed). Keys move to
+        their new owners by rendezvous hashing: a key whose owner left reads as a miss. What this
+        cache knew the old owners held is forgotten for the moved keys, and the pages it holds in
+        host RAM whose owner changed are put to their new owners in the background, so a shard
+        that joins gets the hot prefixes every instance holds (they would otherwise never be
+        written again). Returns whether anything changed; raises ValueError without a remote tier."""
+        from tiered_cache.tiers.remote import owner_address
+
+        index = next((i for i, t in enumerate(self.chain.tiers) if hasattr(t, "set_addresses")), None)
+        if index is None:
+            raise ValueError("this cache has no remote tier (lower_tiers has no 'remote')")
+        tier: Any = self.chain.tiers[index]
+        old = tier.addresses
+        if not tier.set_addresses(addresses):
+            return False
+        new = tier.addresses
+
+        def moved(key: bytes) -> bool:
+            return owner_address(key, old) != owner_address(key, new)
+
+        self.chain.forget(index, moved)
+        if new and not self._writer.submit(self._republish, index, moved):
+            self._pages_dropped += 1  # the write-behind queue is full: counted, not waited for
+        return True
+
+    def _republish(self, index: int, moved: Callable[[bytes], bool]) -> None:
+        """Background: put the pages host RAM holds whose owner moved into lower tier `index`, a
+        chunk at a time after a quiet moment, as every write below does."""
+        with self._lock:
+            held = list(self.host.index)
+        keys = [k for k in held if moved(k)]  # hashing outside the lock
+        step = max(1, _WRITE_CHUNK_BYTES // self.spec.bytes_per_page)
+        for start in range(0, len(keys), step):
+            self._demoter_quiet.wait(_YIELD_S)
+            self._foreground.wait_idle(_YIELD_S)
+            with self._lock:
+                if self._closed:
+                    return
+                found, pages = self.host.copy_out(keys[start:start + step])
+            items = [(k, self._encode(p, k)) for k, p in zip(found, pages, strict=True)]
+            self.chain.put(items, index, demotion=True)
 
     # --- statistics ------------------------------------------------------------------------------
     def stats(self) -> CacheStats:

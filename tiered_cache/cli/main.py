@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from tiered_cache import __version__
-from tiered_cache.cli import bench_cmd, demo_cmd, serve_cmd, size_cmd, stats_cmd
+from tiered_cache.cli import bench_cmd, cluster_cmd, demo_cmd, serve_cmd, size_cmd, stats_cmd
 from tiered_cache.errors import TieredCacheError
 from tiered_cache.tiers.memtune import tune_malloc
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats_cmd.add_parser(commands)
     size_cmd.add_parser(commands)
     bench_cmd.add_parser(commands)
+    cluster_cmd.add_parser(commands)
     return parser
 
 
@@ -35,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (TieredCacheError, ValueError, KeyError, FileNotFoundError, OSError) as exc:
+    except (TieredCacheError, ValueError, KeyError, FileNotFoundError, OSError, RuntimeError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"tiered-cache {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""`tiered-cache stats`: per-tier figures of one or more store servers."""
+"""`tiered-cache stats`: per-tier figures of one or more store servers, or of a whole Ray cluster
+(`--ray ADDRESS`: every worker and shard, and cluster totals per tier)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,15 @@ from tiered_cache.model.units import format_binary
 
 
 def add_parser(commands: Any) -> None:
-    p = commands.add_parser("stats", help="per-tier figures of store servers",
-                            description="Per-tier figures of one or more store servers.")
-    p.add_argument("--address", action="append", required=True, metavar="HOST:PORT",
-                   help="a store server (repeat for several)")
+    p = commands.add_parser("stats", help="per-tier figures of store servers or of a Ray cluster",
+                            description="Per-tier figures of one or more store servers (--address), or of "
+                                        "every worker and shard of a Ray cluster with totals (--ray).")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--address", action="append", metavar="HOST:PORT",
+                       help="a store server (repeat for several)")
+    where.add_argument("--ray", metavar="ADDRESS",
+                       help="a Ray cluster running `tiered-cache cluster` (auto: this node's)")
+    p.add_argument("--namespace", default="tiered-cache", help="Ray namespace of the cluster (default tiered-cache)")
     p.add_argument("--token", help="bearer token, if the servers require one")
     p.add_argument("--tls-ca", help="PEM of the CA for TLS servers")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per server (default 5)")
@@ -67,13 +73,28 @@ def render(result: dict[str, Any]) -> str:
     return f"{head}\n{table}"
 
 
+def _servers(args: argparse.Namespace) -> tuple[str, bool]:
+    results = [fetch(a, args.token, args.tls_ca, args.timeout) for a in args.address]
+    if args.json:
+        text = json.dumps(results if len(results) > 1 else results[0], indent=2)
+    else:
+        text = "\n\n".join(render(r) for r in results)
+    return text, any("error" not in r for r in results)
+
+
+def _cluster(args: argparse.Namespace) -> tuple[str, bool]:
+    from tiered_cache.cli.cluster_table import render_cluster
+    from workers import cluster
+
+    cluster.connect(args.ray, args.namespace)
+    figures = cluster.stats(args.timeout)
+    text = json.dumps(figures, indent=2) if args.json else render_cluster(figures)
+    return text, bool(figures["actors"]) and all("error" not in a for a in figures["actors"])
+
+
 def run(args: argparse.Namespace) -> int:
     while True:
-        results = [fetch(a, args.token, args.tls_ca, args.timeout) for a in args.address]
-        if args.json:
-            text = json.dumps(results if len(results) > 1 else results[0], indent=2)
-        else:
-            text = "\n\n".join(render(r) for r in results)
+        text, ok = _cluster(args) if args.ray else _servers(args)
         if args.watch:
             sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + f"every {args.watch:g} s\n" + text + "\n")
             sys.stdout.flush()
@@ -83,4 +104,4 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             continue
         print(text)
-        return 0 if any("error" not in r for r in results) else 1
+        return 0 if ok else 1

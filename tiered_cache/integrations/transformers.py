@@ -98,7 +98,8 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
                 loaded = reused * cache.spec.bytes_per_token
                 sources = {tier: n * cache.spec.page_size for tier, n in handle.sources.items() if n}
                 _trim_sources(sources, reused)
-        out = model(torch.tensor([ids[reused:]]), past_key_values=past, use_cache=True)
+        device = getattr(model, "device", None)  # inputs go where the weights are (a GPU worker)
+        out = model(torch.tensor([ids[reused:]], device=device), past_key_values=past, use_cache=True)
         logits = out.logits[0, -1].float()
         next_token = int(logits.argmax())
         ttft = time.perf_counter() - start
@@ -113,7 +114,7 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
     past_kv = out.past_key_values
     decode_start = time.perf_counter()
     while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
-        step = model(torch.tensor([[tokens[-1]]]), past_key_values=past_kv, use_cache=True)
+        step = model(torch.tensor([[tokens[-1]]], device=device), past_key_values=past_kv, use_cache=True)
         past_kv = step.past_key_values
         tokens.append(int(step.logits[0, -1].argmax()))
     return GenerationResult(tokens, ttft, len(ids), reused, sources, loaded, stored,

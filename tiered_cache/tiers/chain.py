@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from tiered_cache.tiers.base import BlobTier, EvictCallback, TierStats
@@ -68,17 +68,15 @@ class TierChain:
             while len(self._held) > self._max_known:
                 self._held.popitem(last=False)
 
-    def forget(self, index: int) -> None:
-        """Drop what is known about tier `index` (its contents changed wholesale, e.g. the servers
-        behind a remote tier): later puts go to it again and lookups ask it."""
+    def forget(self, index: int, which: Callable[[bytes], bool] | None = None) -> None:
+        """Drop what is known about tier `index` (for the keys `which` picks; all by default): its
+        contents changed, e.g. keys moved to other servers behind a remote tier. Later puts of
+        those keys go to it again and lookups ask it."""
         bit = 1 << index
         with self._meta:
-            for key in [k for k, held in self._held.items() if held & bit]:
-                held = self._held[key] & ~bit
-                if held:
-                    self._held[key] = held
-                else:
-                    del self._held[key]
+            known = [k for k, held in self._held.items() if held & bit]
+        forgotten = [k for k in known if which is None or which(k)]  # outside the lock: may hash
+        self._mark(forgotten, index, held=False)
 
     # --- interface -------------------------------------------------------------------------------
     def locate(self, keys: Sequence[bytes], leading: bool = False) -> list[int | None]:

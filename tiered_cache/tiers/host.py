@@ -74,6 +74,13 @@ class HostTier:
         self._stats.bytes_out += n * self.spec.bytes_per_page
         return n, out[:n]
 
+    def copy_out(self, keys: Sequence[bytes]) -> tuple[list[bytes], torch.Tensor]:
+        """A copy of the pages of those `keys` held here (any of them, not only a leading run),
+        without touching recency or counters: background work, not a read on behalf of a request."""
+        found = [k for k in keys if k in self.index]
+        slots = torch.tensor([self.index[k] for k in found], dtype=torch.int64)
+        return found, torch.index_select(self.slab, 0, slots)
+
     def leading_slots(self, keys: Sequence[bytes]) -> np.ndarray:
         """The slots of the leading run of held `keys`, marked as used and counted as hits, for a
         caller that copies straight out of `slab` (holding its lock, so the slots stay put)."""

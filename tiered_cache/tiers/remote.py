@@ -40,6 +40,11 @@ def owner(key: bytes, addresses: Sequence[str]) -> int:
                key=lambda i: hashlib.sha256(addresses[i].encode() + key).digest()[:8])
 
 
+def owner_address(key: bytes, addresses: Sequence[str]) -> str | None:
+    """The address that owns `key` among `addresses` (None when there is none)."""
+    return addresses[owner(key, addresses)] if addresses else None
+
+
 class _Server(Backoff):
     def __init__(self, client: StoreClient, backoff_s: float, max_backoff_s: float) -> None:
         super().__init__(backoff_s, max_backoff_s)

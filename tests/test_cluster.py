@@ -1,0 +1,125 @@
+"""The Ray cluster on a real 3-node local cluster (conftest `ray_cluster`): workers on two nodes
+share a document's prefix through a store shard on a third, the router sends a repeat where the
+prefix lives, a killed shard turns its keys into misses while the survivor keeps serving, and
+`stats --ray` adds up what each actor reports."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from tiered_cache.integrations.smollm2 import document  # noqa: E402
+from workers import cluster  # noqa: E402
+from workers.config import ClusterConfig, ShardSettings, WorkerSettings  # noqa: E402
+
+pytestmark = pytest.mark.slow
+NAMESPACE = "test-cluster"
+MAX_NEW = 12
+
+
+def question(q: str, doc: str | None = None) -> str:
+    return f"{doc or document()[:2400]}\n\nQuestion: {q}\nAnswer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def actors(ray_cluster, tmp_path_factory):
+    """Directory on the head, shard-0 on node0, worker-0 on node1, worker-1 on node2, and the router."""
+    ray.init(address=ray_cluster.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+    config = ClusterConfig(namespace=NAMESPACE, watch_interval_s=0.5,
+                           shard=ShardSettings(disk_path=str(tmp_path_factory.mktemp("shards")),
+                                               ram_capacity="256MiB", host="127.0.0.1", num_cpus=0.5),
+                           worker=WorkerSettings(max_new_tokens=MAX_NEW, num_cpus=1))
+    cluster.start_directory(config)
+    shard = cluster.start_shard("shard-0", config, resources={"node0": 1})
+    ray.get(shard.ping.remote())
+    a = cluster.start_worker("worker-0", config, resources={"node1": 1})
+    b = cluster.start_worker("worker-1", config, resources={"node2": 1})
+    ray.get([a.ping.remote(), b.ping.remote()], timeout=300)
+    yield {"config": config, "a": a, "b": b, "shard": shard}
+    cluster.stop(NAMESPACE)
+    ray.shutdown()
+
+
+def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_a_prefix_computed_on_one_node_is_reused_on_another(actors):
+    a, b = actors["a"], actors["b"]
+    first = ray.get(a.generate.remote(question("In what year was the lighthouse's lamp first lit?")))
+    assert first["reused_tokens"] == 0 and first["stored_tokens"] > 0
+    assert ray.get(a.flush.remote())  # the write-through to the shard is done
+    prompt = question("In what year was the light automated?")
+    reused = ray.get(b.generate.remote(prompt))
+    reference = ray.get(b.generate.remote(prompt, use_cache=False))
+    nodes = {ray.get(x.info.remote())["node_id"] for x in (a, b, actors["shard"])}
+    assert len(nodes) == 3  # worker A, worker B and the shard each on their own node
+    assert reused["reused_tokens"] >= first["prompt_tokens"] // 2  # the document, not just a page
+    assert reused["sources"].get("remote", 0) == reused["reused_tokens"]  # all from the shard
+    assert reused["tokens"] == reference["tokens"] and reused["text"] == reference["text"]
+    assert reference["reused_tokens"] == 0
+
+
+def test_a_killed_shard_gives_misses_then_the_ring_heals_from_the_workers_pages(actors):
+    a, b, config = actors["a"], actors["b"], actors["config"]
+    extra = cluster.start_shard("shard-1", config, resources={"node1": 1})
+    ray.get(extra.ping.remote())
+    wait_for(lambda: all(len(ray.get(w.info.remote())["shards"]) == 2 for w in (a, b)), what="rings of 2 shards")
+    prompt = question("How tall is the tower?", document()[2400:4800])
+    ray.get(a.generate.remote(prompt))  # A computes it; B never asks for it until the end
+    assert ray.get(a.flush.remote())
+    pages = ray.get(b.where.remote(prompt))
+    assert all(p["held"] for p in pages), pages  # including pages A held from before shard-1 joined
+    assert len({p["shard"] for p in pages}) == 2  # spread over both shards
+    by_address = {ray.get(x.ping.remote()): x for x in (extra, actors["shard"])}
+    survivor_address = pages[1]["shard"]
+    victim = next(x for address, x in by_address.items() if address != survivor_address)
+    reference = ray.get(b.generate.remote(prompt, use_cache=False))
+    ray.kill(victim, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):  # its process is gone (ray.kill does not wait)
+        ray.get(victim.ping.remote(), timeout=30)
+    # Until the directory notices, the dead shard's keys are misses, never errors.
+    during = ray.get(b.where.remote(prompt), timeout=60)
+    assert [p["held"] for p in during] == [p["shard"] == survivor_address for p in pages]
+    # Once it has, the ring is the survivor alone: A still holds the whole prompt in host RAM and
+    # puts the dead shard's share to its new owner, so B finds every page again.
+    for worker in (a, b):
+        wait_for(lambda w=worker: ray.get(w.info.remote())["shards"] == [survivor_address], what="ring update")
+    assert ray.get(a.flush.remote())
+    after = ray.get(b.where.remote(prompt))
+    assert all(p["shard"] == survivor_address and p["held"] for p in after), after
+    late = ray.get(b.generate.remote(prompt), timeout=60)
+    assert late["tokens"] == reference["tokens"]
+    page_size = config.worker.page_size
+    assert late["reused_tokens"] == min(len(pages) * page_size, late["prompt_tokens"] - 1)
+    # Page 0 is the chat template's header, in B's own pool if it answered anything before; the
+    # rest came from the surviving shard.
+    assert sum(late["sources"].values()) == late["reused_tokens"]
+    assert late["sources"]["remote"] >= late["reused_tokens"] - page_size
+
+
+def test_stats_rollup_equals_the_sum_of_the_actors_own_figures(actors):
+    figures = cluster.stats()
+    kinds = sorted(a["kind"] for a in figures["actors"] if "error" not in a)
+    assert kinds.count("worker") == 2 and kinds.count("shard") >= 1
+    own = [ray.get(ray.get_actor(a["name"]).stats.remote()) for a in figures["actors"] if "error" not in a]
+    expected: dict[str, dict[str, int]] = {}
+    for actor in own:
+        for tier in cluster.tiers_of(actor):
+            row = expected.setdefault(tier["name"], {"pages": 0, "hits": 0, "misses": 0, "used_bytes": 0})
+            for key in row:
+                row[key] += int(tier[key])
+    assert set(figures["totals"]) == set(expected) >= {"device", "host", "remote", "ram"}
+    for name, row in expected.items():
+        for key, value in row.items():
+            assert figures["totals"][name][key] == value, (name, key)
+    assert figures["totals"]["remote"]["hits"] > 0  # workers did fetch from the shards

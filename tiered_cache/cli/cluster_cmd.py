@@ -1,0 +1,108 @@
+"""`tiered-cache cluster start | status | generate | stop` against a running Ray cluster.
+
+Ray is imported only here (and in `workers/`), when one of these commands runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from tiered_cache.cli.table import render_table
+
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser("cluster", help="run tiered-cache on a Ray cluster (shards, workers, router)",
+                            description="Start, inspect, use and stop tiered-cache's actors on a Ray cluster.")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    start = _action(actions, "start", "start the directory, store shards, cache workers and router")
+    start.add_argument("--config", help="cluster config YAML (see deploy/tiered-cache-cluster.yaml)")
+    start.add_argument("--shards", type=int, help="store shards (overrides the config)")
+    start.add_argument("--workers", type=int, help="cache workers (overrides the config)")
+    start.add_argument("--model", help="worker model: smollm2 or a local Hugging Face folder")
+    start.add_argument("--disk", help="shards' disk folder (each shard uses a sub-folder)")
+    _action(actions, "status", "each actor, its node, address and pages per tier")
+    gen = _action(actions, "generate", "answer a prompt through the router")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-new-tokens", type=int, help="tokens to generate (default: the workers' setting)")
+    gen.add_argument("--no-cache", action="store_true", help="prefill everything (the reference answer)")
+    _action(actions, "stop", "stop every actor and remove the shards' placement group")
+
+
+def _action(actions: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+    p = actions.add_parser(name, help=help_text, description=help_text[0].upper() + help_text[1:] + ".")
+    p.add_argument("--address", default="auto", help="Ray cluster address (default: auto, on a cluster node)")
+    p.add_argument("--namespace", help="Ray namespace of the actors (default: the config's, else tiered-cache)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=run)
+    return p
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from workers.config import ClusterConfig
+
+    config = ClusterConfig.from_yaml(args.config) if getattr(args, "config", None) else ClusterConfig()
+    changes: dict[str, Any] = {}
+    if args.namespace:
+        changes["namespace"] = args.namespace
+    for name in ("shards", "workers"):
+        if getattr(args, name, None) is not None:
+            changes[name] = getattr(args, name)
+    if getattr(args, "model", None):
+        changes["worker"] = dataclasses.replace(config.worker, model=args.model)
+    if getattr(args, "disk", None):
+        changes["shard"] = dataclasses.replace(config.shard, disk_path=args.disk)
+    return config.replace(**changes) if changes else config
+
+
+def run(args: argparse.Namespace) -> int:
+    from workers import cluster
+
+    config = _config(args)
+    cluster.connect(args.address, config.namespace)
+    if args.action == "start":
+        infos = cluster.start(config, progress=lambda m: print(f"cluster start: {m}", flush=True))
+        print(json.dumps(infos, indent=2) if args.json else render_actors(infos))
+        return 0
+    if args.action == "status":
+        figures = cluster.stats()
+        print(json.dumps(figures, indent=2) if args.json else render_status(figures))
+        return 0 if figures["actors"] else 1
+    if args.action == "generate":
+        result = cluster.generate(args.prompt, args.max_new_tokens, use_cache=not args.no_cache)
+        print(json.dumps(result, indent=2) if args.json else render_answer(result))
+        return 0
+    stopped = cluster.stop(config.namespace, progress=lambda m: print(f"cluster stop: {m}", flush=True))
+    print(json.dumps({"stopped": stopped}) if args.json else f"cluster stop: {len(stopped)} actor(s) stopped")
+    return 0
+
+
+def render_actors(infos: list[dict[str, Any]]) -> str:
+    rows = [[i["kind"], i["name"], i.get("node_ip", i.get("node_id", "?")[:12]), i.get("address", "-") or "-"]
+            for i in infos]
+    return render_table(rows, ["kind", "name", "node", "address"])
+
+
+def render_status(figures: dict[str, Any]) -> str:
+    """One row per actor: node, address and pages per tier."""
+    from workers.cluster import tiers_of
+
+    rows = []
+    for actor in figures["actors"]:
+        if "error" in actor:
+            rows.append([actor["kind"], actor["name"], "-", "-", f"unreachable: {actor['error']}"])
+            continue
+        pages = ", ".join(f"{t['name']} {int(t['pages']):,}" for t in tiers_of(actor))
+        rows.append([actor["kind"], actor["name"], actor.get("node_ip", "?"), actor.get("address", "-"), pages])
+    return render_table(rows, ["kind", "name", "node", "address", "pages per tier"])
+
+
+def render_answer(result: dict[str, Any]) -> str:
+    route = result["route"]
+    where = ", ".join(f"{tier} {n:,}" for tier, n in result["sources"].items() if n) or "none"
+    return (f"{result['text']}\n\n"
+            f"worker {route['worker']} ({route['reason']}, {route['matched_chars']:,} chars matched); "
+            f"reused {result['reused_tokens']:,} of {result['prompt_tokens']:,} prompt tokens (from {where}); "
+            f"TTFT {result['ttft_s'] * 1e3:,.0f} ms")

@@ -1,0 +1,144 @@
+"""`CacheWorker`: a Ray actor that serves generation with a model and its own `TieredCache`.
+
+The device pool sits on the worker's GPU (CPU on a CPU-only cluster), host RAM below it, and the
+cluster's store shards as the remote tier. Pages are written through to the shards as soon as a
+prompt is computed, so another worker finds the prefix there instead of prefilling it. A thread
+re-reads the shard directory every `watch_interval_s` and moves the ring when shards come or go
+(a departed shard's keys become misses, never errors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+from tiered_cache.cache import TieredCache
+from tiered_cache.config import CacheConfig, WritePolicy
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.integrations.hf_models import encode_prompt, load_causal_lm
+from tiered_cache.integrations.transformers import generate, spec_for
+from tiered_cache.tiers.remote import RemoteTier, owner
+from workers.config import ShardSettings, WorkerSettings
+from workers.directory import WORKER
+from workers.names import DIRECTORY
+
+_SUMMARY_PROMPTS = 256  # recent prompts kept for the router's picture of what this worker holds
+_SUMMARY_CHARS = 16384  # of each, the leading characters (the shared part is the leading part)
+
+
+class CacheWorker:
+    def __init__(self, name: str, settings: WorkerSettings, shard: ShardSettings | None = None,
+                 watch_interval_s: float = 1.0) -> None:
+        import torch
+
+        shard = shard or ShardSettings()
+        self.name = name
+        self.settings = settings
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model, self.tokenizer = load_causal_lm(settings.model, self.device)
+        self.spec = spec_for(self.model, settings.kv_dtype, page_size=settings.page_size)
+        token = shard.token or os.environ.get("TIERED_CACHE_SERVE_TOKEN")
+        self.remote = RemoteTier([], token=token, tls_ca=shard.tls_ca, allow_empty=True,
+                                 fingerprint=bytes.fromhex(self.spec.fingerprint))
+        config = CacheConfig(device=self.device, pool_capacity=settings.pool_capacity,
+                             host_capacity=settings.host_capacity, write_policy=WritePolicy.WRITE_THROUGH)
+        self.cache = TieredCache(self.spec, config, lower=[self.remote])
+        self._generate_lock = threading.Lock()  # one forward at a time; stats never wait for it
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._summary_lock = threading.Lock()
+        self.requests = 0
+        self.ring_version = -1
+        self._directory = ray.get_actor(DIRECTORY)
+        self._refresh_ring()
+        ray.get(self._directory.register.remote(WORKER, name, "", self.node_id))
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, args=(watch_interval_s,), daemon=True,
+                                         name="tiered-cache-ring-watch")
+        self._watcher.start()
+
+    # --- ring -------------------------------------------------------------------------------------
+    def _refresh_ring(self) -> None:
+        version, addresses = ray.get(self._directory.shards.remote(), timeout=10)
+        if version != self.ring_version:
+            self.cache.set_remote_addresses(addresses)
+            self.ring_version = version
+
+    def _watch(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            # The directory restarting or gone: keep the ring we have.
+            with contextlib.suppress(ray.exceptions.RayError, ValueError, TimeoutError):
+                self._refresh_ring()
+
+    # --- serving ----------------------------------------------------------------------------------
+    def generate(self, prompt: str, max_new_tokens: int | None = None, use_cache: bool = True,
+                 chat: bool = True) -> dict[str, Any]:
+        """Greedy answer to `prompt`. Returns the text and tokens, how many prompt tokens were
+        reused and from which tier (`sources`: device / host / remote), and the TTFT in seconds."""
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("generate() needs a non-empty prompt string")
+        ids = encode_prompt(self.tokenizer, prompt, chat)
+        with self._generate_lock:
+            result = generate(self.model, ids, self.cache if use_cache else None,
+                              max_new_tokens or self.settings.max_new_tokens, self.tokenizer.eos_token_id)
+            self.requests += 1
+        if use_cache:
+            with self._summary_lock:
+                self._recent[prompt[:_SUMMARY_CHARS]] = None
+                self._recent.move_to_end(prompt[:_SUMMARY_CHARS])
+                while len(self._recent) > _SUMMARY_PROMPTS:
+                    self._recent.popitem(last=False)
+        data = asdict(result)
+        data.pop("first_logits")
+        return {**data, "worker": self.name, "node_id": self.node_id,
+                "text": self.tokenizer.decode(result.tokens, skip_special_tokens=True).strip()}
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Wait until pages queued for host RAM and the shards are written (tests, benchmarks)."""
+        return self.cache.flush(timeout_s)
+
+    def evict(self) -> int:
+        """Move every unlocked device page down to host RAM (benchmarks: a cold device)."""
+        return self.cache.evict()
+
+    def where(self, prompt: str, chat: bool = True) -> list[dict[str, Any]]:
+        """Each full page of `prompt`: its key, the shard that owns it on this worker's ring, and
+        whether that shard holds it now ("where does my prefix live?")."""
+        ids = encode_prompt(self.tokenizer, prompt, chat)
+        keys = PageKeyer(self.spec, self.cache.config.namespace).keys(ids)
+        ring = self.remote.addresses
+        held = self.remote.contains(keys) if ring else [False] * len(keys)
+        return [{"page": i, "key": key.hex()[:16], "shard": ring[owner(key, ring)] if ring else None,
+                 "held": held[i]} for i, key in enumerate(keys)]
+
+    # --- reporting --------------------------------------------------------------------------------
+    def ping(self) -> str:
+        return self.name
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": WORKER, "name": self.name, "node_id": self.node_id, "node_ip": self.node_ip,
+                "pid": os.getpid(), "device": self.device, "model_id": self.spec.model_id,
+                "shards": self.remote.addresses, "ring_version": self.ring_version}
+
+    def stats(self) -> dict[str, Any]:
+        """Info plus the cache's figures (`CacheStats.to_dict()`) and requests served."""
+        return {**self.info(), "requests": self.requests, "cache": self.cache.stats().to_dict()}
+
+    def prefix_summary(self) -> list[str]:
+        """Leading characters of the prompts this worker served recently, newest last: enough for a
+        router (after its own restart) to know which prefixes this worker holds."""
+        with self._summary_lock:
+            return list(self._recent)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self.cache.close()
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self._directory.unregister.remote(self.name), timeout=5)

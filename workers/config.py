@@ -1,0 +1,134 @@
+"""`ClusterConfig`: what `tiered-cache cluster start` launches, read from a YAML file (see
+`deploy/tiered-cache-cluster.yaml`). Unknown keys are errors, so a typo never silently falls back
+to a default. Ray-free: the CLI parses a config before it connects."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tiered_cache.model.units import parse_size
+
+AUTO_HOST = "auto"  # a shard binds its node's IP address, reachable from the other nodes
+
+
+class RoutingPolicyName(enum.Enum):
+    PREFIX = "prefix"  # the worker most likely to hold the longest prefix, bounded by load
+    ROUND_ROBIN = "round_robin"
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    ram_capacity: int = 2**30
+    disk_path: str | None = "~/.cache/tiered-cache/shards"  # each shard uses <disk_path>/<shard name>
+    disk_capacity: int = 10 * 2**30
+    redis_url: str | None = None  # an optional Redis tier below disk
+    host: str = AUTO_HOST  # "auto": the node's IP; 127.0.0.1 only works on a one-node cluster
+    port: int = 0  # 0: a free port, announced through the directory
+    token: str | None = None  # bearer token the shards require (workers send it); None: no auth
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None  # what workers verify the shards' certificates with
+    num_cpus: float = 1
+    resources: Mapping[str, float] = field(default_factory=dict)  # e.g. {"shard_node": 0.01} to pin
+
+    def __post_init__(self) -> None:
+        for name in ("ram_capacity", "disk_capacity"):
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
+        if self.token is not None and not self.token:
+            raise ValueError("shard.token must not be empty (leave it unset for no auth)")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("shard TLS needs both tls_cert and tls_key")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    model: str = "smollm2"  # "smollm2" (the bundled SmolLM2-135M-Instruct) or a local HF model folder
+    kv_dtype: str = "fp16"
+    page_size: int = 16
+    pool_capacity: int = 256 * 2**20
+    host_capacity: int = 2**30
+    max_new_tokens: int = 32
+    num_cpus: float = 1  # on a CPU-only cluster; with GPUs each worker takes one GPU
+    num_gpus: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    resources: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("pool_capacity", "host_capacity"):
+            object.__setattr__(self, name, parse_size(getattr(self, name)))
+        if self.max_new_tokens <= 0 or self.page_size <= 0:
+            raise ValueError("worker.max_new_tokens and worker.page_size must be positive")
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    policy: RoutingPolicyName = RoutingPolicyName.PREFIX
+    cache_threshold: float = 0.5  # a match must cover this share of the prompt to decide the route
+    balance_abs_threshold: int = 4  # in-flight requests: imbalance beyond both thresholds ...
+    balance_rel_threshold: float = 1.5  # ... sends the request to the least-loaded worker
+    retries: int = 2  # other workers tried when the chosen one dies mid-request
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", RoutingPolicyName(getattr(self.policy, "value", self.policy)))
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    namespace: str = "tiered-cache"  # Ray namespace of the named, detached actors
+    shards: int = 2
+    workers: int = 2
+    watch_interval_s: float = 1.0  # how often workers re-read the shard directory
+    shard: ShardSettings = field(default_factory=ShardSettings)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    router: RouterSettings = field(default_factory=RouterSettings)
+
+    def __post_init__(self) -> None:
+        if self.shards < 0 or self.workers < 0:
+            raise ValueError(f"shards and workers must be >= 0, got {self.shards} and {self.workers}")
+        if not self.namespace:
+            raise ValueError("namespace must not be empty")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
+        """A config from nested mappings; raises ValueError naming any unknown key."""
+        nested = {"shard": ShardSettings, "worker": WorkerSettings, "router": RouterSettings}
+        values: dict[str, Any] = {}
+        for key, value in _known(cls, data, "").items():
+            if key in nested:
+                value = nested[key](**_known(nested[key], value or {}, f"{key}."))
+            values[key] = value
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ClusterConfig:
+        import yaml
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping of settings")
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: {exc}") from None
+
+    def replace(self, **changes: Any) -> ClusterConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _known(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(where + k for k in unknown)}; "
+                         f"known: {', '.join(where + k for k in sorted(known))}")
+    return {k: v for k, v in data.items() if v is not None or k in _NULLABLE}
+
+
+# Keys whose YAML `null` means "none" rather than "use the default".
+_NULLABLE = {"disk_path", "redis_url", "token", "tls_cert", "tls_key", "tls_ca", "num_gpus"}

@@ -1,0 +1,101 @@
+"""`ClusterDirectory`: the named actor that knows who is in the cluster.
+
+Shards register their gRPC address, workers their name, each on start. The directory pings every
+member each `health_interval_s` and drops one that is dead (or that missed `max_missed` pings in a
+row), so a killed shard leaves the ring within a few seconds. `version` grows on every change:
+workers poll `shards()` and rebuild their rendezvous ring only when it moved. A member that comes
+back (same name) registers again, with whatever address it has now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+SHARD, WORKER = "shard", "worker"
+
+
+@dataclass
+class Member:
+    kind: str  # SHARD or WORKER
+    name: str
+    address: str  # HOST:PORT of a shard's store server; "" for a worker
+    node_id: str
+    handle: Any
+    since: float
+    missed: int = 0
+
+
+class ClusterDirectory:
+    def __init__(self, health_interval_s: float = 1.0, max_missed: int = 3) -> None:
+        self.health_interval_s = health_interval_s
+        self.max_missed = max_missed
+        self.members: dict[str, Member] = {}
+        self.version = 0
+        self._health: asyncio.Task[None] | None = None
+
+    def _watch(self) -> None:
+        # Started from the first call: an async actor's loop is running by then.
+        if self._health is None:
+            self._health = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def register(self, kind: str, name: str, address: str, node_id: str) -> int:
+        """Add or refresh a member; returns the directory version."""
+        self._watch()
+        if kind not in (SHARD, WORKER):
+            raise ValueError(f"kind must be {SHARD!r} or {WORKER!r}, got {kind!r}")
+        handle = ray.get_actor(name)
+        old = self.members.get(name)
+        if old is None or (old.address, old.node_id) != (address, node_id):
+            self.version += 1
+        self.members[name] = Member(kind, name, address, node_id, handle, time.time())
+        return self.version
+
+    async def unregister(self, name: str) -> int:
+        self._watch()
+        if self.members.pop(name, None) is not None:
+            self.version += 1
+        return self.version
+
+    async def shards(self) -> tuple[int, list[str]]:
+        """(version, the live shards' addresses, sorted)."""
+        self._watch()
+        return self.version, sorted(m.address for m in self.members.values() if m.kind == SHARD)
+
+    async def snapshot(self) -> dict[str, Any]:
+        """Every member: kind, name, address, node and how long it has been registered."""
+        self._watch()
+        now = time.time()
+        return {"version": self.version,
+                "members": [{"kind": m.kind, "name": m.name, "address": m.address, "node_id": m.node_id,
+                             "up_s": now - m.since} for m in sorted(self.members.values(), key=lambda m: m.name)]}
+
+    async def ping(self) -> str:
+        return "directory"
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            members = list(self.members.values())
+            results = await asyncio.gather(*(self._alive(m) for m in members))
+            for member, alive in zip(members, results, strict=True):
+                if self.members.get(member.name) is not member:
+                    continue  # re-registered meanwhile
+                member.missed = 0 if alive else member.missed + 1
+                if alive is None or member.missed >= self.max_missed:
+                    del self.members[member.name]
+                    self.version += 1
+
+    async def _alive(self, member: Member) -> bool | None:
+        """True: answered; False: no answer in time; None: the actor is dead."""
+        try:
+            await asyncio.wait_for(member.handle.ping.remote(), timeout=max(1.0, self.health_interval_s))
+        except asyncio.TimeoutError:
+            return False
+        except ray.exceptions.RayActorError:
+            return None
+        return True

@@ -1,0 +1,26 @@
+"""Names of the cluster's detached actors inside its Ray namespace: one place, so `start`, `status`,
+`stop` and the actors themselves always agree."""
+
+from __future__ import annotations
+
+DIRECTORY = "directory"
+ROUTER = "router"
+SHARD_PREFIX = "shard-"
+WORKER_PREFIX = "worker-"
+SHARD_GROUP = "shards"  # the SPREAD placement group of the shards (prefixed with the namespace)
+
+
+def shard_name(index: int) -> str:
+    return f"{SHARD_PREFIX}{index}"
+
+
+def worker_name(index: int) -> str:
+    return f"{WORKER_PREFIX}{index}"
+
+
+def is_ours(name: str) -> bool:
+    return name in (DIRECTORY, ROUTER) or name.startswith((SHARD_PREFIX, WORKER_PREFIX))
+
+
+def placement_group_name(namespace: str) -> str:
+    return f"{namespace}-{SHARD_GROUP}"

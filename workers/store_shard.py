@@ -1,0 +1,68 @@
+"""`StoreShard`: a Ray actor running one store server (RAM in front of disk, optional Redis below).
+
+It binds its node's IP (`host: auto`) on a free port, serves in-process on the server's own event
+loop thread, and registers its address with the cluster directory, which workers watch to build
+their ring. Each shard keeps its pages in `<disk_path>/<name>`: a shard restarted under the same
+name on the same node finds its pages again (the disk tier's folder lock keeps a second process out).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from tiered_cache.service.config import LOOPBACK, ServerConfig
+from tiered_cache.service.server import StoreServer
+from workers.config import AUTO_HOST, ShardSettings
+from workers.directory import SHARD
+from workers.names import DIRECTORY
+
+log = logging.getLogger("tiered_cache.workers.shard")
+
+
+class StoreShard:
+    def __init__(self, name: str, settings: ShardSettings) -> None:
+        self.name = name
+        self.settings = settings
+        context = ray.get_runtime_context()
+        self.node_id = context.get_node_id()
+        self.node_ip = ray.util.get_node_ip_address()
+        host = self.node_ip if settings.host == AUTO_HOST else settings.host
+        token = settings.token or os.environ.get("TIERED_CACHE_SERVE_TOKEN")
+        disk = str(Path(settings.disk_path).expanduser() / name) if settings.disk_path else None
+        self.config = ServerConfig(host=host, port=settings.port, token=token, tls_cert=settings.tls_cert,
+                                   tls_key=settings.tls_key, ram_capacity=settings.ram_capacity, disk_path=disk,
+                                   disk_capacity=settings.disk_capacity, redis_url=settings.redis_url)
+        if host not in LOOPBACK and not token:
+            log.warning("shard %s listens on %s without a token: keep this network private or set shard.token",
+                        name, host)
+        self.server = StoreServer(self.config)
+        port = self.server.start()
+        bracketed = f"[{host}]" if ":" in host else host
+        self.address = f"{bracketed}:{port}"
+        ray.get(ray.get_actor(DIRECTORY).register.remote(SHARD, name, self.address, self.node_id))
+
+    def ping(self) -> str:
+        return self.address
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": SHARD, "name": self.name, "address": self.address, "node_id": self.node_id,
+                "node_ip": self.node_ip, "pid": os.getpid(), "disk_path": self.config.disk_path}
+
+    def stats(self) -> dict[str, Any]:
+        """The server's own figures (what `tiered-cache stats --address` prints for it), plus info."""
+        from tiered_cache.cli.stats_cmd import fetch
+
+        token = self.config.token
+        return {**self.info(), **fetch(self.address, token, self.settings.tls_ca, 10.0)}
+
+    def shutdown(self) -> int:
+        """Leave the directory, drain streams and flush RAM to disk; returns pages flushed."""
+        with contextlib.suppress(ValueError, ray.exceptions.RayError):  # the directory is gone already
+            ray.get(ray.get_actor(DIRECTORY).unregister.remote(self.name), timeout=5)
+        return self.server.stop()
