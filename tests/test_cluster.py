@@ -69,6 +69,22 @@ def test_a_prefix_computed_on_one_node_is_reused_on_another(actors):
     assert reference["reused_tokens"] == 0
 
 
+def test_the_router_sends_a_repeat_to_the_worker_that_holds_it(actors):
+    router = cluster.start_router(actors["config"])
+    prompt = question("Who built the lighthouse?")
+    first = ray.get(router.generate.remote(prompt))
+    again = ray.get(router.generate.remote(prompt))
+    assert again["route"]["worker"] == first["route"]["worker"] == first["worker"]
+    assert again["route"]["reason"] == "prefix" and again["route"]["matched_chars"] == len(prompt)
+    assert again["sources"].get("device", 0) == again["reused_tokens"] > 0  # served from that worker's own pool
+    assert again["tokens"] == first["tokens"]
+    # A document no worker has seen goes to the worker with less cached, not to a loaded one.
+    other = ray.get(router.generate.remote(question("What is this about?", "A short note. " * 40)))
+    assert other["route"]["reason"] in {"least_cached", "prefix"}
+    stats = ray.get(router.stats.remote())
+    assert sum(stats["routed"].values()) == 3 and stats["failures"] == 0
+
+
 def test_a_killed_shard_gives_misses_then_the_ring_heals_from_the_workers_pages(actors):
     a, b, config = actors["a"], actors["b"], actors["config"]
     extra = cluster.start_shard("shard-1", config, resources={"node1": 1})

@@ -1,8 +1,10 @@
 """`ClusterDirectory`: the named actor that knows who is in the cluster.
 
 Shards register their gRPC address, workers their name, each on start. The directory pings every
-member each `health_interval_s` and drops one that is dead (or that missed `max_missed` pings in a
-row), so a killed shard leaves the ring within a few seconds. `version` grows on every change:
+member each `health_interval_s` and drops one whose actor is dead, so a killed shard leaves the
+ring within a few seconds. A member that is alive but slow to answer (a busy node) stays: its
+missed pings are only counted, since dropping it would move a whole shard's keys, and the
+workers' remote tier already skips a server that does not answer (backoff). `version` grows on every change:
 workers poll `shards()` and rebuild their rendezvous ring only when it moved. A member that comes
 back (same name) registers again, with whatever address it has now.
 """
@@ -31,9 +33,8 @@ class Member:
 
 
 class ClusterDirectory:
-    def __init__(self, health_interval_s: float = 1.0, max_missed: int = 3) -> None:
+    def __init__(self, health_interval_s: float = 1.0) -> None:
         self.health_interval_s = health_interval_s
-        self.max_missed = max_missed
         self.members: dict[str, Member] = {}
         self.version = 0
         self._health: asyncio.Task[None] | None = None
@@ -70,9 +71,10 @@ class ClusterDirectory:
         """Every member: kind, name, address, node and how long it has been registered."""
         self._watch()
         now = time.time()
+        members = sorted(self.members.values(), key=lambda m: m.name)
         return {"version": self.version,
                 "members": [{"kind": m.kind, "name": m.name, "address": m.address, "node_id": m.node_id,
-                             "up_s": now - m.since} for m in sorted(self.members.values(), key=lambda m: m.name)]}
+                             "up_s": now - m.since, "missed_pings": m.missed} for m in members]}
 
     async def ping(self) -> str:
         return "directory"
@@ -86,7 +88,7 @@ class ClusterDirectory:
                 if self.members.get(member.name) is not member:
                     continue  # re-registered meanwhile
                 member.missed = 0 if alive else member.missed + 1
-                if alive is None or member.missed >= self.max_missed:
+                if alive is None:
                     del self.members[member.name]
                     self.version += 1
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from tiered_cache.cli.table import render_table
@@ -57,13 +59,18 @@ def _config(args: argparse.Namespace) -> Any:
     return config.replace(**changes) if changes else config
 
 
+def _progress(action: str) -> Callable[[str], None]:
+    """Progress lines go to stderr, so `--json` output stays parseable."""
+    return lambda message: print(f"cluster {action}: {message}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from workers import cluster
 
     config = _config(args)
     cluster.connect(args.address, config.namespace)
     if args.action == "start":
-        infos = cluster.start(config, progress=lambda m: print(f"cluster start: {m}", flush=True))
+        infos = cluster.start(config, progress=_progress("start"))
         print(json.dumps(infos, indent=2) if args.json else render_actors(infos))
         return 0
     if args.action == "status":
@@ -74,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         result = cluster.generate(args.prompt, args.max_new_tokens, use_cache=not args.no_cache)
         print(json.dumps(result, indent=2) if args.json else render_answer(result))
         return 0
-    stopped = cluster.stop(config.namespace, progress=lambda m: print(f"cluster stop: {m}", flush=True))
+    stopped = cluster.stop(config.namespace, progress=_progress("stop"))
     print(json.dumps({"stopped": stopped}) if args.json else f"cluster stop: {len(stopped)} actor(s) stopped")
     return 0
 

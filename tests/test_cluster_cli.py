@@ -1,0 +1,66 @@
+"""The README's local walk, command for command, against the session's 3-node Ray cluster:
+`cluster start`, `cluster status`, `cluster generate` (twice: the repeat reuses the prefix),
+`stats --ray` (totals are the sums of the rows), `cluster stop` (nothing left behind)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_cli
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+NAMESPACE = "walk"
+
+
+def test_the_cluster_commands_start_use_report_and_stop(ray_cluster, tmp_path):
+    where = ["--address", ray_cluster.address, "--namespace", NAMESPACE]
+    run_cli("cluster", "start", *where, "--shards", "2", "--workers", "1", "--disk", str(tmp_path))
+    try:
+        status = json.loads(run_cli("cluster", "status", *where, "--json").stdout)
+        shards = [a for a in status["actors"] if a["kind"] == "shard"]
+        assert len(shards) == 2 and len({s["node_id"] for s in shards}) == 2  # SPREAD: different nodes
+        assert [a["kind"] for a in status["actors"]].count("worker") == 1
+        table = run_cli("cluster", "status", *where).stdout
+        assert "shard-0" in table and "shard-1" in table and "worker-0" in table
+
+        prompt = "Tiered KV caches keep hot pages on the GPU and cold ones below. " * 12 + "Summarise."
+        first = json.loads(run_cli("cluster", "generate", *where, prompt, "--max-new-tokens", "6", "--json").stdout)
+        again = json.loads(run_cli("cluster", "generate", *where, prompt, "--max-new-tokens", "6", "--json").stdout)
+        assert first["reused_tokens"] == 0 and again["reused_tokens"] > 0 and again["tokens"] == first["tokens"]
+        assert again["route"] == {"worker": "worker-0", "reason": "prefix", "matched_chars": len(prompt)}
+        text = run_cli("cluster", "generate", *where, prompt, "--max-new-tokens", "6").stdout
+        assert "worker-0" in text and "reused" in text
+
+        figures = json.loads(run_cli("stats", "--ray", ray_cluster.address, "--namespace", NAMESPACE,
+                                     "--json").stdout)
+        for name, total in figures["totals"].items():
+            rows = [t for a in figures["actors"] for t in (a["tiers"] if a["kind"] == "shard"
+                                                            else a["cache"]["tiers"]) if t["name"] == name]
+            for key in ("pages", "used_bytes", "hits", "misses", "bytes_in"):
+                assert total[key] == sum(int(r[key]) for r in rows), (name, key)
+        assert figures["totals"]["ram"]["pages"] > 0  # the worker wrote its pages through to the shards
+        assert "cluster total" in run_cli("stats", "--ray", ray_cluster.address, "--namespace", NAMESPACE).stdout
+    finally:
+        stopped = run_cli("cluster", "stop", *where, "--json")
+    assert sorted(json.loads(stopped.stdout)["stopped"]) == ["directory", "router", "shard-0", "shard-1", "worker-0"]
+    ray.init(address=ray_cluster.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+    try:
+        assert ray.util.list_named_actors() == []
+        from ray.util.placement_group import get_placement_group
+
+        with pytest.raises(ValueError):
+            get_placement_group(f"{NAMESPACE}-shards")
+    finally:
+        ray.shutdown()
+    empty = run_cli("cluster", "status", *where, "--json", check=False)
+    assert empty.returncode == 1 and json.loads(empty.stdout)["actors"] == []
+
+
+def test_a_bad_cluster_config_is_refused_before_connecting(tmp_path):
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text("shards: 2\nworker:\n  modle: smollm2\n")
+    result = run_cli("cluster", "start", "--address", "127.0.0.1:1", "--config", str(bad), check=False)
+    assert result.returncode == 2 and "worker.modle" in result.stderr

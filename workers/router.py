@@ -1,0 +1,118 @@
+"""`PrefixRouter`: the async Ray actor every request goes through.
+
+It keeps the live workers from the directory (re-read at most once per `_REFRESH_S`), counts each
+worker's requests in flight, and asks its routing policy (routing.py) where a prompt should go:
+the worker most likely to hold its longest prefix unless that would overload it, or plain round
+robin. A worker that dies mid-request is dropped and the request goes to another one, up to
+`retries` times; the caller gets an answer or a clear error, never a hang. A worker that joins is
+asked for the prompts it holds, so a restarted router does not start blind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Any
+
+import ray
+
+from workers.config import RouterSettings, RoutingPolicyName
+from workers.directory import WORKER
+from workers.names import DIRECTORY
+from workers.routing import make_policy
+
+_REFRESH_S = 1.0
+
+
+class NoWorkerError(RuntimeError):
+    """No live worker could serve the request."""
+
+
+class PrefixRouter:
+    def __init__(self, settings: RouterSettings | None = None) -> None:
+        self.settings = settings or RouterSettings()
+        s = self.settings
+        if s.policy is RoutingPolicyName.PREFIX:
+            self.policy = make_policy(s.policy.value, cache_threshold=s.cache_threshold,
+                                      balance_abs_threshold=s.balance_abs_threshold,
+                                      balance_rel_threshold=s.balance_rel_threshold)
+        else:
+            self.policy = make_policy(s.policy.value)
+        self.workers: dict[str, Any] = {}  # name -> actor handle
+        self.loads: Counter[str] = Counter()  # requests in flight per worker
+        self.routed: Counter[str] = Counter()  # requests sent per worker
+        self.reasons: Counter[str] = Counter()  # why: prefix / balance / least_cached / round_robin
+        self.failures = 0  # requests that found their worker dead and were sent elsewhere
+        self._version = -1
+        self._refreshed = 0.0
+
+    async def _refresh(self, force: bool = False) -> None:
+        if not force and time.monotonic() - self._refreshed < _REFRESH_S:
+            return
+        snapshot = await ray.get_actor(DIRECTORY).snapshot.remote()
+        self._refreshed = time.monotonic()
+        if snapshot["version"] == self._version:
+            return
+        self._version = snapshot["version"]
+        live = {m["name"] for m in snapshot["members"] if m["kind"] == WORKER}
+        for name in set(self.workers) - live:
+            self._drop(name)
+        for name in sorted(live - set(self.workers)):
+            handle = ray.get_actor(name)
+            self.workers[name] = handle
+            self.policy.add_worker(name)
+            try:
+                self.policy.observe(name, await handle.prefix_summary.remote())
+            except ray.exceptions.RayError:
+                self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        self.workers.pop(name, None)
+        self.loads.pop(name, None)
+        self.policy.remove_worker(name)
+
+    async def generate(self, prompt: str, max_new_tokens: int | None = None,
+                       use_cache: bool = True) -> dict[str, Any]:
+        """Route `prompt` and return the worker's answer plus `route` (worker, reason, matched chars)."""
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("generate() needs a non-empty prompt string")
+        await self._refresh()
+        for _attempt in range(self.settings.retries + 1):
+            if not self.workers:
+                await self._refresh(force=True)
+                if not self.workers:
+                    raise NoWorkerError("no live cache worker: run `tiered-cache cluster start`")
+            decision = self.policy.choose(prompt, {name: self.loads[name] for name in self.workers})
+            self.loads[decision.worker] += 1
+            self.routed[decision.worker] += 1
+            self.reasons[decision.reason] += 1
+            started = time.perf_counter()
+            try:
+                result = await self.workers[decision.worker].generate.remote(prompt, max_new_tokens, use_cache)
+            except ray.exceptions.RayActorError:
+                self.failures += 1
+                self._drop(decision.worker)
+                continue
+            finally:
+                if decision.worker in self.loads:
+                    self.loads[decision.worker] -= 1
+            return {**result, "latency_s": time.perf_counter() - started,
+                    "route": {"worker": decision.worker, "reason": decision.reason,
+                              "matched_chars": decision.matched_chars}}
+        raise NoWorkerError(f"every worker tried for this request died ({self.settings.retries + 1} attempts)")
+
+    async def ping(self) -> str:
+        return "router"
+
+    async def info(self) -> dict[str, Any]:
+        return {"kind": "router", "name": "router", "node_id": ray.get_runtime_context().get_node_id(),
+                "policy": self.settings.policy.value}
+
+    async def stats(self) -> dict[str, Any]:
+        await self._refresh()
+        return {**(await self.info()), "workers": sorted(self.workers), "routed": dict(self.routed),
+                "in_flight": dict(self.loads), "reasons": dict(self.reasons), "failures": self.failures}
+
+    async def shutdown(self) -> None:
+        await asyncio.sleep(0)
