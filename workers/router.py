@@ -46,26 +46,29 @@ class PrefixRouter:
         self.failures = 0  # requests that found their worker dead and were sent elsewhere
         self._version = -1
         self._refreshed = 0.0
+        self._refreshing = asyncio.Lock()
 
     async def _refresh(self, force: bool = False) -> None:
-        if not force and time.monotonic() - self._refreshed < _REFRESH_S:
-            return
-        snapshot = await ray.get_actor(DIRECTORY).snapshot.remote()
-        self._refreshed = time.monotonic()
-        if snapshot["version"] == self._version:
-            return
-        self._version = snapshot["version"]
-        live = {m["name"] for m in snapshot["members"] if m["kind"] == WORKER}
-        for name in set(self.workers) - live:
-            self._drop(name)
-        for name in sorted(live - set(self.workers)):
-            handle = ray.get_actor(name)
-            self.workers[name] = handle
-            self.policy.add_worker(name)
-            try:
-                self.policy.observe(name, await handle.prefix_summary.remote())
-            except ray.exceptions.RayError:
+        async with self._refreshing:  # one refresh at a time; the others wait for its result
+            if not force and time.monotonic() - self._refreshed < _REFRESH_S:
+                return
+            snapshot = await ray.get_actor(DIRECTORY).snapshot.remote()
+            self._refreshed = time.monotonic()
+            if snapshot["version"] == self._version:
+                return
+            self._version = snapshot["version"]
+            live = {m["name"] for m in snapshot["members"] if m["kind"] == WORKER}
+            for name in set(self.workers) - live:
                 self._drop(name)
+            joined = sorted(live - set(self.workers))
+            for name in joined:  # routable at once; what they hold is learnt below
+                self.workers[name] = ray.get_actor(name)
+                self.policy.add_worker(name)
+            for name in joined:
+                try:
+                    self.policy.observe(name, await self.workers[name].prefix_summary.remote())
+                except (ray.exceptions.RayError, KeyError):
+                    self._drop(name)
 
     def _drop(self, name: str) -> None:
         self.workers.pop(name, None)

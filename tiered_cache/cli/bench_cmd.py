@@ -72,6 +72,17 @@ def add_parser(commands: Any) -> None:
     codec.add_argument("--kv", help="a .pt file of real KV (layers, 2, tokens, heads, dim); default: "
                                     "SmolLM2-135M's KV of a shipped text when the demo extra is installed")
     subs.append(codec)
+    clus = which.add_parser("cluster", help="shared-prefix workload on a Ray cluster: workers alone vs a shared "
+                                            "store with round robin vs with the prefix router, vs recompute")
+    clus.add_argument("--address", help="an existing Ray cluster (default: start a local one for the run)")
+    clus.add_argument("--workers", type=int, default=2, help="cache workers (default 2)")
+    clus.add_argument("--shards", type=int, default=1, help="store shards in the shared ways (default 1)")
+    clus.add_argument("--docs", type=int, default=8, help="documents (default 8)")
+    clus.add_argument("--questions", type=int, default=8, help="questions per document (default 8)")
+    clus.add_argument("--concurrency", type=int, help="requests in flight (default: 2 per worker)")
+    clus.add_argument("--max-new-tokens", type=int, default=4, help="tokens generated per request (default 4)")
+    clus.add_argument("--seed", type=int, default=0, help="order of the requests (default 0)")
+    subs.append(clus)
     for sub in subs:
         sub.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
         sub.set_defaults(run=run)
@@ -196,6 +207,14 @@ def run(args: argparse.Namespace) -> int:
 
         rows = bench_engine(args.model, args.pages, args.requests, args.gap_ms)
         print(json.dumps([r.to_dict() for r in rows], indent=2) if args.json else render(rows))
+        return 0
+    if args.bench == "cluster":
+        from workers.cluster_bench import bench_cluster, render
+
+        results = bench_cluster(args.address, args.workers, args.shards, args.docs, args.questions,
+                                args.concurrency, args.max_new_tokens, seed=args.seed,
+                                progress=lambda m: print(m, file=sys.stderr, flush=True))
+        print(json.dumps([r.to_dict(results[0]) for r in results], indent=2) if args.json else render(results))
         return 0
     if args.bench == "codec":
         from tiered_cache.bench.codec_bench import run_codec_bench

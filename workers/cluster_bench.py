@@ -1,0 +1,156 @@
+"""`tiered-cache bench cluster`: a chat service's shared-prefix workload on W workers, four ways in
+one run: recompute (no cache, the baseline), each worker alone (no shared store, round robin),
+a shared store with round robin, and a shared store with the prefix router.
+
+The workload is D documents x Q questions in a seeded random order, `concurrency` requests in
+flight at once (as a service sees them). Each way starts a fresh cluster (cold caches) in its own
+namespace and stops it afterwards. Reported per way: prefill tokens saved (prompt tokens whose KV
+came from a cache), mean and p99 TTFT, and the TTFT ratio to recompute. Greedy answers must be
+identical in every way: a cache changes speed, never text.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import ray
+
+from tiered_cache.integrations.smollm2 import document
+from workers import cluster
+from workers.config import ClusterConfig, RouterSettings, RoutingPolicyName, ShardSettings, WorkerSettings
+from workers.names import ROUTER
+
+NAMESPACE = "tiered-cache-bench"
+QUESTIONS = [
+    "Summarise this in one sentence.", "What is the main subject?", "Which years are mentioned?",
+    "Who are the people named?", "What happened first?", "What happened last?",
+    "Give one surprising detail.", "What place is described?",
+]
+
+
+@dataclass
+class WayResult:
+    way: str
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+    routes: Counter[str] = field(default_factory=Counter)  # worker -> requests
+    answers: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+
+    @property
+    def saved_share(self) -> float:
+        return self.reused_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def mean_ttft_s(self) -> float:
+        return sum(self.ttft_s) / len(self.ttft_s)
+
+    @property
+    def p99_ttft_s(self) -> float:
+        ordered = sorted(self.ttft_s)
+        return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+    def to_dict(self, recompute: WayResult | None = None) -> dict[str, Any]:
+        out = {"way": self.way, "requests": len(self.ttft_s), "prompt_tokens": self.prompt_tokens,
+               "reused_tokens": self.reused_tokens, "saved_share": self.saved_share,
+               "mean_ttft_s": self.mean_ttft_s, "p99_ttft_s": self.p99_ttft_s, "wall_s": self.wall_s,
+               "routes": dict(self.routes)}
+        if recompute is not None:
+            out["mean_ttft_vs_recompute"] = recompute.mean_ttft_s / self.mean_ttft_s
+            out["answers_match_recompute"] = self.answers == recompute.answers
+        return out
+
+
+def workload(docs: int, questions: int, doc_chars: int, seed: int) -> list[tuple[int, int, str]]:
+    """(document, question, prompt) for every pair, shuffled; documents are slices of the shipped text."""
+    text = document()
+    if docs * doc_chars > len(text):
+        text = text * (docs * doc_chars // len(text) + 1)
+    asks = QUESTIONS * (questions // len(QUESTIONS) + 1)
+    pairs = [(d, q, f"{text[d * doc_chars:(d + 1) * doc_chars]}\n\nQuestion: {asks[q]}")
+             for d in range(docs) for q in range(questions)]
+    random.Random(seed).shuffle(pairs)
+    return pairs
+
+
+def _drive(requests: list[tuple[int, int, str]], way: str, use_cache: bool, concurrency: int,
+           max_new_tokens: int) -> WayResult:
+    """Send every request through the router, `concurrency` in flight at once."""
+    router = ray.get_actor(ROUTER)
+    result = WayResult(way)
+    pending: dict[Any, tuple[int, int]] = {}
+    queue = list(requests)
+    started = time.perf_counter()
+    while queue or pending:
+        while queue and len(pending) < concurrency:
+            d, q, prompt = queue.pop(0)
+            pending[router.generate.remote(prompt, max_new_tokens, use_cache)] = (d, q)
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            answer = ray.get(ref)
+            result.answers[pending.pop(ref)] = answer["tokens"]
+            result.prompt_tokens += answer["prompt_tokens"]
+            result.reused_tokens += answer["reused_tokens"]
+            result.ttft_s.append(answer["ttft_s"])
+            result.routes[answer["worker"]] += 1
+    result.wall_s = time.perf_counter() - started
+    return result
+
+
+def bench_cluster(address: str | None = None, workers: int = 2, shards: int = 1, docs: int = 8,
+                  questions: int = 8, concurrency: int | None = None, max_new_tokens: int = 4,
+                  doc_chars: int = 1200, seed: int = 0,
+                  progress: Callable[[str], None] = lambda _: None) -> list[WayResult]:
+    """Run the four ways; returns [recompute, alone, shared_round_robin, shared_prefix]."""
+    if min(workers, shards, docs, questions) <= 0:
+        raise ValueError("workers, shards, docs and questions must be positive")
+    concurrency = concurrency or 2 * workers
+    if address is None:
+        ray.init(num_cpus=workers + shards + 1, namespace=NAMESPACE, include_dashboard=False,
+                 object_store_memory=200 * 2**20, logging_level="WARNING", log_to_driver=False)
+    else:
+        cluster.connect(address, NAMESPACE)
+    requests = workload(docs, questions, doc_chars, seed)
+    worker = WorkerSettings(max_new_tokens=max_new_tokens)
+    ways = [("alone", 0, RoutingPolicyName.ROUND_ROBIN), ("shared_round_robin", shards, RoutingPolicyName.ROUND_ROBIN),
+            ("shared_prefix", shards, RoutingPolicyName.PREFIX)]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="tiered-cache-bench-cluster-") as folder:
+        for way, num_shards, policy in ways:
+            config = ClusterConfig(namespace=NAMESPACE, shards=num_shards, workers=workers, worker=worker,
+                                   shard=ShardSettings(disk_path=f"{folder}/{way}", ram_capacity="1GiB"),
+                                   router=replace(RouterSettings(), policy=policy))
+            progress(f"{way}: starting {workers} worker(s) and {num_shards} shard(s) ...")
+            cluster.start(config)
+            try:
+                if not results:  # the baseline, on the first (cold) cluster: caches untouched
+                    progress(f"recompute: {len(requests)} requests, no cache ...")
+                    results.append(_drive(requests, "recompute", False, concurrency, max_new_tokens))
+                progress(f"{way}: {len(requests)} requests, {concurrency} in flight ...")
+                results.append(_drive(requests, way, True, concurrency, max_new_tokens))
+            finally:
+                cluster.stop(NAMESPACE)
+    return results
+
+
+def render(results: list[WayResult]) -> str:
+    from tiered_cache.cli.table import render_table
+
+    recompute = results[0]
+    rows = []
+    for r in results:
+        rows.append([r.way, f"{len(r.ttft_s)}", f"{r.prompt_tokens:,}", f"{r.reused_tokens:,}",
+                     f"{r.saved_share:.1%}", f"{r.mean_ttft_s * 1e3:,.0f} ms", f"{r.p99_ttft_s * 1e3:,.0f} ms",
+                     f"{recompute.mean_ttft_s / r.mean_ttft_s:.2f}x",
+                     ", ".join(f"{w} {n}" for w, n in sorted(r.routes.items()))])
+    table = render_table(rows, ["way", "requests", "prompt tokens", "prefill saved", "saved", "mean TTFT",
+                                "p99 TTFT", "vs recompute", "requests per worker"], align_right=range(1, 8))
+    same = all(r.answers == recompute.answers for r in results)
+    return f"{table}\n\ngreedy answers identical in every way: {'yes' if same else 'NO'}"
