@@ -86,9 +86,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def node_label(actor: dict[str, Any]) -> str:
+    """`IP node-id-tail`: nodes can share an IP (several on one machine), never a node id."""
+    return f"{actor.get('node_ip', '')} {actor.get('node_id', '?')[-6:]}".strip()
+
+
 def render_actors(infos: list[dict[str, Any]]) -> str:
-    rows = [[i["kind"], i["name"], i.get("node_ip", i.get("node_id", "?")[:12]), i.get("address", "-") or "-"]
-            for i in infos]
+    rows = [[i["kind"], i["name"], node_label(i), i.get("address", "-") or "-"] for i in infos]
     return render_table(rows, ["kind", "name", "node", "address"])
 
 
@@ -102,7 +106,7 @@ def render_status(figures: dict[str, Any]) -> str:
             rows.append([actor["kind"], actor["name"], "-", "-", f"unreachable: {actor['error']}"])
             continue
         pages = ", ".join(f"{t['name']} {int(t['pages']):,}" for t in tiers_of(actor))
-        rows.append([actor["kind"], actor["name"], actor.get("node_ip", "?"), actor.get("address", "-"), pages])
+        rows.append([actor["kind"], actor["name"], node_label(actor), actor.get("address", "-"), pages])
     return render_table(rows, ["kind", "name", "node", "address", "pages per tier"])
 
 

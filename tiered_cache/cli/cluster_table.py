@@ -21,6 +21,7 @@ def _row(actor: str, node: str, tier: dict[str, Any]) -> list[str]:
 
 
 def render_cluster(figures: dict[str, Any]) -> str:
+    from tiered_cache.cli.cluster_cmd import node_label
     from workers.cluster import tiers_of
 
     rows, notes = [], []
@@ -30,7 +31,7 @@ def render_cluster(figures: dict[str, Any]) -> str:
             continue
         label = f"{actor['kind']} {actor['name']}"
         for tier in tiers_of(actor):
-            rows.append(_row(label, actor.get("node_ip", "?"), tier))
+            rows.append(_row(label, node_label(actor), tier))
     for name, tier in figures["totals"].items():
         rows.append(_row("cluster total", "", {"name": name, **tier}))
     workers = sum(a["kind"] == "worker" and "error" not in a for a in figures["actors"])
