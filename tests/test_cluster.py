@@ -18,6 +18,7 @@ from workers.config import ClusterConfig, ShardSettings, WorkerSettings  # noqa:
 pytestmark = pytest.mark.slow
 NAMESPACE = "test-cluster"
 MAX_NEW = 12
+TOKEN = "cluster-test-token"  # the shards require it; the workers send it
 
 
 def question(q: str, doc: str | None = None) -> str:
@@ -29,7 +30,7 @@ def actors(ray_cluster, tmp_path_factory):
     """Directory on the head, shard-0 on node0, worker-0 on node1, worker-1 on node2, and the router."""
     ray.init(address=ray_cluster.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
     config = ClusterConfig(namespace=NAMESPACE, watch_interval_s=0.5,
-                           shard=ShardSettings(disk_path=str(tmp_path_factory.mktemp("shards")),
+                           shard=ShardSettings(disk_path=str(tmp_path_factory.mktemp("shards")), token=TOKEN,
                                                ram_capacity="256MiB", host="127.0.0.1", num_cpus=0.5),
                            worker=WorkerSettings(max_new_tokens=MAX_NEW, num_cpus=1))
     cluster.start_directory(config)
@@ -59,7 +60,7 @@ def serving(address: str) -> bool:
     from tiered_cache.service.client import StoreClient
 
     try:
-        with StoreClient(address, timeout_s=1.0) as client:
+        with StoreClient(address, TOKEN, timeout_s=1.0) as client:
             client.stats()
     except grpc.RpcError:
         return False
@@ -80,6 +81,14 @@ def test_a_prefix_computed_on_one_node_is_reused_on_another(actors):
     assert reused["sources"].get("remote", 0) == reused["reused_tokens"]  # all from the shard
     assert reused["tokens"] == reference["tokens"] and reused["text"] == reference["text"]
     assert reference["reused_tokens"] == 0
+    import grpc
+
+    from tiered_cache.service.client import StoreClient
+
+    address = ray.get(actors["shard"].ping.remote())
+    with pytest.raises(grpc.RpcError) as refused, StoreClient(address) as stranger:
+        stranger.lookup([b"k" * 32])  # without the token: refused, while the workers got in
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_the_router_sends_a_repeat_to_the_worker_that_holds_it(actors):
