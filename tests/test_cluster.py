@@ -169,3 +169,28 @@ def test_stats_rollup_equals_the_sum_of_the_actors_own_figures(actors):
         for key, value in row.items():
             assert figures["totals"][name][key] == value, (name, key)
     assert figures["totals"]["remote"]["hits"] > 0  # workers did fetch from the shards
+
+
+def test_a_restarted_directory_finds_the_running_actors_again(actors):
+    a, b = actors["a"], actors["b"]
+    before = {w: ray.get(w.info.remote()) for w in (a, b)}
+    ray.kill(ray.get_actor("directory"), no_restart=True)
+    wait_for(lambda: "directory" not in ray.util.list_named_actors(), what="the directory to go")
+    # Meanwhile the workers keep their ring and keep serving.
+    prompt = question("Is the light still working?")
+    assert ray.get(a.generate.remote(prompt), timeout=120)["tokens"]
+    assert ray.get(a.flush.remote())
+    assert ray.get(b.generate.remote(prompt), timeout=120)["sources"].get("remote", 0) > 0  # through the shard
+    cluster.start_directory(actors["config"])
+    running = {n for n in ray.util.list_named_actors() if n.startswith(("shard-", "worker-"))}
+    assert {"worker-0", "worker-1"} < running  # and the shard(s) that earlier tests left alive
+
+    def members() -> set[str]:
+        return {m["name"] for m in ray.get(ray.get_actor("directory").snapshot.remote())["members"]}
+
+    wait_for(lambda: members() == running, timeout_s=30, what="the new directory to find every running actor")
+    shards = sorted(ray.get(ray.get_actor(n).ping.remote()) for n in running if n.startswith("shard-"))
+    for worker in (a, b):  # they follow the new directory: a newer version, the same live shards
+        wait_for(lambda w=worker: ray.get(w.info.remote())["ring_version"] > before[w]["ring_version"],
+                 timeout_s=30, what="a worker to follow the new directory")
+        assert ray.get(worker.info.remote())["shards"] == shards

@@ -66,7 +66,11 @@ class CacheWorker:
 
     # --- ring -------------------------------------------------------------------------------------
     def _refresh_ring(self) -> None:
-        version, addresses = ray.get(self._directory.shards.remote(), timeout=10)
+        try:
+            version, addresses = ray.get(self._directory.shards.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            self._directory = ray.get_actor(DIRECTORY)  # restarted: the old handle is dead for good
+            raise
         if version != self.ring_version:
             self.cache.set_remote_addresses(addresses)
             self.ring_version = version

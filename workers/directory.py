@@ -6,19 +6,26 @@ ring within a few seconds. A member that is alive but slow to answer (a busy nod
 missed pings are only counted, since dropping it would move a whole shard's keys, and the
 workers' remote tier already skips a server that does not answer (backoff). `version` grows on every change:
 workers poll `shards()` and rebuild their rendezvous ring only when it moved. A member that comes
-back (same name) registers again, with whatever address it has now.
+back (same name) registers again, with whatever address it has now. A restarted directory finds
+the running shards and workers by their names in the namespace within a few seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from workers.names import SHARD_PREFIX, WORKER_PREFIX
+
 SHARD, WORKER = "shard", "worker"
+log = logging.getLogger("tiered_cache.workers.directory")
+_DISCOVER_EVERY = 5  # health rounds between two looks for named actors that are not members
 
 
 @dataclass
@@ -36,7 +43,8 @@ class ClusterDirectory:
     def __init__(self, health_interval_s: float = 1.0) -> None:
         self.health_interval_s = health_interval_s
         self.members: dict[str, Member] = {}
-        self.version = 0
+        # Versions start at the clock (µs), so a restarted directory's never repeat an old one's.
+        self.version = time.time_ns() // 1000
         self._health: asyncio.Task[None] | None = None
 
     def _watch(self) -> None:
@@ -79,18 +87,39 @@ class ClusterDirectory:
     async def ping(self) -> str:
         return "directory"
 
+    async def _discover(self) -> None:
+        """Register the cluster's named shards and workers that are not members: after this
+        directory was restarted, nobody would register again (they did so once, at start)."""
+        for name in ray.util.list_named_actors():
+            if name in self.members or not name.startswith((SHARD_PREFIX, WORKER_PREFIX)):
+                continue
+            try:
+                handle = ray.get_actor(name)
+                info = await asyncio.wait_for(handle.info.remote(), timeout=max(2.0, self.health_interval_s))
+            except (asyncio.TimeoutError, ValueError, ray.exceptions.RayError):
+                continue  # still starting (it registers itself when ready) or already gone
+            await self.register(info["kind"], name, info.get("address", ""), info["node_id"])
+
     async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.health_interval_s)
-            members = list(self.members.values())
-            results = await asyncio.gather(*(self._alive(m) for m in members))
-            for member, alive in zip(members, results, strict=True):
-                if self.members.get(member.name) is not member:
-                    continue  # re-registered meanwhile
-                member.missed = 0 if alive else member.missed + 1
-                if alive is None:
-                    del self.members[member.name]
-                    self.version += 1
+        for beat in itertools.count():
+            try:
+                if beat % _DISCOVER_EVERY == 0:
+                    await self._discover()
+                await asyncio.sleep(self.health_interval_s)
+                await self._check_members()
+            except Exception:  # one bad round must not end the loop: it is the directory's heartbeat
+                log.exception("cluster directory: health round failed")
+
+    async def _check_members(self) -> None:
+        members = list(self.members.values())
+        results = await asyncio.gather(*(self._alive(m) for m in members))
+        for member, alive in zip(members, results, strict=True):
+            if self.members.get(member.name) is not member:
+                continue  # re-registered meanwhile
+            member.missed = 0 if alive else member.missed + 1
+            if alive is None:
+                del self.members[member.name]
+                self.version += 1
 
     async def _alive(self, member: Member) -> bool | None:
         """True: answered; False: no answer in time; None: the actor is dead."""
