@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from tiered_cache.cache_stats import CacheStats, Movements, PoolFigures
-from tiered_cache.config import CacheConfig, LowerTier, WritePolicy
+from tiered_cache.config import CacheConfig, WritePolicy
 from tiered_cache.demotion import BACKGROUND_NICE, BackgroundQueue, Foreground
 from tiered_cache.device.pool import PagePool, check_tensor
 from tiered_cache.errors import PoolExhaustedError
@@ -46,6 +46,7 @@ from tiered_cache.staging import StagingBuffers
 from tiered_cache.tiers.base import BlobTier, TierStats
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.codec import BlobError, decode_page, encode_page
+from tiered_cache.tiers.factory import build_lower_tiers
 from tiered_cache.tiers.host import HostTier
 from tiered_cache.tiers.memtune import tune_malloc
 
@@ -106,7 +107,7 @@ class TieredCache:
             self.host = HostTier(spec, self.config.host_capacity, on_evict=self._host_evicted,
                                  retain=self._host_retain)
         self.tree = RadixTree(self.config.eviction_policy)
-        self.chain = TierChain(list(lower) if lower is not None else self._build_lower_tiers())
+        self.chain = TierChain(list(lower) if lower is not None else build_lower_tiers(self.config, spec.fingerprint))
         self.lower: list[BlobTier] = self.chain.tiers
         self.moves = Movements()
         self._lock = threading.RLock()
@@ -135,26 +136,6 @@ class TieredCache:
         self._spare = (SpareOutput(self._foreground, self.pool.num_pages * spec.bytes_per_page)
                        if self.config.spare_output and self.pool.kv.device.type == "cpu" else None)
         self._closed = False
-
-    def _build_lower_tiers(self) -> list[BlobTier]:
-        cfg = self.config
-        tiers: list[BlobTier] = []
-        for kind in cfg.lower_tiers:
-            if kind is LowerTier.DISK:
-                from tiered_cache.tiers.disk import DiskTier
-
-                tiers.append(DiskTier(cfg.disk_path or "", cfg.disk_capacity, fsync=cfg.disk_fsync))
-            elif kind is LowerTier.REDIS:
-                from tiered_cache.tiers.redis import RedisTier
-
-                tiers.append(RedisTier(cfg.redis_url, cfg.redis_prefix, cfg.redis_ttl_s, cfg.redis_timeout_s))
-            else:
-                from tiered_cache.tiers.remote import RemoteTier
-
-                tiers.append(RemoteTier(cfg.remote_addresses, cfg.remote_token, cfg.remote_tls_ca,
-                                        cfg.remote_timeout_s, fingerprint=bytes.fromhex(self.spec.fingerprint),
-                                        budget_s=cfg.remote_budget_s))
-        return tiers
 
     # --- tensor API ------------------------------------------------------------------------------
     @_request_path

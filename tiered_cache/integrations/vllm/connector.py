@@ -1,0 +1,192 @@
+"""`TieredCacheConnector`: tiered-cache as a vLLM V1 KV connector.
+
+    --kv-transfer-config '{"kv_connector": "TieredCacheConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"config": "cache.yaml"}}'
+
+Scheduler side: a request's prompt is hashed into page keys (one vLLM block = one page, the
+namespace is the request's cache salt), the tiers are asked how many leading full blocks they
+hold (always leaving one token to compute), and each step's metadata tells the worker which
+blocks to load and which to save: only blocks whose every token has been computed, never a
+partial one, and not blocks that were just loaded. Worker side: loads are decoded and copied into
+vLLM's KV before the forward pass (`start_load_kv`); saves are copied out of vLLM's KV after it
+(`wait_for_save`) and encoded and written on a background queue, so the forward never waits for
+disk, Redis or gRPC. A block that is missing or fails its checksum is reported through
+`get_block_ids_with_load_errors`, and vLLM recomputes it.
+
+`kv_connector_extra_config`: `config` (a tiered-cache YAML of `CacheConfig` settings: host
+capacity, lower tiers, disk path, Redis URL, store servers ...), any `CacheConfig` setting
+inline (wins over the file), and `model_id` when the weights cannot be identified otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from tiered_cache.config import CacheConfig
+from tiered_cache.integrations.vllm.identity import model_id_for, vllm_spec
+from tiered_cache.integrations.vllm.layout import gather_blocks, layout_of, scatter_blocks
+from tiered_cache.integrations.vllm.store import BlockStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+_EXTRA_KEYS = {"config", "model_id"}  # the rest of kv_connector_extra_config are CacheConfig settings
+
+
+@dataclass
+class BlockTransfer:
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class TieredCacheMetadata(KVConnectorMetadata):
+    loads: list[BlockTransfer] = field(default_factory=list)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    """Scheduler-side state of one request."""
+
+    num_prompt_tokens: int
+    keys: list[bytes]  # of the prompt's full blocks
+    block_ids: list[int] = field(default_factory=list)
+    load: tuple[int, int] | None = None  # blocks [a, b) to load before the next forward
+    saved: int = 0  # blocks before this one are saved (or were loaded from us)
+
+
+def cache_config_from(extra: dict[str, Any]) -> CacheConfig:
+    """The tiers' settings: the YAML named by `config`, then inline settings."""
+    base = CacheConfig.from_yaml(extra["config"]) if extra.get("config") else CacheConfig()
+    return CacheConfig.from_dict({k: v for k, v in extra.items() if k not in _EXTRA_KEYS}, base)
+
+
+class TieredCacheConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config = cache_config_from(extra)
+        model, parallel, cache = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+        dtype = model.dtype if cache.cache_dtype in (None, "auto") else cache.cache_dtype
+        self.block_size = cache.block_size
+        self.spec = vllm_spec(model_id_for(model.model, model.revision, extra.get("model_id")),
+                              model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
+                              str(dtype), self.block_size)
+        self.store = BlockStore.shared(self.spec, self.config)
+        self._requests: dict[str, _Request] = {}  # scheduler side
+        self._layers: list[torch.Tensor] = []  # worker side
+        self._kind = ""
+        self._failed: set[int] = set()
+
+    # --- scheduler side ---------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        tokens = list(request.prompt_token_ids or [])
+        namespace = getattr(request, "cache_salt", None) or self.config.namespace
+        state = _Request(len(tokens), self.store.keys(tokens, namespace))
+        self._requests[request.request_id] = state
+        usable = max(0, len(tokens) - 1) // self.block_size  # at least one token is computed
+        first = num_computed_tokens // self.block_size  # vLLM's own prefix cache holds these
+        held = self.store.leading(state.keys[:usable])
+        if held <= first:
+            return 0, False
+        state.load = (first, held)
+        return held * self.block_size - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is not None and num_external_tokens == 0:
+            state.load = None  # nothing allocated for a load: vLLM computes those tokens
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = TieredCacheMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan(meta, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                state.block_ids += new_ids[0]
+            self._plan(meta, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _plan(self, meta: TieredCacheMetadata, state: _Request, computed_after: int) -> None:
+        """This step's load (if one is pending) and the save of blocks this step completes."""
+        if state.load is not None:
+            a, b = state.load
+            meta.loads.append(BlockTransfer(state.keys[a:b], state.block_ids[a:b]))
+            state.saved, state.load = max(state.saved, b), None
+        # NOTE: only the prompt's full blocks, and only once all their tokens are computed.
+        full = min(min(computed_after, state.num_prompt_tokens) // self.block_size, len(state.keys),
+                   len(state.block_ids))
+        if full > state.saved:
+            last_tier = len(self.store.chain.tiers) - 1
+            todo = [i for i in range(state.saved, full) if not self.store.chain.known_in(state.keys[i], last_tier)]
+            if todo:
+                meta.saves.append(BlockTransfer([state.keys[i] for i in todo], [state.block_ids[i] for i in todo]))
+            state.saved = full
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None  # saves were copied out at each step: the blocks may be freed now
+
+    # --- worker side ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._layers = list(kv_caches.values())
+        if len(self._layers) != self.spec.num_layers:
+            raise ValueError(f"vLLM registered {len(self._layers)} KV layers, the model config says "
+                             f"{self.spec.num_layers}")
+        self._kind = layout_of(self._layers[0], self.spec.num_kv_heads, self.spec.head_dim)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredCacheMetadata)
+        for transfer in meta.loads:
+            pages, intact = self.store.load(transfer.keys)
+            good = [i for i, ok in enumerate(intact) if ok]
+            if good:
+                scatter_blocks(self._layers, [transfer.block_ids[i] for i in good], pages[good], self._kind,
+                               self.spec.head_dim)
+            self._failed.update(transfer.block_ids[i] for i, ok in enumerate(intact) if not ok)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # every block was copied in by start_load_kv, before the forward
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saved all layers at once in wait_for_save, after the forward
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TieredCacheMetadata)
+        for transfer in meta.saves:
+            # A copy now (vLLM may reuse the blocks after this step); encoding and writing later.
+            pages = gather_blocks(self._layers, transfer.block_ids, self._kind, self.spec.head_dim)
+            self.store.save(transfer.keys, pages.to(self.spec.dtype.torch).contiguous())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def shutdown(self) -> None:
+        self.store.flush(30.0)

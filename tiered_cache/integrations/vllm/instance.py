@@ -1,0 +1,95 @@
+"""One vLLM engine (CPU, float32) answering questions about the shipped document, with or without
+the tiered-cache connector; prints one JSON line. Run in the vLLM venv (`.venv-vllm`):
+
+    python -m tiered_cache.integrations.vllm.instance --model FOLDER --remote HOST:PORT -q "..." [-q ...]
+    python -m tiered_cache.integrations.vllm.instance --model FOLDER --no-connector -q "..."
+
+Tests and `bench vllm` start it as a separate process, as a second serving instance would be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+MODULE = "tiered_cache.integrations.vllm.connector"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a local Hugging Face model folder")
+    p.add_argument("-q", "--question", action="append", required=True, help="a question (repeat for several)")
+    p.add_argument("--doc-chars", type=int, default=2000, help="leading characters of the document (default 2000)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--no-connector", action="store_true", help="plain vLLM (its own prefix cache only)")
+    p.add_argument("--connector", default="TieredCacheConnector", help="TieredCacheConnector or ExampleConnector")
+    p.add_argument("--remote", action="append", default=[], help="a store server HOST:PORT")
+    p.add_argument("--disk", help="a disk tier folder (or ExampleConnector's storage folder)")
+    p.add_argument("--redis", help="a Redis tier URL")
+    p.add_argument("--model-id", help="the weights' identity, when the folder cannot give it")
+    return p.parse_args(argv)
+
+
+def transfer_config(args: argparse.Namespace) -> Any:
+    from vllm.config import KVTransferConfig
+
+    if args.connector == "ExampleConnector":
+        return KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both",
+                                kv_connector_extra_config={"shared_storage_path": args.disk})
+    tiers, extra = [], {}
+    if args.disk:
+        tiers.append("disk")
+        extra["disk_path"] = args.disk
+    if args.redis:
+        tiers.append("redis")
+        extra["redis_url"] = args.redis
+    if args.remote:
+        tiers.append("remote")
+        extra["remote_addresses"] = args.remote
+    extra["lower_tiers"] = tiers
+    if args.model_id:
+        extra["model_id"] = args.model_id
+    return KVTransferConfig(kv_connector="TieredCacheConnector", kv_connector_module_path=MODULE, kv_role="kv_both",
+                            kv_connector_extra_config=extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker here: one store
+    from vllm import LLM, SamplingParams
+
+    from tiered_cache.integrations.smollm2 import document
+
+    llm = LLM(model=args.model, dtype="float32", max_model_len=4096, seed=0, enable_prefix_caching=True,
+              kv_transfer_config=None if args.no_connector else transfer_config(args))
+    tokenizer = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    rows = []
+    for question in args.question:
+        content = f"{document()[:args.doc_chars]}\n\nQuestion: {question}\nAnswer in one sentence."
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                               add_generation_prompt=True)
+        started = time.perf_counter()
+        out = llm.generate([prompt], greedy, use_tqdm=False)[0]
+        rows.append({"question": question, "prompt_tokens": len(out.prompt_token_ids),
+                     "num_cached_tokens": out.num_cached_tokens or 0, "tokens": list(out.outputs[0].token_ids),
+                     "text": out.outputs[0].text, "latency_s": time.perf_counter() - started})
+    flushed = _flush_stores()
+    print(json.dumps({"rows": rows, "flushed": flushed}), flush=True)
+    return 0
+
+
+def _flush_stores() -> bool:
+    """Finish the background writes of this process's block stores before exiting."""
+    from tiered_cache.integrations.vllm import store
+
+    return all(s.flush(60.0) for s in list(store._STORES.values()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

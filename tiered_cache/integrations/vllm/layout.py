@@ -1,0 +1,51 @@
+"""vLLM's paged KV tensors <-> tiered-cache pages (vLLM-free, torch only).
+
+A vLLM block is one of our pages. Our pages for vLLM use the HND layout: per layer
+(2, kv_heads, block_size, head_dim), the order of vLLM's CPU cache, so a copy is a slice.
+Layouts understood, per layer tensor:
+- CPU:   (num_blocks, kv_heads, block_size, 2 * head_dim), K and V packed in the last dim;
+- flash: (2, num_blocks, block_size, kv_heads, head_dim) (CUDA backends), transposed on copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def layout_of(layer: torch.Tensor, kv_heads: int, head_dim: int) -> str:
+    """"cpu" or "flash" for one layer's KV tensor; ValueError naming the shape otherwise."""
+    shape = tuple(layer.shape)
+    if layer.dim() == 4 and shape[1] == kv_heads and shape[3] == 2 * head_dim:
+        return "cpu"
+    if layer.dim() == 5 and shape[0] == 2 and shape[3] == kv_heads and shape[4] == head_dim:
+        return "flash"
+    raise ValueError(f"unsupported vLLM KV layout {shape} for {kv_heads} KV heads of dim {head_dim}: "
+                     "expected (blocks, heads, block_size, 2*dim) or (2, blocks, block_size, heads, dim)")
+
+
+def gather_blocks(layers: Sequence[torch.Tensor], block_ids: Sequence[int], kind: str, head_dim: int) -> torch.Tensor:
+    """A copy of `block_ids` of every layer as pages: (n, layers, 2, kv_heads, block_size, head_dim)."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=layers[0].device)
+    per_layer = []
+    for layer in layers:
+        if kind == "cpu":
+            blocks = layer.index_select(0, index)  # (n, heads, bs, 2d)
+            per_layer.append(torch.stack((blocks[..., :head_dim], blocks[..., head_dim:]), dim=1))
+        else:
+            blocks = layer.index_select(1, index)  # (2, n, bs, heads, d)
+            per_layer.append(blocks.permute(1, 0, 3, 2, 4))
+    return torch.stack(per_layer, dim=1).cpu()
+
+
+def scatter_blocks(layers: Sequence[torch.Tensor], block_ids: Sequence[int], pages: torch.Tensor, kind: str,
+                   head_dim: int) -> None:
+    """Write `pages` (n, layers, 2, kv_heads, block_size, head_dim) into `block_ids` of every layer."""
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=layers[0].device)
+    for i, layer in enumerate(layers):
+        src = pages[:, i].to(device=layer.device, dtype=layer.dtype)  # (n, 2, heads, bs, d)
+        if kind == "cpu":
+            layer.index_copy_(0, index, torch.cat((src[:, 0], src[:, 1]), dim=-1))
+        else:
+            layer.index_copy_(1, index, src.permute(1, 0, 3, 2, 4))
