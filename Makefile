@@ -4,8 +4,9 @@
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
+VLLM_STAMP := .venv-vllm/.installed
 
-.PHONY: demo test lint fmt bench check-kernels clean install
+.PHONY: demo test lint fmt bench check-kernels clean install install-vllm
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -13,11 +14,18 @@ $(STAMP): pyproject.toml scripts/install.sh
 
 install: $(STAMP)
 
+# A second venv with vLLM (CPU build) for the connector's tests and `bench vllm`.
+$(VLLM_STAMP): pyproject.toml scripts/install_vllm.sh
+	bash scripts/install_vllm.sh
+	@touch $@
+
+install-vllm: $(VLLM_STAMP)
+
 # Two instances, one store server, one long document: instance B reuses A's KV instead of prefilling.
 demo: $(STAMP)
 	$(BIN)/tiered-cache demo
 
-test: $(STAMP) lint check-kernels
+test: $(STAMP) $(VLLM_STAMP) lint check-kernels
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
@@ -39,4 +47,4 @@ check-kernels:
 	else echo "check-kernels: no .cu files yet"; fi
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm build *.egg-info .pytest_cache .ruff_cache .hypothesis

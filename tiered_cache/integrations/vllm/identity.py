@@ -40,8 +40,8 @@ def checkpoint_identity(folder: str | Path) -> str:
 def model_id_for(model: str, revision: str | None, explicit: str | None = None) -> str:
     if explicit:
         return explicit
-    if Path(model).is_dir():
-        return f"{Path(model).name}@weights:{checkpoint_identity(model)}"
+    if Path(model).is_dir():  # the folder's name is left out: one checkpoint, any path, one id
+        return f"{_model_type(Path(model))}@weights:{checkpoint_identity(model)}"
     if revision:
         return f"{model}@{revision}"
     raise ValueError(f"cannot tell which weights {model!r} are: load it from a local folder, pass a revision "
@@ -53,3 +53,12 @@ def vllm_spec(model_id: str, num_layers: int, num_kv_heads: int, head_dim: int, 
     """One vLLM block = one page, HND layout (what vLLM's CPU cache holds per K and per V)."""
     return KVSpec(model_id=model_id, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                   dtype=DType.parse(dtype), page_size=block_size, layout=Layout.HND)
+
+
+def _model_type(folder: Path) -> str:
+    import json
+
+    try:
+        return str(json.loads((folder / "config.json").read_text()).get("model_type") or "model")
+    except (OSError, ValueError):
+        return "model"

@@ -16,8 +16,6 @@ import sys
 import time
 from typing import Any
 
-MODULE = "tiered_cache.integrations.vllm.connector"
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,6 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disk", help="a disk tier folder (or ExampleConnector's storage folder)")
     p.add_argument("--redis", help="a Redis tier URL")
     p.add_argument("--model-id", help="the weights' identity, when the folder cannot give it")
+    p.add_argument("--eager", action="store_true", help="no torch.compile: starts in seconds, runs slower")
     return p.parse_args(argv)
 
 
@@ -53,8 +52,8 @@ def transfer_config(args: argparse.Namespace) -> Any:
     extra["lower_tiers"] = tiers
     if args.model_id:
         extra["model_id"] = args.model_id
-    return KVTransferConfig(kv_connector="TieredCacheConnector", kv_connector_module_path=MODULE, kv_role="kv_both",
-                            kv_connector_extra_config=extra)
+    # No module path: the package's vLLM plugin entry point registers the connector by name.
+    return KVTransferConfig(kv_connector="TieredCacheConnector", kv_role="kv_both", kv_connector_extra_config=extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     from tiered_cache.integrations.smollm2 import document
 
     llm = LLM(model=args.model, dtype="float32", max_model_len=4096, seed=0, enable_prefix_caching=True,
+              enforce_eager=args.eager,
               kv_transfer_config=None if args.no_connector else transfer_config(args))
     tokenizer = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

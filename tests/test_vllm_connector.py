@@ -1,0 +1,69 @@
+"""The vLLM connector on a real vLLM engine (CPU build, in `.venv-vllm`, which `make test`
+builds), each instance its own process sharing a real store server: a second instance reuses
+the first one's document prefix with the same greedy answer, only full blocks are stored, and a
+dead store means recompute with the same answer."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tiered_cache.service.client import StoreClient
+from tiered_cache.service.process import StoreProcess
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+BLOCK = 128  # vLLM's block size on the CPU
+Q1, Q2 = "In what year was the lighthouse's lamp first lit?", "In what year was the light automated?"
+
+
+@pytest.fixture(scope="module")
+def model_folder() -> str:
+    if not VLLM_PYTHON.exists():
+        pytest.fail("the vLLM venv is missing: run `make install-vllm` (make test builds it)")
+    from tiered_cache.integrations.smollm2 import MODEL_DIR, cache_dir, load_model
+
+    load_model()  # converts SmolLM2's GGUF to a safetensors folder once
+    return str(cache_dir() / MODEL_DIR)
+
+
+def instance(model: str, *args: str) -> list[dict]:
+    """One vLLM engine in its own process (eager mode: it starts in seconds); its answers."""
+    proc = subprocess.run([str(VLLM_PYTHON), "-m", "tiered_cache.integrations.vllm.instance", "--model", model,
+                           "--eager", "--max-tokens", "12", *args], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(f"vLLM instance failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+
+
+@pytest.fixture(scope="module")
+def reference(model_folder) -> dict:
+    """Q2 answered by plain vLLM: no connector, empty prefix cache."""
+    return instance(model_folder, "--no-connector", "-q", Q2)[0]
+
+
+def test_a_second_instance_reuses_the_first_ones_prefix_through_the_store(model_folder, reference):
+    with StoreProcess(["--no-disk"]) as store:
+        first = instance(model_folder, "--remote", store.address, "-q", Q1)[0]
+        assert first["num_cached_tokens"] == 0
+        held = StoreClient(store.address).stats().tiers[0].pages
+        assert held == first["prompt_tokens"] // BLOCK  # full prompt blocks only: no partial block
+        second = instance(model_folder, "--remote", store.address, "-q", Q2)[0]
+        assert StoreClient(store.address).stats().tiers[0].pages == held  # B had nothing new to store
+    shared = min(first["prompt_tokens"], second["prompt_tokens"] - 1) // BLOCK * BLOCK
+    assert second["num_cached_tokens"] == shared > 0  # the document's blocks came from the store
+    assert second["tokens"] == reference["tokens"] and second["text"] == reference["text"]
+    assert reference["num_cached_tokens"] == 0
+
+
+def test_a_dead_store_means_recompute_and_the_same_answer(model_folder, reference):
+    store = StoreProcess(["--no-disk"])
+    store.start()
+    address = store.address
+    store.kill()
+    answer = instance(model_folder, "--remote", address, "-q", Q2)[0]
+    assert answer["num_cached_tokens"] == 0 and answer["tokens"] == reference["tokens"]
