@@ -27,7 +27,7 @@ def test_blocks_round_trip_through_pages_in_either_layout(make, kind):
     assert pages.shape == (2, LAYERS, 2, HEADS, BS, DIM)  # the HND staging shape of the spec
     spec = vllm_spec("m", LAYERS, HEADS, DIM, "float32", BS)
     assert pages.shape == spec.staging_shape(2)
-    scatter_blocks(dst, [1, 5], pages, kind, DIM)
+    scatter_blocks(dst, [1, 5], list(pages), kind, DIM)
     for s, d in zip(src, dst, strict=True):
         pick = (lambda t, b: t[b]) if kind == "cpu" else (lambda t, b: t[:, b])
         assert torch.equal(pick(d, 1), pick(s, 7)) and torch.equal(pick(d, 5), pick(s, 2))

@@ -72,6 +72,10 @@ def add_parser(commands: Any) -> None:
     codec.add_argument("--kv", help="a .pt file of real KV (layers, 2, tokens, heads, dim); default: "
                                     "SmolLM2-135M's KV of a shipped text when the demo extra is installed")
     subs.append(codec)
+    vllm = which.add_parser("vllm", help="TTFT of a second vLLM instance: recompute vs tiered-cache (store "
+                                         "server, disk, Redis) vs vLLM's ExampleConnector")
+    vllm.add_argument("--doc-chars", type=int, default=3000, help="document characters in each prompt (default 3000)")
+    subs.append(vllm)
     clus = which.add_parser("cluster", help="shared-prefix workload on a Ray cluster: workers alone vs a shared "
                                             "store with round robin vs with the prefix router, vs recompute")
     clus.add_argument("--address", help="an existing Ray cluster (default: start a local one for the run)")
@@ -207,6 +211,13 @@ def run(args: argparse.Namespace) -> int:
 
         rows = bench_engine(args.model, args.pages, args.requests, args.gap_ms)
         print(json.dumps([r.to_dict() for r in rows], indent=2) if args.json else render(rows))
+        return 0
+    if args.bench == "vllm":
+        from tiered_cache.bench.vllm_bench import bench_vllm
+        from tiered_cache.bench.vllm_bench import render as render_vllm
+
+        rows = bench_vllm(args.doc_chars, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        print(json.dumps([r.to_dict(rows[0]) for r in rows], indent=2) if args.json else render_vllm(rows))
         return 0
     if args.bench == "cluster":
         from workers.cluster_bench import bench_cluster, render

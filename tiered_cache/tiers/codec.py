@@ -292,6 +292,29 @@ def check_fingerprint(header: BlobHeader, fingerprint: bytes, model: str = "") -
                         f"{fingerprint.hex()[:16]}…{f' ({model})' if model else ''}", BlobFault.WRONG_FINGERPRINT)
 
 
+def _checked_payload(blob: Any, spec: KVSpec, key: bytes, check_crc: bool) -> tuple[BlobHeader, memoryview]:
+    """The header and payload of a blob that is the page `key` of `spec`; BlobError otherwise."""
+    header = verify_blob(blob, key, check_crc)
+    check_fingerprint(header, bytes.fromhex(spec.fingerprint), spec.model_id)
+    expected_shape = spec.staging_shape(1)[1:]
+    if header.shape != expected_shape or header.dtype is not spec.dtype or header.raw_len != spec.bytes_per_page:
+        raise BlobError(f"blob page is {header.shape} {header.dtype.value}, expected {expected_shape} "
+                        f"{spec.dtype.value}", BlobFault.WRONG_SHAPE)
+    payload = memoryview(blob).cast("B")[header.payload_offset:header.payload_offset + header.payload_len]
+    if header.codec is Codec.RAW and header.payload_len != header.raw_len:
+        raise BlobError(f"raw payload is {header.payload_len} bytes, expected {header.raw_len}")
+    return header, payload
+
+
+def page_view(blob: Any, spec: KVSpec, key: bytes, check_crc: bool = True) -> np.ndarray:
+    """The page's bytes (flat uint8), as `decode_page` gives them, but a read-only view into `blob`
+    when it is stored raw: no copy, for a caller that copies the page somewhere itself."""
+    header, payload = _checked_payload(blob, spec, key, check_crc)
+    if header.codec is Codec.RAW:
+        return np.frombuffer(payload, dtype=np.uint8)
+    return decode_page(blob, spec, key, check_crc=False)
+
+
 def decode_page(blob: Any, spec: KVSpec, key: bytes, out: np.ndarray | None = None,
                 check_crc: bool = True) -> np.ndarray:
     """The page's bytes (flat uint8, `spec.bytes_per_page` long), written into `out` if given.
@@ -299,18 +322,10 @@ def decode_page(blob: Any, spec: KVSpec, key: bytes, out: np.ndarray | None = No
     Raises BlobError for any mismatch with `spec` and `key`: corrupt KV is never returned.
     `check_crc=False` skips only the checksum, for a blob a tier verified a moment ago.
     """
-    header = verify_blob(blob, key, check_crc)
-    check_fingerprint(header, bytes.fromhex(spec.fingerprint), spec.model_id)
-    expected_shape = spec.staging_shape(1)[1:]
-    if header.shape != expected_shape or header.dtype is not spec.dtype or header.raw_len != spec.bytes_per_page:
-        raise BlobError(f"blob page is {header.shape} {header.dtype.value}, expected {expected_shape} "
-                        f"{spec.dtype.value}", BlobFault.WRONG_SHAPE)
+    header, payload = _checked_payload(blob, spec, key, check_crc)
     if out is None:
         out = np.empty(spec.bytes_per_page, dtype=np.uint8)
-    payload = memoryview(blob).cast("B")[header.payload_offset:header.payload_offset + header.payload_len]
     if header.codec is Codec.RAW:
-        if header.payload_len != header.raw_len:
-            raise BlobError(f"raw payload is {header.payload_len} bytes, expected {header.raw_len}")
         out[:] = np.frombuffer(payload, dtype=np.uint8)
     elif header.codec is Codec.INT8:
         _int8_decode(payload, spec, out)

@@ -20,6 +20,9 @@ inline (wins over the file), and `model_id` when the weights cannot be identifie
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
+_TIMING = bool(os.environ.get("TIERED_CACHE_VLLM_TIMING"))  # print each lookup's and load's time
 _EXTRA_KEYS = {"config", "model_id"}  # the rest of kv_connector_extra_config are CacheConfig settings
 
 
@@ -99,7 +103,11 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._requests[request.request_id] = state
         usable = max(0, len(tokens) - 1) // self.block_size  # at least one token is computed
         first = num_computed_tokens // self.block_size  # vLLM's own prefix cache holds these
+        t0 = time.perf_counter()
         held = self.store.leading(state.keys[:usable])
+        if _TIMING:
+            print(f"[tiered-cache] lookup {usable} blocks: {held} held, {1e3 * (time.perf_counter() - t0):.1f} ms",
+                  file=sys.stderr, flush=True)
         if held <= first:
             return 0, False
         state.load = (first, held)
@@ -163,12 +171,16 @@ class TieredCacheConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieredCacheMetadata)
         for transfer in meta.loads:
-            pages, intact = self.store.load(transfer.keys)
-            good = [i for i, ok in enumerate(intact) if ok]
-            if good:
-                scatter_blocks(self._layers, [transfer.block_ids[i] for i in good], pages[good], self._kind,
-                               self.spec.head_dim)
-            self._failed.update(transfer.block_ids[i] for i, ok in enumerate(intact) if not ok)
+            t0 = time.perf_counter()
+            pages = self.store.load(transfer.keys)
+            t1 = time.perf_counter()
+            good = [i for i, page in enumerate(pages) if page is not None]
+            scatter_blocks(self._layers, [transfer.block_ids[i] for i in good], [pages[i] for i in good],
+                           self._kind, self.spec.head_dim)
+            self._failed.update(transfer.block_ids[i] for i, page in enumerate(pages) if page is None)
+            if _TIMING:
+                print(f"[tiered-cache] load {len(transfer.keys)} blocks: fetch+decode {1e3 * (t1 - t0):.1f} ms, "
+                      f"copy in {1e3 * (time.perf_counter() - t1):.1f} ms", file=sys.stderr, flush=True)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every block was copied in by start_load_kv, before the forward

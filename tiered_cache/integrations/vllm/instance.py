@@ -30,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--redis", help="a Redis tier URL")
     p.add_argument("--model-id", help="the weights' identity, when the folder cannot give it")
     p.add_argument("--eager", action="store_true", help="no torch.compile: starts in seconds, runs slower")
+    p.add_argument("--warmup", action="store_true", help="answer an unrelated prompt first (not reported)")
+    p.add_argument("--doc-per-question", action="store_true",
+                   help="question i asks about the i-th slice of the document (no prefix shared between them)")
     return p.parse_args(argv)
 
 
@@ -70,8 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rows = []
-    for question in args.question:
-        content = f"{document()[:args.doc_chars]}\n\nQuestion: {question}\nAnswer in one sentence."
+    if args.warmup:  # first-request costs (allocations, lazy init) stay out of the timed rows
+        llm.generate(["Say hello."], greedy, use_tqdm=False)
+    for i, question in enumerate(args.question):
+        start = i * args.doc_chars if args.doc_per_question else 0
+        content = f"{document()[start:start + args.doc_chars]}\n\nQuestion: {question}\nAnswer in one sentence."
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                add_generation_prompt=True)
         started = time.perf_counter()

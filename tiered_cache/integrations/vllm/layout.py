@@ -39,13 +39,15 @@ def gather_blocks(layers: Sequence[torch.Tensor], block_ids: Sequence[int], kind
     return torch.stack(per_layer, dim=1).cpu()
 
 
-def scatter_blocks(layers: Sequence[torch.Tensor], block_ids: Sequence[int], pages: torch.Tensor, kind: str,
-                   head_dim: int) -> None:
-    """Write `pages` (n, layers, 2, kv_heads, block_size, head_dim) into `block_ids` of every layer."""
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=layers[0].device)
-    for i, layer in enumerate(layers):
-        src = pages[:, i].to(device=layer.device, dtype=layer.dtype)  # (n, 2, heads, bs, d)
-        if kind == "cpu":
-            layer.index_copy_(0, index, torch.cat((src[:, 0], src[:, 1]), dim=-1))
-        else:
-            layer.index_copy_(1, index, src.permute(1, 0, 3, 2, 4))
+def scatter_blocks(layers: Sequence[torch.Tensor], block_ids: Sequence[int], pages: Sequence[torch.Tensor],
+                   kind: str, head_dim: int) -> None:
+    """Write each page (layers, 2, kv_heads, block_size, head_dim) into its block of every layer,
+    straight from the page (no intermediate tensor)."""
+    for block, page in zip(block_ids, pages, strict=True):
+        for i, layer in enumerate(layers):
+            if kind == "cpu":
+                layer[block, :, :, :head_dim].copy_(page[i, 0])
+                layer[block, :, :, head_dim:].copy_(page[i, 1])
+            else:
+                layer[0, block].copy_(page[i, 0].transpose(0, 1))
+                layer[1, block].copy_(page[i, 1].transpose(0, 1))

@@ -11,6 +11,7 @@ process (the usual single-GPU engine) share it, so the scheduler sees what the w
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -21,7 +22,7 @@ from tiered_cache.demotion import BACKGROUND_NICE, BackgroundQueue
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.codec import BlobError, decode_page, encode_page
+from tiered_cache.tiers.codec import BlobError, encode_page, page_view
 from tiered_cache.tiers.factory import build_lower_tiers
 from tiered_cache.tiers.memory import MemoryTier
 
@@ -63,23 +64,25 @@ class BlockStore:
         where = self.chain.locate(keys, leading=True)
         return next((i for i, w in enumerate(where) if w is None), len(where))
 
-    def load(self, keys: Sequence[bytes]) -> tuple[torch.Tensor, list[bool]]:
-        """Pages (n, layers, 2, heads, block_size, dim) for `keys` and which of them arrived intact.
-        A block missing or refused on decode is False: the caller must not use its page."""
-        pages = torch.empty(self.spec.staging_shape(len(keys)), dtype=self.spec.dtype.torch)
-        flat = pages.view(len(keys), -1).view(torch.uint8).numpy() if keys else None
-        ok = []
-        for i, (key, blob) in enumerate(zip(keys, self.chain.fetch(list(keys)), strict=True)):
+    def load(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """Each key's page (layers, 2, heads, block_size, dim), or None when it is missing or refused
+        on decode (the caller must not use that block). A raw page is a view into its blob: no copy."""
+        shape = self.spec.staging_shape(1)[1:]
+        out: list[torch.Tensor | None] = []
+        for key, blob in zip(keys, self.chain.fetch(list(keys)), strict=True):
             if blob is None:
-                ok.append(False)
+                out.append(None)
                 continue
             try:
-                decode_page(blob, self.spec, key, out=flat[i], check_crc=False)  # tiers verified it
-                ok.append(True)
+                flat = page_view(blob, self.spec, key, check_crc=False)  # the tier verified it
             except BlobError:
                 self.load_errors += 1
-                ok.append(False)
-        return pages, ok
+                out.append(None)
+                continue
+            with warnings.catch_warnings():  # a read-only view: only ever read from
+                warnings.simplefilter("ignore", UserWarning)
+                out.append(torch.from_numpy(flat).view(self.spec.dtype.torch).view(shape))
+        return out
 
     def save(self, keys: Sequence[bytes], pages: torch.Tensor) -> bool:
         """Queue `pages` (a copy the caller no longer touches) to be encoded and written below."""

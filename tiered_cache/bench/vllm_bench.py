@@ -1,0 +1,100 @@
+"""`tiered-cache bench vllm`: time to first token of a second vLLM instance asking what a first
+one asked, each way in one run: recompute (plain vLLM), our connector through a store server,
+disk and Redis, and vLLM's own `ExampleConnector` (disk).
+
+Each way: instance A (its own process) answers the questions, storing the blocks; instance B (a
+fresh process, cold vLLM prefix cache) answers them again with `max_tokens=1`, so its request
+latency is its TTFT. Each question is about another slice of the document, so vLLM's own prefix
+cache cannot help between them. Both run vLLM's CPU build in `.venv-vllm`, eager mode. Exact
+repeats, since `ExampleConnector` only finds a prompt it stored whole.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+QUESTIONS = ["In what year was the lighthouse's lamp first lit?", "Who was the first keeper of the light?",
+             "In what year was the light automated?"]
+
+
+@dataclass
+class VllmRow:
+    way: str
+    prompt_tokens: float
+    cached_tokens: float
+    ttft_s: float
+    answers: list[list[int]]
+
+    def to_dict(self, recompute: VllmRow) -> dict[str, Any]:
+        return {"way": self.way, "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+                "ttft_s": self.ttft_s, "speedup_vs_recompute": recompute.ttft_s / self.ttft_s,
+                "answers_match_recompute": self.answers == recompute.answers}
+
+
+def _instance(python: Path, model: str, args: list[str], doc_chars: int) -> list[dict[str, Any]]:
+    cmd = [str(python), "-m", "tiered_cache.integrations.vllm.instance", "--model", model, "--eager", "--warmup",
+           "--max-tokens", "1", "--doc-chars", str(doc_chars), "--doc-per-question", *args]
+    for q in QUESTIONS:
+        cmd += ["-q", q]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM instance failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+
+
+def _row(way: str, rows: list[dict[str, Any]]) -> VllmRow:
+    n = len(rows)
+    return VllmRow(way, sum(r["prompt_tokens"] for r in rows) / n, sum(r["num_cached_tokens"] for r in rows) / n,
+                   sum(r["latency_s"] for r in rows) / n, [r["tokens"] for r in rows])
+
+
+def bench_vllm(doc_chars: int = 3000, progress: Callable[[str], None] = lambda _: None) -> list[VllmRow]:
+    from tiered_cache.integrations.smollm2 import MODEL_DIR, cache_dir, load_model
+    from tiered_cache.service.process import StoreProcess
+    from tiered_cache.tiers.redis_process import RedisServer
+
+    python = REPO / ".venv-vllm" / "bin" / "python"
+    if not python.exists():
+        raise FileNotFoundError(f"{python} is missing: run `make install-vllm`")
+    load_model()  # the safetensors folder vLLM loads
+    model = str(cache_dir() / MODEL_DIR)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tiered-cache-bench-vllm-") as tmp:
+        redis = RedisServer(Path(tmp), maxmemory="1gb")
+        redis.start()
+        try:
+            with StoreProcess(["--no-disk", "--ram", "1GiB"]) as store:
+                ways = [("recompute (plain vLLM)", ["--no-connector"]),
+                        ("tiered-cache: store server", ["--remote", store.address]),
+                        ("tiered-cache: disk", ["--disk", f"{tmp}/disk"]),
+                        ("tiered-cache: Redis", ["--redis", redis.url]),
+                        ("vLLM ExampleConnector: disk", ["--connector", "ExampleConnector", "--disk", f"{tmp}/ex"])]
+                for way, args in ways:
+                    if "--no-connector" not in args:
+                        progress(f"{way}: instance A stores ...")
+                        _instance(python, model, args, doc_chars)
+                    progress(f"{way}: instance B asks again ...")
+                    rows.append(_row(way, _instance(python, model, args, doc_chars)))
+        finally:
+            redis.stop()
+    return rows
+
+
+def render(rows: list[VllmRow]) -> str:
+    from tiered_cache.cli.table import render_table
+
+    base = rows[0]
+    table = render_table([[r.way, f"{r.prompt_tokens:,.0f}", f"{r.cached_tokens:,.0f}", f"{r.ttft_s * 1e3:,.0f} ms",
+                           f"{base.ttft_s / r.ttft_s:.2f}x", "yes" if r.answers == base.answers else "NO"]
+                          for r in rows],
+                         ["way (instance B, a fresh process)", "prompt tokens", "cached tokens", "mean TTFT",
+                          "vs recompute", "same tokens"], align_right=range(1, 5))
+    return f"{table}\n(SmolLM2-135M, vLLM {sys.platform} CPU build, eager; {len(QUESTIONS)} questions per instance)"
