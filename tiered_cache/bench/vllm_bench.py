@@ -4,7 +4,8 @@ disk and Redis, and vLLM's own `ExampleConnector` (disk).
 
 Each way: instance A (its own process) answers the questions, storing the blocks; instance B (a
 fresh process, cold vLLM prefix cache) answers them again with `max_tokens=1`, so its request
-latency is its TTFT. Each question is about another slice of the document, so vLLM's own prefix
+latency is its TTFT. The RAM tier is per process, so its way is one process asking twice with
+vLLM's own prefix cache off. Each question is about another slice of the document, so vLLM's own prefix
 cache cannot help between them. Both run vLLM's CPU build in `.venv-vllm`, eager mode. Exact
 repeats, since `ExampleConnector` only finds a prompt it stored whole.
 """
@@ -73,12 +74,13 @@ def bench_vllm(doc_chars: int = 3000, progress: Callable[[str], None] = lambda _
         try:
             with StoreProcess(["--no-disk", "--ram", "1GiB"]) as store:
                 ways = [("recompute (plain vLLM)", ["--no-connector"]),
+                        ("tiered-cache: RAM tier, same process", ["--repeat", "--no-prefix-caching"]),
                         ("tiered-cache: store server", ["--remote", store.address]),
                         ("tiered-cache: disk", ["--disk", f"{tmp}/disk"]),
                         ("tiered-cache: Redis", ["--redis", redis.url]),
                         ("vLLM ExampleConnector: disk", ["--connector", "ExampleConnector", "--disk", f"{tmp}/ex"])]
                 for way, args in ways:
-                    if "--no-connector" not in args:
+                    if "--no-connector" not in args and "--repeat" not in args:
                         progress(f"{way}: instance A stores ...")
                         _instance(python, model, args, doc_chars)
                     progress(f"{way}: instance B asks again ...")
