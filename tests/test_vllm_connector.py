@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 BLOCK = 128  # vLLM's block size on the CPU
 Q1, Q2 = "In what year was the lighthouse's lamp first lit?", "In what year was the light automated?"
+Q3 = "Who was the first keeper of the light?"
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,13 @@ def instance(model: str, *args: str) -> list[dict]:
     if proc.returncode != 0:
         raise AssertionError(f"vLLM instance failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+
+
+@pytest.fixture(scope="module")
+def references(model_folder) -> list[dict]:
+    """Q2, then Q3 (another slice of the document), answered by plain vLLM."""
+    return instance(model_folder, "--no-connector", "--doc-per-question", "--doc-chars", "1500",
+                    "-q", Q2, "-q", Q3)
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +75,17 @@ def test_a_dead_store_means_recompute_and_the_same_answer(model_folder, referenc
     store.kill()
     answer = instance(model_folder, "--remote", address, "-q", Q2)[0]
     assert answer["num_cached_tokens"] == 0 and answer["tokens"] == reference["tokens"]
+
+
+def test_the_store_killed_mid_run_means_recompute_and_the_same_answers(model_folder, references):
+    """B's first answer reuses A's blocks; then the store is SIGKILLed; B's second answer (blocks
+    A stored too) is computed instead, with the same tokens, and nothing hangs."""
+    args = ["--doc-per-question", "--doc-chars", "1500", "-q", Q2, "-q", Q3]
+    with StoreProcess(["--no-disk"]) as store:
+        instance(model_folder, "--remote", store.address, *args)
+        assert store.proc is not None
+        first, second = instance(model_folder, "--remote", store.address, "--kill-after-first",
+                                 str(store.proc.pid), *args)
+        assert store.proc.wait(timeout=10) == -9
+    assert first["num_cached_tokens"] > 0 and second["num_cached_tokens"] == 0
+    assert [first["tokens"], second["tokens"]] == [r["tokens"] for r in references]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -35,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ask every question twice and report the second pass (with --no-prefix-caching: "
                         "the connector's own RAM tier serves it)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn vLLM's own prefix cache off")
+    p.add_argument("--kill-after-first", type=int, metavar="PID",
+                   help="(fault tests) SIGKILL this process, e.g. the store server, after the first answer")
     p.add_argument("--doc-per-question", action="store_true",
                    help="question i asks about the i-th slice of the document (no prefix shared between them)")
     return p.parse_args(argv)
@@ -91,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"question": question, "prompt_tokens": len(out.prompt_token_ids),
                      "num_cached_tokens": out.num_cached_tokens or 0, "tokens": list(out.outputs[0].token_ids),
                      "text": out.outputs[0].text, "latency_s": time.perf_counter() - started})
+        if args.kill_after_first and len(rows) == 1:
+            os.kill(args.kill_after_first, signal.SIGKILL)
         if args.repeat and len(rows) == len(asked):
             _flush_stores()  # the first pass's saves are written before the second pass asks
     rows = rows[len(asked):] if args.repeat else rows
