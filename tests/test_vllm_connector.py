@@ -89,3 +89,32 @@ def test_the_store_killed_mid_run_means_recompute_and_the_same_answers(model_fol
         assert store.proc.wait(timeout=10) == -9
     assert first["num_cached_tokens"] > 0 and second["num_cached_tokens"] == 0
     assert [first["tokens"], second["tokens"]] == [r["tokens"] for r in references]
+
+
+@pytest.fixture(scope="module")
+def tuned_folder(model_folder, tmp_path_factory) -> str:
+    """SmolLM2 "fine-tuned": every weight nudged, same geometry, tokenizer and config."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("smollm2-tuned")
+    for path in Path(model_folder).iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, folder / path.name)
+    for path in Path(model_folder).glob("*.safetensors"):
+        weights = load_file(path)
+        save_file({k: v + 1e-3 * torch.randn_like(v) for k, v in weights.items()}, folder / path.name,
+                  metadata={"format": "pt"})
+    return str(folder)
+
+
+def test_a_fine_tune_never_reads_its_base_models_blocks(model_folder, tuned_folder):
+    with StoreProcess(["--no-disk"]) as store:
+        base = instance(model_folder, "--remote", store.address, "-q", Q1)[0]
+        held = StoreClient(store.address).stats().tiers[0].pages
+        assert held == base["prompt_tokens"] // BLOCK
+        tuned = instance(tuned_folder, "--remote", store.address, "-q", Q1)[0]
+        assert tuned["num_cached_tokens"] == 0  # same prompt, same geometry, other weights: no block shared
+        assert StoreClient(store.address).stats().tiers[0].pages == 2 * held  # its own blocks, beside the base's
