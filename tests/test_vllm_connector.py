@@ -118,3 +118,14 @@ def test_a_fine_tune_never_reads_its_base_models_blocks(model_folder, tuned_fold
         tuned = instance(tuned_folder, "--remote", store.address, "-q", Q1)[0]
         assert tuned["num_cached_tokens"] == 0  # same prompt, same geometry, other weights: no block shared
         assert StoreClient(store.address).stats().tiers[0].pages == 2 * held  # its own blocks, beside the base's
+
+
+def test_tiers_from_a_yaml_file_named_in_the_extra_config(model_folder, reference, tmp_path):
+    config = tmp_path / "cache.yaml"
+    config.write_text(f"lower_tiers: [disk]\ndisk_path: {tmp_path / 'blocks'}\nhost_capacity: 64MiB\n")
+    first = instance(model_folder, "--config", str(config), "-q", Q1)[0]
+    blocks = sorted((tmp_path / "blocks").rglob("*"))
+    pages = [b for b in blocks if b.is_file() and b.name != ".lock"]
+    assert len(pages) >= first["prompt_tokens"] // BLOCK  # written through to the disk tier the file names
+    second = instance(model_folder, "--config", str(config), "-q", Q2)[0]
+    assert second["num_cached_tokens"] > 0 and second["tokens"] == reference["tokens"]

@@ -30,6 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--disk", help="a disk tier folder (or ExampleConnector's storage folder)")
     p.add_argument("--redis", help="a Redis tier URL")
     p.add_argument("--model-id", help="the weights' identity, when the folder cannot give it")
+    p.add_argument("--config", help="a tiered-cache YAML of CacheConfig settings (kv_connector_extra_config.config)")
     p.add_argument("--eager", action="store_true", help="no torch.compile: starts in seconds, runs slower")
     p.add_argument("--warmup", action="store_true", help="answer an unrelated prompt first (not reported)")
     p.add_argument("--repeat", action="store_true",
@@ -59,7 +60,10 @@ def transfer_config(args: argparse.Namespace) -> Any:
     if args.remote:
         tiers.append("remote")
         extra["remote_addresses"] = args.remote
-    extra["lower_tiers"] = tiers
+    if tiers or not args.config:
+        extra["lower_tiers"] = tiers
+    if args.config:
+        extra["config"] = args.config
     if args.model_id:
         extra["model_id"] = args.model_id
     # No module path: the package's vLLM plugin entry point registers the connector by name.
