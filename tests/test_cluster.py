@@ -190,7 +190,7 @@ def test_a_restarted_directory_finds_the_running_actors_again(actors):
 
     wait_for(lambda: members() == running, timeout_s=30, what="the new directory to find every running actor")
     shards = sorted(ray.get(ray.get_actor(n).ping.remote()) for n in running if n.startswith("shard-"))
-    for worker in (a, b):  # they follow the new directory: a newer version, the same live shards
-        wait_for(lambda w=worker: ray.get(w.info.remote())["ring_version"] > before[w]["ring_version"],
-                 timeout_s=30, what="a worker to follow the new directory")
-        assert ray.get(worker.info.remote())["shards"] == shards
+    for worker in (a, b):  # they follow the new directory (a newer version) and never lost a shard
+        info = wait_for(lambda w=worker: (i := ray.get(w.info.remote()))["ring_version"] > before[w]["ring_version"]
+                        and i, timeout_s=30, what="a worker to follow the new directory")
+        assert info["shards"] == shards

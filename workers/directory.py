@@ -13,6 +13,7 @@ the running shards and workers by their names in the namespace within a few seco
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -25,7 +26,8 @@ from workers.names import SHARD_PREFIX, WORKER_PREFIX
 
 SHARD, WORKER = "shard", "worker"
 log = logging.getLogger("tiered_cache.workers.directory")
-_DISCOVER_EVERY = 5  # health rounds between two looks for named actors that are not members
+_DISCOVER_EVERY = 5
+_READY_TIMEOUT_S = 10.0  # health rounds between two looks for named actors that are not members
 
 
 @dataclass
@@ -46,11 +48,22 @@ class ClusterDirectory:
         # Versions start at the clock (µs), so a restarted directory's never repeat an old one's.
         self.version = time.time_ns() // 1000
         self._health: asyncio.Task[None] | None = None
+        self._ready: asyncio.Event | None = None  # set once the first discovery round is done
 
     def _watch(self) -> None:
         # Started from the first call: an async actor's loop is running by then.
         if self._health is None:
+            self._ready = asyncio.Event()
             self._health = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def _discovered(self) -> None:
+        """Answer about members only after the first discovery round: a restarted directory must
+        not tell workers "no shards" (they would empty their rings) before it has looked."""
+        self._watch()
+        assert self._ready is not None
+        if not self._ready.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):  # then answer with what is known
+                await asyncio.wait_for(self._ready.wait(), timeout=_READY_TIMEOUT_S)
 
     async def register(self, kind: str, name: str, address: str, node_id: str) -> int:
         """Add or refresh a member; returns the directory version."""
@@ -72,12 +85,12 @@ class ClusterDirectory:
 
     async def shards(self) -> tuple[int, list[str]]:
         """(version, the live shards' addresses, sorted)."""
-        self._watch()
+        await self._discovered()
         return self.version, sorted(m.address for m in self.members.values() if m.kind == SHARD)
 
     async def snapshot(self) -> dict[str, Any]:
         """Every member: kind, name, address, node and how long it has been registered."""
-        self._watch()
+        await self._discovered()
         now = time.time()
         members = sorted(self.members.values(), key=lambda m: m.name)
         return {"version": self.version,
@@ -89,22 +102,30 @@ class ClusterDirectory:
 
     async def _discover(self) -> None:
         """Register the cluster's named shards and workers that are not members: after this
-        directory was restarted, nobody would register again (they did so once, at start)."""
-        for name in ray.util.list_named_actors():
-            if name in self.members or not name.startswith((SHARD_PREFIX, WORKER_PREFIX)):
-                continue
-            try:
-                handle = ray.get_actor(name)
-                info = await asyncio.wait_for(handle.info.remote(), timeout=max(2.0, self.health_interval_s))
-            except (asyncio.TimeoutError, ValueError, ray.exceptions.RayError):
-                continue  # still starting (it registers itself when ready) or already gone
-            await self.register(info["kind"], name, info.get("address", ""), info["node_id"])
+        directory was restarted, nobody would register again (they did so once, at start).
+        Asked all at once: an actor still starting (it registers itself when ready) costs one
+        timeout, not one each."""
+        names = [n for n in ray.util.list_named_actors()
+                 if n not in self.members and n.startswith((SHARD_PREFIX, WORKER_PREFIX))]
+        infos = await asyncio.gather(*(self._info(n) for n in names))
+        for name, info in zip(names, infos, strict=True):
+            if info is not None and name not in self.members:
+                await self.register(info["kind"], name, info.get("address", ""), info["node_id"])
+
+    async def _info(self, name: str) -> dict[str, Any] | None:
+        try:
+            handle = ray.get_actor(name)
+            return await asyncio.wait_for(handle.info.remote(), timeout=max(2.0, self.health_interval_s))
+        except (asyncio.TimeoutError, ValueError, ray.exceptions.RayError):
+            return None  # still starting, or already gone
 
     async def _health_loop(self) -> None:
         for beat in itertools.count():
             try:
                 if beat % _DISCOVER_EVERY == 0:
                     await self._discover()
+                    assert self._ready is not None
+                    self._ready.set()
                 await asyncio.sleep(self.health_interval_s)
                 await self._check_members()
             except Exception:  # one bad round must not end the loop: it is the directory's heartbeat
