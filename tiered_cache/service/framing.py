@@ -22,15 +22,17 @@ class ReceivedBlob:
 
     __slots__ = ("blob", "fingerprint", "key")
 
-    def __init__(self, key: bytes, blob: bytes, fingerprint: bytes = b"") -> None:
+    def __init__(self, key: bytes, blob: bytes | memoryview, fingerprint: bytes = b"") -> None:
         self.key, self.blob, self.fingerprint = key, blob, fingerprint
 
 
 def parse_page_blob(data: bytes) -> ReceivedBlob:
-    """The fields of a serialized `PageBlob`, with one copy of the blob (the message class copies
-    it in, then again into a Python `bytes` on access). Unknown fields are skipped as protobuf
-    requires; a malformed message raises ValueError."""
-    fields = {1: b"", 2: b"", 3: b""}
+    """The fields of a serialized `PageBlob`. The blob is a read-only view into `data`, not a copy
+    (the message class copies it in, then again into a Python `bytes` on access): a fresh multi-MiB
+    buffer per page costs first-touch page faults that, in a busy engine process, took longer
+    than the network. Unknown fields are skipped as protobuf requires; a malformed message raises
+    ValueError."""
+    fields: dict[int, bytes | memoryview] = {1: b"", 2: b"", 3: b""}
     view, pos, end = memoryview(data), 0, len(data)
     while pos < end:
         tag, pos = _read_varint(view, pos)
@@ -39,7 +41,9 @@ def parse_page_blob(data: bytes) -> ReceivedBlob:
             length, pos = _read_varint(view, pos)
             if pos + length > end:
                 raise ValueError("PageBlob field runs past the message")
-            if number in fields:
+            if number == 2:
+                fields[2] = view[pos:pos + length]
+            elif number in fields:
                 fields[number] = bytes(view[pos:pos + length])
             pos += length
         elif wire == 0:
@@ -50,7 +54,7 @@ def parse_page_blob(data: bytes) -> ReceivedBlob:
             raise ValueError(f"PageBlob has a field of unsupported wire type {wire}")
     if pos != end:
         raise ValueError("PageBlob is truncated")
-    return ReceivedBlob(fields[1], fields[2], fields[3])
+    return ReceivedBlob(bytes(fields[1]), fields[2], bytes(fields[3]))
 
 
 def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:

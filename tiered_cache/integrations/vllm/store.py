@@ -25,6 +25,7 @@ from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.codec import BlobError, encode_page, page_view
 from tiered_cache.tiers.factory import build_lower_tiers
 from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.memtune import tune_malloc
 
 _STORES: dict[tuple[str, str], BlockStore] = {}
 _STORES_LOCK = threading.Lock()
@@ -34,6 +35,8 @@ class BlockStore:
     def __init__(self, spec: KVSpec, config: CacheConfig) -> None:
         self.spec = spec
         self.config = config
+        if config.malloc_tuning:
+            tune_malloc()  # else every fetch pays first-touch page faults on fresh buffers
         tiers = [MemoryTier(config.host_capacity), *build_lower_tiers(config, spec.fingerprint)]
         self.chain = TierChain(tiers)
         self.writer = BackgroundQueue("vllm-block-saver", capacity=config.demotion_queue, nice=BACKGROUND_NICE)
