@@ -32,13 +32,18 @@ def model_folder() -> str:
     return str(cache_dir() / MODEL_DIR)
 
 
-def instance(model: str, *args: str) -> list[dict]:
-    """One vLLM engine in its own process (eager mode: it starts in seconds); its answers."""
+def run_instance(model: str, *args: str) -> dict:
+    """One vLLM engine in its own process (eager mode: it starts in seconds): its answers
+    (`rows`) and what its block stores did (`stores`)."""
     proc = subprocess.run([str(VLLM_PYTHON), "-m", "tiered_cache.integrations.vllm.instance", "--model", model,
                            "--eager", "--max-tokens", "12", *args], capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise AssertionError(f"vLLM instance failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def instance(model: str, *args: str) -> list[dict]:
+    return run_instance(model, *args)["rows"]
 
 
 @pytest.fixture(scope="module")
@@ -54,13 +59,17 @@ def reference(model_folder) -> dict:
     return instance(model_folder, "--no-connector", "-q", Q2)[0]
 
 
-def test_a_second_instance_reuses_the_first_ones_prefix_through_the_store(model_folder, reference):
+@pytest.mark.parametrize("groups", ["auto", "1"])
+def test_a_second_instance_reuses_the_first_ones_prefix_through_the_store(model_folder, reference, groups):
+    """Loaded layer group by layer group (auto: SmolLM2's 30 layers as 6 pages a block) or whole
+    blocks before the forward (1): the same answer either way."""
     with StoreProcess(["--no-disk"]) as store:
-        first = instance(model_folder, "--remote", store.address, "-q", Q1)[0]
-        assert first["num_cached_tokens"] == 0
+        out = run_instance(model_folder, "--remote", store.address, "--layer-groups", groups, "-q", Q1)
+        first, pages_per_block = out["rows"][0], out["stores"][0]["layer_groups"]
+        assert first["num_cached_tokens"] == 0 and pages_per_block == (6 if groups == "auto" else 1)
         held = StoreClient(store.address).stats().tiers[0].pages
-        assert held == first["prompt_tokens"] // BLOCK  # full prompt blocks only: no partial block
-        second = instance(model_folder, "--remote", store.address, "-q", Q2)[0]
+        assert held == first["prompt_tokens"] // BLOCK * pages_per_block  # full prompt blocks only
+        second = instance(model_folder, "--remote", store.address, "--layer-groups", groups, "-q", Q2)[0]
         assert StoreClient(store.address).stats().tiers[0].pages == held  # B had nothing new to store
     shared = min(first["prompt_tokens"], second["prompt_tokens"] - 1) // BLOCK * BLOCK
     assert second["num_cached_tokens"] == shared > 0  # the document's blocks came from the store
@@ -112,9 +121,10 @@ def tuned_folder(model_folder, tmp_path_factory) -> str:
 
 def test_a_fine_tune_never_reads_its_base_models_blocks(model_folder, tuned_folder):
     with StoreProcess(["--no-disk"]) as store:
-        base = instance(model_folder, "--remote", store.address, "-q", Q1)[0]
+        out = run_instance(model_folder, "--remote", store.address, "-q", Q1)
+        base = out["rows"][0]
         held = StoreClient(store.address).stats().tiers[0].pages
-        assert held == base["prompt_tokens"] // BLOCK
+        assert held == base["prompt_tokens"] // BLOCK * out["stores"][0]["layer_groups"]
         tuned = instance(tuned_folder, "--remote", store.address, "-q", Q1)[0]
         assert tuned["num_cached_tokens"] == 0  # same prompt, same geometry, other weights: no block shared
         assert StoreClient(store.address).stats().tiers[0].pages == 2 * held  # its own blocks, beside the base's
@@ -129,3 +139,21 @@ def test_tiers_from_a_yaml_file_named_in_the_extra_config(model_folder, referenc
     assert len(pages) >= first["prompt_tokens"] // BLOCK  # written through to the disk tier the file names
     second = instance(model_folder, "--config", str(config), "-q", Q2)[0]
     assert second["num_cached_tokens"] > 0 and second["tokens"] == reference["tokens"]
+
+
+def test_blocks_corrupted_on_disk_after_the_lookup_are_recomputed_with_the_same_answer(model_folder, reference,
+                                                                                      tmp_path):
+    """The disk tier's index says every block is there; half their pages have a flipped byte. The
+    load finds the checksums wrong, reports those blocks, and vLLM recomputes them (the connector
+    sets kv_load_failure_policy to recompute: vLLM's default would fail the request)."""
+    disk = tmp_path / "blocks"
+    instance(model_folder, "--disk", str(disk), "-q", Q1)
+    pages = sorted(p for p in disk.rglob("*") if p.is_file() and p.name != ".lock")
+    assert pages
+    for page in pages[::2]:
+        data = bytearray(page.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        page.write_bytes(bytes(data))
+    out = run_instance(model_folder, "--disk", str(disk), "-q", Q2)
+    assert out["stores"][0]["load_failures"] > 0
+    assert out["rows"][0]["tokens"] == reference["tokens"] and out["rows"][0]["text"] == reference["text"]

@@ -7,22 +7,33 @@ Scheduler side: a request's prompt is hashed into page keys (one vLLM block = on
 namespace is the request's cache salt), the tiers are asked how many leading full blocks they
 hold (always leaving one token to compute), and each step's metadata tells the worker which
 blocks to load and which to save: only blocks whose every token has been computed, never a
-partial one, and not blocks that were just loaded. Worker side: loads are decoded and copied into
-vLLM's KV before the forward pass (`start_load_kv`); saves are copied out of vLLM's KV after it
-(`wait_for_save`) and encoded and written on a background queue, so the forward never waits for
-disk, Redis or gRPC. A block that is missing or fails its checksum is reported through
-`get_block_ids_with_load_errors`, and vLLM recomputes it.
+partial one, and not blocks that were just loaded.
+
+Worker side: a block is stored as pages of layer groups (`layer_groups.py`). `start_load_kv`
+hands the step's loads to a loader thread, which fetches group after group and copies each into
+vLLM's KV; `wait_for_layer_load` waits only for the group of the layer about to attend, so the
+first layers compute while the last are still arriving. Saves are copied out of vLLM's KV after
+the forward (`wait_for_save`) and encoded and written on a background queue, so the forward never
+waits for disk, Redis or gRPC. A block that is missing or fails its checksum is reported through
+`get_block_ids_with_load_errors`, and vLLM recomputes it: the connector sets vLLM's
+`kv_load_failure_policy` to "recompute" (vLLM's default, "fail", would fail the request on a
+cache miss).
 
 `kv_connector_extra_config`: `config` (a tiered-cache YAML of `CacheConfig` settings: host
 capacity, lower tiers, disk path, Redis URL, store servers ...), any `CacheConfig` setting
-inline (wins over the file), and `model_id` when the weights cannot be identified otherwise.
+inline (wins over the file), `model_id` when the weights cannot be identified otherwise,
+`layer_groups` (pages per block: "auto", about 1 MiB a page, or a number dividing the layers;
+1 loads whole blocks before the forward) and `load_failure_policy` ("recompute", or "fail" to
+keep vLLM's).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +46,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tiered_cache.config import CacheConfig
 from tiered_cache.integrations.vllm.identity import model_id_for, vllm_spec
-from tiered_cache.integrations.vllm.layout import gather_blocks, layout_of, scatter_blocks
+from tiered_cache.integrations.vllm.layer_groups import group_size
+from tiered_cache.integrations.vllm.layout import gather_blocks, layout_of
+from tiered_cache.integrations.vllm.load_job import LoadJob
 from tiered_cache.integrations.vllm.store import BlockStore
 
 if TYPE_CHECKING:
@@ -46,7 +59,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 _TIMING = bool(os.environ.get("TIERED_CACHE_VLLM_TIMING"))  # print each lookup's and load's time
-_EXTRA_KEYS = {"config", "model_id"}  # the rest of kv_connector_extra_config are CacheConfig settings
+# The rest of kv_connector_extra_config are CacheConfig settings.
+_EXTRA_KEYS = {"config", "model_id", "layer_groups", "load_failure_policy"}
+_POLICIES = ("recompute", "fail")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -89,11 +105,27 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self.spec = vllm_spec(model_id_for(model.model, model.revision, extra.get("model_id")),
                               model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
                               str(dtype), self.block_size)
-        self.store = BlockStore.shared(self.spec, self.config)
+        per_page = group_size(self.spec.num_layers, self.spec.bytes_per_page // self.spec.num_layers,
+                              extra.get("layer_groups"))
+        self.store = BlockStore.shared(self.spec, self.config, per_page)
+        self._set_failure_policy(str(extra.get("load_failure_policy", "recompute")))
         self._requests: dict[str, _Request] = {}  # scheduler side
         self._layers: list[torch.Tensor] = []  # worker side
+        self._group_of: dict[str, int] = {}  # layer name -> its layer group
         self._kind = ""
         self._failed: set[int] = set()
+        self._job: LoadJob | None = None
+        self._loader: ThreadPoolExecutor | None = None
+        self._layerwise = self.store.num_groups > 1  # off for good if a forward skips wait_for_layer_load
+
+    def _set_failure_policy(self, policy: str) -> None:
+        """A block we fail to load must be recomputed, not fail the request (vLLM's default)."""
+        if policy not in _POLICIES:
+            raise ValueError(f"load_failure_policy must be one of {', '.join(_POLICIES)}, got {policy!r}")
+        if self._kv_transfer_config.kv_load_failure_policy != policy:
+            log.info("tiered-cache: kv_load_failure_policy %r -> %r (a cache fault recomputes, never fails "
+                     "a request)", self._kv_transfer_config.kv_load_failure_policy, policy)
+            self._kv_transfer_config.kv_load_failure_policy = policy
 
     # --- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -149,8 +181,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         full = min(min(computed_after, state.num_prompt_tokens) // self.block_size, len(state.keys),
                    len(state.block_ids))
         if full > state.saved:
-            last_tier = len(self.store.chain.tiers) - 1
-            todo = [i for i in range(state.saved, full) if not self.store.chain.known_in(state.keys[i], last_tier)]
+            todo = [i for i in range(state.saved, full) if not self.store.stored_below(state.keys[i])]
             if todo:
                 meta.saves.append(BlockTransfer([state.keys[i] for i in todo], [state.block_ids[i] for i in todo]))
             state.saved = full
@@ -166,29 +197,48 @@ class TieredCacheConnector(KVConnectorBase_V1):
             raise ValueError(f"vLLM registered {len(self._layers)} KV layers, the model config says "
                              f"{self.spec.num_layers}")
         self._kind = layout_of(self._layers[0], self.spec.num_kv_heads, self.spec.head_dim)
+        self._group_of = {name: i // self.store.layers_per_page for i, name in enumerate(kv_caches)}
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieredCacheMetadata)
-        for transfer in meta.loads:
-            t0 = time.perf_counter()
-            pages = self.store.load(transfer.keys)
-            t1 = time.perf_counter()
-            good = [i for i, page in enumerate(pages) if page is not None]
-            scatter_blocks(self._layers, [transfer.block_ids[i] for i in good], [pages[i] for i in good],
-                           self._kind, self.spec.head_dim)
-            self._failed.update(transfer.block_ids[i] for i, page in enumerate(pages) if page is None)
-            if _TIMING:
-                print(f"[tiered-cache] load {len(transfer.keys)} blocks: fetch+decode {1e3 * (t1 - t0):.1f} ms, "
-                      f"copy in {1e3 * (time.perf_counter() - t1):.1f} ms", file=sys.stderr, flush=True)
+        self._finish_load()  # a previous step's job, should one be left
+        if not meta.loads:
+            return
+        job = LoadJob(self.store, self._layers, self._kind, [(t.keys, t.block_ids) for t in meta.loads],
+                      timing=_TIMING)
+        self._job = job
+        if self._layerwise:
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-cache-vllm-load")
+            self._loader.submit(job.run)
+        else:
+            job.run()  # every group copied in before the forward starts
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every block was copied in by start_load_kv, before the forward
+        job = self._job
+        if job is not None:
+            job.wait_for(self._group_of.get(layer_name, self.store.num_groups - 1), layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saved all layers at once in wait_for_save, after the forward
 
+    def _finish_load(self) -> None:
+        """End this step's load job: every block it failed to copy in (or copied in after a layer
+        had attended without waiting) is reported to vLLM, which recomputes it."""
+        job, self._job = self._job, None
+        if job is None:
+            return
+        unwaited = job.finish(set(self._group_of) if self._layerwise else set())
+        if unwaited:
+            log.warning("tiered-cache: %d layers attended without wait_for_layer_load; loading whole blocks "
+                        "before the forward from now on (this step's loaded blocks are recomputed)", unwaited)
+            self._layerwise = False
+        self._failed.update(job.failed)
+        self.store.load_failures += len(job.failed)
+
     def wait_for_save(self) -> None:
+        self._finish_load()
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieredCacheMetadata)
         for transfer in meta.saves:
@@ -197,8 +247,12 @@ class TieredCacheConnector(KVConnectorBase_V1):
             self.store.save(transfer.keys, pages.to(self.spec.dtype.torch).contiguous())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_load()
         failed, self._failed = self._failed, set()
         return failed
 
     def shutdown(self) -> None:
+        self._finish_load()
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         self.store.flush(30.0)

@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-prefix-caching", action="store_true", help="turn vLLM's own prefix cache off")
     p.add_argument("--kill-after-first", type=int, metavar="PID",
                    help="(fault tests) SIGKILL this process, e.g. the store server, after the first answer")
+    p.add_argument("--layer-groups", help="pages per block: 'auto' (default) or a number dividing the layers")
     p.add_argument("--doc-per-question", action="store_true",
                    help="question i asks about the i-th slice of the document (no prefix shared between them)")
     return p.parse_args(argv)
@@ -66,6 +67,8 @@ def transfer_config(args: argparse.Namespace) -> Any:
         extra["config"] = args.config
     if args.model_id:
         extra["model_id"] = args.model_id
+    if args.layer_groups:
+        extra["layer_groups"] = args.layer_groups if args.layer_groups == "auto" else int(args.layer_groups)
     # No module path: the package's vLLM plugin entry point registers the connector by name.
     return KVTransferConfig(kv_connector="TieredCacheConnector", kv_role="kv_both", kv_connector_extra_config=extra)
 
@@ -104,8 +107,16 @@ def main(argv: list[str] | None = None) -> int:
             _flush_stores()  # the first pass's saves are written before the second pass asks
     rows = rows[len(asked):] if args.repeat else rows
     flushed = _flush_stores()
-    print(json.dumps({"rows": rows, "flushed": flushed}), flush=True)
+    print(json.dumps({"rows": rows, "flushed": flushed, "stores": _store_figures()}), flush=True)
     return 0
+
+
+def _store_figures() -> list[dict[str, int]]:
+    """What this process's block stores did (tests read them)."""
+    from tiered_cache.integrations.vllm import store
+
+    return [{"layer_groups": s.num_groups, "load_failures": s.load_failures, "load_errors": s.load_errors,
+             "saves_dropped": s.saves_dropped} for s in list(store._STORES.values())]
 
 
 def _flush_stores() -> bool:

@@ -1,5 +1,9 @@
 """`BlockStore`: where the vLLM connector keeps blocks (vLLM-free).
 
+A block is stored as one page per layer group (`layer_groups.py`): each page holds a run of the
+block's layers, so a load can hand the first layers to the forward pass before the last arrive.
+The pages follow a page spec: the model's, with `num_layers` the group's size.
+
 A chain of blob tiers: a RAM blob tier (`host_capacity`) in front of the lower tiers a
 `CacheConfig` names (disk, Redis, store servers). Saves are encoded and written on a bounded
 background queue, to every tier at once (sharing with other instances is the point), so a
@@ -20,6 +24,7 @@ import torch
 from tiered_cache.config import CacheConfig
 from tiered_cache.demotion import BACKGROUND_NICE, BackgroundQueue
 from tiered_cache.index.keys import PageKeyer
+from tiered_cache.integrations.vllm.layer_groups import group_keys
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.codec import BlobError, encode_page, page_view
@@ -32,47 +37,75 @@ _STORES_LOCK = threading.Lock()
 
 
 class BlockStore:
-    def __init__(self, spec: KVSpec, config: CacheConfig) -> None:
-        self.spec = spec
+    def __init__(self, spec: KVSpec, config: CacheConfig, layers_per_page: int | None = None) -> None:
+        """`spec`: one whole block (every layer); `layers_per_page`: layers in each stored page
+        (default: all, one page a block)."""
+        per_page = layers_per_page or spec.num_layers
+        if per_page < 1 or spec.num_layers % per_page:
+            raise ValueError(f"layers_per_page must divide the model's {spec.num_layers} layers, got {per_page}")
+        self.block_spec = spec
+        self.layers_per_page = per_page
+        self.num_groups = spec.num_layers // per_page
+        self.spec = spec if per_page == spec.num_layers else spec.with_options(num_layers=per_page)  # a page's
         self.config = config
         if config.malloc_tuning:
             tune_malloc()  # else every fetch pays first-touch page faults on fresh buffers
-        tiers = [MemoryTier(config.host_capacity), *build_lower_tiers(config, spec.fingerprint)]
+        tiers = [MemoryTier(config.host_capacity), *build_lower_tiers(config, self.spec.fingerprint)]
         self.chain = TierChain(tiers)
         self.writer = BackgroundQueue("vllm-block-saver", capacity=config.demotion_queue, nice=BACKGROUND_NICE)
         self._keyers: dict[str, PageKeyer] = {}
         self._lock = threading.Lock()
         self.saves_dropped = 0  # blocks whose save was dropped: the queue was full
-        self.load_errors = 0  # blocks found but refused on decode (counted, then recomputed)
+        self.load_errors = 0  # pages found but refused on decode (counted, then recomputed)
+        self.load_failures = 0  # blocks a lookup promised that could not be loaded (vLLM recomputed them)
 
     @classmethod
-    def shared(cls, spec: KVSpec, config: CacheConfig) -> BlockStore:
-        key = (spec.fingerprint, repr(sorted(config.to_dict().items())))
+    def shared(cls, spec: KVSpec, config: CacheConfig, layers_per_page: int | None = None) -> BlockStore:
+        key = (spec.fingerprint, repr(sorted(config.to_dict().items())), layers_per_page or spec.num_layers)
         with _STORES_LOCK:
             store = _STORES.get(key)
             if store is None:
-                store = _STORES[key] = cls(spec, config)
+                store = _STORES[key] = cls(spec, config, layers_per_page)
             return store
 
+    def layers_of(self, group: int) -> range:
+        """The model layers that group `group`'s pages hold."""
+        return range(group * self.layers_per_page, (group + 1) * self.layers_per_page)
+
+    def page_keys(self, block_keys: Sequence[bytes], group: int) -> list[bytes]:
+        return group_keys(block_keys, self.num_groups, group)
+
+    def _all_page_keys(self, block_keys: Sequence[bytes]) -> list[bytes]:
+        """Every page key of `block_keys`, block after block (group 0 .. n-1 of each)."""
+        per_group = [self.page_keys(block_keys, g) for g in range(self.num_groups)]
+        return [key for pages in zip(*per_group, strict=True) for key in pages]
+
     def keys(self, tokens: Sequence[int], namespace: str) -> list[bytes]:
-        """Page keys of the full blocks of `tokens` (a partial last block has none)."""
+        """Block keys of the full blocks of `tokens` (a partial last block has none)."""
         with self._lock:
             keyer = self._keyers.get(namespace)
             if keyer is None:
                 keyer = self._keyers[namespace] = PageKeyer(self.spec, namespace)
         return keyer.keys(np.asarray(tokens, dtype=np.int64))
 
-    def leading(self, keys: Sequence[bytes]) -> int:
-        """How many leading `keys` some tier holds."""
-        where = self.chain.locate(keys, leading=True)
-        return next((i for i, w in enumerate(where) if w is None), len(where))
+    def leading(self, block_keys: Sequence[bytes]) -> int:
+        """How many leading blocks the tiers hold whole (every layer group of each)."""
+        where = self.chain.locate(self._all_page_keys(block_keys), leading=True)
+        return next((i for i, w in enumerate(where) if w is None), len(where)) // self.num_groups
 
-    def load(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
-        """Each key's page (layers, 2, heads, block_size, dim), or None when it is missing or refused
-        on decode (the caller must not use that block). A raw page is a view into its blob: no copy."""
+    def stored_below(self, block_key: bytes) -> bool:
+        """Whether the last tier is known to hold every page of the block (no need to save it)."""
+        last = len(self.chain.tiers) - 1
+        return all(self.chain.known_in(k, last) for k in self._all_page_keys([block_key]))
+
+    def load(self, block_keys: Sequence[bytes], group: int = 0) -> list[torch.Tensor | None]:
+        """Layer group `group` of each block: a page (layers_per_page, 2, heads, block_size, dim),
+        or None when it is missing or refused on decode (the caller must not use that block). A
+        raw page is a view into its blob: no copy."""
         shape = self.spec.staging_shape(1)[1:]
+        keys = self.page_keys(block_keys, group)
         out: list[torch.Tensor | None] = []
-        for key, blob in zip(keys, self.chain.fetch(list(keys)), strict=True):
+        for key, blob in zip(keys, self.chain.fetch(keys), strict=True):
             if blob is None:
                 out.append(None)
                 continue
@@ -87,21 +120,26 @@ class BlockStore:
                 out.append(torch.from_numpy(flat).view(self.spec.dtype.torch).view(shape))
         return out
 
-    def save(self, keys: Sequence[bytes], pages: torch.Tensor) -> bool:
-        """Queue `pages` (a copy the caller no longer touches) to be encoded and written below."""
-        if not keys:
+    def save(self, block_keys: Sequence[bytes], blocks: torch.Tensor) -> bool:
+        """Queue `blocks` (n, layers, 2, heads, block_size, dim; a copy the caller no longer
+        touches) to be split into layer-group pages, encoded and written below."""
+        if not block_keys:
             return True
-        if self.writer.submit(self._write, list(keys), pages):
+        if self.writer.submit(self._write, list(block_keys), blocks):
             return True
-        self.saves_dropped += len(keys)
+        self.saves_dropped += len(block_keys)
         return False
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return self.writer.flush(timeout_s)
 
-    def _write(self, keys: list[bytes], pages: torch.Tensor) -> None:
+    def _write(self, block_keys: list[bytes], blocks: torch.Tensor) -> None:
         cfg = self.config
-        items = [(k, encode_page(p, self.spec, k, cfg.codec, cfg.codec_min_saving)) for k, p in zip(keys, pages,
-                                                                                                   strict=True)]
+        items = []
+        for group in range(self.num_groups):
+            layers = self.layers_of(group)
+            for key, block in zip(self.page_keys(block_keys, group), blocks, strict=True):
+                page = block[layers.start:layers.stop]  # a contiguous run of a contiguous block
+                items.append((key, encode_page(page, self.spec, key, cfg.codec, cfg.codec_min_saving)))
         for index in range(len(self.chain.tiers)):
             self.chain.put(items, index)

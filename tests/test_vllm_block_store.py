@@ -1,0 +1,160 @@
+"""The vLLM connector's block store and layer-by-layer loads, without vLLM: layer groups, pages
+through a real store server, and a load job that never copies KV in after it gave up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from tiered_cache.config import CacheConfig
+from tiered_cache.integrations.vllm.identity import vllm_spec
+from tiered_cache.integrations.vllm.layer_groups import TARGET_PAGE_BYTES, group_keys, group_size
+from tiered_cache.integrations.vllm.layout import gather_blocks
+from tiered_cache.integrations.vllm.load_job import LoadJob
+from tiered_cache.integrations.vllm.store import BlockStore
+from tiered_cache.service.client import StoreClient
+from tiered_cache.service.process import StoreProcess
+
+LAYERS, HEADS, DIM, BS = 6, 2, 8, 4
+SPEC = vllm_spec("test-model@weights:abc", LAYERS, HEADS, DIM, "float32", BS)
+
+
+def remote_config(address: str, **more) -> CacheConfig:
+    return CacheConfig.from_dict({"lower_tiers": ["remote"], "remote_addresses": [address], **more})
+
+
+def vllm_layers(num_blocks: int = 8, fill: float | None = None) -> list[torch.Tensor]:
+    """vLLM's CPU KV: per layer (blocks, heads, block_size, 2 * dim)."""
+    shape = (num_blocks, HEADS, BS, 2 * DIM)
+    return [torch.full(shape, fill) if fill is not None else torch.randn(shape) for _ in range(LAYERS)]
+
+
+@pytest.mark.parametrize(("layers", "per_layer", "expected"), [
+    (30, 196_608, 5),  # SmolLM2 in float32, 128-token blocks: 5 layers ~ 0.94 MiB
+    (32, 4 << 20, 1),  # a layer alone is past 1 MiB: one layer a page
+    (7, 1024, 7),  # small pages: the whole block is one page
+    (30, 300_000, 3),  # the most layers within 1 MiB that divide 30 (4 would not)
+])
+def test_auto_groups_are_the_most_layers_within_a_mebibyte_that_divide_the_model(layers, per_layer, expected):
+    size = group_size(layers, per_layer, "auto")
+    assert size == expected and layers % size == 0
+    assert size == 1 or size * per_layer <= TARGET_PAGE_BYTES
+
+
+def test_an_explicit_group_count_must_divide_the_layers():
+    assert group_size(30, 1000, 6) == 5 and group_size(30, 1000, 1) == 30
+    for bad in (7, 0, -1, "three", True):
+        with pytest.raises(ValueError, match=r"divides the model's 30 layers \(1, 2, 3, 5, 6, 10, 15, 30\)"):
+            group_size(30, 1000, bad)
+
+
+def test_group_keys_differ_by_group_and_one_group_is_the_block_key():
+    blocks = [bytes([i]) * 32 for i in range(3)]
+    assert group_keys(blocks, 1, 0) == blocks
+    per_group = [group_keys(blocks, 4, g) for g in range(4)]
+    assert len({k for keys in per_group for k in keys}) == 12 and not set(blocks) & set(per_group[0])
+    assert group_keys(blocks, 4, 2) == per_group[2]  # deterministic
+    with pytest.raises(ValueError, match="out of range"):
+        group_keys(blocks, 4, 4)
+
+
+def test_blocks_go_through_a_store_server_as_layer_group_pages():
+    with StoreProcess(["--no-disk"]) as server:
+        writer = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
+        assert (writer.num_groups, writer.spec.num_layers) == (3, 2) and writer.spec.fingerprint != SPEC.fingerprint
+        keys = writer.keys(list(range(3 * BS + 1)), "tenant")  # 3 full blocks, a partial one
+        assert len(keys) == 3
+        layers = vllm_layers()
+        blocks = gather_blocks(layers, [5, 1, 6], "cpu", DIM)
+        assert writer.save(keys, blocks) and writer.flush(10)
+        assert writer.chain.tiers[1].stats().errors == 0
+        assert StoreClient(server.address).stats().tiers[0].pages == 9  # 3 blocks x 3 groups
+        assert all(writer.stored_below(k) for k in keys)
+
+        reader = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)  # another process's
+        assert reader.leading(keys) == 3
+        for group in range(3):
+            pages = reader.load(keys, group)
+            assert [p.shape for p in pages] == [(2, 2, HEADS, BS, DIM)] * 3
+            for page, block in zip(pages, blocks, strict=True):
+                assert torch.equal(page, block[2 * group:2 * group + 2])
+        # Another grouping of the same model shares no page: its keys and fingerprint differ.
+        whole = BlockStore(SPEC, remote_config(server.address))
+        assert whole.num_groups == 1 and whole.leading(whole.keys(list(range(3 * BS + 1)), "tenant")) == 0
+        assert reader.leading(reader.keys(list(range(3 * BS + 1)), "other tenant")) == 0
+
+
+def test_a_block_missing_one_layer_group_is_not_held():
+    store = BlockStore(SPEC, CacheConfig(), layers_per_page=3)
+    keys = store.keys(list(range(3 * BS)), "")
+    store.save(keys, gather_blocks(vllm_layers(), [0, 1, 2], "cpu", DIM))
+    assert store.flush(10) and store.leading(keys) == 3
+    store.chain.delete([store.page_keys(keys, 1)[1]], 0)  # block 1 lost its second group
+    assert store.leading(keys) == 1
+
+
+def _job(store: BlockStore, dst: list[torch.Tensor], keys: list[bytes], ids: list[int], **kw) -> LoadJob:
+    return LoadJob(store, dst, "cpu", [(keys, ids)], **kw)
+
+
+def test_a_load_job_copies_in_group_by_group_and_reports_missing_blocks():
+    store = BlockStore(SPEC, CacheConfig(), layers_per_page=2)
+    src = vllm_layers()
+    keys = store.keys(list(range(4 * BS)), "")
+    store.save(keys[:3], gather_blocks(src, [0, 1, 2], "cpu", DIM))  # the 4th block never saved
+    assert store.flush(10)
+    dst = vllm_layers(fill=0.0)
+    job = _job(store, dst, keys, [4, 5, 6, 7])
+    threading.Thread(target=job.run).start()
+    for group in range(3):
+        for layer in store.layers_of(group):
+            job.wait_for(group, f"layer.{layer}")
+            assert job.ready[group].is_set()
+            for src_id, dst_id in ((0, 4), (1, 5), (2, 6)):
+                assert torch.equal(dst[layer][dst_id], src[layer][src_id])
+    assert job.finish({f"layer.{i}" for i in range(LAYERS)}) == 0
+    assert job.failed == {7} and not dst[0][7].any()
+
+
+def test_layers_that_attended_without_waiting_fail_every_block_of_the_job():
+    store = BlockStore(SPEC, CacheConfig(), layers_per_page=2)
+    keys = store.keys(list(range(2 * BS)), "")
+    store.save(keys, gather_blocks(vllm_layers(), [0, 1], "cpu", DIM))
+    assert store.flush(10)
+    job = _job(store, vllm_layers(fill=0.0), keys, [3, 4])
+    job.run()
+    job.wait_for(0, "layer.0")  # the other layers never waited
+    assert job.finish({f"layer.{i}" for i in range(LAYERS)}) == LAYERS - 1
+    assert job.failed == {3, 4}
+
+
+def test_a_load_that_outlives_its_wait_is_failed_and_never_copied_in():
+    """A store server that stops answering (SIGSTOP) mid-load: the forward's wait gives up, every
+    block of the job is failed, and the pages that arrive later (SIGCONT) are not copied in: vLLM
+    may already have given those blocks to another request."""
+    with StoreProcess(["--no-disk"]) as server:
+        writer = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
+        keys = writer.keys(list(range(2 * BS)), "")
+        writer.save(keys, gather_blocks(vllm_layers(), [0, 1], "cpu", DIM))
+        assert writer.flush(10)
+        reader = BlockStore(SPEC, remote_config(server.address, remote_timeout_s=30.0), layers_per_page=2)
+        assert reader.leading(keys) == 2
+        dst = vllm_layers(fill=0.0)
+        job = _job(reader, dst, keys, [2, 3], wait_s=0.5)
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            threading.Thread(target=job.run).start()
+            start = time.monotonic()
+            job.wait_for(0, "layer.0")
+            assert 0.4 < time.monotonic() - start < 5
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert job.done.wait(30)
+        assert job.failed == {2, 3}
+        assert not any(layer.any() for layer in dst)  # nothing copied in after the wait gave up

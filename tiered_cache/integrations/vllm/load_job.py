@@ -1,0 +1,101 @@
+"""`LoadJob`: one forward step's block loads, layer group after layer group (vLLM-free).
+
+`run` (on the connector's loader thread, or inline) fetches group 0 of every block, copies it
+into vLLM's KV and signals it, then group 1, and so on. The forward pass waits for a layer's
+group (`wait_for`) before that layer attends. Whatever goes wrong ends as failed blocks, which
+vLLM recomputes, never as a hang or as KV copied in after it was used:
+- a block missing or refused in any group is failed;
+- a wait past `wait_s` cancels the job: nothing is copied in afterwards (vLLM may hand the
+  blocks to another request once the step ends) and every block of the job is failed;
+- a layer that attended without waiting may have read KV not yet there: `finish` names it, and
+  every block of the job is failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from tiered_cache.integrations.vllm.layout import scatter_blocks
+from tiered_cache.integrations.vllm.store import BlockStore
+
+log = logging.getLogger(__name__)
+WAIT_S = 120.0  # the tiers' own deadlines end a stuck fetch long before this
+
+
+class LoadJob:
+    def __init__(self, store: BlockStore, layers: Sequence[torch.Tensor], kind: str,
+                 transfers: Sequence[tuple[Sequence[bytes], Sequence[int]]], timing: bool = False,
+                 wait_s: float = WAIT_S) -> None:
+        """`transfers`: (block keys, vLLM block ids) pairs; `layers`: vLLM's KV tensor per layer."""
+        self.store, self.layers, self.kind = store, list(layers), kind
+        self.transfers = [(list(keys), list(ids)) for keys, ids in transfers]
+        self.timing, self.wait_s = timing, wait_s
+        self.ready = [threading.Event() for _ in range(store.num_groups)]
+        self.done = threading.Event()
+        self.failed: set[int] = set()
+        self._lock = threading.Lock()  # held while copying in, and to cancel
+        self._cancelled = False
+        self._waited: set[str] = set()
+
+    @property
+    def block_ids(self) -> set[int]:
+        return {b for _, ids in self.transfers for b in ids}
+
+    def run(self) -> None:
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():  # vLLM's KV tensors are inference tensors
+                for group in range(self.store.num_groups):
+                    self._load_group(group)
+                    self.ready[group].set()
+                    if self.timing:
+                        print(f"[tiered-cache] layer group {group} in at {1e3 * (time.perf_counter() - start):.1f} ms",
+                              file=sys.stderr, flush=True)
+        except Exception:
+            log.exception("tiered-cache: loading blocks failed; vLLM recomputes them")
+            self._cancel()
+        finally:
+            for event in self.ready:
+                event.set()
+            self.done.set()
+
+    def _load_group(self, group: int) -> None:
+        layers = [self.layers[i] for i in self.store.layers_of(group)]
+        for keys, block_ids in self.transfers:
+            pages = self.store.load(keys, group)
+            good = [i for i, page in enumerate(pages) if page is not None]
+            with self._lock:
+                if self._cancelled:
+                    return
+                scatter_blocks(layers, [block_ids[i] for i in good], [pages[i] for i in good], self.kind,
+                               self.store.block_spec.head_dim)
+                self.failed.update(block_ids[i] for i, page in enumerate(pages) if page is None)
+
+    def wait_for(self, group: int, layer_name: str) -> None:
+        """Block until group `group` is copied in (or the job gave up on it)."""
+        self._waited.add(layer_name)
+        if not self.ready[group].wait(self.wait_s):
+            log.warning("tiered-cache: layer group %d not loaded within %.0f s; vLLM recomputes its blocks",
+                        group, self.wait_s)
+            self._cancel()
+
+    def finish(self, expected_layers: set[str]) -> int:
+        """Wait for the job to end (or cancel it). Returns how many of `expected_layers` attended
+        without waiting; their job's blocks are all failed then."""
+        if not self.done.wait(self.wait_s):
+            self._cancel()
+        unwaited = len(expected_layers - self._waited)
+        if unwaited:
+            self._cancel()
+        return unwaited
+
+    def _cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            self.failed.update(self.block_ids)
