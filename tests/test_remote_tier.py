@@ -183,3 +183,24 @@ def test_a_cache_republishes_its_pages_to_owners_that_joined_the_ring():
             assert other.lookup(tokens) == 160  # a fresh instance finds every page on the new ring
     with pytest.raises(ValueError, match="no remote tier"):
         TieredCache(spec, CacheConfig(pool_capacity=4 * spec.bytes_per_page)).set_remote_addresses(["x:1"])
+
+
+def test_warm_opens_the_channels_before_the_first_get_and_backs_off_a_dead_server():
+    items = make_items(24)  # some owned by each server, whatever their ports
+    with StoreProcess(["--no-disk"]) as store:
+        StoreClient(store.address).put(items)
+        dead = StoreProcess(["--no-disk"])
+        dead.start()
+        dead_address = dead.address
+        dead.kill()
+        tier = RemoteTier([store.address, dead_address], timeout_s=2.0)
+        live = next(s for s in tier.servers if s.client.address == store.address)
+        gone = next(s for s in tier.servers if s.client.address == dead_address)
+        assert live.client._fetcher is None
+        tier.warm()  # never raises: the dead server is backed off, as on any call
+        assert live.client._fetcher is not None and live.available
+        assert not gone.available and tier.stats().errors == 1
+        got = tier.get([k for k, _ in items])
+        assert [b is None or bytes(b) == blob for b, (_, blob) in zip(got, items, strict=True)] == [True] * 24
+        assert any(b is not None for b in got)  # the live server's share arrives
+        tier.close()

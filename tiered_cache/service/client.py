@@ -104,6 +104,7 @@ class StoreClient:
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._options, self._tls_ca = options, tls_ca  # for the aio channel of get_all
         self._fetcher: AioFetcher | None = None  # the aio channel of get_all, opened on first use
+        self._fetcher_lock = threading.Lock()
 
     def lookup(self, keys: list[bytes], timeout_s: float | None = None) -> pb.LookupResponse:
         return self.stub.Lookup(pb.LookupRequest(keys=keys), timeout=timeout_s or self.timeout_s,
@@ -131,8 +132,9 @@ class StoreClient:
                 budget_s: float | None = None, on_blob: Callable[[ReceivedBlob], None] | None = None) -> FetchResult:
         """Like `get`, but the whole stream at once, read on an aio channel (faster for bulk
         fetches: see aio_fetch.py); the error that ended it, if any, is returned, not raised."""
-        if self._fetcher is None:
-            self._fetcher = AioFetcher(self.address, self._options, self._tls_ca, self.metadata, StreamStalled)
+        with self._fetcher_lock:
+            if self._fetcher is None:
+                self._fetcher = AioFetcher(self.address, self._options, self._tls_ca, self.metadata, StreamStalled)
         return self._fetcher.get_all(keys, fingerprint, timeout_s or self.timeout_s, budget_s, on_blob)
 
     def put(self, items: Iterable[tuple[bytes, bytes]], fingerprint: bytes = b"",

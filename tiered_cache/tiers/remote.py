@@ -142,6 +142,21 @@ class RemoteTier:
         results.update({index: future.result() for index, future in futures.items()})
         return results
 
+    def warm(self) -> None:
+        """Open every server's channels now (connection, HTTP/2 handshake, the aio channel of bulk
+        Gets) with an empty Lookup and Get, so the first request does not pay for them. A server
+        that does not answer is backed off, as on any call."""
+        ring = self._ring
+
+        def connect(client: StoreClient) -> None:
+            client.lookup([])
+            result = client.get_all([], self.fingerprint)
+            if result.error is not None:
+                raise result.error
+
+        for server in ring.servers:
+            self._call(server, connect, None)
+
     # --- interface -----------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         out = [False] * len(keys)

@@ -55,6 +55,8 @@ class BlockStore:
         self.writer = BackgroundQueue("vllm-block-saver", capacity=config.demotion_queue, nice=BACKGROUND_NICE)
         self._keyers: dict[str, PageKeyer] = {}
         self._lock = threading.Lock()
+        # Channels to store servers open now, off the engine's start, not on the first load.
+        threading.Thread(target=self._warm, name="vllm-block-store-warm", daemon=True).start()
         self.saves_dropped = 0  # blocks whose save was dropped: the queue was full
         self.load_errors = 0  # pages found but refused on decode (counted, then recomputed)
         self.load_failures = 0  # blocks a lookup promised that could not be loaded (vLLM recomputed them)
@@ -67,6 +69,12 @@ class BlockStore:
             if store is None:
                 store = _STORES[key] = cls(spec, config, layers_per_page)
             return store
+
+    def _warm(self) -> None:
+        for tier in self.chain.tiers:
+            warm = getattr(tier, "warm", None)
+            if warm is not None:
+                warm()
 
     def layers_of(self, group: int) -> range:
         """The model layers that group `group`'s pages hold."""
