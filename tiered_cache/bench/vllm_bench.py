@@ -1,6 +1,7 @@
 """`tiered-cache bench vllm`: time to first token of a second vLLM instance asking what a first
-one asked, each way in one run: recompute (plain vLLM), our connector through a store server,
-disk and Redis, and vLLM's own `ExampleConnector` (disk).
+one asked, each way in one run: recompute (plain vLLM), our connector through a store server
+(loaded layer by layer, and whole blocks before the forward), disk and Redis, and vLLM's own
+`ExampleConnector` (disk).
 
 Each way: instance A (its own process) answers the questions, storing the blocks; instance B (a
 fresh process, cold vLLM prefix cache) answers them again with `max_tokens=1`, so its request
@@ -76,6 +77,8 @@ def bench_vllm(doc_chars: int = 3000, progress: Callable[[str], None] = lambda _
                 ways = [("recompute (plain vLLM)", ["--no-connector"]),
                         ("tiered-cache: RAM tier, same process", ["--repeat", "--no-prefix-caching"]),
                         ("tiered-cache: store server", ["--remote", store.address]),
+                        ("  same, whole blocks before the forward", ["--remote", store.address,
+                                                                     "--layer-groups", "1"]),
                         ("tiered-cache: disk", ["--disk", f"{tmp}/disk"]),
                         ("tiered-cache: Redis", ["--redis", redis.url]),
                         ("vLLM ExampleConnector: disk", ["--connector", "ExampleConnector", "--disk", f"{tmp}/ex"])]
