@@ -18,6 +18,7 @@ import ray
 
 from tiered_cache.service.config import LOOPBACK, ServerConfig
 from tiered_cache.service.server import StoreServer
+from tiered_cache.service.stats import server_stats
 from workers.config import AUTO_HOST, ShardSettings
 from workers.directory import SHARD
 from workers.names import DIRECTORY
@@ -56,10 +57,8 @@ class StoreShard:
 
     def stats(self) -> dict[str, Any]:
         """The server's own figures (what `tiered-cache stats --address` prints for it), plus info."""
-        from tiered_cache.cli.stats_cmd import fetch
-
         token = self.config.token
-        return {**self.info(), **fetch(self.address, token, self.settings.tls_ca, 10.0)}
+        return {**self.info(), **server_stats(self.address, token, self.settings.tls_ca, 10.0)}
 
     def shutdown(self) -> int:
         """Leave the directory, drain streams and flush RAM to disk; returns pages flushed."""

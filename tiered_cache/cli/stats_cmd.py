@@ -11,6 +11,7 @@ from typing import Any
 
 from tiered_cache.cli.table import render_table
 from tiered_cache.model.units import format_binary
+from tiered_cache.service.stats import server_stats
 
 
 def add_parser(commands: Any) -> None:
@@ -30,28 +31,6 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
                    help="refresh in place every SECONDS (default 2) until Ctrl-C")
     p.set_defaults(run=run)
-
-
-def fetch(address: str, token: str | None, tls_ca: str | None, timeout: float) -> dict[str, Any]:
-    """One server's figures as a dict, or {"address", "error"} when it cannot be reached."""
-    import grpc
-    from google.protobuf.json_format import MessageToDict
-
-    from tiered_cache.service.client import StoreClient
-
-    try:
-        with StoreClient(address, token, tls_ca, timeout) as client:
-            reply = client.stats()
-    except grpc.RpcError as exc:
-        return {"address": address, "error": f"{exc.code().name}: {exc.details()}"}
-    data = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    for tier in data["tiers"]:
-        for key, value in tier.items():
-            if key != "name":
-                tier[key] = int(value)
-        total = tier["hits"] + tier["misses"]
-        tier["hit_rate"] = tier["hits"] / total if total else 0.0
-    return {"address": address, **data}
 
 
 def render(result: dict[str, Any]) -> str:
@@ -74,7 +53,7 @@ def render(result: dict[str, Any]) -> str:
 
 
 def _servers(args: argparse.Namespace) -> tuple[str, bool]:
-    results = [fetch(a, args.token, args.tls_ca, args.timeout) for a in args.address]
+    results = [server_stats(a, args.token, args.tls_ca, args.timeout) for a in args.address]
     if args.json:
         text = json.dumps(results if len(results) > 1 else results[0], indent=2)
     else:

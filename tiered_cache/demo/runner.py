@@ -24,9 +24,10 @@ def _instance(role: str, address: str) -> dict[str, Any]:
 
 
 def run_demo() -> int:
-    from tiered_cache.cli.stats_cmd import fetch, render
+    from tiered_cache.cli.stats_cmd import render
     from tiered_cache.integrations.smollm2 import gguf_path
     from tiered_cache.service.process import StoreProcess
+    from tiered_cache.service.stats import server_stats
 
     gguf_path()  # fail early, with the fix, if the weights package is missing
     started = time.perf_counter()
@@ -38,7 +39,7 @@ def run_demo() -> int:
         print("instance B: another process, empty local cache; answers question 2 about the same document",
               flush=True)
         b = _instance("b", store.address)
-        store_stats = fetch(store.address, None, None, 10)
+        store_stats = server_stats(store.address, None, None, 10)
     print()
     print(report(a, b))
     print()

@@ -32,7 +32,8 @@ def parse_page_blob(data: bytes) -> ReceivedBlob:
     buffer per page costs first-touch page faults that, in a busy engine process, took longer
     than the network. Unknown fields are skipped as protobuf requires; a malformed message raises
     ValueError."""
-    fields: dict[int, bytes | memoryview] = {1: b"", 2: b"", 3: b""}
+    key = fingerprint = b""
+    blob: bytes | memoryview = b""
     view, pos, end = memoryview(data), 0, len(data)
     while pos < end:
         tag, pos = _read_varint(view, pos)
@@ -41,10 +42,12 @@ def parse_page_blob(data: bytes) -> ReceivedBlob:
             length, pos = _read_varint(view, pos)
             if pos + length > end:
                 raise ValueError("PageBlob field runs past the message")
-            if number == 2:
-                fields[2] = view[pos:pos + length]
-            elif number in fields:
-                fields[number] = bytes(view[pos:pos + length])
+            if number == 1:
+                key = bytes(view[pos:pos + length])
+            elif number == 2:
+                blob = view[pos:pos + length]
+            elif number == 3:
+                fingerprint = bytes(view[pos:pos + length])
             pos += length
         elif wire == 0:
             _, pos = _read_varint(view, pos)
@@ -54,7 +57,7 @@ def parse_page_blob(data: bytes) -> ReceivedBlob:
             raise ValueError(f"PageBlob has a field of unsupported wire type {wire}")
     if pos != end:
         raise ValueError("PageBlob is truncated")
-    return ReceivedBlob(bytes(fields[1]), fields[2], bytes(fields[3]))
+    return ReceivedBlob(key, blob, fingerprint)
 
 
 def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:

@@ -32,7 +32,7 @@ from tiered_cache.tiers.factory import build_lower_tiers
 from tiered_cache.tiers.memory import MemoryTier
 from tiered_cache.tiers.memtune import tune_malloc
 
-_STORES: dict[tuple[str, str], BlockStore] = {}
+_STORES: dict[tuple[str, str, int], BlockStore] = {}  # (fingerprint, config, layers per page)
 _STORES_LOCK = threading.Lock()
 
 
