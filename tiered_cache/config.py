@@ -16,6 +16,7 @@ from typing import Any
 
 from tiered_cache.index.radix_node import EvictionPolicy
 from tiered_cache.model.units import parse_size
+from tiered_cache.service.auth import check_token
 from tiered_cache.tiers.codec import Codec
 
 ENV_PREFIX = "TIERED_CACHE_"
@@ -188,7 +189,9 @@ def _coerce(name: str, value: Any) -> Any:
         if name == "remote_addresses":
             items = value.split(",") if isinstance(value, str) else value
             return tuple(str(v).strip() for v in items if str(v).strip())
-        if name in {"remote_token", "remote_tls_ca"}:
+        if name == "remote_token":
+            return None if value is None else check_token(str(value), name)
+        if name == "remote_tls_ca":
             return None if value in (None, "") else str(value)
         if name == "redis_ttl_s":
             return None if value in (None, "", "none") else float(value)

@@ -23,6 +23,7 @@ from tiered_cache.config import CacheConfig, WritePolicy
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.integrations.hf_models import encode_prompt, load_causal_lm
 from tiered_cache.integrations.transformers import generate, spec_for
+from tiered_cache.service.auth import token_from
 from tiered_cache.tiers.remote import RemoteTier, owner
 from workers.config import ShardSettings, WorkerSettings
 from workers.directory import WORKER
@@ -45,7 +46,7 @@ class CacheWorker:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.model, self.tokenizer = load_causal_lm(settings.model, self.device)
         self.spec = spec_for(self.model, settings.kv_dtype, page_size=settings.page_size)
-        token = shard.token or os.environ.get("TIERED_CACHE_SERVE_TOKEN")
+        token = token_from(shard.token, dict(os.environ))
         self.remote = RemoteTier([], token=token, tls_ca=shard.tls_ca, allow_empty=True,
                                  fingerprint=bytes.fromhex(self.spec.fingerprint))
         config = CacheConfig(device=self.device, pool_capacity=settings.pool_capacity,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_cache.model.units import parse_size
+from tiered_cache.service.auth import check_token
 
 AUTO_HOST = "auto"  # a shard binds its node's IP address, reachable from the other nodes
 
@@ -39,8 +40,7 @@ class ShardSettings:
     def __post_init__(self) -> None:
         for name in ("ram_capacity", "disk_capacity"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
-        if self.token is not None and not self.token:
-            raise ValueError("shard.token must not be empty (leave it unset for no auth)")
+        check_token(self.token, "shard.token")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("shard TLS needs both tls_cert and tls_key")
 

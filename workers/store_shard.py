@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from tiered_cache.service.auth import token_from
 from tiered_cache.service.config import LOOPBACK, ServerConfig
 from tiered_cache.service.server import StoreServer
 from tiered_cache.service.stats import server_stats
@@ -34,7 +35,7 @@ class StoreShard:
         self.node_id = context.get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
         host = self.node_ip if settings.host == AUTO_HOST else settings.host
-        token = settings.token or os.environ.get("TIERED_CACHE_SERVE_TOKEN")
+        token = token_from(settings.token, dict(os.environ))
         disk = str(Path(settings.disk_path).expanduser() / name) if settings.disk_path else None
         self.config = ServerConfig(host=host, port=settings.port, token=token, tls_cert=settings.tls_cert,
                                    tls_key=settings.tls_key, ram_capacity=settings.ram_capacity, disk_path=disk,

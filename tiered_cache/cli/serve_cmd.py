@@ -36,13 +36,14 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
+    from tiered_cache.service.auth import token_from
     from tiered_cache.service.config import ServerConfig
     from tiered_cache.service.server import serve
 
     overrides = {name: getattr(args, name) for name in
                  ("host", "port", "token", "tls_cert", "tls_key", "ram_capacity", "disk_path", "disk_capacity",
                   "redis_url", "max_page_bytes", "write_through", "workers", "max_streams", "stream_idle_s")}
-    overrides["token"] = overrides["token"] or os.environ.get("TIERED_CACHE_SERVE_TOKEN")
+    overrides["token"] = token_from(args.token, dict(os.environ))
     if args.no_disk:
         overrides["disk_path"] = ""
     if args.config:

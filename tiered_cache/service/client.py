@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from tiered_cache.service.aio_fetch import AioFetcher, FetchResult
+from tiered_cache.service.auth import check_token
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.framing import ReceivedBlob, page_blob_message, parse_page_blob
 from tiered_cache.v1 import cache_pb2 as pb
@@ -101,6 +102,7 @@ class StoreClient:
         # Put's items are serialized by hand too (framing.page_blob_message).
         self._put = self.channel.stream_unary("/tiered_cache.v1.KVCache/Put", request_serializer=_put_item,
                                               response_deserializer=pb.PutResponse.FromString)
+        token = check_token(token, "the store server token")
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
         self._options, self._tls_ca = options, tls_ca  # for the aio channel of get_all
         self._fetcher: AioFetcher | None = None  # the aio channel of get_all, opened on first use

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_cache.model.units import parse_size
+from tiered_cache.service.auth import check_token
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 _FRAMING = 64 * 1024  # protobuf framing around a page blob, with room to spare
@@ -48,8 +49,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not float(self.stream_idle_s) > 0:
             raise ValueError(f"stream_idle_s must be positive, got {self.stream_idle_s}")
-        if self.token is not None and not self.token:
-            raise ValueError("token must not be empty (leave it unset for no auth)")
+        check_token(self.token, "token")
 
     @property
     def max_message_bytes(self) -> int:

@@ -27,6 +27,7 @@ from tiered_cache.model.units import parse_size
 from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
 from tiered_cache.tiers.codec import HEADER_BYTES, BlobError, expected_blob_size, verify_blob
 from tiered_cache.tiers.folder_lock import LOCK_NAME, FolderLock
+from tiered_cache.tiers.private import make_private_folder, open_private
 
 _TMP_SUFFIX = ".tmp"
 _FULL = (errno.ENOSPC, errno.EDQUOT)  # the filesystem (or the user's quota) is full
@@ -42,7 +43,7 @@ class DiskTier:
         when it cannot be created or written, ValueError for a bad capacity."""
         self.root = Path(path)
         self.capacity = parse_size(capacity)
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_private_folder(self.root)
         self._lock = FolderLock(self.root)
         self.fsync = fsync
         self.on_evict = on_evict
@@ -169,7 +170,7 @@ class DiskTier:
     def _write(self, key: bytes, blob: bytes) -> None:
         final = self._path(key)
         tmp = final.parent / f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{_TMP_SUFFIX}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:  # whatever fails (a full disk mid-write, fsync, close, rename), no temporary stays
             try:
                 view = memoryview(blob)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from tiered_cache.errors import TieredCacheError
+from tiered_cache.tiers.private import open_private
 
 LOCK_NAME = ".lock"
 
@@ -44,7 +45,7 @@ class FolderLock:
 
     def __init__(self, folder: Path) -> None:
         self.path = folder / LOCK_NAME
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -1,0 +1,137 @@
+"""Access: tokens are real secrets on every path, a client without one learns nothing, and
+what the cache writes to disk is its owner's alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+import grpc
+import pytest
+from service_helpers import FINGERPRINT, make_items
+from tier_helpers import blobs_for
+
+from tiered_cache.config import CacheConfig
+from tiered_cache.service.auth import TOKEN_ENV, check_token, token_from
+from tiered_cache.service.client import StoreClient
+from tiered_cache.service.config import ServerConfig
+from tiered_cache.service.process import StoreProcess
+from tiered_cache.tiers.disk import DiskTier
+from workers.config import ShardSettings
+
+BLANK = ["", " ", "\t", "  \n "]
+
+
+@pytest.mark.parametrize("token", BLANK)
+def test_blank_tokens_are_refused_on_every_config_path(token, tmp_path):
+    with pytest.raises(ValueError, match="empty or blank"):
+        ServerConfig(token=token)
+    yaml_file = tmp_path / "serve.yaml"
+    yaml_file.write_text(f"token: {json.dumps(token)}\n")
+    with pytest.raises(ValueError, match="empty or blank"):
+        ServerConfig.from_yaml(yaml_file)
+    with pytest.raises(ValueError, match="remote_token"):
+        CacheConfig(remote_token=token)
+    with pytest.raises(ValueError, match="remote_token"):
+        CacheConfig.from_env(environ={"TIERED_CACHE_REMOTE_TOKEN": token})
+    with pytest.raises(ValueError, match=r"shard\.token"):
+        ShardSettings(token=token)
+    with pytest.raises(ValueError, match="empty or blank"):
+        StoreClient("127.0.0.1:1", token=token)
+    with pytest.raises(ValueError, match="--token"):
+        token_from(token, {})
+    with pytest.raises(ValueError, match=TOKEN_ENV):
+        token_from(None, {TOKEN_ENV: token})
+
+
+def test_token_checks_name_what_is_wrong():
+    assert check_token(None) is None
+    assert check_token("s3cret-Token_1") == "s3cret-Token_1"
+    with pytest.raises(ValueError, match="whitespace"):
+        check_token(" s3cret")
+    with pytest.raises(ValueError, match="printable ASCII"):
+        check_token("s3cr\u00e9t")
+    assert token_from(None, {}) is None
+    assert token_from(None, {TOKEN_ENV: "abc"}) == "abc"
+    assert token_from("flag", {TOKEN_ENV: "env"}) == "flag"
+
+
+@pytest.mark.parametrize("how", ["flag", "env", "blank-env"])
+def test_serve_refuses_an_empty_token_before_listening(how):
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    args = [sys.executable, "-m", "tiered_cache.cli.main", "serve", "--no-disk", "--port", "0"]
+    if how == "flag":
+        args += ["--token", ""]
+    else:
+        env[TOKEN_ENV] = "" if how == "env" else "   "
+    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "listening" not in result.stdout
+    assert "empty or blank" in result.stderr
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    with StoreProcess(["--disk", str(tmp_path_factory.mktemp("guarded")), "--token", "s3cret"]) as proc:
+        yield proc
+
+
+def _every_call(client: StoreClient, keys: list[bytes], items: list[tuple[bytes, bytes]]) -> dict[str, grpc.RpcError]:
+    """Each method of the service, as the client would call it; the error each one raised."""
+    calls = {
+        "Lookup": lambda: client.lookup(keys),
+        "Get": lambda: list(client.get(keys, FINGERPRINT)),
+        "Put": lambda: client.put(items, FINGERPRINT),
+        "Stats": lambda: client.stats(),
+    }
+    errors = {}
+    for name, call in calls.items():
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        errors[name] = info.value
+    return errors
+
+
+def test_without_the_token_every_method_is_refused_and_reveals_nothing(guarded):
+    held, missing = make_items(2, start=500), make_items(2, start=900)
+    with StoreClient(guarded.address, token="s3cret") as owner:
+        assert owner.put(held, FINGERPRINT).stored == 2
+        before = owner.stats().server.unauthenticated
+    for token in (None, "wrong", "s3cret-but-longer"):
+        with StoreClient(guarded.address, token=token) as stranger:
+            on_held = _every_call(stranger, [k for k, _ in held], held)
+            on_missing = _every_call(stranger, [k for k, _ in missing], missing)
+            for name in on_held:
+                assert on_held[name].code() == grpc.StatusCode.UNAUTHENTICATED, name
+                # The same answer whether the key is held or not: nothing to probe with.
+                assert on_held[name].details() == on_missing[name].details(), name
+            # The bulk path (aio channel) is refused too, and yields no blob.
+            result = stranger.get_all([k for k, _ in held], FINGERPRINT)
+            assert result.error is not None and result.error.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert stranger.health() == "SERVING"
+    with StoreClient(guarded.address, token="s3cret") as owner:
+        stats = owner.stats()
+        assert stats.server.unauthenticated == before + 3 * (8 + 1)
+        # The strangers' Puts stored nothing: the owner's two pages are all there is.
+        assert sum(t.pages for t in stats.tiers if t.name == "ram") == 2
+        assert [g.key for g in owner.get([k for k, _ in missing])] == []
+
+
+def test_disk_tier_files_and_folders_are_owner_only(tmp_path):
+    old = os.umask(0o022)  # a typical umask would leave them world-readable
+    try:
+        root = tmp_path / "a" / "b" / "pages"
+        tier = DiskTier(root, "1MiB")
+        assert tier.put(blobs_for(3)) == 3
+        tier.close()
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "a", tmp_path / "a" / "b", root):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+    files = list(root.iterdir())
+    assert len(files) == 4  # three pages and the lock
+    for file in files:
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
