@@ -10,8 +10,11 @@ import redis as redis_py
 from redis.crc import key_slot
 from tier_helpers import blobs_for
 
+from tiered_cache.tiers.breaker import BreakerPolicy
 from tiered_cache.tiers.redis import RedisTier, parse_cluster_url
 from tiered_cache.tiers.redis_process import free_port
+
+FAST_PROBE = BreakerPolicy(cooldown_s=0.05, max_cooldown_s=0.2)  # a dead server is asked again soon
 
 # The tier's timeout in the kill test is 0.5 s: a call may spend it once or twice, never a retry loop.
 CALL_BOUND_S = 3.0
@@ -133,7 +136,7 @@ def test_threads_share_a_cluster_tier(redis_cluster, redis_prefix):
 def test_hung_master_costs_a_timeout_not_a_hang(redis_cluster, redis_prefix):
     hung = 1
     owners = slot_owners(redis_cluster)
-    tier = RedisTier(redis_cluster.url, prefix=redis_prefix, timeout_s=0.5, max_backoff_s=0.2)
+    tier = RedisTier(redis_cluster.url, prefix=redis_prefix, timeout_s=0.5, breaker=FAST_PROBE)
     items = blobs_for(96)
     keys = [k for k, _ in items]
     lost = [owners[key_slot(name(redis_prefix, k))] == hung for k in keys]
@@ -158,7 +161,7 @@ def test_hung_master_costs_a_timeout_not_a_hang(redis_cluster, redis_prefix):
 def test_killed_master_costs_only_its_own_pages(redis_cluster, redis_prefix):
     victim = 0
     owners = slot_owners(redis_cluster)
-    tier = RedisTier(redis_cluster.url, prefix=redis_prefix, timeout_s=0.5, max_backoff_s=0.2)
+    tier = RedisTier(redis_cluster.url, prefix=redis_prefix, timeout_s=0.5, breaker=FAST_PROBE)
     items, fresh = blobs_for(96), blobs_for(48, seed=1, start=10_000)
     keys, fresh_keys = [k for k, _ in items], [k for k, _ in fresh]
     on_victim = [owners[key_slot(name(redis_prefix, k))] == victim for k in keys + fresh_keys]

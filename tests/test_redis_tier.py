@@ -1,10 +1,14 @@
+import signal
 import time
 
 import redis as redis_py
 from tier_helpers import blobs_for
 
+from tiered_cache.tiers.breaker import BreakerPolicy
 from tiered_cache.tiers.redis import RedisTier
 from tiered_cache.tiers.redis_process import RedisServer
+
+FAST_PROBE = BreakerPolicy(cooldown_s=0.05, max_cooldown_s=0.2)  # a dead server is asked again soon
 
 
 def test_round_trip_prefix_and_ttl(redis_server, redis_prefix):
@@ -43,7 +47,7 @@ def test_corrupt_blobs_in_redis_are_misses_and_deleted(redis_server, redis_prefi
 def test_redis_down_then_back(tmp_path):
     server = RedisServer(tmp_path)
     server.start()
-    tier = RedisTier(server.url, prefix="updown", timeout_s=0.5, max_backoff_s=0.2)
+    tier = RedisTier(server.url, prefix="updown", timeout_s=0.5, breaker=FAST_PROBE)
     items = blobs_for(2)
     keys = [k for k, _ in items]
     assert tier.put(items) == 2
@@ -83,5 +87,55 @@ def test_stats_asks_redis_at_most_once_a_second(tmp_path):
         time.sleep(1.1)
         assert tier.stats().pages == 4 and calls() - before == 2
         tier.close()
+    finally:
+        server.stop()
+
+
+def test_a_hung_redis_costs_one_timeout_then_the_breaker_answers(tmp_path):
+    """SIGSTOPped Redis: takes connections, answers nothing. One call spends one timeout on it
+    (no retry of a timeout), then the breaker answers misses at once until a probe finds Redis
+    back."""
+    server = RedisServer(tmp_path)
+    server.start()
+    tier = RedisTier(server.url, prefix="hung", timeout_s=0.3, breaker=FAST_PROBE)
+    items = blobs_for(2)
+    keys = [k for k, _ in items]
+    assert tier.put(items) == 2
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert tier.get(keys) == [None, None]
+        assert time.monotonic() - started < 1.0, "a timeout must not be retried inside the call"
+        stats = tier.stats()
+        address = f"127.0.0.1:{server.port}"
+        assert (stats.open_breakers, stats.breaker_trips, stats.breakers) == (1, 1, {address: "open"})
+        started = time.monotonic()
+        for _ in range(50):
+            assert tier.get(keys) == [None, None]
+        assert time.monotonic() - started < 0.5 + 0.3 * 4, "an open breaker answers without asking Redis"
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while tier.get(keys) != [b for _, b in items]:
+        assert time.monotonic() < deadline, "the probe did not close the breaker once Redis answered"
+        time.sleep(0.05)
+    assert tier.stats().breakers == {address: "closed"}
+    server.stop()
+
+
+def test_a_restarted_redis_is_used_by_the_first_call_after_it(tmp_path):
+    """Every pooled connection of a restarted Redis is broken: the first put after the restart
+    reconnects inside the call, stores, and counts no error (no breaker trip)."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        tier = RedisTier(server.url, prefix="restart", timeout_s=1.0)
+        items = blobs_for(3)
+        assert tier.put(items) == 3
+        server.stop()
+        server.start()
+        assert tier.put(items) == 3
+        assert tier.get([k for k, _ in items]) == [b for _, b in items]
+        assert tier.stats().errors == 0 and tier.stats().breaker_trips == 0
     finally:
         server.stop()

@@ -11,6 +11,7 @@ from service_helpers import large_items, make_items
 
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.process import StoreProcess
+from tiered_cache.tiers.breaker import BreakerPolicy
 from tiered_cache.tiers.remote import RemoteTier, owner
 
 
@@ -43,7 +44,7 @@ def test_two_servers_share_the_keys_and_serve_them_all(tmp_path):
 
 def test_a_dead_server_means_fast_misses_not_errors_raised():
     items = make_items(3)
-    tier = RemoteTier(["127.0.0.1:1"], timeout_s=1.0, max_backoff_s=0.5)
+    tier = RemoteTier(["127.0.0.1:1"], timeout_s=1.0, breaker=BreakerPolicy(max_cooldown_s=0.5))
     start = time.monotonic()
     assert tier.put(items) == 0
     assert tier.get([k for k, _ in items]) == [None] * 3
@@ -193,14 +194,37 @@ def test_warm_opens_the_channels_before_the_first_get_and_backs_off_a_dead_serve
         dead.start()
         dead_address = dead.address
         dead.kill()
-        tier = RemoteTier([store.address, dead_address], timeout_s=2.0)
+        tier = RemoteTier([store.address, dead_address], timeout_s=2.0, breaker=BreakerPolicy(cooldown_s=5.0))
         live = next(s for s in tier.servers if s.client.address == store.address)
         gone = next(s for s in tier.servers if s.client.address == dead_address)
         assert live.client._fetcher is None
-        tier.warm()  # never raises: the dead server is backed off, as on any call
+        tier.warm()  # never raises: the dead server's breaker opens, as on any call
         assert live.client._fetcher is not None and live.available
         assert not gone.available and tier.stats().errors == 1
         got = tier.get([k for k, _ in items])
         assert [b is None or bytes(b) == blob for b, (_, blob) in zip(got, items, strict=True)] == [True] * 24
         assert any(b is not None for b in got)  # the live server's share arrives
         tier.close()
+
+
+def test_breaker_state_of_each_server_is_in_stats():
+    live = StoreProcess(["--no-disk"])
+    live.start()
+    try:
+        dead = "127.0.0.1:1"
+        tier = RemoteTier([live.address, dead], timeout_s=1.0, breaker=BreakerPolicy(cooldown_s=0.2))
+        items = make_items(40)
+        tier.put(items)
+        stats = tier.stats()
+        assert stats.breakers == {live.address: "closed", dead: "open"}
+        assert (stats.open_breakers, stats.breaker_trips) == (1, 1)
+        errors = stats.errors
+        tier.get([k for k, _ in items])  # the dead server's keys are misses, and it is not asked
+        assert tier.stats().errors == errors
+        time.sleep(0.25)
+        assert tier.stats().breakers[dead] == "half-open"
+        tier.get([k for k, _ in items])  # the probe fails: open again, for twice as long
+        assert tier.stats().breakers[dead] == "open" and tier.stats().breaker_trips == 2
+        tier.close()
+    finally:
+        live.stop()

@@ -151,7 +151,7 @@ def stats(timeout_s: float = 30.0) -> dict[str, Any]:
 
 
 _SUMMED = ("capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "promotions", "demotions",
-           "bytes_in", "bytes_out", "errors", "corrupt")
+           "bytes_in", "bytes_out", "errors", "corrupt", "breaker_trips", "open_breakers")
 
 
 def tiers_of(actor: dict[str, Any]) -> list[dict[str, Any]]:

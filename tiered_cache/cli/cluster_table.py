@@ -8,7 +8,7 @@ from tiered_cache.cli.table import render_table
 from tiered_cache.model.units import format_binary
 
 _HEADERS = ["actor", "node", "tier", "pages", "used", "capacity", "hit rate", "hits", "misses", "evictions",
-            "bytes in", "bytes out", "errors", "corrupt"]
+            "bytes in", "bytes out", "errors", "corrupt", "open breakers"]
 
 
 def _row(actor: str, node: str, tier: dict[str, Any]) -> list[str]:
@@ -17,7 +17,7 @@ def _row(actor: str, node: str, tier: dict[str, Any]) -> list[str]:
     return [actor, node, tier["name"], f"{int(tier['pages']):,}", format_binary(int(tier["used_bytes"])),
             format_binary(int(tier["capacity_bytes"])), rate, f"{int(tier['hits']):,}", f"{int(tier['misses']):,}",
             f"{int(tier['evictions']):,}", format_binary(int(tier["bytes_in"])), format_binary(int(tier["bytes_out"])),
-            f"{int(tier['errors']):,}", f"{int(tier['corrupt']):,}"]
+            f"{int(tier['errors']):,}", f"{int(tier['corrupt']):,}", f"{int(tier.get('open_breakers', 0)):,}"]
 
 
 def render_cluster(figures: dict[str, Any]) -> str:
@@ -37,4 +37,4 @@ def render_cluster(figures: dict[str, Any]) -> str:
     workers = sum(a["kind"] == "worker" and "error" not in a for a in figures["actors"])
     shards = sum(a["kind"] == "shard" and "error" not in a for a in figures["actors"])
     head = f"{workers} worker(s), {shards} shard(s)"
-    return "\n".join([head, render_table(rows, _HEADERS, align_right=range(3, 14)), *notes])
+    return "\n".join([head, render_table(rows, _HEADERS, align_right=range(3, 15)), *notes])

@@ -45,10 +45,11 @@ def render(result: dict[str, Any]) -> str:
     rows = [[t["name"], format_binary(t["capacity_bytes"]), format_binary(t["used_bytes"]), f"{t['pages']:,}",
              f"{t['hit_rate']:.1%}", f"{t['hits']:,}", f"{t['misses']:,}", f"{t['evictions']:,}",
              f"{t['promotions']:,}", f"{t['demotions']:,}", format_binary(t["bytes_in"]),
-             format_binary(t["bytes_out"]), f"{t['errors']:,}", f"{t['corrupt']:,}"] for t in result["tiers"]]
+             format_binary(t["bytes_out"]), f"{t['errors']:,}", f"{t['corrupt']:,}",
+             f"{t.get('open_breakers', 0)} ({t.get('breaker_trips', 0):,} trips)"] for t in result["tiers"]]
     table = render_table(rows, ["tier", "capacity", "used", "pages", "hit rate", "hits", "misses", "evictions",
-                                "promoted", "demoted", "bytes in", "bytes out", "errors", "corrupt"],
-                         align_right=range(1, 14))
+                                "promoted", "demoted", "bytes in", "bytes out", "errors", "corrupt", "open breakers"],
+                         align_right=range(1, 15))
     return f"{head}\n{table}"
 
 

@@ -34,6 +34,7 @@ from tiered_cache.v1 import cache_pb2 as pb
 
 T = TypeVar("T")
 _TIERS = {"ram": pb.TIER_RAM, "disk": pb.TIER_DISK, "redis": pb.TIER_REDIS}
+_NOT_IN_PROTO = {"hit_rate", "breakers"}  # derived, or per server (the counts travel instead)
 _REFUSALS = {
     BlobFault.CORRUPT: pb.CORRUPT_BLOB, BlobFault.WRONG_KEY: pb.KEY_MISMATCH,
     BlobFault.WRONG_FINGERPRINT: pb.FINGERPRINT_MISMATCH, BlobFault.UNKNOWN_CODEC: pb.UNKNOWN_CODEC,
@@ -226,7 +227,7 @@ class KVCacheService:
                                 rejected_requests=c.rejected, unauthenticated=c.unauthenticated,
                                 refused_blobs=c.refused_blobs, active_streams=self.slots.active,
                                 refused_streams=self.slots.refused, stalled_streams=c.stalled_streams)
-        tiers = [pb.TierStats(**{k: v for k, v in s.to_dict().items() if k != "hit_rate"})
+        tiers = [pb.TierStats(**{k: v for k, v in s.to_dict().items() if k not in _NOT_IN_PROTO})
                  for s in await self._tiers_stats()]
         return pb.StatsResponse(tiers=tiers, server=server)
 

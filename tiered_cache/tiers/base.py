@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 # Called with (key, blob) pairs a tier is about to drop, so the cache can demote them further down.
@@ -28,6 +27,9 @@ class TierStats:
     bytes_out: int = 0
     errors: int = 0  # failed calls (a tier that is down, a timeout)
     corrupt: int = 0  # blobs refused on read (checksum, truncation, wrong key) and deleted
+    breaker_trips: int = 0  # times a server's circuit breaker opened (remote and Redis tiers)
+    open_breakers: int = 0  # servers whose breaker is open or half-open now
+    breakers: dict[str, str] = field(default_factory=dict)  # server -> closed / open / half-open
 
     def record_reads(self, blobs: Iterable[bytes | None]) -> None:
         """Count each blob returned as a hit (and its bytes out), each None as a miss."""
@@ -81,25 +83,3 @@ def leading_run(flags: Iterable[bool]) -> int:
             break
         n += 1
     return n
-
-
-class Backoff:
-    """Skips a failing server for a while: `backoff_s`, doubled on every failure up to
-    `max_backoff_s`, and back to nothing after a success."""
-
-    def __init__(self, backoff_s: float, max_backoff_s: float) -> None:
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self.delay = 0.0
-        self.retry_at = 0.0
-
-    @property
-    def available(self) -> bool:
-        return time.monotonic() >= self.retry_at
-
-    def failed(self) -> None:
-        self.delay = min(self.max_backoff_s, max(self.backoff_s, self.delay * 2))
-        self.retry_at = time.monotonic() + self.delay
-
-    def succeeded(self) -> None:
-        self.delay = 0.0

@@ -10,10 +10,15 @@ URLs:
   parallel (one MGET per slot, SET / EXISTS per key, DEL per slot).
 
 Redis bounds itself (`maxmemory` + an LRU `maxmemory-policy`, see deploy/redis.conf). Every call
-has a socket timeout. A server (or cluster master) that fails answers misses and drops puts at
-once, counts an error, and is retried after an exponential backoff of its own, so the other
-masters of a cluster keep serving; a failure or a MOVED reply also re-reads the slot map on the
-next call. Nothing raises into the request path.
+has a socket timeout. Retries are in two places only, neither hand-written here:
+- inside a call, redis-py's own `Retry`, pinned here: one retry, after a few ms, of a broken
+  connection, never of a timeout (the default object redis-py builds allows ten retries with up
+  to a second between them, timeouts included; a hung Redis must cost one timeout, no more);
+- across calls, a circuit breaker per server or cluster master (breaker.py): one that fails
+  answers misses and drops puts at once, counts an error, and is probed again after a cooldown,
+  so the other masters of a cluster keep serving. A failure or a MOVED reply also re-reads the
+  slot map on the next call.
+Nothing raises into the request path.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
-from tiered_cache.tiers.base import Backoff, TierStats, leading_run
+from tiered_cache.tiers.base import TierStats, leading_run
+from tiered_cache.tiers.breaker import BreakerPolicy, CircuitBreaker, breaker_states
 from tiered_cache.tiers.codec import BlobError, verify_blob
 
 _INFO_MAX_AGE_S = 1.0  # stats() asks Redis (INFO, DBSIZE) at most once a second
@@ -62,13 +68,29 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]] 
     return nodes, settings
 
 
-class _Node(Backoff):
-    """One Redis server (the only one, or a cluster master): its client and its backoff."""
+def retry_policy() -> Any:
+    """redis-py's retry inside one call: once, after 2-10 ms, and only for a broken connection."""
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.retry import Retry
 
-    def __init__(self, client: Any, address: str, backoff_s: float, max_backoff_s: float) -> None:
-        super().__init__(backoff_s, max_backoff_s)
+    return Retry(ExponentialBackoff(cap=0.01, base=0.002), 1, supported_errors=(RedisConnectionError,))
+
+
+class _Node:
+    """One Redis server (the only one, or a cluster master): its client and its breaker."""
+
+    def __init__(self, client: Any, address: str, breaker: CircuitBreaker) -> None:
         self.client = client
         self.address = address
+        self.breaker = breaker
+
+
+def _single_node(client: Any, breaker: CircuitBreaker) -> _Node:
+    """The node of a one-server URL, named host:port (never the URL: it may hold a password)."""
+    kwargs = client.connection_pool.connection_kwargs
+    address = kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+    return _Node(client, address, breaker)
 
 
 class RedisTier:
@@ -76,14 +98,13 @@ class RedisTier:
     thread_safe = True  # redis-py's connection pools serve every thread
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "tiered-cache",
-                 ttl_s: float | None = None, timeout_s: float = 1.0, backoff_s: float = 0.05,
-                 max_backoff_s: float = 5.0) -> None:
+                 ttl_s: float | None = None, timeout_s: float = 1.0, breaker: BreakerPolicy | None = None) -> None:
         """Raises ValueError for a malformed URL, or a cluster key prefix with a `{`."""
         import redis
 
         self._redis_errors = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
         self._options: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                             socket_read_size=SOCKET_READ_SIZE)
+                                             socket_read_size=SOCKET_READ_SIZE, retry=retry_policy())
         self.url = url
         self._startup = parse_cluster_url(url)
         self.cluster = self._startup is not None
@@ -92,12 +113,11 @@ class RedisTier:
                              f"page on one master), got {prefix!r}")
         self.prefix = prefix.encode() + b":"
         self.ttl_ms = int(ttl_s * 1000) if ttl_s else None
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
-        self._single = None if self.cluster else _Node(redis.Redis.from_url(url, **self._options), url,
-                                                       backoff_s, max_backoff_s)
+        self._policy = breaker or BreakerPolicy(cooldown_s=0.05)
+        self._single = None if self.cluster else _single_node(redis.Redis.from_url(url, **self._options),
+                                                              CircuitBreaker(self._policy))
         self._cluster: Any = None  # RedisCluster, connected on first use
-        self._topology = Backoff(backoff_s, max_backoff_s)  # (re)reading the slot map
+        self._topology = CircuitBreaker(self._policy)  # (re)reading the slot map
         self._stale = True  # the slot map must be (re)read before the next call
         self._nodes: dict[str, _Node] = {}  # cluster masters by "host:port"
         self._last_failed: str | None = None  # the master that failed last: asked last for the slot map
@@ -111,34 +131,32 @@ class RedisTier:
 
     @property
     def available(self) -> bool:
-        """False while backing off after a failure (a cluster: while every known master is)."""
+        """False while the breaker is open (a cluster: while every known master's is)."""
         if self._single is not None:
-            return self._single.available
-        return any(n.available for n in list(self._nodes.values())) or self._topology.available
+            return self._single.breaker.available
+        return any(n.breaker.available for n in list(self._nodes.values())) or self._topology.available
 
     # --- routing -------------------------------------------------------------------------------
-    def _failed(self, backoff: Backoff) -> None:
+    def _failed(self, breaker: CircuitBreaker, node: _Node | None = None) -> None:
         self._stats.errors += 1
-        backoff.failed()
+        if breaker.failed():
+            self._stats.breaker_trips += 1
         self._stale = True
-        if isinstance(backoff, _Node):
-            self._last_failed = backoff.address
+        if node is not None:
+            self._last_failed = node.address
 
     def _read_slot_map(self) -> None:
         """Connect to the cluster, or re-read its slot map, when a failure may have changed it."""
-        if not (self._stale and self._topology.available):
+        if not self._stale or not self._topology.allow():
             return
-        from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
-        from redis.retry import Retry
 
         try:
             if self._cluster is None:
                 nodes, settings = self._startup
-                # No retries inside redis-py: a failed master is this tier's to skip, not to wait on.
+                # A failed master is this tier's breaker's to skip, not redis-py's to wait on.
                 self._cluster = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes],
-                                             require_full_coverage=False, retry=Retry(NoBackoff(), 0),
-                                             **settings, **self._options)
+                                             require_full_coverage=False, **settings, **self._options)
             else:  # the master that failed last may be hung: asking it first could cost a timeout
                 self._cluster.nodes_manager.initialize(last_failed_node_name=self._last_failed)
         except self._redis_errors:
@@ -150,11 +168,9 @@ class RedisTier:
     def _node(self, cluster_node: Any) -> _Node:
         node = self._nodes.get(cluster_node.name)
         if node is None or node.client is not cluster_node.redis_connection:
-            old = node
-            node = self._nodes[cluster_node.name] = _Node(cluster_node.redis_connection, cluster_node.name,
-                                                          self.backoff_s, self.max_backoff_s)
-            if old is not None:  # same address, new client: keep its backoff
-                node.delay, node.retry_at = old.delay, old.retry_at
+            # Same address, new client: it keeps its breaker (the server is the same).
+            breaker = node.breaker if node is not None else CircuitBreaker(self._policy)
+            node = self._nodes[cluster_node.name] = _Node(cluster_node.redis_connection, cluster_node.name, breaker)
         return node
 
     def _route(self, names: Sequence[bytes]) -> dict[_Node, list[list[int]]]:
@@ -191,16 +207,16 @@ class RedisTier:
             return [self._node(n) for n in self._cluster.get_primaries()]
 
     def _on(self, node: _Node, fn: Callable[[Any], T], default: T) -> T:
-        """`fn(node's client)` unless the node is backing off; on a Redis or socket error count it,
-        back the node off and return `default`."""
-        if not node.available:
+        """`fn(node's client)` unless the node's breaker is open; on a Redis or socket error count
+        it, tell the breaker and return `default`."""
+        if not node.breaker.allow():
             return default
         try:
             result = fn(node.client)
         except self._redis_errors:
-            self._failed(node)
+            self._failed(node.breaker, node)
             return default
-        node.succeeded()
+        node.breaker.succeeded()
         return result
 
     def _each_node(self, routes: dict[_Node, list[list[int]]], fn: Callable[[_Node, list[list[int]]], T]
@@ -244,7 +260,7 @@ class RedisTier:
                 continue
             failed = [any(isinstance(r, Exception) for r in replies) for replies in per_group]
             if any(failed):
-                self._failed(node)
+                self._failed(node.breaker, node)
             answered.extend((positions, replies) for positions, replies, bad in zip(groups, per_group, failed,
                                                                                 strict=True) if not bad)
         return answered
@@ -299,6 +315,8 @@ class RedisTier:
     def stats(self) -> TierStats:
         """Capacity, used bytes and pages summed over the servers that answer (INFO, DBSIZE),
         asked at most once every `_INFO_MAX_AGE_S`: a dashboard polling stats must not load Redis."""
+        nodes = [self._single] if self._single is not None else list(self._nodes.values())
+        self._stats.open_breakers, self._stats.breakers = breaker_states({n.address: n.breaker for n in nodes})
         now = time.monotonic()
         if now - self._info_at < _INFO_MAX_AGE_S:
             return self._stats

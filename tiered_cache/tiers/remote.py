@@ -2,8 +2,9 @@
 
 Keys are spread over the servers by rendezvous (highest random weight) hashing with SHA-256, so
 every instance sends a key to the same server and adding a server moves only ~1/n of the keys.
-Each server has its own backoff: a server that fails (down, stalled, killed mid-stream) is
-skipped for a while and its keys read as misses; nothing raises into the request path. Streams
+Each server has its own circuit breaker (breaker.py): a server that fails (down, stalled, killed
+mid-stream) is skipped while its breaker is open and its keys read as misses; one probe call
+then tells whether it is back. Nothing raises into the request path. Streams
 fail only when nothing moves for `timeout_s` (a progress deadline: a long prefix arrives as long
 as it keeps arriving), or past `budget_s` when set. The servers owning keys of one call are asked
 in parallel and their pages merged in order. Every blob received is verified before it is
@@ -27,7 +28,8 @@ import grpc
 
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.framing import ReceivedBlob
-from tiered_cache.tiers.base import Backoff, TierStats, leading_run
+from tiered_cache.tiers.base import TierStats, leading_run
+from tiered_cache.tiers.breaker import BreakerPolicy, CircuitBreaker, breaker_states
 from tiered_cache.tiers.codec import BlobError, verify_blob
 
 T = TypeVar("T")
@@ -45,10 +47,14 @@ def owner_address(key: bytes, addresses: Sequence[str]) -> str | None:
     return addresses[owner(key, addresses)] if addresses else None
 
 
-class _Server(Backoff):
-    def __init__(self, client: StoreClient, backoff_s: float, max_backoff_s: float) -> None:
-        super().__init__(backoff_s, max_backoff_s)
+class _Server:
+    def __init__(self, client: StoreClient, policy: BreakerPolicy) -> None:
         self.client = client
+        self.breaker = CircuitBreaker(policy)
+
+    @property
+    def available(self) -> bool:
+        return self.breaker.available
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,8 @@ class RemoteTier:
     thread_safe = True  # gRPC channels serve every thread; each call keeps its own state
 
     def __init__(self, addresses: Sequence[str], token: str | None = None, tls_ca: str | None = None,
-                 timeout_s: float = 5.0, fingerprint: bytes = b"", backoff_s: float = 0.1,
-                 max_backoff_s: float = 5.0, budget_s: float | None = None, allow_empty: bool = False) -> None:
+                 timeout_s: float = 5.0, fingerprint: bytes = b"", breaker: BreakerPolicy | None = None,
+                 budget_s: float | None = None, allow_empty: bool = False) -> None:
         """`allow_empty`: start with no server (every call a miss) until `set_addresses` names some,
         as a cluster worker does before its shard directory answers."""
         if not addresses and not allow_empty:
@@ -73,7 +79,7 @@ class RemoteTier:
         self.budget_s = budget_s  # overall bound of one get or put stream; None: progress only
         self.fingerprint = fingerprint  # when set, servers skip and refuse blobs of other models
         self._client_args = (token, tls_ca, timeout_s)
-        self._backoff = (backoff_s, max_backoff_s)
+        self._policy = breaker or BreakerPolicy()
         self._ring_lock = threading.Lock()
         self._ring = _Ring((), ())
         self._stats = TierStats(self.name)
@@ -93,7 +99,7 @@ class RemoteTier:
 
     def set_addresses(self, addresses: Sequence[str]) -> bool:
         """Make `addresses` the ring (order does not matter; duplicates count once). Servers that
-        stay keep their channel and backoff; channels of servers that left are closed (a call
+        stay keep their channel and breaker; channels of servers that left are closed (a call
         still streaming from one ends as a miss). Returns whether the ring changed."""
         wanted = tuple(sorted(set(addresses)))
         with self._ring_lock:
@@ -102,7 +108,7 @@ class RemoteTier:
                 return False
             kept = dict(zip(old.addresses, old.servers, strict=True))
             token, tls_ca, timeout_s = self._client_args
-            servers = tuple(kept.pop(a, None) or _Server(StoreClient(a, token, tls_ca, timeout_s), *self._backoff)
+            servers = tuple(kept.pop(a, None) or _Server(StoreClient(a, token, tls_ca, timeout_s), self._policy)
                             for a in wanted)
             self._ring = _Ring(wanted, servers)
         for server in kept.values():
@@ -121,15 +127,16 @@ class RemoteTier:
         return groups
 
     def _call(self, server: _Server, fn: Callable[[StoreClient], T], default: T) -> T:
-        if self._closed or not server.available:
+        if self._closed or not server.breaker.allow():
             return default
         try:
             result = fn(server.client)
         except grpc.RpcError:
             self._stats.errors += 1
-            server.failed()
+            if server.breaker.failed():
+                self._stats.breaker_trips += 1
             return default
-        server.succeeded()
+        server.breaker.succeeded()
         return result
 
     def _each_server(self, groups: dict[int, list[int]], fn: Callable[[int, list[int]], T]) -> dict[int, T]:
@@ -145,7 +152,7 @@ class RemoteTier:
     def warm(self) -> None:
         """Open every server's channels now (connection, HTTP/2 handshake, the aio channel of bulk
         Gets) with an empty Lookup and Get, so the first request does not pay for them. A server
-        that does not answer is backed off, as on any call."""
+        that does not answer opens its breaker, as on any call."""
         ring = self._ring
 
         def connect(client: StoreClient) -> None:
@@ -237,6 +244,9 @@ class RemoteTier:
         """Stores are shared and content-addressed: a client never deletes (the server evicts)."""
 
     def stats(self) -> TierStats:
+        ring = self._ring
+        states = breaker_states({a: s.breaker for a, s in zip(ring.addresses, ring.servers, strict=True)})
+        self._stats.open_breakers, self._stats.breakers = states
         return self._stats
 
     def close(self) -> None:
