@@ -20,6 +20,7 @@ from tiered_cache.service.client import StoreClient
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.process import StoreProcess
 from tiered_cache.tiers.disk import DiskTier
+from tiered_cache.tiers.remote import RemoteTier
 from workers.config import ShardSettings
 
 BLANK = ["", " ", "\t", "  \n "]
@@ -135,3 +136,52 @@ def test_disk_tier_files_and_folders_are_owner_only(tmp_path):
     assert len(files) == 4  # three pages and the lock
     for file in files:
         assert stat.S_IMODE(file.stat().st_mode) == 0o600, file
+
+
+def test_two_namespaces_with_the_same_tokens_never_share_a_page_on_any_tier(tmp_path, redis_server, redis_prefix):
+    """Tenant A's pages go down every tier (device, host, disk, Redis, a store server); tenant B
+    asks for the very same tokens and finds nothing on any of them, while A finds all."""
+    import torch
+
+    from tiered_cache.cache import TieredCache
+    from tiered_cache.index.keys import PageKeyer
+    from tiered_cache.model.spec import KVSpec
+    from tiered_cache.tiers.disk import DiskTier as Disk
+    from tiered_cache.tiers.redis import RedisTier
+
+    spec = KVSpec("isolation", 2, 2, 32, page_size=4)
+    tokens = list(range(40))  # 10 pages
+    kv = torch.randn(spec.kv_shape(len(tokens)), generator=torch.Generator().manual_seed(1)).half()
+
+    with StoreProcess(["--no-disk"]) as store:
+        def cache(namespace: str, folder: str) -> TieredCache:
+            return TieredCache(spec, CacheConfig(
+                namespace=namespace, pool_capacity=16 * spec.bytes_per_page, host_capacity=16 * spec.bytes_per_page,
+                lower_tiers=["disk", "redis", "remote"], disk_path=str(tmp_path / folder), redis_url=redis_server.url,
+                redis_prefix=redis_prefix, remote_addresses=[store.address], write_policy="write_through"))
+
+        writer = cache("tenant-a", "disk-a")
+        assert writer.put(tokens, kv) == len(tokens)
+        assert writer.flush(timeout=30)
+        assert writer.lookup(tokens, namespace="tenant-b") == 0  # the same instance, another tenant
+        writer.close()
+        keys = {ns: PageKeyer(spec, ns).keys(tokens) for ns in ("tenant-a", "tenant-b")}
+        assert not set(keys["tenant-a"]) & set(keys["tenant-b"])
+        held_by = {
+            "disk": Disk(tmp_path / "disk-a", "1GiB"),
+            "redis": RedisTier(redis_server.url, prefix=redis_prefix),
+            "remote": RemoteTier([store.address]),
+        }
+        for name, tier in held_by.items():
+            assert tier.contains_prefix(keys["tenant-a"]) == 10, name
+            assert tier.contains_prefix(keys["tenant-b"]) == 0, name
+            assert tier.get(keys["tenant-b"]) == [None] * 10, name
+            tier.close()
+        # Fresh instances reading through every tier: B sees nothing, A sees its own KV, exact.
+        other = cache("tenant-b", "disk-b")
+        assert other.lookup(tokens) == 0 and other.get(tokens)[0] == 0
+        other.close()
+        same = cache("tenant-a", "disk-a2")
+        n, got = same.get(tokens)
+        assert n == len(tokens) and torch.equal(got, kv)
+        same.close()

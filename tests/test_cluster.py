@@ -194,3 +194,64 @@ def test_a_restarted_directory_finds_the_running_actors_again(actors):
         info = wait_for(lambda w=worker: (i := ray.get(w.info.remote()))["ring_version"] > before[w]["ring_version"]
                         and i, timeout_s=30, what="a worker to follow the new directory")
         assert info["shards"] == shards
+
+
+# --- chaos (last in the module: the second test may kill a worker the others use) -----------------
+SHARD_NODES = {"shard-0": {"node0": 1}, "shard-1": {"node1": 1}}
+
+
+def _alive(name: str) -> bool:
+    try:
+        ray.get(ray.get_actor(name).ping.remote(), timeout=30)
+    except (ValueError, ray.exceptions.RayError):
+        return False
+    return True
+
+
+def test_chaos_a_killed_shard_restarted_rejoins_the_ring_and_serves_again(actors):
+    a, b, config = actors["a"], actors["b"], actors["config"]
+    prompt = question("What colour is the lighthouse?", document()[4800:7200])
+    reference = ray.get(b.generate.remote(prompt, use_cache=False))
+    for name, resources in SHARD_NODES.items():  # both up (the kill test above left one dead)
+        ray.get(cluster.start_shard(name, config, resources=resources).ping.remote(), timeout=120)
+    wait_for(lambda: all(len(ray.get(w.info.remote())["shards"]) == 2 for w in (a, b)), what="rings of 2 shards")
+    ray.get(a.generate.remote(prompt))
+    assert ray.get(a.flush.remote())
+    victim_name = "shard-1"
+    victim_address = ray.get(ray.get_actor(victim_name).ping.remote())
+    assert any(p["shard"] == victim_address for p in ray.get(b.where.remote(prompt)))
+    ray.kill(ray.get_actor(victim_name), no_restart=True)
+    wait_for(lambda: not serving(victim_address), what="the killed shard's port to close")
+    for worker in (a, b):
+        wait_for(lambda w=worker: len(ray.get(w.info.remote())["shards"]) == 1, what="ring without the victim")
+    # Restarted under the same name, on its node, over its disk folder: the ring takes it back.
+    restarted = cluster.start_shard(victim_name, config, resources=SHARD_NODES[victim_name])
+    address = ray.get(restarted.ping.remote(), timeout=120)
+    for worker in (a, b):
+        wait_for(lambda w=worker: address in ray.get(w.info.remote())["shards"], what="ring with the restarted shard")
+    assert ray.get(a.flush.remote())
+    pages = wait_for(lambda: (lambda p: p if all(x["held"] for x in p) else None)(ray.get(b.where.remote(prompt))),
+                     what="every page held again")
+    assert any(p["shard"] == address for p in pages)  # the restarted shard owns and holds its share
+    late = ray.get(b.generate.remote(prompt), timeout=120)
+    assert late["tokens"] == reference["tokens"] and late["sources"].get("remote", 0) > 0
+
+
+def test_chaos_a_worker_killed_mid_request_the_router_answers_from_another(actors):
+    config = actors["config"]
+    router = cluster.start_router(config)
+    extra = cluster.start_worker("worker-2", config, resources={"node0": 1})
+    ray.get(extra.ping.remote(), timeout=300)
+    wait_for(lambda: "worker-2" in ray.get(router.stats.remote())["workers"], what="the router to see worker-2")
+    before = ray.get(router.stats.remote())["failures"]
+    prompt = question("Describe the keeper's day.", "An unrelated text about gardens. " * 60)
+    pending = router.generate.remote(prompt, 48)
+    busy = wait_for(lambda: [w for w, n in ray.get(router.stats.remote())["in_flight"].items() if n > 0],
+                    timeout_s=60, what="the request to reach a worker")
+    victim = busy[0]
+    ray.kill(ray.get_actor(victim), no_restart=True)  # mid-request: it is generating
+    answer = ray.get(pending, timeout=300)  # an answer, never a hang
+    assert answer["worker"] != victim and answer["route"]["worker"] != victim
+    assert len(answer["tokens"]) > 0
+    stats = ray.get(router.stats.remote())
+    assert stats["failures"] == before + 1 and victim not in stats["workers"]
