@@ -87,6 +87,25 @@ def add_parser(commands: Any) -> None:
     clus.add_argument("--max-new-tokens", type=int, default=4, help="tokens generated per request (default 4)")
     clus.add_argument("--seed", type=int, default=0, help="order of the requests (default 0)")
     subs.append(clus)
+    load = which.add_parser("load", help="N client processes in a serving-like mix against a store server: "
+                                         "calls/s, p50/p99/p999, errors by kind, server RSS over time")
+    load.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
+    load.add_argument("--duration-s", type=float, default=60.0, help="seconds of the mix (default 60)")
+    load.add_argument("--ram", default="256MiB", help="the started server's RAM tier (default 256MiB: a "
+                                                      "fraction of the pages the mix makes, so it evicts)")
+    load.add_argument("--disk", metavar="SIZE", help="give the started server a disk tier of SIZE in a "
+                                                     "temporary folder (default: RAM only)")
+    load.add_argument("--page-kib", type=int, default=64, help="KiB per page (default 64)")
+    load.add_argument("--prompts", type=int, default=32, help="shared system prompts, 4-32 pages each (default 32)")
+    load.add_argument("--histories", type=int, default=16, help="conversations each client keeps going (default 16)")
+    load.add_argument("--zipf-s", type=float, default=1.1, help="popularity exponent: rank k drawn with weight "
+                                                                "1/k^s (default 1.1)")
+    load.add_argument("--seed", type=int, default=0, help="tokens, page contents and choices (default 0)")
+    load.add_argument("--timeout-s", type=float, default=10.0, help="each call's deadline (default 10)")
+    load.add_argument("--address", help="HOST:PORT of a running store server (default: start one)")
+    load.add_argument("--server-pid", type=int, help="that server's process id, to sample its RSS")
+    load.add_argument("--png", help="write a figure of latency and server memory over time here")
+    subs.append(load)
     for sub in subs:
         sub.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
         sub.set_defaults(run=run)
@@ -227,6 +246,10 @@ def run(args: argparse.Namespace) -> int:
                                 progress=lambda m: print(m, file=sys.stderr, flush=True))
         print(json.dumps([r.to_dict(results[0]) for r in results], indent=2) if args.json else render(results))
         return 0
+    if args.bench == "load":
+        from tiered_cache.bench.load_bench import run_load_bench
+
+        return run_load_bench(args)
     if args.bench == "codec":
         from tiered_cache.bench.codec_bench import run_codec_bench
 

@@ -44,9 +44,22 @@ def load_model(folder: Path | None = None) -> tuple[Any, Any]:
 
     target = (folder or cache_dir()) / MODEL_DIR
     if not (target / "model.safetensors").is_file():
-        _convert(target)
+        _convert_once(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     return model.eval(), AutoTokenizer.from_pretrained(target)
+
+
+def _convert_once(target: Path) -> None:
+    """Convert under an exclusive lock beside the target: processes that start together (Ray
+    workers on one machine, parallel tests) convert once, and none replaces a folder another is
+    already loading from (that race failed fresh-machine runs of the cluster tests)."""
+    import fcntl
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{MODEL_DIR}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another process converts
+        if not (target / "model.safetensors").is_file():
+            _convert(target)
 
 
 def _convert(target: Path) -> None:
