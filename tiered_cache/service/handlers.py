@@ -222,6 +222,8 @@ class KVCacheService:
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         self.counters.requests += 1
+        if isinstance(request, Malformed):
+            await self._reject(context, f"request is not a valid {request.message_type} ({request.size} bytes)")
         c = self.counters
         server = pb.ServerStats(version=__version__, uptime_s=time.monotonic() - c.started, requests=c.requests,
                                 rejected_requests=c.rejected, unauthenticated=c.unauthenticated,

@@ -222,6 +222,9 @@ def _int8_encode(raw: np.ndarray, spec: KVSpec) -> bytes:
 
 
 def _int8_decode(payload: memoryview, spec: KVSpec, out: np.ndarray) -> None:
+    if spec.dtype not in (DType.FP16, DType.BF16, DType.FP32):  # what _int8_encode accepts
+        raise BlobError(f"an int8 blob cannot hold {spec.dtype.value} KV (int8 is for fp16, bf16, fp32)",
+                        BlobFault.UNKNOWN_CODEC)
     rows = spec.bytes_per_page // spec.dtype.itemsize // spec.head_dim
     if len(payload) != rows * 2 + rows * spec.head_dim:
         raise BlobError(f"int8 payload is {len(payload)} bytes, expected {rows * (2 + spec.head_dim)}")
