@@ -124,25 +124,6 @@ def test_one_cluster_master_killed_and_restarted_under_load(redis_cluster):
     assert compared > 0 and clients.errors() > 0
 
 
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 4 MiB tmpfs: a disk that fills up long before the tier's capacity."""
-    import shutil
-    import subprocess
-
-    if shutil.which("mount") is None:
-        pytest.skip("no `mount` command to make a small filesystem with")
-    folder = tmp_path / "small-fs"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here (needs root): {mounted.stderr.strip()}")
-    yield folder
-    if subprocess.run(["umount", str(folder)]).returncode != 0:
-        subprocess.run(["umount", "--lazy", str(folder)], check=True)
-
-
 def test_a_full_disk_under_the_store_never_reaches_its_clients(small_fs):
     """The store's disk (4 MiB) is far smaller than what clients write through it (12 MiB) and
     than its configured capacity: it evicts and keeps admitting; no client sees an error."""

@@ -1,6 +1,5 @@
 import errno
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -210,22 +209,6 @@ def test_a_second_store_server_on_a_held_folder_exits_saying_who_holds_it(tmp_pa
 
 
 # --- a full filesystem ------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def small_fs(tmp_path):
-    """A 4 MiB tmpfs of the test's own: a filesystem smaller than the disk tier's capacity."""
-    if shutil.which("mount") is None:
-        pytest.skip("no `mount` command to make a small filesystem with")
-    folder = tmp_path / "small-fs"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(folder)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"mounting a tmpfs is not permitted here (needs root): {mounted.stderr.strip()}")
-    yield folder
-    if subprocess.run(["umount", str(folder)]).returncode != 0:
-        subprocess.run(["umount", "--lazy", str(folder)], check=True)  # a tier the test left open
 
 
 def fill(path) -> None:

@@ -26,6 +26,7 @@ from tiered_cache.index.radix import RadixTree
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.config import ServerConfig
+from tiered_cache.service.framing import _varint
 from tiered_cache.service.process import StoreProcess
 from tiered_cache.tiers import codec
 from tiered_cache.tiers.codec import BlobError, Codec, encode_page
@@ -107,13 +108,7 @@ def call_status(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, Any]:
 
 
 # --- protobuf wire bytes, built by hand -------------------------------------------------------------
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
+varint = _varint  # the encoder our hand framing uses (service/framing.py)
 
 
 @st.composite
