@@ -171,6 +171,28 @@ def test_stats_rollup_equals_the_sum_of_the_actors_own_figures(actors):
     assert figures["totals"]["remote"]["hits"] > 0  # workers did fetch from the shards
 
 
+def test_bench_load_through_the_router_answers_as_recompute_does_and_leaves_the_cluster_running(actors, tmp_path):
+    from tiered_cache.bench.load_workload import Workload
+    from workers.load_ray import RayLoadSettings, bench_load_ray
+
+    png = tmp_path / "ray-load.png"
+    settings = RayLoadSettings(Workload(prompts=3, histories=2, max_turns=4, seed=11), clients=2, duration_s=3,
+                               namespace=NAMESPACE, max_new_tokens=2, verify=3, png=str(png))
+    result = bench_load_ray(settings)
+    for phase in (result.recompute, result.cache):
+        assert phase.requests > 0 and phase.errors == {} and phase.clients == 2
+        assert 0 < phase.p50_ms <= phase.p99_ms <= phase.p999_ms and phase.ttft_p50_ms > 0
+        assert sum(phase.routes.values()) == phase.requests and set(phase.routes) <= {"worker-0", "worker-1"}
+    assert result.recompute.reused_tokens == 0 and result.cache.reused_tokens > 0  # prefixes were shared
+    assert result.answers.recomputed > 0 and result.answers.answers_compared > 0 and result.answers.wrong == 0
+    assert (result.workers, result.shards) == (2, 1) and result.tiers["ram"]["pages"] > 0
+    sampled = {m.name for m in result.memory}  # one host: every actor sampled
+    assert sampled >= {"worker-0", "worker-1"} and any(n.startswith("shard-") for n in sampled)
+    assert all(b > 0 for m in result.memory for _, b in m.samples)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert {"router", "worker-0", "worker-1"} <= set(cluster.actor_names())  # a running cluster is left running
+
+
 def test_a_restarted_directory_finds_the_running_actors_again(actors):
     a, b = actors["a"], actors["b"]
     before = {w: ray.get(w.info.remote()) for w in (a, b)}

@@ -113,3 +113,52 @@ def test_load_bench_refuses_bad_settings():
         Workload(prompts=0)
     refused = run_cli("bench", "load", "--clients", "0", check=False)
     assert refused.returncode != 0 and "--clients, --duration-s and --timeout-s must be positive" in refused.stderr
+
+
+def test_chat_conversations_share_prefixes_and_every_client_makes_the_same_prompts_again():
+    from tiered_cache.bench.load_chat import ChatConversations, ChatWorkload
+
+    chat = ChatWorkload(SMALL)
+    assert len(chat.system_prompts) == SMALL.prompts and len(set(chat.system_prompts)) == SMALL.prompts
+    one, again = ChatConversations(chat, 0), ChatConversations(ChatWorkload(SMALL), 0)
+    prompts = [one.next_prompt() for _ in range(40)]
+    assert prompts == [again.next_prompt() for _ in range(40)]  # seeded: a rerun asks the same
+    assert prompts != [ChatConversations(chat, 1).next_prompt() for _ in range(40)]
+    assert all(any(p.startswith(s) for s in chat.system_prompts) for p in prompts)
+    # A later turn extends an earlier prompt of the same conversation: its prefix is cached.
+    assert any(b.startswith(a) and len(b) > len(a) for a in prompts for b in prompts)
+    assert max(p.count("Question:") for p in prompts) <= SMALL.max_turns
+
+
+def _chat_report(phase: str, answers: dict[str, tuple[int, ...]], repeats: int = 0, conflicts: int = 0):
+    from workers.load_client import ChatReport
+
+    return ChatReport(phase, answers=dict(answers), repeats=repeats, conflicts=conflicts)
+
+
+def test_every_answer_is_checked_against_the_recompute_answer_for_its_prompt():
+    from workers.load_report import check_answers
+
+    recompute = _chat_report("recompute", {"a": (1, 2), "b": (3, 4)})
+    right = _chat_report("cache", {"a": (1, 2), "b": (3, 4), "c": (5,)}, repeats=3)
+    assert check_answers([recompute, right], {"c": (5,)}) == check_answers([recompute, right], {"c": (5,)})
+    ok = check_answers([recompute, right], {"c": (5,)})
+    assert (ok.prompts, ok.answers_compared, ok.recomputed, ok.wrong) == (3, 6, 3, 0)
+    wrong = _chat_report("cache", {"a": (1, 9), "c": (6,), "d": (7,)}, repeats=1, conflicts=1)
+    bad = check_answers([recompute, right, wrong], {"c": (5,)})
+    # a: wrong vs recompute; c: wrong vs its recompute; d: no reference, first answer; 1 own conflict.
+    assert (bad.answers_compared, bad.wrong) == (6 + 1 + 2, 3)
+    # Without a recompute, two clients' answers for one prompt are compared with each other.
+    split = check_answers([_chat_report("cache", {"x": (1,)}), _chat_report("cache", {"x": (2,)})], {})
+    assert (split.answers_compared, split.wrong, split.recomputed) == (1, 1, 0)
+
+
+def test_load_bench_ray_refuses_bad_settings_before_starting_anything():
+    from workers.load_ray import RayLoadSettings
+
+    with pytest.raises(ValueError, match="--clients, --workers and --max-new-tokens must be positive"):
+        RayLoadSettings(SMALL, workers=0)
+    with pytest.raises(ValueError, match="size"):
+        RayLoadSettings(SMALL, worker_pool="lots")
+    refused = run_cli("bench", "load", "--ray", "--server-pid", "1", check=False)
+    assert refused.returncode != 0 and "drop --server-pid" in refused.stderr

@@ -114,34 +114,43 @@ def bench_load(settings: LoadSettings, progress: Callable[[str], None] = lambda 
         from tiered_cache.bench.load_plot import write_png
 
         start = min(r.window[0] for r in reports)
-        timelines = {op: _merged([r.ops[op] for r in reports]) for op in OPS}
-        timelines["baseline"] = _merged([r.baseline for r in reports])
+        timelines = {op: Timeline.merged([r.ops[op] for r in reports]) for op in OPS}
+        timelines["baseline"] = Timeline.merged([r.baseline for r in reports])
         ram = next((t.capacity for t in tiers if t.name == "ram"), None)
         title = (f"bench load: {settings.clients} clients, {w.page_kib} KiB pages, "
                  f"RAM tier {format_binary(ram or 0)}")
-        write_png(settings.png, timelines, start, sampler.samples if sampler else [], ram, title)
+        write_png(settings.png, timelines, start, {"server": sampler.samples if sampler else []}, ram, title)
     return result
-
-
-def _merged(timelines: list[Timeline]) -> Timeline:
-    out = Timeline()
-    for t in timelines:
-        out.starts.extend(t.starts)
-        out.latencies.extend(t.latencies)
-    return out
 
 
 def run_load_bench(args: argparse.Namespace) -> int:
     """The CLI's entry: settings from `args`, progress to stderr, a table or JSON to stdout."""
     workload = Workload(page_kib=args.page_kib, prompts=args.prompts, histories=args.histories,
                         zipf_s=args.zipf_s, seed=args.seed)
+    progress = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.ray:
+        return _run_ray(args, workload, progress)
     settings = LoadSettings(workload, args.clients, args.duration_s, args.ram, args.disk, args.address,
-                            args.server_pid, args.timeout_s, args.png)
-    result = bench_load(settings, progress=lambda m: print(m, file=sys.stderr, flush=True))
+                            args.server_pid, args.timeout_s or 10.0, args.png)
+    result = bench_load(settings, progress=progress)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         from tiered_cache.bench.load_table import render_load
 
         print(render_load(result))
+    return 0
+
+
+def _run_ray(args: argparse.Namespace, workload: Workload, progress: Callable[[str], None]) -> int:
+    if args.server_pid is not None:
+        raise ValueError("bench load --ray samples the RSS of every shard and worker on this host: drop --server-pid")
+    from workers.load_ray import RayLoadSettings, bench_load_ray
+    from workers.load_table import render_ray_load
+
+    settings = RayLoadSettings(workload, args.clients, args.duration_s, args.workers, args.shards, args.ram,
+                               args.worker_pool, args.worker_host, args.disk, args.address, args.namespace,
+                               args.max_new_tokens, args.timeout_s or 120.0, args.verify, args.png)
+    result = bench_load_ray(settings, progress=progress)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else render_ray_load(result))
     return 0

@@ -37,6 +37,14 @@ class Timeline:
         self.starts.append(start)
         self.latencies.append(time.monotonic() - start)
 
+    @classmethod
+    def merged(cls, timelines: list[Timeline]) -> Timeline:
+        out = cls()
+        for t in timelines:
+            out.starts.extend(t.starts)
+            out.latencies.extend(t.latencies)
+        return out
+
 
 @dataclass
 class ClientReport:

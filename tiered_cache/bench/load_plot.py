@@ -9,7 +9,8 @@ import numpy as np
 
 from tiered_cache.bench.load_client import Timeline
 
-_COLORS = {"lookup": "tab:blue", "get": "tab:green", "put": "tab:red", "baseline": "tab:gray"}
+_COLORS = {"lookup": "tab:blue", "get": "tab:green", "put": "tab:red", "baseline": "tab:gray",
+           "with cache": "tab:blue", "recompute": "tab:gray"}
 
 
 def windowed(timeline: Timeline, t0: float, window_s: float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -27,9 +28,10 @@ def windowed(timeline: Timeline, t0: float, window_s: float = 1.0) -> tuple[np.n
     return np.array(centres), np.array(p50), np.array(p99)
 
 
-def write_png(path: str | Path, timelines: dict[str, Timeline], t0: float, rss: list[tuple[float, int]],
-              ram_capacity: int | None, title: str) -> Path:
-    """Draw the figure into `path` (a PNG); `t0` is the mix's start, the x axis's 0."""
+def write_png(path: str | Path, timelines: dict[str, Timeline], t0: float, rss: dict[str, list[tuple[float, int]]],
+              ram_capacity: int | None, title: str, ylabel: str = "latency (ms), per 1 s window") -> Path:
+    """Draw the figure into `path` (a PNG); `t0` is the mix's start, the x axis's 0. `rss`: each
+    process's samples by its name in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,14 +44,15 @@ def write_png(path: str | Path, timelines: dict[str, Timeline], t0: float, rss: 
         top.plot(x, p50, color=color, marker=".", label=f"{op} p50")
         top.plot(x, p99, color=color, marker=".", linestyle="--", label=f"{op} p99")
     top.set_yscale("log")
-    top.set_ylabel("latency (ms), per 1 s window")
+    top.set_ylabel(ylabel)
     top.legend(ncol=4, fontsize="small")
     top.grid(True, which="both", alpha=0.3)
     top.set_title(title)
-    if rss:
-        bottom.plot([t - t0 for t, _ in rss], [b / 2**20 for _, b in rss], color="black", label="server RSS")
-    else:
-        bottom.text(0.5, 0.5, "no RSS samples (give --server-pid)", ha="center", transform=bottom.transAxes)
+    for name, samples in rss.items():
+        bottom.plot([t - t0 for t, _ in samples], [b / 2**20 for _, b in samples], label=f"{name} RSS")
+    if not any(rss.values()):
+        bottom.text(0.5, 0.5, "no RSS samples (a process on another host, or no --server-pid)", ha="center",
+                    transform=bottom.transAxes)
     if ram_capacity:
         bottom.axhline(ram_capacity / 2**20, color="tab:orange", linestyle=":", label="RAM tier capacity")
     bottom.set_ylim(bottom=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -25,10 +26,10 @@ def read_rss(pid: int) -> int | None:
 
 
 class RssSampler:
-    """`samples`: (time.monotonic, bytes) every `interval_s`, from `start()` until `stop()`."""
+    """`samples`: (clock(), bytes) every `interval_s`, from `start()` until `stop()`."""
 
-    def __init__(self, pid: int, interval_s: float = 0.5) -> None:
-        self.pid, self.interval_s = pid, interval_s
+    def __init__(self, pid: int, interval_s: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pid, self.interval_s, self.clock = pid, interval_s, clock
         self.samples: list[tuple[float, int]] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
@@ -49,7 +50,7 @@ class RssSampler:
         while True:
             rss = read_rss(self.pid)
             if rss is not None:
-                self.samples.append((time.monotonic(), rss))
+                self.samples.append((self.clock(), rss))
             if self._done.wait(self.interval_s):
                 return
 

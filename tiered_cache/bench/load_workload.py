@@ -86,11 +86,37 @@ class Zipf:
         return min(bisect.bisect_left(self.cumulative, rng.random()), len(self.cumulative) - 1)
 
 
-@dataclass
-class _Conversation:
-    serial: int
-    keys: list[bytes]
-    turns: int = 0
+@dataclass(frozen=True)
+class Turn:
+    slot: int  # which of the client's conversations (its history slot)
+    serial: int  # the conversation's number, per client
+    prompt: int  # its system prompt
+    turn: int  # 0: the conversation's first
+
+
+class TurnPicker:
+    """Which conversation a client's next request continues: a history slot by popularity; where
+    the slot is empty or its conversation has `max_turns` turns, a new conversation on a system
+    prompt picked by popularity. Shared by the page-key workload and the chat one (Ray)."""
+
+    def __init__(self, workload: Workload, client: int) -> None:
+        self.workload = workload
+        self.rng = random.Random(f"{workload.seed}:{client}")
+        self.prompt_zipf, self.slot_zipf = Zipf(workload.prompts, workload.zipf_s), Zipf(workload.histories,
+                                                                                         workload.zipf_s)
+        self._slots: list[Turn | None] = [None] * workload.histories
+        self._serial = 0
+
+    def next_turn(self) -> Turn:
+        slot = self.slot_zipf.sample(self.rng)
+        last = self._slots[slot]
+        if last is None or last.turn + 1 >= self.workload.max_turns:
+            turn = Turn(slot, self._serial, self.prompt_zipf.sample(self.rng), 0)
+            self._serial += 1
+        else:
+            turn = Turn(slot, last.serial, last.prompt, last.turn + 1)
+        self._slots[slot] = turn
+        return turn
 
 
 @dataclass(frozen=True)
@@ -101,34 +127,25 @@ class Request:
 
 @dataclass
 class Conversations:
-    """One client's conversations. `next_request()` picks one by popularity (starting a new one, on
-    a system prompt picked by popularity, where its slot is empty or the last one is finished)
-    and adds a turn to it."""
+    """One client's conversations as page keys: `next_request()` adds a turn to the one
+    `TurnPicker` chooses and returns every key of it so far."""
 
     workload: Workload
     client: int
     prompt_keys: list[list[bytes]]
     new_pages: int = 0  # pages this client made up: with the prompts, every distinct page
-    _slots: list[_Conversation | None] = field(default_factory=list)
-    _serial: int = 0
+    _keys: dict[int, list[bytes]] = field(default_factory=dict)  # slot -> its conversation's keys
 
     def __post_init__(self) -> None:
-        w = self.workload
-        self.rng = random.Random(f"{w.seed}:{self.client}")
-        self.keyer = PageKeyer(w.spec, "load")
-        self.prompt_zipf, self.slot_zipf = Zipf(w.prompts, w.zipf_s), Zipf(w.histories, w.zipf_s)
-        self._slots = [None] * w.histories
+        self.picker = TurnPicker(self.workload, self.client)
+        self.keyer = PageKeyer(self.workload.spec, "load")
 
     def next_request(self) -> Request:
-        slot = self.slot_zipf.sample(self.rng)
-        conversation = self._slots[slot]
-        if conversation is None or conversation.turns >= self.workload.max_turns:
-            prompt = self.prompt_zipf.sample(self.rng)
-            conversation = self._slots[slot] = _Conversation(self._serial, list(self.prompt_keys[prompt]))
-            self._serial += 1
-        tokens = self.workload.turn_tokens(self.client, conversation.serial, conversation.turns)
-        new = self.keyer.extend(conversation.keys[-1], tokens)
-        conversation.keys += new
-        conversation.turns += 1
+        turn = self.picker.next_turn()
+        if turn.turn == 0:
+            self._keys[turn.slot] = list(self.prompt_keys[turn.prompt])
+        keys = self._keys[turn.slot]
+        new = self.keyer.extend(keys[-1], self.workload.turn_tokens(self.client, turn.serial, turn.turn))
+        keys += new
         self.new_pages += len(new)
-        return Request(list(conversation.keys), len(new))
+        return Request(list(keys), len(new))

@@ -87,8 +87,8 @@ def add_parser(commands: Any) -> None:
     clus.add_argument("--max-new-tokens", type=int, default=4, help="tokens generated per request (default 4)")
     clus.add_argument("--seed", type=int, default=0, help="order of the requests (default 0)")
     subs.append(clus)
-    load = which.add_parser("load", help="N client processes in a serving-like mix against a store server: "
-                                         "calls/s, p50/p99/p999, errors by kind, server RSS over time")
+    load = which.add_parser("load", help="N client processes in a serving-like mix against a store server (or, "
+                                         "with --ray, a cluster's router): p50/p99/p999, errors, RSS over time")
     load.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
     load.add_argument("--duration-s", type=float, default=60.0, help="seconds of the mix (default 60)")
     load.add_argument("--ram", default="256MiB", help="the started server's RAM tier (default 256MiB: a "
@@ -101,9 +101,26 @@ def add_parser(commands: Any) -> None:
     load.add_argument("--zipf-s", type=float, default=1.1, help="popularity exponent: rank k drawn with weight "
                                                                 "1/k^s (default 1.1)")
     load.add_argument("--seed", type=int, default=0, help="tokens, page contents and choices (default 0)")
-    load.add_argument("--timeout-s", type=float, default=10.0, help="each call's deadline (default 10)")
-    load.add_argument("--address", help="HOST:PORT of a running store server (default: start one)")
+    load.add_argument("--timeout-s", type=float, help="each call's deadline (default 10; with --ray, each "
+                                                      "request's: 120)")
+    load.add_argument("--address", help="HOST:PORT of a running store server, or with --ray a running Ray cluster "
+                                        "(default: start one)")
     load.add_argument("--server-pid", type=int, help="that server's process id, to sample its RSS")
+    load.add_argument("--ray", action="store_true", help="chat prompts through the router of a Ray cluster (its "
+                                                         "own local one unless --address), recompute first")
+    ray_load = load.add_argument_group("with --ray", "a cluster these start (one already running in --namespace "
+                                                     "is used as it is and left running)")
+    ray_load.add_argument("--namespace", default="tiered-cache-load", help="the cluster's Ray namespace")
+    ray_load.add_argument("--workers", type=int, default=2, help="workers (default 2)")
+    ray_load.add_argument("--shards", type=int, default=1, help="store shards (default 1); --ram and --disk "
+                                                                "size each one's tiers")
+    ray_load.add_argument("--worker-pool", default="64MiB", help="each worker's device pool (default 64MiB: "
+                                                                 "small, so pages go down to the shards)")
+    ray_load.add_argument("--worker-host", default="128MiB", help="each worker's host RAM tier (default 128MiB)")
+    ray_load.add_argument("--max-new-tokens", type=int, default=2, help="tokens per answer (default 2)")
+    ray_load.add_argument("--verify", type=int, default=32, help="prompts answered from the cache that the baseline "
+                                                                 "did not ask, recomputed afterwards to compare "
+                                                                 "answers (default 32)")
     load.add_argument("--png", help="write a figure of latency and server memory over time here")
     subs.append(load)
     for sub in subs:
