@@ -160,7 +160,8 @@ class LoadClient:
         self.client.close()
 
 
-def run_client(args: ClientArgs, barrier: Any, progress: Any, results: Any, start_timeout_s: float) -> None:
+def run_client(index: int, barrier: Any, results: Any, args: ClientArgs, progress: Any,
+               start_timeout_s: float) -> None:
     """A client process: warm up, then the baseline and the mix, each released with the others by
     `barrier`; puts `(index, ClientReport)` on `results`, or `(index, "error text")`."""
     try:
@@ -173,8 +174,8 @@ def run_client(args: ClientArgs, barrier: Any, progress: Any, results: Any, star
         client.run_baseline(report)
         barrier.wait(start_timeout_s)
         client.run_mix(report)
-        results.put((args.index, report))
+        results.put((index, report))
         client.close()
     except BaseException as exc:  # reported to the parent, which raises
         barrier.abort()
-        results.put((args.index, f"{type(exc).__name__}: {exc}"))
+        results.put((index, f"{type(exc).__name__}: {exc}"))

@@ -13,8 +13,6 @@ This module imports no torch: a client process stays small and starts fast.
 from __future__ import annotations
 
 import mmap
-import multiprocessing
-import queue
 import struct
 import time
 from collections.abc import Sequence
@@ -23,6 +21,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
+
+from tiered_cache.bench.released_clients import run_released
 
 _RAW_MAX_MESSAGE = 80 * 2**20  # raw_grpc.py's message limit
 _START_TIMEOUT_S = 300.0  # spawning, importing and one warm-up call, 17 processes on 2 cores
@@ -163,7 +163,7 @@ class Report:
 Job = tuple[type, tuple[Any, ...]]  # a client class and its arguments
 
 
-def _run_client(job: Job, barrier: Any, duration_s: float, results: Any, index: int) -> None:
+def _run_client(index: int, barrier: Any, results: Any, job: Job, duration_s: float) -> None:
     try:
         from tiered_cache.tiers.memtune import tune_malloc
 
@@ -185,39 +185,8 @@ def _run_client(job: Job, barrier: Any, duration_s: float, results: Any, index: 
 
 
 def run_together(jobs: list[Job], duration_s: float) -> list[Report]:
-    """Start one process per job, release them together once all are warm (a barrier among
-    them), and return their reports in job order. Raises RuntimeError naming the client that
-    failed (the cause, not those whose release it broke) or that died without a word."""
+    """Start one process per job, release them together once all are warm, and return their
+    reports in job order (see `run_released` for how a failure is raised)."""
     assert jobs and duration_s > 0
-    ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(len(jobs)), ctx.Queue()
-    procs = [ctx.Process(target=_run_client, args=(job, barrier, duration_s, results, i), daemon=True)
-             for i, job in enumerate(jobs)]
-    for proc in procs:
-        proc.start()
-    reports: dict[int, Report | str] = {}
-    give_up = time.monotonic() + _START_TIMEOUT_S + duration_s + _END_SLACK_S
-    try:
-        while len(reports) < len(jobs):
-            try:
-                index, report = results.get(timeout=1.0)
-                reports[index] = report
-                continue
-            except queue.Empty:
-                pass
-            silent = [i for i, p in enumerate(procs) if p.exitcode is not None and i not in reports]
-            if (silent and results.empty()) or time.monotonic() > give_up:
-                barrier.abort()
-                raise RuntimeError(f"client processes {silent or 'all'} never reported "
-                                   f"(exit codes {[p.exitcode for p in procs]})")
-        for proc in procs:
-            proc.join(timeout=30)
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.terminate()
-    failed = sorted((r.startswith("BrokenBarrierError"), i, r) for i, r in reports.items() if isinstance(r, str))
-    if failed:
-        _, index, error = failed[0]
-        raise RuntimeError(f"client {index} of {len(jobs)} ({jobs[index][0].__name__}) failed: {error}")
-    return [r for _, r in sorted(reports.items()) if isinstance(r, Report)]
+    return run_released(_run_client, [(job, duration_s) for job in jobs], _START_TIMEOUT_S + duration_s + _END_SLACK_S,
+                        names=[job[0].__name__ for job in jobs])
