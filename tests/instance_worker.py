@@ -2,6 +2,8 @@
 
     python instance_worker.py put ADDRESS WORKDIR   # instance A: compute (random) KV, cache it
     python instance_worker.py get ADDRESS WORKDIR   # instance B: empty cache, fetch it from the store
+    python instance_worker.py get-metrics ADDRESS WORKDIR  # B serving /metrics; prints, then waits
+                                                           # for stdin to close (the test scrapes)
 """
 
 import json
@@ -20,8 +22,9 @@ TOKENS = list(range(5000, 5000 + 1000))  # 62 full pages of 16 tokens and 8 toke
 
 def main() -> None:
     role, address, workdir = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    metrics = {"metrics_port": 0} if role == "get-metrics" else {}
     cache = TieredCache(SPEC, CacheConfig(pool_capacity="64MiB", host_capacity="64MiB", lower_tiers=["remote"],
-                                          remote_addresses=[address], write_policy="write_through"))
+                                          remote_addresses=[address], write_policy="write_through", **metrics))
     if role == "put":
         kv = torch.randn(SPEC.kv_shape(len(TOKENS)), generator=torch.Generator().manual_seed(1)).half()
         stored = cache.put(TOKENS, kv)
@@ -36,7 +39,12 @@ def main() -> None:
     st = cache.stats()
     print(json.dumps({"lookup": n, "got": got_n, "identical": bool(torch.equal(kv, reference[:, :, :got_n])),
                       "remote_promotions": st.tier("remote").promotions - before,
-                      "remote_hits": st.tier("remote").hits, "device_hits": st.tier("device").hits}))
+                      "remote_hits": st.tier("remote").hits, "device_hits": st.tier("device").hits,
+                      "remote_bytes_out": st.tier("remote").bytes_out, "device_pages": st.tier("device").pages,
+                      "metrics_url": cache.metrics.url if cache.metrics else None}), flush=True)
+    if cache.metrics:
+        sys.stdin.read()  # scraped meanwhile
+    cache.close()
 
 
 if __name__ == "__main__":

@@ -83,7 +83,10 @@ def test_plateau_compares_the_last_third_with_the_middle():
     verdict = plateau(flat, 0, 9)
     assert verdict and (verdict.middle_max, verdict.last_max, verdict.levelled_off) == (100 * mib, 100 * mib, True)
     growing = plateau([(t, (100 + 10 * t) * mib) for t in range(10)], 0, 9)
-    assert growing and growing.growth == 40 * mib and not growing.levelled_off
+    assert growing and (growing.growth, growing.peak_growth) == (35 * mib, 40 * mib) and not growing.levelled_off
+    # One brief peak in the last third (a long prompt's activations, given back) is not growth.
+    spike = plateau([(t, (100 + 400 * (t == 7)) * mib) for t in range(10)], 0, 9)
+    assert spike and spike.levelled_off and spike.growth == 0 and spike.peak_growth == 400 * mib
     assert plateau([(0, mib)], 0, 9) is None
     assert read_rss(-1) is None
 

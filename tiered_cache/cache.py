@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -136,6 +137,26 @@ class TieredCache:
         self._spare = (SpareOutput(self._foreground, self.pool.num_pages * spec.bytes_per_page)
                        if self.config.spare_output and self.pool.kv.device.type == "cpu" else None)
         self._closed = False
+        self.metrics: Any = None  # a MetricsServer with config.metrics_port
+        self._fetch_metrics: Any = None
+        if self.config.metrics_port is not None:
+            self._serve_metrics()
+
+    def _serve_metrics(self) -> None:
+        from tiered_cache.metrics import registry_of
+        from tiered_cache.metrics.families import cache_families, tier_families
+        from tiered_cache.metrics.http import MetricsServer
+        from tiered_cache.metrics.live import FetchMetrics
+
+        def build() -> list[Any]:
+            stats = self.stats()
+            return [*tier_families(stats.tiers), *cache_families(stats)]
+
+        registry = registry_of(build)
+        self._fetch_metrics = FetchMetrics(registry)
+        self.chain.on_fetch = self._fetch_metrics.fetched
+        c = self.config
+        self.metrics = MetricsServer(registry, c.metrics_host, c.metrics_port or 0, c.metrics_token)
 
     # --- tensor API ------------------------------------------------------------------------------
     @_request_path
@@ -298,10 +319,13 @@ class TieredCache:
                 return loaded
         fetched = None
         if pending is not None:
+            waited = time.perf_counter()
             try:
                 fetched = pending.future.result()
             except Exception:  # a failed prefetch is retried inline, never surfaced as an error
                 fetched = None
+            if self._fetch_metrics is not None:
+                self._fetch_metrics.prefetch_wait.observe(time.perf_counter() - waited)
         if fetched is None:
             fetched = self._fetch(wanted, plan)
         try:
@@ -506,6 +530,8 @@ class TieredCache:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
         if self._spare is not None:
             self._spare.close()
+        if self.metrics is not None:
+            self.metrics.stop()
         self.chain.close()
 
     def __enter__(self) -> TieredCache:

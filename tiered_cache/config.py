@@ -73,6 +73,10 @@ class CacheConfig:
     # many prefetches may be in flight at once (past it `prefetch` declines; `load` fetches inline).
     prefetch_workers: int = 2
     max_prefetches: int = 16
+    # Prometheus metrics of this cache at http://metrics_host:PORT/metrics (0: a free port); None: off.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_token: str | None = None  # scrapes must send `authorization: Bearer TOKEN`
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -96,6 +100,8 @@ class CacheConfig:
         for name in ("demotion_queue", "prefetch_workers", "max_prefetches"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in 0..65535 or None, got {self.metrics_port}")
 
     def replace(self, **changes: Any) -> CacheConfig:
         return dataclasses.replace(self, **changes)
@@ -182,14 +188,16 @@ def _coerce(name: str, value: Any) -> Any:
             return float(value)
         if name == "remote_budget_s":
             return None if value is None or str(value).strip().lower() in {"", "none"} else float(value)
-        if name in {"demotion_queue", "prefetch_workers", "max_prefetches"}:
+        if name == "metrics_port" and (value is None or str(value).strip().lower() in {"", "none"}):
+            return None
+        if name in {"demotion_queue", "prefetch_workers", "max_prefetches", "metrics_port"}:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(f"expected an integer, got {value!r}")
             return int(value)
         if name == "remote_addresses":
             items = value.split(",") if isinstance(value, str) else value
             return tuple(str(v).strip() for v in items if str(v).strip())
-        if name == "remote_token":
+        if name in {"remote_token", "metrics_token"}:
             return None if value is None else check_token(str(value), name)
         if name == "remote_tls_ca":
             return None if value in (None, "") else str(value)

@@ -21,7 +21,9 @@ def _memory_row(m: ProcessMemory) -> list[str]:
     p = m.plateau
     verdict = "too few samples" if p is None else ("plateau" if p.levelled_off else "STILL GROWING")
     growth = f"{format_binary(p.growth)} ({p.growth_pct:+.1f}%)" if p else "-"
-    return [m.name, f"{len(m.samples):,}", format_binary(min(during)), format_binary(max(during)), growth, verdict]
+    peak = format_binary(p.peak_growth) if p else "-"
+    return [m.name, f"{len(m.samples):,}", format_binary(min(during)), format_binary(max(during)), growth, peak,
+            verdict]
 
 
 def render_ray_load(result: RayLoadResult) -> str:
@@ -51,10 +53,10 @@ def render_ray_load(result: RayLoadResult) -> str:
                                   align_right=range(1, 7)))
     if r.memory:
         limit = f"< {PLATEAU_GROWTH:.0%} or < {format_binary(PLATEAU_SLACK)}"
-        lines += [f"RSS of each actor on this host during the mix (plateau: the last third's peak over the middle "
-                  f"third's {limit})",
+        lines += [f"RSS of each actor on this host during the mix (growth: the last third's median over the middle "
+                  f"third's; plateau: {limit}; peak growth: the same for the largest samples)",
                   render_table([_memory_row(m) for m in r.memory], ["actor", "samples", "min", "max", "growth",
-                                                                    "verdict"], align_right=range(1, 5))]
+                                                                    "peak growth", "verdict"], align_right=range(1, 6))]
     else:
         lines.append("RSS: no shard or worker runs on this host")
     if r.png:

@@ -3,6 +3,7 @@ levelled off: a store at its configured capacities must stop growing once full."
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -10,7 +11,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-PLATEAU_GROWTH = 0.05  # the last third may exceed the middle third by this fraction ...
+PLATEAU_GROWTH = 0.05  # the last third's median may exceed the middle third's by this fraction ...
 PLATEAU_SLACK = 16 * 2**20  # ... or by this many bytes, whichever is larger
 
 
@@ -57,25 +58,34 @@ class RssSampler:
 
 @dataclass(frozen=True)
 class Plateau:
-    """Largest RSS over the middle and the last third of a run, and the growth between them."""
+    """RSS over the middle and the last third of a run: the median (the level the process sits at)
+    and the largest (its peaks). The verdict is on the medians: a leak lifts the whole curve, while
+    a process that runs a model peaks briefly on a long prompt and gives that memory back."""
 
     middle_max: int
     last_max: int
+    middle_median: int
+    last_median: int
 
     @property
     def growth(self) -> int:
-        return self.last_max - self.middle_max
+        return self.last_median - self.middle_median
 
     @property
     def growth_pct(self) -> float:
-        return 100.0 * self.growth / self.middle_max if self.middle_max else 0.0
+        return 100.0 * self.growth / self.middle_median if self.middle_median else 0.0
+
+    @property
+    def peak_growth(self) -> int:
+        return self.last_max - self.middle_max
 
     @property
     def levelled_off(self) -> bool:
-        return self.growth < max(PLATEAU_GROWTH * self.middle_max, PLATEAU_SLACK)
+        return self.growth < max(PLATEAU_GROWTH * self.middle_median, PLATEAU_SLACK)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "growth": self.growth, "growth_pct": self.growth_pct, "plateau": self.levelled_off}
+        return {**asdict(self), "growth": self.growth, "growth_pct": self.growth_pct, "peak_growth": self.peak_growth,
+                "plateau": self.levelled_off}
 
 
 def plateau(samples: list[tuple[float, int]], start: float, end: float) -> Plateau | None:
@@ -85,4 +95,4 @@ def plateau(samples: list[tuple[float, int]], start: float, end: float) -> Plate
     last = [rss for t, rss in samples if start + 2 * third <= t <= end]
     if not middle or not last:
         return None
-    return Plateau(max(middle), max(last))
+    return Plateau(max(middle), max(last), int(statistics.median(middle)), int(statistics.median(last)))

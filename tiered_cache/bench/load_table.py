@@ -49,6 +49,7 @@ def _rss_text(r: LoadResult) -> str:
         return text + "; too few samples for a verdict"
     limit = f"< {PLATEAU_GROWTH:.0%} or < {format_binary(PLATEAU_SLACK)}"
     verdict = "plateau" if p.levelled_off else "STILL GROWING"
-    return (text + f"\n  largest over the middle third: {format_binary(p.middle_max)}, over the last third: "
-            f"{format_binary(p.last_max)}, growth {format_binary(p.growth)} ({p.growth_pct:+.1f}%; plateau means "
+    return (text + f"\n  median over the middle third: {format_binary(p.middle_median)}, over the last third: "
+            f"{format_binary(p.last_median)} (largest {format_binary(p.middle_max)}, {format_binary(p.last_max)}), "
+            f"growth {format_binary(p.growth)} ({p.growth_pct:+.1f}%; plateau means "
             f"{limit}): {verdict}")

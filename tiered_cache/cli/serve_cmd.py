@@ -30,6 +30,9 @@ def add_parser(commands: Any) -> None:
                    help="seconds a stream may make no progress before it is ended (default 30)")
     p.add_argument("--write-through", action="store_true", default=None,
                    help="copy new pages below RAM at once (default: on eviction and at shutdown)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                                                    "(0: a free port, printed; default: none)")
+    p.add_argument("--metrics-host", help="interface for the metrics (default 127.0.0.1; anything else is announced)")
     p.set_defaults(run=run)
 
 
@@ -42,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
 
     overrides = {name: getattr(args, name) for name in
                  ("host", "port", "token", "tls_cert", "tls_key", "ram_capacity", "disk_path", "disk_capacity",
-                  "redis_url", "max_page_bytes", "write_through", "workers", "max_streams", "stream_idle_s")}
+                  "redis_url", "max_page_bytes", "write_through", "workers", "max_streams", "stream_idle_s",
+                  "metrics_port", "metrics_host")}
     overrides["token"] = token_from(args.token, dict(os.environ))
     if args.no_disk:
         overrides["disk_path"] = ""

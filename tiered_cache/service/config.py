@@ -34,6 +34,8 @@ class ServerConfig:
     stream_buffer_bytes: int = 8 * 2**20  # blobs a stream holds per step (Put batch, Get read-ahead)
     grace_s: float = 10.0  # shutdown waits this long for in-flight streams
     write_through: bool = False  # copy new blobs to the tier below RAM at once
+    metrics_port: int | None = None  # serve Prometheus metrics at http://metrics_host:PORT/metrics
+    metrics_host: str = "127.0.0.1"  # (with the token, when one is set)
 
     def __post_init__(self) -> None:
         for name in ("ram_capacity", "disk_capacity", "max_page_bytes", "stream_buffer_bytes"):
@@ -42,8 +44,10 @@ class ServerConfig:
             object.__setattr__(self, "disk_path", str(Path(self.disk_path).expanduser()))
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both tls_cert and tls_key")
-        if not 0 <= int(self.port) < 65536:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= int(value) < 65536:
+                raise ValueError(f"{name} must be in 0..65535, got {value}")
         for name in ("workers", "max_streams"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

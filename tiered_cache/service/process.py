@@ -10,16 +10,19 @@ import time
 from collections.abc import Sequence
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
+_METRICS = re.compile(r"metrics at (http://\S+/metrics)")
 
 
 class StoreProcess:
-    """`with StoreProcess(["--no-disk"]) as store: ...` -> `store.address` is HOST:PORT."""
+    """`with StoreProcess(["--no-disk"]) as store: ...` -> `store.address` is HOST:PORT (and with
+    `--metrics-port`, `store.metrics_url` the URL to scrape)."""
 
     def __init__(self, args: Sequence[str] = (), start_timeout_s: float = 30.0) -> None:
         self.args = list(args)
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
+        self.metrics_url = ""
         self.output: list[str] = []
 
     def start(self) -> str:
@@ -35,6 +38,10 @@ class StoreProcess:
             found = _LISTENING.search(line)
             if found:
                 self.address = f"{found.group(1)}:{found.group(2)}"
+            metrics = _METRICS.search(line)
+            if metrics:
+                self.metrics_url = metrics.group(1)
+            if self.address and (self.metrics_url or not any(a.startswith("--metrics-port") for a in self.args)):
                 return self.address
         self.kill()
         raise RuntimeError("the store server did not start:\n" + "\n".join(self.output))

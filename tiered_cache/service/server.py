@@ -90,6 +90,7 @@ class StoreServer:
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
+        self.metrics: Any = None  # a MetricsServer while running with config.metrics_port
 
     def start(self) -> int:
         loop = asyncio.new_event_loop()
@@ -101,7 +102,24 @@ class StoreServer:
         except BaseException:
             self._stop_loop()
             raise
+        if self.config.metrics_port is not None:
+            try:
+                self.metrics = self._serve_metrics()
+            except BaseException:
+                self.stop()
+                raise
         return self.port
+
+    def _serve_metrics(self) -> Any:
+        from tiered_cache.metrics import registry_of
+        from tiered_cache.metrics.families import server_families, tier_families
+        from tiered_cache.metrics.http import MetricsServer
+
+        def build() -> list[Any]:
+            return [*tier_families(self.store.stats()), *server_families(self.counters, self.service.slots.active)]
+
+        config = self.config
+        return MetricsServer(registry_of(build), config.metrics_host, config.metrics_port or 0, config.token)
 
     async def _start(self) -> int:
         config = self.config
@@ -128,6 +146,9 @@ class StoreServer:
 
     def stop(self) -> int:
         """Stop taking calls, let in-flight streams finish (up to grace_s), flush RAM downward."""
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         if self._loop is not None and self._server is not None:
             asyncio.run_coroutine_threadsafe(self._drain(), self._loop).result()
         self._stop_loop()
@@ -182,6 +203,13 @@ def serve(config: ServerConfig) -> int:
         print(f"tiered-cache serve: WARNING: listening beyond loopback on {config.host}"
               + ("" if config.token else "; set --token so only your instances can read and write pages"),
               file=sys.stderr, flush=True)
+    if server.metrics is not None:
+        print(f"tiered-cache serve: metrics at {server.metrics.url}"
+              f"{' (token required)' if config.token else ''}", flush=True)
+        if not server.metrics.loopback_only:
+            print(f"tiered-cache serve: WARNING: metrics listen beyond loopback on {config.metrics_host}"
+                  + ("" if config.token else "; anyone who can reach it reads the cache's figures"),
+                  file=sys.stderr, flush=True)
     stop.wait()
     print("tiered-cache serve: shutting down (draining streams, flushing RAM to the next tier)", flush=True)
     flushed = server.stop()

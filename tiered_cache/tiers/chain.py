@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -34,6 +35,8 @@ class TierChain:
         self.promotions: Counter[str] = Counter()  # blobs read from a tier to be copied up
         self.demotions: Counter[str] = Counter()  # blobs written into a tier from the one above
         self.skipped_puts = 0  # puts avoided because the tier was known to hold the key
+        # Called after each batched fetch from a tier with (tier name, seconds, bytes): metrics.
+        self.on_fetch: Callable[[str, float, int], None] | None = None
         # Tiers that are safe to call from several threads (a Redis client pool, gRPC channels)
         # get no lock: a lookup must not queue behind another thread's multi-MiB put.
         self._tier_locks = [contextlib.nullcontext() if getattr(tier, "thread_safe", False) else threading.RLock()
@@ -117,8 +120,11 @@ class TierChain:
             if not positions:
                 continue
             wanted = [keys[i] for i in positions]
+            started = time.perf_counter()
             with self._tier_locks[index]:
                 blobs = tier.get(wanted)
+            if self.on_fetch is not None:
+                self.on_fetch(tier.name, time.perf_counter() - started, sum(len(b) for b in blobs if b is not None))
             for i, blob in zip(positions, blobs, strict=True):
                 out[i] = blob
             self._mark([k for k, b in zip(wanted, blobs, strict=True) if b is None], index, False)

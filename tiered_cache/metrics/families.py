@@ -1,0 +1,114 @@
+"""Prometheus metric families built from the figures the cache already keeps (`TierStats`,
+`CacheStats`, the store server's counters), read at scrape time: nothing is counted twice, and
+a scrape costs one `stats()` call.
+
+Names follow Prometheus conventions: a `tiered_cache_` prefix, base units (`_bytes`, `_seconds`),
+`_total` on counters, `_ratio` on shares. The same names are used by the Ray actors
+(ray_metrics.py) and queried by `deploy/grafana/tiered-cache.json`; `METRIC_NAMES` lists them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from tiered_cache.tiers.base import TierStats
+
+PREFIX = "tiered_cache_"
+
+# TierStats field -> (metric name without the prefix, kind, help).
+TIER_FIELDS: dict[str, tuple[str, str, str]] = {
+    "pages": ("tier_pages", "gauge", "Pages held by the tier"),
+    "used_bytes": ("tier_used_bytes", "gauge", "Bytes the tier's pages take"),
+    "capacity_bytes": ("tier_capacity_bytes", "gauge", "The tier's configured capacity"),
+    "hits": ("tier_hits", "counter", "Pages asked of the tier and found"),
+    "misses": ("tier_misses", "counter", "Pages asked of the tier and not found"),
+    "demotions": ("tier_puts", "counter", "Pages written into the tier from the one above (or by a client)"),
+    "evictions": ("tier_evictions", "counter", "Pages the tier dropped to stay within its capacity"),
+    "promotions": ("tier_promotions", "counter", "Pages read from the tier to be copied up"),
+    "bytes_in": ("tier_written_bytes", "counter", "Bytes written into the tier"),
+    "bytes_out": ("tier_read_bytes", "counter", "Bytes read out of the tier"),
+    "errors": ("tier_errors", "counter", "Failed calls to the tier (down, timed out, full)"),
+    "corrupt": ("tier_checksum_failures", "counter", "Blobs refused on read (checksum, truncation, wrong key)"),
+    "breaker_trips": ("tier_breaker_trips", "counter", "Times a server's circuit breaker opened"),
+    "open_breakers": ("tier_open_breakers", "gauge", "Servers whose circuit breaker is open or half-open now"),
+}
+HIT_RATIO = "tier_hit_ratio"
+
+
+def _family(name: str, kind: str, doc: str, labels: list[str]) -> Metric:
+    if kind == "counter":  # the client library appends `_total` to a counter family's samples
+        return CounterMetricFamily(PREFIX + name, doc, labels=labels)
+    return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+
+
+def tier_families(tiers: Iterable[TierStats], extra: dict[str, str] | None = None) -> list[Metric]:
+    """One family per `TIER_FIELDS` entry plus the hit ratio, a sample per tier (label `tier`,
+    and `extra` labels on every sample, e.g. the Ray actor's name)."""
+    extra = extra or {}
+    labels = ["tier", *extra]
+    families = {f: _family(name, kind, doc, labels) for f, (name, kind, doc) in TIER_FIELDS.items()}
+    ratio = GaugeMetricFamily(PREFIX + HIT_RATIO, "Hits over hits and misses since start", labels=labels)
+    for tier in tiers:
+        values = [tier.name, *extra.values()]
+        for field_name, family in families.items():
+            family.add_metric(values, float(getattr(tier, field_name)))
+        ratio.add_metric(values, tier.hit_rate)
+    return [*families.values(), ratio]
+
+
+def cache_families(stats: Any) -> list[Metric]:
+    """The engine-side cache's own figures (a `CacheStats`): the device pool, the radix tree and
+    the background queues (the write-behind demoter and the lower-tier writer)."""
+    pool = stats.pool
+    out: list[Metric] = []
+    pages = GaugeMetricFamily(PREFIX + "pool_pages", "Device pool pages by state", labels=["state"])
+    pages.add_metric(["used"], pool.used_pages)
+    pages.add_metric(["free"], pool.free_pages)
+    out.append(pages)
+    for name, doc, value in (
+        ("pool_utilisation_ratio", "Used device pool pages over all", pool.utilisation),
+        ("pool_unused_slots", "Token slots allocated in used pages but holding no token", pool.unused_slots),
+        ("pool_fragmentation_ratio", "Unused token slots over all slots of the pages in use", stats.fragmentation),
+        ("tree_nodes", "Nodes of the radix tree of token prefixes", stats.tree_nodes),
+        ("tree_evictable_pages", "Device pages no request holds (evictable)", stats.evictable_pages),
+    ):
+        gauge = GaugeMetricFamily(PREFIX + name, doc)
+        gauge.add_metric([], float(value))
+        out.append(gauge)
+    depth = GaugeMetricFamily(PREFIX + "queue_depth", "Jobs waiting in a background queue", labels=["queue"])
+    dropped = CounterMetricFamily(PREFIX + "queue_dropped", "Jobs a full background queue dropped", labels=["queue"])
+    for q in stats.queues:
+        depth.add_metric([q.name], q.depth)
+        dropped.add_metric([q.name], q.dropped)
+    out += [depth, dropped]
+    for name, doc, value in (
+        ("prefetch_declined", "Prefetches not started: too many in flight", stats.prefetch_declined),
+        ("skipped_puts", "Lower-tier puts avoided: the tier was known to hold the page", stats.skipped_puts),
+        ("dropped_pages", "Pages whose write below was dropped: the write-behind was full", stats.dropped_pages),
+    ):
+        counter = CounterMetricFamily(PREFIX + name, doc)
+        counter.add_metric([], float(value))
+        out.append(counter)
+    return out
+
+
+def server_families(counters: Any, streams_open: int) -> list[Metric]:
+    """The store server's own counters (handlers.ServerCounters) and its open streams."""
+    out: list[Metric] = []
+    for name, doc, value in (
+        ("server_requests", "Calls the store server answered", counters.requests),
+        ("server_rejected_requests", "Calls refused as malformed (INVALID_ARGUMENT)", counters.rejected),
+        ("server_unauthenticated_requests", "Calls refused for a missing or wrong token", counters.unauthenticated),
+        ("server_refused_blobs", "Blobs a Put refused (too big, wrong fingerprint, bad checksum)",
+         counters.refused_blobs),
+        ("server_stalled_streams", "Streams ended for making no progress", counters.stalled_streams),
+    ):
+        counter = CounterMetricFamily(PREFIX + name, doc)
+        counter.add_metric([], float(value))
+        out.append(counter)
+    gauge = GaugeMetricFamily(PREFIX + "server_open_streams", "Get and Put streams open now")
+    gauge.add_metric([], float(streams_open))
+    return [*out, gauge]
