@@ -193,6 +193,38 @@ def test_bench_load_through_the_router_answers_as_recompute_does_and_leaves_the_
     assert {"router", "worker-0", "worker-1"} <= set(cluster.actor_names())  # a running cluster is left running
 
 
+def test_workers_and_shards_export_the_cache_metrics_through_ray(actors):
+    """Ray's own Prometheus export (each node's metrics agent) carries the same families as
+    `/metrics`, prefixed `ray_`, tagged with the actor: what the Grafana dashboard reads."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ports = [(n["NodeManagerAddress"], n["MetricsExportPort"]) for n in ray.nodes() if n["Alive"]]
+    wanted = {("worker-0", "device"), ("worker-1", "device")}  # a counter appears once it has grown
+    found: dict[tuple[str, str, str], float] = {}
+    deadline = time.monotonic() + 60  # actors publish every 5 s, Ray's agents export every few seconds
+    while time.monotonic() < deadline:
+        found.clear()
+        for host, port in ports:
+            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as response:
+                text = response.read().decode()
+            for family in text_string_to_metric_families(text):
+                for s in family.samples:
+                    if s.name.startswith("ray_tiered_cache_") and "actor" in s.labels:
+                        found[(s.name, s.labels["actor"], s.labels.get("tier", ""))] = s.value
+        have = {(a, t) for (name, a, t) in found if name == "ray_tiered_cache_tier_hits_total"}
+        if wanted <= have and any(k[0] == "ray_tiered_cache_fetch_seconds_count" for k in found):
+            break
+        time.sleep(2)
+    assert wanted <= have, sorted(found)[:20]
+    assert found[("ray_tiered_cache_tier_hits_total", "worker-0", "device")] > 0
+    assert any(n == "ray_tiered_cache_tier_capacity_bytes" and a.startswith("shard-") and t == "ram"
+               for n, a, t in found)
+    assert any(n == "ray_tiered_cache_fetch_seconds_count" and t == "remote" for n, _, t in found)
+    assert any(n == "ray_tiered_cache_server_requests_total" for n, _, _ in found)
+
+
 def test_a_restarted_directory_finds_the_running_actors_again(actors):
     a, b = actors["a"], actors["b"]
     before = {w: ray.get(w.info.remote()) for w in (a, b)}

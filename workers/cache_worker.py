@@ -23,11 +23,13 @@ from tiered_cache.config import CacheConfig, WritePolicy
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.integrations.hf_models import encode_prompt, load_causal_lm
 from tiered_cache.integrations.transformers import generate, spec_for
+from tiered_cache.metrics.families import cache_families, tier_families
 from tiered_cache.service.auth import token_from
 from tiered_cache.tiers.remote import RemoteTier, owner
 from workers.config import ShardSettings, WorkerSettings
 from workers.directory import WORKER
 from workers.names import DIRECTORY
+from workers.ray_metrics import RayMetrics
 
 _SUMMARY_PROMPTS = 256  # recent prompts kept for the router's picture of what this worker holds
 _SUMMARY_CHARS = 16384  # of each, the leading characters (the shared part is the leading part)
@@ -64,6 +66,8 @@ class CacheWorker:
         self._watcher = threading.Thread(target=self._watch, args=(watch_interval_s,), daemon=True,
                                          name="tiered-cache-ring-watch")
         self._watcher.start()
+        self.metrics = RayMetrics(name, self._metric_families).start()
+        self.cache.chain.on_fetch = self.metrics.fetched
 
     # --- ring -------------------------------------------------------------------------------------
     def _refresh_ring(self) -> None:
@@ -124,6 +128,10 @@ class CacheWorker:
                  "held": held[i]} for i, key in enumerate(keys)]
 
     # --- reporting --------------------------------------------------------------------------------
+    def _metric_families(self) -> list[Any]:
+        stats = self.cache.stats()
+        return [*tier_families(stats.tiers), *cache_families(stats)]
+
     def ping(self) -> str:
         return self.name
 
@@ -144,6 +152,7 @@ class CacheWorker:
 
     def shutdown(self) -> None:
         self._stop.set()
+        self.metrics.stop()
         self.cache.close()
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self._directory.unregister.remote(self.name), timeout=5)

@@ -16,6 +16,7 @@ from typing import Any
 
 import ray
 
+from tiered_cache.metrics.families import server_families, tier_families
 from tiered_cache.service.auth import token_from
 from tiered_cache.service.config import LOOPBACK, ServerConfig
 from tiered_cache.service.server import StoreServer
@@ -23,6 +24,7 @@ from tiered_cache.service.stats import server_stats
 from workers.config import AUTO_HOST, ShardSettings
 from workers.directory import SHARD
 from workers.names import DIRECTORY
+from workers.ray_metrics import RayMetrics
 
 log = logging.getLogger("tiered_cache.workers.shard")
 
@@ -48,6 +50,11 @@ class StoreShard:
         bracketed = f"[{host}]" if ":" in host else host
         self.address = f"{bracketed}:{port}"
         ray.get(ray.get_actor(DIRECTORY).register.remote(SHARD, name, self.address, self.node_id))
+        self.metrics = RayMetrics(name, self._metric_families).start()
+
+    def _metric_families(self) -> list[Any]:
+        server = self.server
+        return [*tier_families(server.store.stats()), *server_families(server.counters, server.service.slots.active)]
 
     def ping(self) -> str:
         return self.address
@@ -63,6 +70,7 @@ class StoreShard:
 
     def shutdown(self) -> int:
         """Leave the directory, drain streams and flush RAM to disk; returns pages flushed."""
+        self.metrics.stop()
         with contextlib.suppress(ValueError, ray.exceptions.RayError):  # the directory is gone already
             ray.get(ray.get_actor(DIRECTORY).unregister.remote(self.name), timeout=5)
         return self.server.stop()
