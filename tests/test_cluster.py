@@ -171,6 +171,22 @@ def test_stats_rollup_equals_the_sum_of_the_actors_own_figures(actors):
     assert figures["totals"]["remote"]["hits"] > 0  # workers did fetch from the shards
 
 
+def test_each_worker_draws_its_prefix_tree_with_text(actors):
+    from tiered_cache.cli.tree_render import render_tree
+
+    view = ray.get(ray.get_actor("worker-0").tree.remote(50))
+    assert view["worker"] == "worker-0" and view["namespaces"]
+    stack = [n for ns in view["namespaces"] for n in ns["children"]]
+    texts = []
+    while stack:
+        node = stack.pop()
+        texts.append(node.get("head_text") or "")
+        stack.extend(node["children"])
+    assert any(t.startswith("<|im_start|>") for t in texts)  # every prompt starts with the chat template
+    drawn = render_tree(view, "worker-0:")
+    assert drawn.startswith("worker-0:\nnamespace (default)") and "└── " in drawn
+
+
 def test_bench_load_through_the_router_answers_as_recompute_does_and_leaves_the_cluster_running(actors, tmp_path):
     from tiered_cache.bench.load_workload import Workload
     from workers.load_ray import RayLoadSettings, bench_load_ray

@@ -33,6 +33,10 @@ def test_the_cluster_commands_start_use_report_and_stop(ray_cluster, tmp_path):
         assert again["route"] == {"worker": "worker-0", "reason": "prefix", "matched_chars": len(prompt)}
         text = run_cli("cluster", "generate", *where, prompt, "--max-new-tokens", "6").stdout
         assert "worker-0" in text and "reused" in text
+        trees = json.loads(run_cli("tree", "--ray", ray_cluster.address, "--namespace", NAMESPACE, "--json").stdout)
+        assert [t["worker"] for t in trees] == ["worker-0"]
+        (branch,) = trees[0]["namespaces"][0]["children"]  # one prompt, asked three times: one node
+        assert branch["hits"] >= 2 and "Tiered KV caches keep hot pages" in branch["head_text"] + branch["tail_text"]
 
         figures = json.loads(run_cli("stats", "--ray", ray_cluster.address, "--namespace", NAMESPACE,
                                      "--json").stdout)

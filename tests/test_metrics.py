@@ -11,6 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from prometheus_client.parser import text_string_to_metric_families
 from tier_helpers import SPEC, blobs_for
 
@@ -84,6 +85,8 @@ def test_an_engine_cache_in_another_process_is_scraped_with_its_fetch_histograms
             assert child.stdout is not None
             seen = json.loads(child.stdout.readline())
             samples = scrape(seen["metrics_url"])
+            tree = json.loads(run_cli("tree", "--url", seen["metrics_url"], "--json").stdout)
+            drawn = run_cli("tree", "--url", seen["metrics_url"].removesuffix("/metrics")).stdout
         finally:
             child.communicate(timeout=60)  # closes its stdin: it exits
         server = scrape(store.metrics_url)
@@ -95,6 +98,11 @@ def test_an_engine_cache_in_another_process_is_scraped_with_its_fetch_histograms
     assert value(samples, "fetch_bytes_sum", tier="remote") == seen["remote_bytes_out"] > 0
     assert value(samples, "queue_depth", queue="demoter") >= 0 and value(samples, "tree_nodes") >= 1
     assert 0 <= value(samples, "pool_fragmentation_ratio") < 1
+    # `tiered-cache tree --url`: the one sequence B loaded, as one node, its pages also in the store.
+    (node,) = tree["namespaces"][0]["children"]
+    assert node["pages"] == seen["device_pages"] and node["where"] == ["device", "remote"]
+    assert node["head_tokens"] == list(range(5000, 5016))  # instance_worker's tokens, remembered
+    assert drawn.startswith("namespace (default): 1 branch") and f"{seen['device_pages']} pages" in drawn
     # The server saw the same pages leave its RAM tier.
     assert value(server, "tier_hits_total", tier="ram") >= seen["remote_hits"]
 

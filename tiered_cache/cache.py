@@ -21,6 +21,7 @@ a time; several threads may use the cache at once.
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +51,7 @@ from tiered_cache.tiers.codec import BlobError, decode_page, encode_page
 from tiered_cache.tiers.factory import build_lower_tiers
 from tiered_cache.tiers.host import HostTier
 from tiered_cache.tiers.memtune import tune_malloc
+from tiered_cache.tree_view import PageTokens, decode_previews, snapshot
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
 _NOWHERE = -2  # in a plan being built: no tier found the page (HOST is -1, lower tiers >= 0)
@@ -137,6 +139,7 @@ class TieredCache:
         self._spare = (SpareOutput(self._foreground, self.pool.num_pages * spec.bytes_per_page)
                        if self.config.spare_output and self.pool.kv.device.type == "cpu" else None)
         self._closed = False
+        self._page_tokens = PageTokens()  # token ids of inserted pages, for tree() previews
         self.metrics: Any = None  # a MetricsServer with config.metrics_port
         self._fetch_metrics: Any = None
         if self.config.metrics_port is not None:
@@ -156,7 +159,8 @@ class TieredCache:
         self._fetch_metrics = FetchMetrics(registry)
         self.chain.on_fetch = self._fetch_metrics.fetched
         c = self.config
-        self.metrics = MetricsServer(registry, c.metrics_host, c.metrics_port or 0, c.metrics_token)
+        routes = {"/tree": lambda: json.dumps(self.prefix_tree()).encode()}  # for `tiered-cache tree --url`
+        self.metrics = MetricsServer(registry, c.metrics_host, c.metrics_port or 0, c.metrics_token, routes)
 
     # --- tensor API ------------------------------------------------------------------------------
     @_request_path
@@ -175,6 +179,8 @@ class TieredCache:
         with self._lock:
             match = self.tree.match_prefix(keys, ns)
             if match.num_pages == len(keys):
+                # Pages loaded from below are known by key only: remember their tokens now.
+                self._page_tokens.record(keys, toks, ps)
                 return 0
             self.tree.lock(match.node)  # keep the prefix on the device while room is made
             try:
@@ -198,6 +204,7 @@ class TieredCache:
                 return 0
             self._device.bytes_in += n * self.spec.bytes_per_page
             _, _, dup = self._adopt(ns, keys[:start + n], match.values, pages)
+            self._page_tokens.record(keys[:start + n], toks, ps)
             self._after_insert(ns, keys[:start + n], n - dup)
         return (n - dup) * ps
 
@@ -229,6 +236,8 @@ class TieredCache:
         try:
             pages = self.load(handle)
             n = len(pages) * self.spec.page_size
+            with self._lock:  # pages loaded from below are known by key only
+                self._page_tokens.record(handle.keys[:len(pages)], toks, self.spec.page_size)
             if out is not None:
                 return n, self.pool.read_tokens(pages, n, out=out[:, :, :n])
             if self._spare is None or not n:
@@ -420,6 +429,8 @@ class TieredCache:
             self._unused_slots += self._handle_unused(handle)
             node, all_pages, dup = self._adopt(handle.namespace, keys[:start + n_new], handle.device_pages,
                                                new_pages)
+            # All pages: the prefix may have come from below (a fetch knows keys, not tokens).
+            self._page_tokens.record(keys[:start + n_new], ns_tokens, self.spec.page_size)
             self._move_lock(handle, node)
             handle.keys, handle.device_pages = keys, all_pages
             handle.available_pages = len(all_pages)
@@ -518,6 +529,19 @@ class TieredCache:
         return CacheStats(tiers, pool, self.spec.page_size, nodes, size.evictable, size.protected, queues,
                           self._prefetch_declined, self.chain.skipped_puts,
                           self._pages_dropped)
+
+    def prefix_tree(self, max_nodes: int = 500, decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
+        """The radix tree of prefixes as plain data (tree_view.py), for `tiered-cache tree`; with
+        `decode` (token ids -> text), each node's first and last page as text too."""
+        def where(keys: list[bytes]) -> list[str]:
+            tiers = ["host"] if self.host.contains_prefix(keys) == len(keys) else []
+            return tiers + [t.name for i, t in enumerate(self.chain.tiers)
+                            if all(self.chain.known_in(k, i) for k in keys)]
+
+        with self._lock:
+            view = snapshot(self.tree, self.spec.page_size, self._page_tokens, where, max_nodes)
+        view["tiers"] = {t.name: t.pages for t in self.stats().tiers}
+        return decode_previews(view, decode) if decode is not None else view
 
     def close(self) -> None:
         """Finish queued background work, then close the lower tiers' connections."""

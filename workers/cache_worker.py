@@ -144,6 +144,11 @@ class CacheWorker:
         """Info plus the cache's figures (`CacheStats.to_dict()`) and requests served."""
         return {**self.info(), "requests": self.requests, "cache": self.cache.stats().to_dict()}
 
+    def tree(self, max_nodes: int = 500) -> dict[str, Any]:
+        """This worker's radix tree (`TieredCache.prefix_tree`), node text decoded with its tokenizer."""
+        view = self.cache.prefix_tree(max_nodes, decode=lambda ids: self.tokenizer.decode(ids))
+        return {**view, "worker": self.name}
+
     def prefix_summary(self) -> list[str]:
         """Leading characters of the prompts this worker served recently, newest last: enough for a
         router (after its own restart) to know which prefixes this worker holds."""

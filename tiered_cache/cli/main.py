@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from tiered_cache import __version__
-from tiered_cache.cli import bench_cmd, cluster_cmd, demo_cmd, serve_cmd, size_cmd, stats_cmd
+from tiered_cache.cli import bench_cmd, cluster_cmd, demo_cmd, serve_cmd, size_cmd, stats_cmd, tree_cmd
 from tiered_cache.errors import TieredCacheError
 from tiered_cache.tiers.memtune import tune_malloc
 
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     size_cmd.add_parser(commands)
     bench_cmd.add_parser(commands)
     cluster_cmd.add_parser(commands)
+    tree_cmd.add_parser(commands)
     return parser
 
 

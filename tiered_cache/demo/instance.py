@@ -59,9 +59,14 @@ def main() -> None:
         say(f"empty local cache; looking the prompt up: {cache.lookup(prompt):,} tokens are in the store")
         rows.append(_row("prefix from the remote store", generate(model, prompt, cache, MAX_NEW_TOKENS, eos),
                          tokenizer))
+    tree = None
+    if role == "b":  # A's question too: the document's pages are shared, each question is a leaf
+        say("asking instance A's question too, for the radix tree picture ...")
+        generate(model, chat_prompt(tokenizer, QUESTIONS["a"]), cache, 4, eos)
+        tree = cache.prefix_tree(decode=tokenizer.decode)
     cache.close()  # finishes the background write-through to the store
     print(json.dumps({"role": role, "question": QUESTIONS[role], "prompt_tokens": len(prompt), "rows": rows,
-                      "bytes_per_token": spec.bytes_per_token}))
+                      "bytes_per_token": spec.bytes_per_token, "tree": tree}))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,12 @@ def run_demo() -> int:
     print()
     print("Store server figures after the run:")
     print(render(store_stats))
+    if b.get("tree"):
+        from tiered_cache.cli.tree_render import render_tree
+
+        print("\nInstance B's radix tree after it also answered A's question (`tiered-cache tree`): the document "
+              "once, each question a leaf")
+        print(render_tree(b["tree"]))
     print(f"\ndemo finished in {time.perf_counter() - started:,.0f} s")
     same = a["rows"][0]["tokens"] == a["rows"][-1]["tokens"] and b["rows"][0]["tokens"] == b["rows"][-1]["tokens"]
     return 0 if same else 1

@@ -7,6 +7,7 @@ never share a node; each namespace also gets its own root so that even equal key
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -72,6 +73,11 @@ class RadixTree:
 
     def namespaces(self) -> list[str]:
         return sorted(self._roots)
+
+    def branches(self, namespace: str) -> list[RadixNode]:
+        """The nodes right under `namespace`'s root (read them under the owner's lock)."""
+        root = self._roots.get(namespace)
+        return list(root.children.values()) if root is not None else []
 
     def match_prefix(self, keys: Sequence[bytes], namespace: str = "") -> MatchResult:
         """Longest cached prefix of `keys` in `namespace`, in whole pages.
@@ -179,8 +185,8 @@ class RadixTree:
         """Follow `keys` down from `node`, splitting a node the keys leave midway, and mark each
         node passed as used now. A match (`found` given) also counts a hit and collects values.
         Returns the deepest node reached and the number of pages matched."""
-        clock = self._tick()
-        node.last_access = clock
+        clock, now = self._tick(), time.monotonic()
+        node.last_access, node.touched = clock, now
         i = 0
         while i < len(keys):
             child = node.children.get(keys[i])
@@ -190,7 +196,7 @@ class RadixTree:
             matched = _common_length(child.keys, keys, i)
             if matched < len(child):
                 child = self._split(child, matched)
-            child.last_access = clock
+            child.last_access, child.touched = clock, now
             if found is not None:
                 child.hits += 1
                 found.append(child.values)
@@ -226,7 +232,7 @@ class RadixTree:
         head = RadixNode(child.namespace, parent, child.keys[:at], child.values[:at].copy(), child.start,
                          child.residency)
         head.lock_ref = child.lock_ref
-        head.last_access = child.last_access
+        head.last_access, head.touched = child.last_access, child.touched
         head.hits = child.hits
         parent.children[head.keys[0]] = head
         child.keys = child.keys[at:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -59,6 +60,7 @@ class RadixNode:
         "removed",
         "residency",
         "start",
+        "touched",
         "values",
     )
 
@@ -74,6 +76,7 @@ class RadixNode:
         self.lock_ref = 0
         self.own_locks = 0  # locks taken on this node as a handle
         self.last_access = 0
+        self.touched = time.monotonic()  # when last matched or inserted (for `tiered-cache tree`)
         self.hits = 0
         self.id = next(_ids)
         self.qver = 0  # bumped whenever its entry in the eviction queue goes stale

@@ -40,13 +40,24 @@ def gguf_path() -> Path:
 
 def load_model(folder: Path | None = None) -> tuple[Any, Any]:
     """(model, tokenizer), fp32 on the CPU in eval mode; converts the GGUF once and caches it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(_converted(folder), dtype=torch.float32)
+    return model.eval(), load_tokenizer(folder)
+
+
+def load_tokenizer(folder: Path | None = None) -> Any:
+    """The tokenizer alone (converting the weights once, as `load_model` does)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_converted(folder))
+
+
+def _converted(folder: Path | None) -> Path:
     target = (folder or cache_dir()) / MODEL_DIR
     if not (target / "model.safetensors").is_file():
         _convert_once(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
-    return model.eval(), AutoTokenizer.from_pretrained(target)
+    return target
 
 
 def _convert_once(target: Path) -> None:

@@ -30,16 +30,30 @@ def _guarded(app: Callable[..., Iterable[bytes]], token: str) -> Callable[..., I
     return guarded
 
 
+def _with_routes(app: Callable[..., Iterable[bytes]], routes: dict[str, Callable[[], bytes]]) -> Callable[..., Any]:
+    """`app`, except that a path in `routes` is answered with that callable's JSON."""
+    def routed(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        route = routes.get(environ.get("PATH_INFO", ""))
+        if route is None:
+            return app(environ, start_response)
+        body = route()
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return routed
+
+
 class MetricsServer:
-    """Serves `registry` at http://HOST:PORT/metrics from a daemon thread until `stop()`."""
+    """Serves `registry` at http://HOST:PORT/metrics from a daemon thread until `stop()`, and each
+    of `routes` (path -> JSON bytes, e.g. "/tree") beside it, behind the same token."""
 
     def __init__(self, registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
-                 token: str | None = None) -> None:
+                 token: str | None = None, routes: dict[str, Callable[[], bytes]] | None = None) -> None:
         check_token(token, "metrics token")
         if not 0 <= int(port) < 65536:
             raise ValueError(f"metrics port must be in 0..65535, got {port}")
         self.host, self.token = host, token
-        app = make_wsgi_app(registry)
+        app = _with_routes(make_wsgi_app(registry), routes or {})
         try:
             self._httpd: WSGIServer = make_server(host, int(port), _guarded(app, token) if token else app,
                                                   ThreadingWSGIServer, handler_class=_SilentHandler)

@@ -1,0 +1,101 @@
+"""`tiered-cache tree`: the radix tree of a running cache, drawn in the terminal: an engine's own
+cache through its metrics endpoint (`CacheConfig.metrics_port`: `--url`), or every cache worker
+of a Ray cluster (`--ray`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+from tiered_cache.cli.tree_render import render_tree
+
+
+def add_parser(commands: Any) -> None:
+    p = commands.add_parser("tree", help="the radix tree of prefixes of a running cache",
+                            description="Draw the radix tree of a running cache: shared prefixes as branches, "
+                                        "pages and tokens per node, where they live, hits, idle time, text.")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="an engine cache's metrics endpoint, e.g. http://127.0.0.1:9100 "
+                                     "(CacheConfig.metrics_port)")
+    where.add_argument("--ray", metavar="ADDRESS", help="a Ray cluster running `tiered-cache cluster` (auto: "
+                                                        "this node's): every worker's tree")
+    p.add_argument("--namespace", default="tiered-cache", help="with --ray: the cluster's namespace "
+                                                               "(default tiered-cache)")
+    p.add_argument("--worker", help="with --ray: only this worker (e.g. worker-0)")
+    p.add_argument("--token", help="with --url: the bearer token the endpoint requires "
+                                   "(default $TIERED_CACHE_METRICS_TOKEN)")
+    p.add_argument("--tokenizer", help="with --url: decode node text with this tokenizer (smollm2, or a "
+                                       "Hugging Face model folder); default: token ids")
+    p.add_argument("--max-nodes", type=int, default=500, help="draw at most this many nodes, the largest "
+                                                              "branches first (default 500)")
+    p.add_argument("--json", action="store_true", help="print the tree as JSON")
+    p.set_defaults(run=run)
+
+
+def _from_url(url: str, token: str | None, timeout_s: float = 10.0) -> dict[str, Any]:
+    base = url.rstrip("/").removesuffix("/metrics")
+    request = urllib.request.Request(f"{base}/tree", headers={"authorization": f"Bearer {token}"} if token else {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        hint = "; pass --token" if exc.code == 401 else ""
+        raise RuntimeError(f"{base}/tree answered {exc.code} {exc.reason}{hint}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise RuntimeError(f"cannot reach {base}/tree: {getattr(exc, 'reason', exc)}; is the cache running "
+                           f"with metrics_port set?") from None
+
+
+def _decoder(name: str) -> Any:
+    if name == "smollm2":
+        from tiered_cache.integrations.smollm2 import load_tokenizer
+
+        tokenizer = load_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    return tokenizer.decode
+
+
+def _from_ray(address: str, namespace: str, worker: str | None, max_nodes: int) -> list[dict[str, Any]]:
+    import ray
+
+    from workers import cluster
+    from workers.names import WORKER_PREFIX
+
+    cluster.connect(address, namespace)
+    names = [n for n in cluster.actor_names() if n.startswith(WORKER_PREFIX)]
+    if worker is not None:
+        if worker not in names:
+            known = ", ".join(names) or "none"
+            raise RuntimeError(f"no worker {worker!r} in namespace {namespace!r}; workers: {known}")
+        names = [worker]
+    if not names:
+        raise RuntimeError(f"no cache worker in Ray namespace {namespace!r}: run `tiered-cache cluster start`")
+    return ray.get([ray.get_actor(n).tree.remote(max_nodes) for n in names], timeout=60)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_nodes <= 0:
+        raise ValueError(f"--max-nodes must be positive, got {args.max_nodes}")
+    if args.url:
+        view = _from_url(args.url, args.token or os.environ.get("TIERED_CACHE_METRICS_TOKEN"))
+        if args.tokenizer:
+            from tiered_cache.tree_view import decode_previews
+
+            decode_previews(view, _decoder(args.tokenizer))
+        views = [view]
+    else:
+        views = _from_ray(args.ray, args.namespace, args.worker, args.max_nodes)
+    if args.json:
+        print(json.dumps(views if args.ray else views[0], indent=2))
+        return 0
+    for view in views:
+        print(render_tree(view, f"{view['worker']}:" if "worker" in view else ""), file=sys.stdout)
+    return 0

@@ -1,0 +1,104 @@
+"""What `tiered-cache tree` draws: a snapshot of a cache's radix tree as plain data (JSON-ready).
+
+Per namespace, the nodes of the device-side prefix tree: pages and tokens, where the pages are
+(device, plus host RAM and the tiers below where copies are known), hits, seconds since last use,
+whether a request holds it, and the first and last tokens of the node when the cache remembers
+them (`PageTokens`: the tokens of pages it inserted, bounded). Pages that left the device live in
+host RAM and below as flat keys, not in the tree: the snapshot counts them per tier.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from tiered_cache.index.radix import RadixTree
+from tiered_cache.index.radix_node import RadixNode
+
+
+class PageTokens:
+    """The token ids of recently inserted pages, by page key (at most `capacity` pages): enough to
+    show a node's text; a page it forgot is shown without."""
+
+    def __init__(self, capacity: int = 1 << 15) -> None:
+        self.capacity = capacity
+        self._tokens: OrderedDict[bytes, np.ndarray] = OrderedDict()
+
+    def record(self, keys: Sequence[bytes], tokens: np.ndarray, page_size: int, first: int = 0) -> None:
+        """Remember pages `first..` of a sequence: page i holds tokens[i*page_size:(i+1)*page_size]
+        (a page remembered already is only marked as recent)."""
+        for i in range(first, len(keys)):
+            if keys[i] in self._tokens:
+                self._tokens.move_to_end(keys[i])
+            else:
+                self._tokens[keys[i]] = tokens[i * page_size:(i + 1) * page_size].copy()
+        while len(self._tokens) > self.capacity:
+            self._tokens.popitem(last=False)
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        return self._tokens.get(key)
+
+
+def _node_tokens(node: RadixNode, memo: PageTokens) -> tuple[list[int] | None, list[int] | None]:
+    """The token ids of the node's first and last page, where remembered."""
+    first, last = memo.get(node.keys[0]), memo.get(node.keys[-1])
+    return (first.tolist() if first is not None else None), (last.tolist() if last is not None else None)
+
+
+def snapshot(tree: RadixTree, page_size: int, memo: PageTokens, where: Callable[[list[bytes]], list[str]],
+             max_nodes: int = 500) -> dict[str, Any]:
+    """The tree as nested dicts (call under the cache's lock). `where(keys)` names the tiers that
+    also hold all of a node's pages (beyond the device). At most `max_nodes` nodes, the largest
+    branches first; `omitted` counts the rest."""
+    now, budget = time.monotonic(), [max_nodes]
+    namespaces = []
+    for ns in tree.namespaces():
+        roots = tree.branches(ns)
+        namespaces.append({"namespace": ns, "children": _children(roots, page_size, memo, where, now, budget)})
+    return {"page_size": page_size, "namespaces": namespaces, "nodes": tree.num_nodes,
+            "truncated": budget[0] < 0}
+
+
+def _subtree_pages(node: RadixNode) -> int:
+    total, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        total += len(n.keys)
+        stack.extend(n.children.values())
+    return total
+
+
+def _children(nodes: list[RadixNode], page_size: int, memo: PageTokens, where: Callable[[list[bytes]], list[str]],
+              now: float, budget: list[int]) -> list[dict[str, Any]]:
+    out = []
+    for node in sorted(nodes, key=_subtree_pages, reverse=True):
+        budget[0] -= 1
+        if budget[0] < 0:
+            break
+        head, tail = _node_tokens(node, memo)
+        out.append({
+            "pages": len(node.keys), "tokens": len(node.keys) * page_size, "first_page": node.start,
+            "where": ["device", *where(node.keys)], "hits": node.hits,
+            "idle_s": round(now - node.touched, 3), "in_use": node.lock_ref > 0,
+            "head_tokens": head, "tail_tokens": tail,
+            "children": _children(list(node.children.values()), page_size, memo, where, now, budget),
+            "subtree_pages": _subtree_pages(node),
+        })
+    return out
+
+
+def decode_previews(tree: dict[str, Any], decode: Callable[[list[int]], str]) -> dict[str, Any]:
+    """Add `head_text` / `tail_text` to every node whose tokens are known (in place; returns it)."""
+    stack = [c for ns in tree["namespaces"] for c in ns["children"]]
+    while stack:
+        node = stack.pop()
+        for end in ("head", "tail"):
+            ids = node.get(f"{end}_tokens")
+            if ids:
+                node[f"{end}_text"] = decode(ids)
+        stack.extend(node["children"])
+    return tree
