@@ -18,7 +18,8 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--tls-cert", help="PEM certificate (with --tls-key) to serve TLS")
     p.add_argument("--tls-key", help="PEM private key")
     p.add_argument("--ram", dest="ram_capacity", help="RAM tier size, e.g. 4GiB (default 1GiB)")
-    p.add_argument("--disk", dest="disk_path", help="disk tier folder (default ~/.cache/tiered-cache/store)")
+    p.add_argument("--disk", dest="disk_path", help="disk tier folder (default $TIERED_CACHE_DIR/store, else "
+                                                          "~/.cache/tiered-cache/store)")
     p.add_argument("--no-disk", action="store_true", help="no disk tier")
     p.add_argument("--disk-capacity", help="disk tier size (default 10GiB)")
     p.add_argument("--redis", dest="redis_url", help="a Redis tier below disk, e.g. redis://127.0.0.1:6379/0")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,39 @@ from tiered_cache.service.auth import check_token
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 _FRAMING = 64 * 1024  # protobuf framing around a page blob, with room to spare
+MIN_CAPACITY = 2**20  # a tier smaller than this is a unit forgotten (`--ram 10` is 10 bytes), not a choice
+DEFAULT_DISK = "default"  # <$TIERED_CACHE_DIR or ~/.cache/tiered-cache>/store
+_INTS = ("port", "max_keys", "workers", "max_streams", "metrics_port")
+_FLOATS = ("stream_idle_s", "grace_s")
+_SIZES = ("ram_capacity", "disk_capacity", "max_page_bytes", "stream_buffer_bytes")
+
+
+def default_store_folder() -> str:
+    return str(Path(os.environ.get("TIERED_CACHE_DIR", "~/.cache/tiered-cache")).expanduser() / "store")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """A YAML or flag value as the field's type, or ValueError naming the setting."""
+    if value is None:
+        return None
+    try:
+        if name in _SIZES:
+            return parse_size(value)
+        if name in _INTS:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()) or \
+                    (isinstance(value, str) and not value.strip().lstrip("-").isdigit()):
+                raise ValueError(f"expected an integer, got {value!r}")
+            return int(value)
+        if name in _FLOATS:
+            if isinstance(value, bool):
+                raise ValueError(f"expected a number, got {value!r}")
+            return float(value)
+        if name == "write_through" and not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+    except (TypeError, ValueError) as exc:
+        message = str(exc) if "expected" in str(exc) or "size" in str(exc) else f"expected a number, got {value!r}"
+        raise ValueError(f"bad value for {name}: {message}") from None
+    return value
 
 
 @dataclass(frozen=True)
@@ -22,7 +56,7 @@ class ServerConfig:
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
     ram_capacity: int = 2**30
-    disk_path: str | None = "~/.cache/tiered-cache/store"  # None: no disk tier
+    disk_path: str | None = DEFAULT_DISK  # None or "": no disk tier; default: default_store_folder()
     disk_capacity: int = 10 * 2**30
     redis_url: str | None = None  # a Redis tier below disk (or below RAM without disk)
     redis_prefix: str = "tiered-cache-store"
@@ -38,10 +72,16 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"  # (with the token, when one is set)
 
     def __post_init__(self) -> None:
-        for name in ("ram_capacity", "disk_capacity", "max_page_bytes", "stream_buffer_bytes"):
-            object.__setattr__(self, name, parse_size(getattr(self, name)))
-        if self.disk_path:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name)))
+        if self.disk_path == DEFAULT_DISK:
+            object.__setattr__(self, "disk_path", default_store_folder())
+        elif self.disk_path:
             object.__setattr__(self, "disk_path", str(Path(self.disk_path).expanduser()))
+        for name in ("ram_capacity", *(("disk_capacity",) if self.disk_path else ())):
+            if getattr(self, name) < MIN_CAPACITY:
+                raise ValueError(f"{name} of {getattr(self, name)} bytes cannot hold a page: give a size with a "
+                                 f"unit, e.g. 4GiB (a bare number is bytes; at least 1MiB)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both tls_cert and tls_key")
         for name in ("port", "metrics_port"):

@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 
@@ -24,6 +25,7 @@ class StoreProcess:
         self.address = ""
         self.metrics_url = ""
         self.output: list[str] = []
+        self._reader: threading.Thread | None = None
 
     def start(self) -> str:
         cmd = [sys.executable, "-m", "tiered_cache.cli.main", "serve", "--port", "0", *self.args]
@@ -42,9 +44,18 @@ class StoreProcess:
             if metrics:
                 self.metrics_url = metrics.group(1)
             if self.address and (self.metrics_url or not any(a.startswith("--metrics-port") for a in self.args)):
+                # The rest is read by a thread: a full pipe would block the server's prints, and
+                # lines the reader buffered past this one must not be lost to a later read.
+                self._reader = threading.Thread(target=self._read_rest, name="store-process-output", daemon=True)
+                self._reader.start()
                 return self.address
         self.kill()
         raise RuntimeError("the store server did not start:\n" + "\n".join(self.output))
+
+    def _read_rest(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line.rstrip())
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30.0) -> int:
         """Send `sig` and wait; returns the exit code (and keeps what it printed in `output`)."""
@@ -53,11 +64,13 @@ class StoreProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
-            rest, _ = self.proc.communicate(timeout=timeout_s)
+            self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            rest, _ = self.proc.communicate()
-        self.output += (rest or "").splitlines()
+            self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=10)
+            self._reader = None
         code = self.proc.returncode
         self.proc = None
         return code

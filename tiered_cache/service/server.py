@@ -8,8 +8,10 @@ progress within `stream_idle_s`, so a handful of idle or slow peers cannot stall
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import signal
+import socket
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -130,6 +132,8 @@ class StoreServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         host = config.host
         address = f"[{host}]:{config.port}" if ":" in host and not host.startswith("[") else f"{host}:{config.port}"
+        if config.port:
+            check_port_free(host, config.port)  # before gRPC tries: its own error is a log dump
         if config.tls_cert:
             creds = grpc.ssl_server_credentials([(Path(config.tls_key).read_bytes(),
                                                   Path(config.tls_cert).read_bytes())])
@@ -182,6 +186,20 @@ def _handlers(service: KVCacheService) -> grpc.GenericRpcHandler:
     })
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError saying what to do when `host:port` cannot be bound (in use, not an address here)."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server would: TIME_WAIT is no conflict
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise OSError(f"cannot listen on {host}:{port}: the port is in use (another server?); pick another "
+                              f"--port, or --port 0 for a free one") from None
+            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def serve(config: ServerConfig) -> int:
     """Run until SIGTERM or SIGINT; then drain, flush, and return 0."""
     stop = threading.Event()
@@ -199,6 +217,12 @@ def serve(config: ServerConfig) -> int:
     where = f"{config.host}:{port}"
     print(f"tiered-cache serve: listening on {where} ({'TLS' if config.tls_cert else 'plaintext'}, "
           f"{'token required' if config.token else 'no token'})", flush=True)
+    from tiered_cache.service.startup import describe_tiers, redis_problem
+
+    print(f"tiered-cache serve: tiers: {describe_tiers(config)}", flush=True)
+    if config.redis_url and (problem := redis_problem(config.redis_url)):
+        print(f"tiered-cache serve: WARNING: {problem}; the Redis tier answers misses until it is back",
+              file=sys.stderr, flush=True)
     if not config.loopback_only:
         print(f"tiered-cache serve: WARNING: listening beyond loopback on {config.host}"
               + ("" if config.token else "; set --token so only your instances can read and write pages"),
