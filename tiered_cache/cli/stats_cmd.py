@@ -19,23 +19,39 @@ def add_parser(commands: Any) -> None:
                             description="Per-tier figures of one or more store servers (--address), or of "
                                         "every worker and shard of a Ray cluster with totals (--ray).")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--address", action="append", metavar="HOST:PORT",
-                       help="a store server (repeat for several)")
+    where.add_argument("--address", action="append", metavar="HOST[:PORT]",
+                       help="a store server, port 50551 when not given (repeat for several)")
     where.add_argument("--ray", metavar="ADDRESS",
                        help="a Ray cluster running `tiered-cache cluster` (auto: this node's)")
     p.add_argument("--namespace", default="tiered-cache", help="Ray namespace of the cluster (default tiered-cache)")
-    p.add_argument("--token", help="bearer token, if the servers require one")
+    p.add_argument("--token", help="bearer token, if the servers require one (default $TIERED_CACHE_SERVE_TOKEN)")
     p.add_argument("--tls-ca", help="PEM of the CA for TLS servers")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per server (default 5)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
-                   help="refresh in place every SECONDS (default 2) until Ctrl-C")
+                   help="refresh in place every SECONDS (default 2) until Ctrl-C, with rates over the last "
+                        "interval; with --json, one JSON line per refresh")
     p.set_defaults(run=run)
 
 
-def render(result: dict[str, Any]) -> str:
+def _rates(result: dict[str, Any], before: dict[str, Any] | None, seconds: float) -> dict[str, dict[str, float]]:
+    """Per tier: hits, misses and bytes out per second, since `before` (an earlier result of the
+    same server) or, without one, since the server started."""
+    if before is None or "error" in before:
+        before, seconds = {"tiers": []}, float(result["server"].get("uptime_s", 0)) or 1.0
+    earlier = {t["name"]: t for t in before["tiers"]}
+    out = {}
+    for t in result["tiers"]:
+        e = earlier.get(t["name"], {})
+        out[t["name"]] = {k: max(0, t[k] - e.get(k, 0)) / seconds for k in ("hits", "misses", "bytes_out")}
+    return out
+
+
+def render(result: dict[str, Any], rates: dict[str, dict[str, float]] | None = None, over: str = "") -> str:
     if "error" in result:
-        return f"{result['address']}: unreachable ({result['error']})"
+        what = "refused" if result.get("code") == "UNAUTHENTICATED" else "unreachable"
+        return f"{result['address']}: {what} ({result['error']})"
+    rates = rates or _rates(result, None, 0)
     s = result["server"]
     head = (f"{result['address']}  tiered-cache {s.get('version', '?')}, up {float(s.get('uptime_s', 0)):,.0f} s, "
             f"{int(s.get('requests', 0)):,} requests, {int(s.get('rejected_requests', 0)):,} rejected, "
@@ -43,23 +59,34 @@ def render(result: dict[str, Any]) -> str:
             f"{int(s.get('active_streams', 0))} streams open, {int(s.get('refused_streams', 0)):,} refused "
             f"(max_streams), {int(s.get('stalled_streams', 0)):,} ended stalled")
     rows = [[t["name"], format_binary(t["capacity_bytes"]), format_binary(t["used_bytes"]), f"{t['pages']:,}",
-             f"{t['hit_rate']:.1%}", f"{t['hits']:,}", f"{t['misses']:,}", f"{t['evictions']:,}",
+             f"{t['hit_rate']:.1%}", f"{t['hits']:,}", f"{t['misses']:,}",
+             f"{rates[t['name']]['hits']:,.1f}", f"{rates[t['name']]['misses']:,.1f}",
+             f"{format_binary(rates[t['name']]['bytes_out'])}/s", f"{t['evictions']:,}",
              f"{t['promotions']:,}", f"{t['demotions']:,}", format_binary(t["bytes_in"]),
              format_binary(t["bytes_out"]), f"{t['errors']:,}", f"{t['corrupt']:,}",
              f"{t.get('open_breakers', 0)} ({t.get('breaker_trips', 0):,} trips)"] for t in result["tiers"]]
-    table = render_table(rows, ["tier", "capacity", "used", "pages", "hit rate", "hits", "misses", "evictions",
-                                "promoted", "demoted", "bytes in", "bytes out", "errors", "corrupt", "open breakers"],
-                         align_right=range(1, 15))
-    return f"{head}\n{table}"
+    table = render_table(rows, ["tier", "capacity", "used", "pages", "hit rate", "hits", "misses", "hits/s",
+                                "misses/s", "out/s", "evictions", "promoted", "demoted", "bytes in", "bytes out",
+                                "errors", "corrupt", "open breakers"], align_right=range(1, 18))
+    return f"{head}\n{table}\nrates {over or 'since the server started'}"
 
 
-def _servers(args: argparse.Namespace) -> tuple[str, bool]:
+def _servers(args: argparse.Namespace, before: dict[str, Any], seconds: float) -> tuple[str, bool]:
+    """`before`: each server's previous result (for rates over `seconds`), updated in place."""
     results = [server_stats(a, args.token, args.tls_ca, args.timeout) for a in args.address]
+    over = f"over the last {seconds:.1f} s" if before else ""
+    rates = {r["address"]: _rates(r, before.get(r["address"]), seconds) for r in results if "error" not in r}
+    for r in results:
+        for t in r.get("tiers", []):
+            t["rates"] = rates[r["address"]][t["name"]]  # per second: hits, misses, bytes_out
     if args.json:
-        text = json.dumps(results if len(results) > 1 else results[0], indent=2)
+        data = results if len(results) > 1 else results[0]
+        text = json.dumps(data, separators=(",", ":")) if args.watch else json.dumps(data, indent=2)
     else:
-        text = "\n\n".join(render(r) for r in results)
-    return text, any("error" not in r for r in results)
+        text = "\n\n".join(render(r, rates.get(r["address"]), over) for r in results)
+    before.clear()
+    before.update({r["address"]: r for r in results})
+    return text, all("error" not in r for r in results)
 
 
 def _cluster(args: argparse.Namespace) -> tuple[str, bool]:
@@ -68,20 +95,40 @@ def _cluster(args: argparse.Namespace) -> tuple[str, bool]:
 
     cluster.connect(args.ray, args.namespace)
     figures = cluster.stats(args.timeout)
-    text = json.dumps(figures, indent=2) if args.json else render_cluster(figures)
+    if args.json:
+        text = json.dumps(figures, separators=(",", ":")) if args.watch else json.dumps(figures, indent=2)
+    else:
+        text = render_cluster(figures)
     return text, bool(figures["actors"]) and all("error" not in a for a in figures["actors"])
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit 0 when every server (or actor) answered, 1 when any did not."""
+    import os
+
+    from tiered_cache.service.auth import token_from
+    from tiered_cache.service.stats import normalize_address
+
+    args.token = token_from(args.token, dict(os.environ))
+    if args.address:
+        args.address = [normalize_address(a) for a in args.address]
+    if args.watch is not None and not args.watch > 0:
+        raise ValueError(f"--watch must be a positive number of seconds, got {args.watch:g}")
+    before: dict[str, Any] = {}
+    last = time.monotonic()
     while True:
-        text, ok = _cluster(args) if args.ray else _servers(args)
-        if args.watch:
+        now = time.monotonic()
+        text, ok = _cluster(args) if args.ray else _servers(args, before, now - last)
+        last = now
+        if not args.watch:
+            print(text)
+            return 0 if ok else 1
+        if args.json:  # one JSON document per line: for tools, no escape codes
+            print(text, flush=True)
+        else:
             sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + f"every {args.watch:g} s\n" + text + "\n")
             sys.stdout.flush()
-            try:
-                time.sleep(args.watch)
-            except KeyboardInterrupt:
-                return 0
-            continue
-        print(text)
-        return 0 if ok else 1
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:
+            return 0

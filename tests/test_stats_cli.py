@@ -1,0 +1,71 @@
+"""`tiered-cache stats` as operators use it: default port, numbers in JSON, a refused token said
+so, a non-zero exit when any server is down, JSON lines under --watch, rates beside totals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, run_cli
+from tier_helpers import SPEC, blobs_for
+
+from tiered_cache.service.client import StoreClient
+from tiered_cache.service.process import StoreProcess
+from tiered_cache.service.stats import DEFAULT_PORT, normalize_address
+
+
+def test_addresses_get_serves_port_and_bad_ports_are_named():
+    assert normalize_address("localhost") == f"localhost:{DEFAULT_PORT}"
+    assert normalize_address(" 10.0.0.5:7000 ") == "10.0.0.5:7000"
+    assert normalize_address("[::1]") == f"[::1]:{DEFAULT_PORT}" and normalize_address("::1") == f"[::1]:{DEFAULT_PORT}"
+    assert normalize_address("[::1]:9") == "[::1]:9"
+    for bad in ("host:99999", "host:0", "host:http", ""):
+        with pytest.raises(ValueError):
+            normalize_address(bad)
+    refused = run_cli("stats", "--address", "127.0.0.1:99999", check=False)
+    assert refused.returncode == 2 and "must be a number in 1..65535, got '99999'" in refused.stderr
+
+
+def test_figures_are_numbers_rates_are_shown_and_one_server_down_fails_the_command():
+    with StoreProcess(["--no-disk", "--ram", "8MiB"]) as store:
+        with StoreClient(store.address) as client:
+            client.put(blobs_for(4), bytes.fromhex(SPEC.fingerprint))
+            list(client.get([k for k, _ in blobs_for(4)], bytes.fromhex(SPEC.fingerprint)))
+        data = json.loads(run_cli("stats", "--address", store.address, "--json").stdout)
+        table = run_cli("stats", "--address", store.address).stdout
+        both = run_cli("stats", "--address", store.address, "--address", "127.0.0.1:1", "--timeout", "1",
+                       check=False)
+    assert isinstance(data["server"]["requests"], int) and data["server"]["requests"] >= 2
+    ram = data["tiers"][0]
+    assert isinstance(ram["hits"], int) and ram["hits"] == 4 and ram["rates"]["hits"] > 0
+    assert "hits/s" in table and "rates since the server started" in table
+    assert both.returncode == 1 and "127.0.0.1:1: unreachable" in both.stdout and "ram" in both.stdout
+
+
+def test_a_refused_token_is_said_so_and_the_token_comes_from_the_environment():
+    env_name = "TIERED_CACHE_SERVE_TOKEN"
+    with StoreProcess(["--no-disk", "--token", "stats-secret"]) as store:
+        refused = run_cli("stats", "--address", store.address, check=False)
+        env = {**os.environ, env_name: "stats-secret"}
+        good = subprocess.run([sys.executable, "-m", "tiered_cache.cli.main", "stats", "--address", store.address,
+                               "--json"], capture_output=True, text=True, cwd=REPO, env=env, timeout=60)
+    assert refused.returncode == 1 and "refused (UNAUTHENTICATED" in refused.stdout and "--token" in refused.stdout
+    assert good.returncode == 0 and json.loads(good.stdout)["tiers"][0]["name"] == "ram"
+
+
+def test_watch_with_json_prints_one_json_document_per_line():
+    with StoreProcess(["--no-disk"]) as store:
+        watch = subprocess.Popen([sys.executable, "-m", "tiered_cache.cli.main", "stats", "--address", store.address,
+                                  "--watch", "0.3", "--json"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+        time.sleep(3.0)
+        watch.send_signal(signal.SIGINT)
+        out, _ = watch.communicate(timeout=10)
+    lines = out.splitlines()
+    assert len(lines) >= 2 and "\x1b" not in out and watch.returncode == 0
+    docs = [json.loads(line) for line in lines]
+    assert all(d["address"] == store.address and "rates" in d["tiers"][0] for d in docs)
