@@ -73,3 +73,45 @@ def test_size_list_shows_every_preset():
     out = run_cli("size", "--list").stdout
     for name in ("llama-2-7b", "llama-3-70b", "mixtral-8x7b", "qwen2.5-7b", "smollm2-135m"):
         assert name in out
+
+
+DEEPSEEK_V3 = {"_name_or_path": "deepseek-ai/DeepSeek-V3", "model_type": "deepseek_v3", "num_hidden_layers": 61,
+               "num_attention_heads": 128, "num_key_value_heads": 128, "hidden_size": 7168, "kv_lora_rank": 512,
+               "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "intermediate_size": 18432,
+               "moe_intermediate_size": 2048, "n_routed_experts": 256, "vocab_size": 129280,
+               "max_position_embeddings": 163840, "torch_dtype": "bfloat16"}
+
+
+def test_mla_is_sized_as_its_compressed_latent_not_as_heads(tmp_path):
+    from tiered_cache.model.hf_config import read_hf_config, sizing_spec, spec_from_hf_config
+
+    hf = read_hf_config(DEEPSEEK_V3)
+    assert hf.mla_latent == 576 and not hf.weights_estimated
+    assert sizing_spec(hf).bytes_per_token == (512 + 64) * 61 * 2 == 70_272  # not 128 heads × 2 × 192 ...
+    with pytest.raises(ValueError, match="MLA"):
+        spec_from_hf_config(DEEPSEEK_V3)  # the cache must not key pages of a geometry it cannot hold
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DEEPSEEK_V3))
+    out = run_cli("size", "--hf-config", str(path), "--context", "4096", "--json").stdout
+    report = json.loads(out)
+    assert report["bytes_per_token"] == 70_272
+    assert any("MLA" in n for n in report["notes"]) and any("--weights" in n for n in report["notes"])
+
+
+def test_architectures_it_cannot_size_are_refused_by_name():
+    from tiered_cache.model.hf_config import read_hf_config
+
+    with pytest.raises(ValueError, match="recurrent state"):
+        read_hf_config({**DEEPSEEK_V3, "model_type": "jamba", "kv_lora_rank": None, "layers_block_type": ["mamba"]})
+
+
+def test_size_flags_that_would_be_silently_wrong_are_refused(tmp_path):
+    for args, message in ((["--context", "0"], "--context must be a positive number"),
+                          (["--gpu-memory", "80"], "is 80 bytes: give a unit"),
+                          (["--mix", "512:50%,2048:80%"], "add up to 130%, not 100%"),
+                          (["--mix", "512:50%,2048:5"], "every share as a percentage, or none")):
+        result = run_cli("size", *args, check=False)
+        assert result.returncode == 2 and message in result.stderr, (args, result.stderr)
+    assert run_cli("size", "--mix", "512:5,2048:3", "--json").returncode == 0  # weights are normalised
+    long = json.loads(run_cli("size", "--model", "llama-3.1-8b", "--context", "200000", "--json").stdout)
+    assert any("max_position_embeddings" in n for n in long["notes"])

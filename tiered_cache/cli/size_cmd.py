@@ -45,7 +45,7 @@ def _list_presets() -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tiered_cache.model.hf_config import read_hf_config, spec_from_hf_config
+    from tiered_cache.model.hf_config import read_hf_config, sizing_spec
     from tiered_cache.model.presets import get_preset
     from tiered_cache.model.sizing import RequestMix, size_report
     from tiered_cache.model.spec import DType
@@ -55,8 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if args.hf_config:
         config = read_hf_config(args.hf_config)
         # Only sizes: this spec never keys a page, so it needs no identity of the weights.
-        spec = spec_from_hf_config(args.hf_config, model_id="sizing-only", dtype=args.dtype,
-                                   page_size=args.page_size)
+        spec = sizing_spec(config, dtype=args.dtype, page_size=args.page_size)
         label = config.model_id
     else:
         preset = get_preset(args.model)
@@ -64,23 +63,41 @@ def run(args: argparse.Namespace) -> int:
         spec = preset.spec.with_options(page_size=args.page_size,
                                         **({"dtype": DType.parse(args.dtype)} if args.dtype else {}))
         label = f"{config.model_id} ({preset.name})"
+    if args.context is not None and args.context <= 0:
+        raise ValueError(f"--context must be a positive number of tokens, got {args.context} (leave it out for the "
+                         f"model's maximum)")
+    gpu_memory = parse_size(args.gpu_memory)
+    if gpu_memory < 2**20:
+        raise ValueError(f"--gpu-memory {args.gpu_memory} is {gpu_memory} bytes: give a unit, e.g. 80GiB")
     context = args.context or config.max_context or 4096
     weights = parse_size(args.weights) if args.weights else config.num_params * config.dtype.itemsize
-    report = size_report(spec, context=context, weight_bytes=weights, gpu_memory=args.gpu_memory,
+    report = size_report(spec, context=context, weight_bytes=weights, gpu_memory=gpu_memory,
                          num_gpus=args.gpus, memory_utilisation=args.utilisation,
                          mix=RequestMix.parse(args.mix) if args.mix else None, model=label)
+    if config.max_context and context > config.max_context:
+        report.notes.append(f"--context {context:,} is past the model's max_position_embeddings "
+                            f"({config.max_context:,}): it was not trained for requests this long")
+    if config.mla_latent:
+        report.notes.append(f"MLA: one compressed latent of {config.mla_latent} values per token and layer "
+                            f"(kv_lora_rank + qk_rope_head_dim), stored once, not a K and a V per head")
+    if not config.weights_estimated and not args.weights:
+        report.notes.append("weights are estimated from a dense/Mixtral layout, which this model does not have: "
+                            "pass --weights for the capacity figures")
     if args.json:
         out = report.to_dict()
         out["num_params"] = config.num_params
         print(json.dumps(out, indent=2))
         return 0
-    print(_render(report, spec, config.num_params, args.weights is not None, config.dtype.value))
+    print(_render(report, spec, config.num_params, args.weights is not None, config.dtype.value,
+                  getattr(config, "mla_latent", None)))
     return 0
 
 
-def _render(r: Any, spec: Any, num_params: int, weights_given: bool, weight_dtype: str) -> str:
-    geometry = (f"{spec.num_layers} layers × {spec.num_kv_heads} KV heads × {spec.head_dim} head dim, "
-                f"{spec.dtype.value}, {spec.page_size}-token pages")
+def _render(r: Any, spec: Any, num_params: int, weights_given: bool, weight_dtype: str,
+            mla_latent: int | None = None) -> str:
+    heads = (f"MLA latent of {mla_latent} values" if mla_latent
+             else f"{spec.num_kv_heads} KV heads × {spec.head_dim} head dim")
+    geometry = f"{spec.num_layers} layers × {heads}, {spec.dtype.value}, {spec.page_size}-token pages"
     weight_label = "weights (given)" if weights_given else f"weights ({num_params / 1e9:.2f} B params, {weight_dtype})"
     gpus = f"{r.num_gpus} × {format_binary(r.gpu_memory)}"
     sections = [

@@ -28,6 +28,8 @@ class HFModelConfig:
     attention_bias: bool
     max_context: int | None
     dtype: DType
+    mla_latent: int | None = None  # MLA: kv_lora_rank + qk_rope_head_dim values per token and layer
+    weights_estimated: bool = True  # False where the layout is not the dense/Mixtral one counted here
 
     @property
     def num_params(self) -> int:
@@ -78,9 +80,17 @@ def read_hf_config(config: dict[str, Any] | str | Path) -> HFModelConfig:
     return _parse(*_load(config))
 
 
+_RECURRENT_KEYS = ("ssm_cfg", "ssm_state_size", "mamba_d_state", "layers_block_type", "attn_layer_indices",
+                   "state_size", "linear_attn_config")
+
+
 def _parse(cfg: dict[str, Any], source: str) -> HFModelConfig:
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrappers keep the LM config inside
         cfg = {**cfg["text_config"], "_name_or_path": cfg.get("_name_or_path", "")}
+    recurrent = [k for k in _RECURRENT_KEYS if k in cfg]
+    if recurrent:
+        raise ValueError(f"{source}: {cfg.get('model_type', 'this model')} keeps a recurrent state ({recurrent[0]}: "
+                         f"SSM or hybrid layers), not a fixed KV per token: tiered-cache cannot size or cache it")
     layers = _positive_int(cfg, "num_hidden_layers", source)
     heads = _positive_int(cfg, "num_attention_heads", source)
     kv_heads = _positive_int(cfg, "num_key_value_heads", source, default=heads)
@@ -96,6 +106,9 @@ def _parse(cfg: dict[str, Any], source: str) -> HFModelConfig:
         head_dim = hidden // heads
     head_dim = _positive_int({"head_dim": head_dim}, "head_dim", source)
     dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    mla = None
+    if cfg.get("kv_lora_rank"):  # DeepSeek-V2/V3 MLA: one compressed latent per token and layer
+        mla = _positive_int(cfg, "kv_lora_rank", source) + _positive_int(cfg, "qk_rope_head_dim", source, default=0)
     return HFModelConfig(
         model_id=str(cfg.get("_name_or_path") or cfg.get("model_type") or "unknown-model"),
         num_layers=layers,
@@ -110,7 +123,23 @@ def _parse(cfg: dict[str, Any], source: str) -> HFModelConfig:
         attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
         max_context=cfg.get("max_position_embeddings"),
         dtype=DType.parse(dtype_name),
+        mla_latent=mla,
+        weights_estimated=not (mla or "n_routed_experts" in cfg or "moe_intermediate_size" in cfg),
     )
+
+
+def sizing_spec(hf: HFModelConfig, dtype: DType | str | None = None, page_size: int = 16) -> KVSpec:
+    """A spec whose sizes are the model's KV sizes, for `tiered-cache size` only (it keys no page).
+    MLA stores one latent of `mla_latent` values per token and layer, not a K and a V: sized as
+    one head of mla_latent/2 values counted twice."""
+    kv_dtype = DType.parse(dtype) if dtype is not None else hf.dtype
+    if hf.mla_latent is None:
+        return KVSpec(model_id="sizing-only", num_layers=hf.num_layers, num_kv_heads=hf.num_kv_heads,
+                      head_dim=hf.head_dim, dtype=kv_dtype, page_size=page_size)
+    if hf.mla_latent % 2:
+        raise ValueError(f"an MLA latent of {hf.mla_latent} values (odd) cannot be sized yet")
+    return KVSpec(model_id="sizing-only", num_layers=hf.num_layers, num_kv_heads=1, head_dim=hf.mla_latent // 2,
+                  dtype=kv_dtype, page_size=page_size)
 
 
 def spec_from_hf_config(config: dict[str, Any] | str | Path, *, model_id: str | None = None,
@@ -128,6 +157,9 @@ def spec_from_hf_config(config: dict[str, Any] | str | Path, *, model_id: str | 
     """
     cfg, source = _load(config)
     hf = _parse(cfg, source)
+    if hf.mla_latent is not None:
+        raise ValueError(f"{source}: MLA attention (kv_lora_rank) stores a compressed latent, not K and V per "
+                         f"head; the cache does not hold MLA pages yet (`tiered-cache size` sizes them)")
     model_id = model_id if model_id is not None else str(cfg.get("_name_or_path") or "")
     if not model_id:
         raise ValueError(

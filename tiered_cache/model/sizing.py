@@ -31,14 +31,20 @@ class RequestMix:
     @classmethod
     def parse(cls, text: str) -> RequestMix:
         """`512:50%,2048:30%,8192:20%`, `512:5,2048:3` (weights) or `512,2048` (equal shares)."""
-        lengths, shares = [], []
+        lengths, shares, percents = [], [], []
         for part in filter(None, (p.strip() for p in text.split(","))):
             length, _, share = part.partition(":")
+            percents.append(share.strip().endswith("%"))
             try:
                 lengths.append(int(length.replace("_", "")))
-                shares.append(float(share.rstrip("%")) if share else 1.0)
+                shares.append(float(share.strip().rstrip("%")) if share else 1.0)
             except ValueError:
                 raise ValueError(f"cannot read request mix entry {part!r}; expected LENGTH[:SHARE]") from None
+        if any(percents):  # percentages must say what they mean; plain weights are normalised
+            if not all(percents):
+                raise ValueError(f"request mix {text!r}: give every share as a percentage, or none")
+            if abs(sum(shares) - 100) > 0.5:
+                raise ValueError(f"request mix {text!r}: the shares add up to {sum(shares):g}%, not 100%")
         return cls(tuple(lengths), tuple(shares))
 
     @classmethod
