@@ -124,3 +124,22 @@ def test_remote_clients_failure_is_raised_with_its_cause():
         assert "UNAVAILABLE" in str(failed.value)
         with pytest.raises(RuntimeError, match=r"client processes \[1\] never reported \(exit codes \[.*, 3\]\)"):
             run_together([(RawStreamClient, (raw_addr, 4, 1024, "ok")), (_DiesAtStart, ())], 0.3)
+
+
+def test_every_bench_says_what_it_measures_and_every_option_its_default():
+    import argparse
+
+    from tiered_cache.cli.main import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    bench = commands.choices["bench"]
+    which = next(a for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    assert len(which.choices) >= 13
+    for name, sub in which.choices.items():
+        text = sub.format_help()
+        assert f"tiered-cache bench {name}: " in text, name  # a description, not only usage
+        for action in sub._actions:
+            if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+                help_text = sub.formatter_class(prog="x")._get_help_string(action)
+                assert "default" in help_text, (name, action.option_strings)

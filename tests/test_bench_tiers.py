@@ -1,7 +1,10 @@
 import json
+import os
+import subprocess
+import sys
 
 import torch
-from conftest import run_cli
+from conftest import REPO, run_cli
 
 from tiered_cache.bench.codec_bench import _pages_from_kv, measure
 from tiered_cache.bench.tiers_bench import bench_disk, bench_host, bench_redis
@@ -19,12 +22,23 @@ def test_tier_benches_compare_with_their_baselines(tmp_path, redis_server):
         assert row.ratio == row.value / row.baseline
 
 
-def test_bench_cli_host_json_and_redis_with_its_own_server():
+def test_bench_cli_host_json_and_redis_with_its_own_server(tmp_path):
     data = json.loads(run_cli("bench", "host", "--model", "smollm2-135m", "--page-size", "2", "--pages", "4",
                               "--json").stdout)
     assert {r["operation"] for r in data} == {"host put", "host get"}
-    table = run_cli("bench", "redis", "--model", "smollm2-135m", "--page-size", "2", "--pages", "4").stdout
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # where its Redis keeps its folder
+    table = subprocess.run([sys.executable, "-m", "tiered_cache.cli.main", "bench", "redis", "--model",
+                            "smollm2-135m", "--page-size", "2", "--pages", "4"], capture_output=True, text=True,
+                           env=env, cwd=REPO, timeout=300, check=True).stdout
     assert "redis-py MGET" in table and "speed vs baseline" in table
+    assert list(tmp_path.iterdir()) == []  # nothing left behind, not even an empty folder
+
+
+def test_bench_redis_at_a_dead_url_is_one_line():
+    result = run_cli("bench", "redis", "--url", "redis://127.0.0.1:1/0", "--pages", "4", check=False)
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(errors) == 1 and "Redis at 127.0.0.1:1/0 is not reachable" in errors[0]
 
 
 def test_codec_measure_reports_ratio_and_error():

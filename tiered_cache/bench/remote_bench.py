@@ -110,19 +110,20 @@ def _redis_row(items: list[tuple[bytes, bytes]], total: int, scale: str, ours: f
     from tiered_cache.tiers.redis import SOCKET_READ_SIZE
     from tiered_cache.tiers.redis_process import RedisServer
 
-    server = RedisServer(Path(tempfile.mkdtemp()), maxmemory=f"{2 * total // 2**20 + 64}mb")
-    server.start()
-    try:
-        client = redis.Redis.from_url(server.url, socket_timeout=120, socket_read_size=SOCKET_READ_SIZE)
-        names = [k.hex().encode() for k, _ in items]
-        pipe = client.pipeline(transaction=False)
-        for name, (_, blob) in zip(names, items, strict=True):
-            pipe.set(name, blob)
-        pipe.execute()
-        mget = best_time(lambda: client.mget(names), repeat=3)
-        client.close()
-    finally:
-        server.stop()
+    with tempfile.TemporaryDirectory(prefix="tiered-cache-bench-redis-") as folder:
+        server = RedisServer(Path(folder), maxmemory=f"{2 * total // 2**20 + 64}mb")
+        server.start()
+        try:
+            client = redis.Redis.from_url(server.url, socket_timeout=120, socket_read_size=SOCKET_READ_SIZE)
+            names = [k.hex().encode() for k, _ in items]
+            pipe = client.pipeline(transaction=False)
+            for name, (_, blob) in zip(names, items, strict=True):
+                pipe.set(name, blob)
+            pipe.execute()
+            mget = best_time(lambda: client.mget(names), repeat=3)
+            client.close()
+        finally:
+            server.stop()
     return Comparison(scale, "remote get (verified)", total / ours / GIB, "raw Redis MGET", total / mget / GIB,
                       "GiB/s", True)
 

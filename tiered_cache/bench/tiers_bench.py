@@ -94,11 +94,18 @@ def bench_redis(spec: KVSpec, num_pages: int, url: str | None = None) -> list[Co
     keys, pages = _data(spec, num_pages)
     blobs = [encode_page(p, spec, k) for k, p in zip(keys, pages, strict=True)]
     total = sum(len(b) for b in blobs)
-    server = None
+    server, folder = None, None
     if url is None:
-        server = RedisServer(Path(tempfile.mkdtemp()), maxmemory=f"{max(256, 4 * total // 2**20)}mb")
+        folder = tempfile.TemporaryDirectory(prefix="tiered-cache-bench-redis-")
+        server = RedisServer(Path(folder.name), maxmemory=f"{max(256, 4 * total // 2**20)}mb")
         server.start()
         url = server.url
+    else:
+        from tiered_cache.service.startup import redis_problem
+
+        problem = redis_problem(url)
+        if problem:
+            raise RuntimeError(f"{problem}: start it, or leave --url out to use a Redis started for the run")
     try:
         tier = RedisTier(url, prefix="bench-tier", timeout_s=30)
         raw = redis.Redis.from_url(url, socket_timeout=30, socket_read_size=SOCKET_READ_SIZE)
@@ -123,3 +130,5 @@ def bench_redis(spec: KVSpec, num_pages: int, url: str | None = None) -> list[Co
     finally:
         if server is not None:
             server.stop()
+        if folder is not None:
+            folder.cleanup()

@@ -11,22 +11,38 @@ from typing import Any
 _TIER_PAGES = {"host": 256, "disk": 64, "redis": 128}
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Says each option's default where its help does not already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default {action.default})"
+
+
+def _add(which: Any, name: str, help: str) -> argparse.ArgumentParser:
+    """A bench subcommand whose `--help` starts with what it measures (its description)."""
+    return which.add_parser(name, help=help, description=f"tiered-cache bench {name}: {help}.",
+                            formatter_class=_DefaultsFormatter)
+
+
 def add_parser(commands: Any) -> None:
     p = commands.add_parser("bench", help="benchmarks (each beside a baseline measured in the same run)")
     which = p.add_subparsers(dest="bench", required=True, metavar="WHAT")
-    radix = which.add_parser("radix", help="radix tree match/insert/evict per operation")
+    radix = _add(which, "radix", help="radix tree match/insert/evict per operation")
     radix.add_argument("--nodes", default="1000,10000,100000", help="tree sizes (default 1000,10000,100000)")
     radix.add_argument("--ops", type=int, default=2000, help="operations timed per size (default 2000)")
-    keys = which.add_parser("keys", help="page-key hashing throughput")
+    keys = _add(which, "keys", help="page-key hashing throughput")
     keys.add_argument("--tokens", type=int, default=32768, help="prompt length (default 32768)")
-    tensor = which.add_parser("tensor", help="tensor API (pool store/read_tokens, cache put/get, load) vs memcpy")
+    tensor = _add(which, "tensor", help="tensor API (pool store/read_tokens, cache put/get, load) vs memcpy")
     tensor.add_argument("--model", default="llama-3.1-8b", help="preset whose KV is moved")
     tensor.add_argument("--tokens", type=int, default=2048, help="prefix length, whole pages (default 2048: "
                                                                   "256 MiB for llama-3.1-8b in fp16)")
     tensor.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     tensor.add_argument("--layout", choices=["nhd", "hnd"], default="nhd", help="page layout (default nhd)")
     tensor.add_argument("--repeat", type=int, default=5, help="runs per figure, best kept (default 5)")
-    engine = which.add_parser("engine", help="request-path latency while every request forces demotion: "
+    engine = _add(which, "engine", help="request-path latency while every request forces demotion: "
                                              "host RAM only vs Redis vs a store server below")
     engine.add_argument("--model", default="smollm2-135m", help="preset whose pages are moved")
     engine.add_argument("--pages", type=int, default=32, help="pages each request stores and demotes (default 32)")
@@ -36,7 +52,7 @@ def add_parser(commands: Any) -> None:
     subs = [radix, keys, tensor, engine]
     for name, what in (("host", "host RAM tier vs memcpy"), ("disk", "disk tier vs write+fsync / read"),
                        ("redis", "Redis tier vs raw redis-py SET/MGET")):
-        sub = which.add_parser(name, help=what)
+        sub = _add(which, name, help=what)
         sub.add_argument("--model", default="llama-3.1-8b", help="preset whose pages are moved")
         sub.add_argument("--page-size", type=int, default=8, help="tokens per page (default 8: 1 MiB pages)")
         sub.add_argument("--pages", type=int, default=_TIER_PAGES[name], help="pages per batch")
@@ -45,7 +61,7 @@ def add_parser(commands: Any) -> None:
         if name == "redis":
             sub.add_argument("--url", help="an existing Redis (default: start a throwaway redis-server)")
         subs.append(sub)
-    remote = which.add_parser("remote", help="fetch through the remote tier vs bare gRPC and Redis; lookup latency")
+    remote = _add(which, "remote", help="fetch through the remote tier vs bare gRPC and Redis; lookup latency")
     remote.add_argument("--model", default="llama-3.1-8b", help="preset whose pages are moved")
     remote.add_argument("--page-size", type=int, default=8, help="tokens per page (default 8: 1 MiB pages)")
     remote.add_argument("--pages", type=int, default=256, help="pages in the prefix (default 256)")
@@ -57,26 +73,26 @@ def add_parser(commands: Any) -> None:
     remote.add_argument("--long-prefix", type=float, metavar="GIB",
                         help="fetch a prefix of GIB GiB through the remote tier on its default settings")
     subs.append(remote)
-    kernels = which.add_parser("kernels", help="(CUDA) gather/scatter kernels vs D2D copy; offload vs pinned copy")
+    kernels = _add(which, "kernels", help="(CUDA) gather/scatter kernels vs D2D copy; offload vs pinned copy")
     kernels.add_argument("--model", default="llama-3.1-8b", help="preset whose pages are moved")
     kernels.add_argument("--pages", type=int, default=1024, help="pages moved per call (default 1024)")
     subs.append(kernels)
-    ttft = which.add_parser("ttft", help="TTFT on SmolLM2-135M: recompute vs each tier, and a 70B projection")
+    ttft = _add(which, "ttft", help="TTFT on SmolLM2-135M: recompute vs each tier, and a 70B projection")
     ttft.add_argument("--lengths", default="512,1024,2048,4096", help="prefix lengths in tokens")
     ttft.add_argument("--repeat", type=int, default=3, help="runs per measurement (best is kept)")
     subs.append(ttft)
-    int8 = which.add_parser("int8", help="how much int8 storage changes SmolLM2's answers (KL, greedy diffs)")
+    int8 = _add(which, "int8", help="how much int8 storage changes SmolLM2's answers (KL, greedy diffs)")
     int8.add_argument("--prompts", type=int, default=8, help="questions about the document (default 8)")
     subs.append(int8)
-    codec = which.add_parser("codec", help="ratio and MB/s of each codec on real KV and random data")
+    codec = _add(which, "codec", help="ratio and MB/s of each codec on real KV and random data")
     codec.add_argument("--kv", help="a .pt file of real KV (layers, 2, tokens, heads, dim); default: "
                                     "SmolLM2-135M's KV of a shipped text when the demo extra is installed")
     subs.append(codec)
-    vllm = which.add_parser("vllm", help="TTFT of a second vLLM instance: recompute vs tiered-cache (store "
+    vllm = _add(which, "vllm", help="TTFT of a second vLLM instance: recompute vs tiered-cache (store "
                                          "server, disk, Redis) vs vLLM's ExampleConnector")
     vllm.add_argument("--doc-chars", type=int, default=3000, help="document characters in each prompt (default 3000)")
     subs.append(vllm)
-    clus = which.add_parser("cluster", help="shared-prefix workload on a Ray cluster: workers alone vs a shared "
+    clus = _add(which, "cluster", help="shared-prefix workload on a Ray cluster: workers alone vs a shared "
                                             "store with round robin vs with the prefix router, vs recompute")
     clus.add_argument("--address", help="an existing Ray cluster (default: start a local one for the run)")
     clus.add_argument("--workers", type=int, default=2, help="cache workers (default 2)")
@@ -87,7 +103,7 @@ def add_parser(commands: Any) -> None:
     clus.add_argument("--max-new-tokens", type=int, default=4, help="tokens generated per request (default 4)")
     clus.add_argument("--seed", type=int, default=0, help="order of the requests (default 0)")
     subs.append(clus)
-    load = which.add_parser("load", help="N client processes in a serving-like mix against a store server (or, "
+    load = _add(which, "load", help="N client processes in a serving-like mix against a store server (or, "
                                          "with --ray, a cluster's router): p50/p99/p999, errors, RSS over time")
     load.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
     load.add_argument("--duration-s", type=float, default=60.0, help="seconds of the mix (default 60)")
