@@ -37,9 +37,11 @@ TENSOR_ROWS = ["PagePool.store (pages in order)", "PagePool.read_tokens (out=)",
                "match + load + release (from host RAM)"]
 
 
-def test_tensor_bench_reports_each_path_beside_memcpy():
+def test_tensor_bench_reports_each_path_beside_memcpy(tmp_path):
+    png = tmp_path / "tensor.png"
     data = json.loads(run_cli("bench", "tensor", "--model", "smollm2-135m", "--tokens", "64", "--repeat", "2",
-                              "--json").stdout)
+                              "--json", "--plot", str(png)).stdout)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [r["operation"] for r in data] == TENSOR_ROWS
     assert {r["baseline_name"] for r in data} == {"memcpy (torch copy_)"}
     assert data[0]["baseline"] > 0 and all(r["baseline"] == data[0]["baseline"] for r in data)  # one memcpy run
@@ -143,3 +145,15 @@ def test_every_bench_says_what_it_measures_and_every_option_its_default():
             if action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
                 help_text = sub.formatter_class(prog="x")._get_help_string(action)
                 assert "default" in help_text, (name, action.option_strings)
+
+
+def test_ttft_figure_draws_recompute_and_each_tier(tmp_path):
+    import matplotlib.image
+
+    from tiered_cache.bench.plots import plot_ttft
+    from tiered_cache.bench.ttft_bench import TtftRow
+
+    rows = [TtftRow(n, n / 1000, {"host": n / 20000, "remote": n / 8000}, n * 23040) for n in (512, 1024, 2048)]
+    path = plot_ttft(rows, tmp_path / "figures" / "ttft.png")
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 300 and image.shape[1] > 500  # a real figure, in a folder it made

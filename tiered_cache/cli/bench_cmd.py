@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 _TIER_PAGES = {"host": 256, "disk": 64, "redis": 128}
+_PLOTS = {"ttft", "cluster", "remote", "host", "disk", "redis", "tensor", "keys", "radix"}  # take --plot FILE
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -141,6 +142,8 @@ def add_parser(commands: Any) -> None:
     subs.append(load)
     for sub in subs:
         sub.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+        if sub.prog.rsplit(" ", 1)[-1] in _PLOTS:
+            sub.add_argument("--plot", metavar="FILE", help="also write a PNG of the figures here")
         sub.set_defaults(run=run)
 
 
@@ -221,6 +224,10 @@ def _run_model_bench(args: argparse.Namespace) -> int:
 
         rows = measure(tuple(int(x) for x in args.lengths.split(",")), args.repeat)
         projected = projection(rows)
+        if args.plot:
+            from tiered_cache.bench.plots import plot_ttft
+
+            plot_ttft(rows, args.plot)
         print(json.dumps({"measured": rows_as_dicts(rows), "projection": projected}, indent=2) if args.json
               else render(rows, projected))
         return 0
@@ -278,6 +285,10 @@ def run(args: argparse.Namespace) -> int:
                                 args.concurrency, args.max_new_tokens, seed=args.seed,
                                 progress=lambda m: print(m, file=sys.stderr, flush=True))
         print(json.dumps([r.to_dict(results[0]) for r in results], indent=2) if args.json else render(results))
+        if args.plot:
+            from tiered_cache.bench.plots import plot_cluster
+
+            plot_cluster(results, args.plot)
         return 0
     if args.bench == "load":
         from tiered_cache.bench.load_bench import run_load_bench
@@ -290,6 +301,10 @@ def run(args: argparse.Namespace) -> int:
     from tiered_cache.bench.timing import render_comparisons
 
     rows, scale = _run_rows(args)
+    if getattr(args, "plot", None):
+        from tiered_cache.bench.plots import plot_comparisons
+
+        plot_comparisons(rows, args.plot, f"tiered-cache bench {args.bench}, each beside its same-run baseline")
     if args.json:
         print(json.dumps([r.to_dict() for r in rows], indent=2))
     else:
