@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import pytest
@@ -119,3 +120,23 @@ def test_states_summary_and_bad_policies():
         BreakerPolicy(failure_threshold=0)
     with pytest.raises(ValueError, match="cooldown"):
         BreakerPolicy(cooldown_s=2.0, max_cooldown_s=1.0)
+
+
+def test_an_outage_is_logged_once_when_it_starts_and_once_when_it_ends(caplog):
+    clock = Clock()
+    breaker = CircuitBreaker(BreakerPolicy(failure_threshold=1, cooldown_s=1.0), clock=clock,
+                             name="store server 10.0.0.5:50551")
+    with caplog.at_level(logging.WARNING, logger="tiered_cache.tiers"):
+        assert breaker.allow() and breaker.failed()  # down
+        for _ in range(3):  # failed probes of the same outage: no new line
+            clock.now += 10
+            assert breaker.allow() and breaker.failed()
+        clock.now += 10
+        assert breaker.allow()
+        breaker.succeeded()  # back
+        breaker.succeeded()  # still up: nothing to say
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("store server 10.0.0.5:50551 is down") and "misses" in lines[0]
+    assert lines[1] == "store server 10.0.0.5:50551 is back"
+    assert CircuitBreaker().name == ""  # unnamed (tests, internal): silent

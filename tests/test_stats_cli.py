@@ -69,3 +69,15 @@ def test_watch_with_json_prints_one_json_document_per_line():
     assert len(lines) >= 2 and "\x1b" not in out and watch.returncode == 0
     docs = [json.loads(line) for line in lines]
     assert all(d["address"] == store.address and "rates" in d["tiers"][0] for d in docs)
+
+
+def test_every_command_takes_the_logging_flags():
+    from tiered_cache.cli.main import build_parser
+
+    parser = build_parser()
+    for argv in (["size", "-vv"], ["stats", "--address", "h", "--log-level", "info"], ["bench", "keys", "-v"],
+                 ["tree", "--url", "http://x", "--log-level", "debug"], ["serve", "-v"], ["demo", "-v"]):
+        args = parser.parse_args(argv)
+        assert args.verbose >= 1 or args.log_level in ("info", "debug"), argv
+    down = run_cli("stats", "--address", "127.0.0.1:1", "--timeout", "0.5", "-v", check=False)
+    assert down.returncode == 1 and "unreachable" in down.stdout

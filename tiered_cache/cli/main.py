@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -26,12 +27,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_parser(commands)
     cluster_cmd.add_parser(commands)
     tree_cmd.add_parser(commands)
+    _add_logging_flags(parser)
     return parser
+
+
+def _add_logging_flags(parser: argparse.ArgumentParser) -> None:
+    """`-v` / `--log-level` on every command and subcommand (`tiered-cache bench load -v` works)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _add_logging_flags(sub)
+    if parser.prog == "tiered-cache":
+        return
+    group = parser.add_argument_group("logging")
+    group.add_argument("-v", "--verbose", action="count", default=0, help="more log lines: -v info, -vv debug")
+    group.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                       help="log level (default warning: a tier going down or coming back is logged)")
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    verbose = getattr(args, "verbose", 0)
+    level = getattr(args, "log_level", None) or ("debug" if verbose >= 2 else "info" if verbose else "warning")
+    logging.basicConfig(level=level.upper(), format="tiered-cache %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _configure_logging(args)
     tune_malloc()
     try:
         return int(args.run(args) or 0)

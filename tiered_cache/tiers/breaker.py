@@ -15,10 +15,13 @@ Redis's in-call retry of a broken connection is redis-py's own `Retry` (tiers/re
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+log = logging.getLogger("tiered_cache.tiers")
 
 
 class BreakerState(enum.Enum):
@@ -45,8 +48,10 @@ class CircuitBreaker:
     """Thread-safe. Ask `allow()` before each call to the server; report `succeeded()` or
     `failed()` after each call that was allowed."""
 
-    def __init__(self, policy: BreakerPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, policy: BreakerPolicy | None = None, clock: Callable[[], float] = time.monotonic,
+                 name: str = "") -> None:
         self.policy = policy or BreakerPolicy()
+        self.name = name  # what the server is, in the log: "store server 10.0.0.5:50551"
         self._clock = clock
         self._lock = threading.Lock()
         self._state = BreakerState.CLOSED
@@ -92,10 +97,13 @@ class CircuitBreaker:
 
     def succeeded(self) -> None:
         with self._lock:
+            recovered = self._state is not BreakerState.CLOSED
             self._state = BreakerState.CLOSED
             self._failures = 0
             self._cooldown = self.policy.cooldown_s
             self._probe_started = None
+        if recovered and self.name:  # once per outage: when it ends
+            log.warning("%s is back", self.name)
 
     def failed(self) -> bool:
         """Count a failed call; returns whether this opened the breaker (a trip)."""
@@ -109,12 +117,16 @@ class CircuitBreaker:
                 cooldown = self._cooldown = min(self.policy.max_cooldown_s, self._cooldown * 2)
             else:  # a call allowed before the breaker opened failed late: it stays open as it is
                 return False
+            went_down = self._state is BreakerState.CLOSED  # not a failed probe of an outage logged already
             self._state = BreakerState.OPEN
             self._open_until = self._clock() + cooldown
             self._probe_started = None
             self._failures = 0
             self.trips += 1
-            return True
+        if went_down and self.name:  # once per outage: when it starts
+            log.warning("%s is down: its calls answer misses until it is back (next try in %.1f s)",
+                        self.name, cooldown)
+        return True
 
 
 def breaker_states(breakers: dict[str, CircuitBreaker]) -> tuple[int, dict[str, str]]:

@@ -90,6 +90,7 @@ def _single_node(client: Any, breaker: CircuitBreaker) -> _Node:
     """The node of a one-server URL, named host:port (never the URL: it may hold a password)."""
     kwargs = client.connection_pool.connection_kwargs
     address = kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+    breaker.name = breaker.name or f"Redis {address}"
     return _Node(client, address, breaker)
 
 
@@ -169,7 +170,8 @@ class RedisTier:
         node = self._nodes.get(cluster_node.name)
         if node is None or node.client is not cluster_node.redis_connection:
             # Same address, new client: it keeps its breaker (the server is the same).
-            breaker = node.breaker if node is not None else CircuitBreaker(self._policy)
+            breaker = node.breaker if node is not None else CircuitBreaker(self._policy,
+                                                                              name=f"Redis {cluster_node.name}")
             node = self._nodes[cluster_node.name] = _Node(cluster_node.redis_connection, cluster_node.name, breaker)
         return node
 

@@ -48,9 +48,9 @@ def owner_address(key: bytes, addresses: Sequence[str]) -> str | None:
 
 
 class _Server:
-    def __init__(self, client: StoreClient, policy: BreakerPolicy) -> None:
+    def __init__(self, client: StoreClient, policy: BreakerPolicy, address: str = "") -> None:
         self.client = client
-        self.breaker = CircuitBreaker(policy)
+        self.breaker = CircuitBreaker(policy, name=f"store server {address}" if address else "")
 
     @property
     def available(self) -> bool:
@@ -108,7 +108,7 @@ class RemoteTier:
                 return False
             kept = dict(zip(old.addresses, old.servers, strict=True))
             token, tls_ca, timeout_s = self._client_args
-            servers = tuple(kept.pop(a, None) or _Server(StoreClient(a, token, tls_ca, timeout_s), self._policy)
+            servers = tuple(kept.pop(a, None) or _Server(StoreClient(a, token, tls_ca, timeout_s), self._policy, a)
                             for a in wanted)
             self._ring = _Ring(wanted, servers)
         for server in kept.values():
