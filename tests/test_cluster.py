@@ -192,8 +192,8 @@ def test_bench_load_through_the_router_answers_as_recompute_does_and_leaves_the_
     from workers.load_ray import RayLoadSettings, bench_load_ray
 
     png = tmp_path / "ray-load.png"
-    settings = RayLoadSettings(Workload(prompts=3, histories=2, max_turns=4, seed=11), clients=2, duration_s=3,
-                               namespace=NAMESPACE, max_new_tokens=2, verify=3, png=str(png))
+    settings = RayLoadSettings(Workload(prompts=3, histories=2, max_turns=4, seed=11), clients=2, duration_s=2,
+                               namespace=NAMESPACE, max_new_tokens=2, verify=2, png=str(png))
     result = bench_load_ray(settings)
     for phase in (result.recompute, result.cache):
         assert phase.requests > 0 and phase.errors == {} and phase.clients == 2
