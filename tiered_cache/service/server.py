@@ -234,7 +234,10 @@ def serve(config: ServerConfig) -> int:
             print(f"tiered-cache serve: WARNING: metrics listen beyond loopback on {config.metrics_host}"
                   + ("" if config.token else "; anyone who can reach it reads the cache's figures"),
                   file=sys.stderr, flush=True)
-    stop.wait()
+    # Wake twice a second: a signal the kernel hands to another thread (gRPC's, say) runs its
+    # Python handler only when the main thread runs, and an untimed wait might never return.
+    while not stop.wait(0.5):
+        pass
     print("tiered-cache serve: shutting down (draining streams, flushing RAM to the next tier)", flush=True)
     flushed = server.stop()
     print(f"tiered-cache serve: flushed {flushed} pages; bye", flush=True)
