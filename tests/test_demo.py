@@ -27,3 +27,27 @@ def test_demo_runs_the_two_instance_story_and_draws_the_shared_prefix():
     leaves = tree[branch + 1:branch + 3]
     assert leaves[0].startswith("    ├── ") and leaves[1].startswith("    └── ")
     assert any("light automated" in leaf for leaf in leaves) and any("lamp first lit" in leaf for leaf in leaves)
+
+
+def test_ctrl_c_during_the_demo_is_one_line_and_exit_130():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    demo = subprocess.Popen([sys.executable, "-m", "tiered_cache.cli.main", "demo"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=REPO)
+    assert demo.stdout is not None
+    seen = []
+    while "[A] loading" not in (line := demo.stdout.readline()):  # instance A is running
+        assert line, "".join(seen)
+        seen.append(line)
+    time.sleep(0.5)
+    os.killpg(demo.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    out = "".join(seen) + line + demo.communicate(timeout=60)[0]
+    assert demo.returncode == 130 and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1] == "tiered-cache demo: interrupted; the store server and the instances " \
+                                           "were stopped"

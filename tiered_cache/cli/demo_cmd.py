@@ -15,6 +15,12 @@ def add_parser(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     from tiered_cache.demo.runner import run_demo
 
-    return run_demo()
+    try:
+        return run_demo()
+    except KeyboardInterrupt:
+        print("tiered-cache demo: interrupted; the store server and the instances were stopped", file=sys.stderr)
+        return 130

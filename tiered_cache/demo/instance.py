@@ -70,4 +70,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the parent says it once
+        sys.exit(130)

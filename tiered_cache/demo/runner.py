@@ -18,6 +18,8 @@ from tiered_cache.model.units import format_binary
 def _instance(role: str, address: str) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-m", "tiered_cache.demo.instance", role, address],
                           stdout=subprocess.PIPE, text=True, timeout=1800)
+    if proc.returncode == 130:  # the child saw Ctrl-C too
+        raise KeyboardInterrupt
     if proc.returncode != 0:
         raise RuntimeError(f"instance {role.upper()} failed (exit {proc.returncode})")
     return json.loads(proc.stdout.strip().splitlines()[-1])
