@@ -179,8 +179,6 @@ class TieredCache:
         with self._lock:
             match = self.tree.match_prefix(keys, ns)
             if match.num_pages == len(keys):
-                # Pages loaded from below are known by key only: remember their tokens now.
-                self._page_tokens.record(keys, toks, ps)
                 return 0
             self.tree.lock(match.node)  # keep the prefix on the device while room is made
             try:
@@ -203,8 +201,7 @@ class TieredCache:
             if not n:
                 return 0
             self._device.bytes_in += n * self.spec.bytes_per_page
-            _, _, dup = self._adopt(ns, keys[:start + n], match.values, pages)
-            self._page_tokens.record(keys[:start + n], toks, ps)
+            _, _, dup = self._adopt(ns, keys[:start + n], match.values, pages, toks)
             self._after_insert(ns, keys[:start + n], n - dup)
         return (n - dup) * ps
 
@@ -236,8 +233,6 @@ class TieredCache:
         try:
             pages = self.load(handle)
             n = len(pages) * self.spec.page_size
-            with self._lock:  # pages loaded from below are known by key only
-                self._page_tokens.record(handle.keys[:len(pages)], toks, self.spec.page_size)
             if out is not None:
                 return n, self.pool.read_tokens(pages, n, out=out[:, :, :n])
             if self._spare is None or not n:
@@ -256,7 +251,8 @@ class TieredCache:
         (host RAM, lower tiers: each asked once) are counted in `available_pages` and planned for
         `prefetch` / `load`."""
         ns = self._ns(namespace)
-        keys = self._keyer(ns).keys(as_token_array(tokens))
+        toks = as_token_array(tokens)
+        keys = self._keyer(ns).keys(toks)
         with self._lock:
             self._check_open()
             self._await_keys(keys)
@@ -271,7 +267,7 @@ class TieredCache:
                 self.tree.unlock(result.node)
             raise
         handle = CacheHandle(self, ns, self.spec.page_size, keys, result.node, result.values,
-                             result.num_pages + len(plan), plan)
+                             result.num_pages + len(plan), plan, tokens=toks)
         handle.sources["device"] = result.num_pages
         return handle
 
@@ -428,9 +424,7 @@ class TieredCache:
             handle.own_written -= moved
             self._unused_slots += self._handle_unused(handle)
             node, all_pages, dup = self._adopt(handle.namespace, keys[:start + n_new], handle.device_pages,
-                                               new_pages)
-            # All pages: the prefix may have come from below (a fetch knows keys, not tokens).
-            self._page_tokens.record(keys[:start + n_new], ns_tokens, self.spec.page_size)
+                                               new_pages, ns_tokens)
             self._move_lock(handle, node)
             handle.keys, handle.device_pages = keys, all_pages
             handle.available_pages = len(all_pages)
@@ -575,9 +569,10 @@ class TieredCache:
                                      "are in use")
 
     # --- ownership (call with the lock held) ------------------------------------------------------
-    def _adopt(self, ns: str, keys: list[bytes], prefix_pages: np.ndarray,
-               new_pages: np.ndarray) -> tuple[RadixNode, np.ndarray, int]:
-        """Insert `keys` held in `prefix_pages` + `new_pages` and hand the new pages to the tree.
+    def _adopt(self, ns: str, keys: list[bytes], prefix_pages: np.ndarray, new_pages: np.ndarray,
+               tokens: np.ndarray) -> tuple[RadixNode, np.ndarray, int]:
+        """Insert `keys` held in `prefix_pages` + `new_pages` and hand the new pages to the tree;
+        the new pages' token ids (from `tokens`, the whole sequence) are remembered for `prefix_tree`.
 
         Another request may have cached some of the same pages meanwhile (two handles that
         matched the same prefix): the tree keeps its copies and the duplicates are freed here.
@@ -585,6 +580,7 @@ class TieredCache:
         of duplicates (the leading new pages the tree already had).
         """
         inserted = self.tree.insert(keys, np.concatenate([prefix_pages, new_pages]), ns, Tier.DEVICE)
+        self._page_tokens.record(keys, tokens, self.spec.page_size, first=len(prefix_pages))
         dup = inserted.num_existing - len(prefix_pages)
         if dup <= 0:
             return inserted.node, np.concatenate([prefix_pages, new_pages]), 0
@@ -633,7 +629,8 @@ class TieredCache:
         self.moves.promotions["host"] += tiers.count("host")
         if n:
             self._device.bytes_in += n * self.spec.bytes_per_page
-            node, all_pages, _ = self._adopt(handle.namespace, handle.keys[:start + n], handle.device_pages, pages)
+            node, all_pages, _ = self._adopt(handle.namespace, handle.keys[:start + n], handle.device_pages, pages,
+                                             handle.tokens)
             self._move_lock(handle, node)
             handle.device_pages = all_pages
         handle.available_pages = start + n

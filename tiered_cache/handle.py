@@ -49,6 +49,7 @@ class CacheHandle:
     released: bool = False
     sources: Counter[str] = field(default_factory=Counter)  # tier name -> prefix pages it supplied
     prefetch: Prefetch | None = field(default=None, repr=False)
+    tokens: Any = field(default=None, repr=False)  # the matched token ids: pages it loads get their tokens shown
 
     @property
     def num_device_pages(self) -> int:

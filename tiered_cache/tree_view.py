@@ -53,29 +53,35 @@ def snapshot(tree: RadixTree, page_size: int, memo: PageTokens, where: Callable[
              max_nodes: int = 500) -> dict[str, Any]:
     """The tree as nested dicts (call under the cache's lock). `where(keys)` names the tiers that
     also hold all of a node's pages (beyond the device). At most `max_nodes` nodes, the largest
-    branches first; `omitted` counts the rest."""
+    branches first; `truncated` says whether some were left out."""
     now, budget = time.monotonic(), [max_nodes]
     namespaces = []
     for ns in tree.namespaces():
         roots = tree.branches(ns)
-        namespaces.append({"namespace": ns, "children": _children(roots, page_size, memo, where, now, budget)})
+        sizes = _subtree_pages(roots)
+        namespaces.append({"namespace": ns,
+                           "children": _children(roots, sizes, page_size, memo, where, now, budget)})
     return {"page_size": page_size, "namespaces": namespaces, "nodes": tree.num_nodes,
             "truncated": budget[0] < 0}
 
 
-def _subtree_pages(node: RadixNode) -> int:
-    total, stack = 0, [node]
+def _subtree_pages(roots: list[RadixNode]) -> dict[int, int]:
+    """Pages under each node (itself included), by node id: one pass, children before parents."""
+    order, stack = [], list(roots)
     while stack:
-        n = stack.pop()
-        total += len(n.keys)
-        stack.extend(n.children.values())
-    return total
+        node = stack.pop()
+        order.append(node)
+        stack.extend(node.children.values())
+    sizes: dict[int, int] = {}
+    for node in reversed(order):
+        sizes[node.id] = len(node.keys) + sum(sizes[c.id] for c in node.children.values())
+    return sizes
 
 
-def _children(nodes: list[RadixNode], page_size: int, memo: PageTokens, where: Callable[[list[bytes]], list[str]],
-              now: float, budget: list[int]) -> list[dict[str, Any]]:
+def _children(nodes: list[RadixNode], sizes: dict[int, int], page_size: int, memo: PageTokens,
+              where: Callable[[list[bytes]], list[str]], now: float, budget: list[int]) -> list[dict[str, Any]]:
     out = []
-    for node in sorted(nodes, key=_subtree_pages, reverse=True):
+    for node in sorted(nodes, key=lambda n: sizes[n.id], reverse=True):
         budget[0] -= 1
         if budget[0] < 0:
             break
@@ -85,8 +91,8 @@ def _children(nodes: list[RadixNode], page_size: int, memo: PageTokens, where: C
             "where": ["device", *where(node.keys)], "hits": node.hits,
             "idle_s": round(now - node.touched, 3), "in_use": node.lock_ref > 0,
             "head_tokens": head, "tail_tokens": tail,
-            "children": _children(list(node.children.values()), page_size, memo, where, now, budget),
-            "subtree_pages": _subtree_pages(node),
+            "children": _children(list(node.children.values()), sizes, page_size, memo, where, now, budget),
+            "subtree_pages": sizes[node.id],
         })
     return out
 

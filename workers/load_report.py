@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from tiered_cache.bench.load_report import percentiles
 from tiered_cache.bench.load_rss import Plateau, plateau
 from tiered_cache.bench.timing import Comparison
 from workers.load_client import ChatReport
@@ -90,12 +91,6 @@ class RayLoadResult:
                 "tiers": self.tiers, "png": self.png, "comparisons": [r.to_dict() for r in self.comparisons()]}
 
 
-def _percentiles(values: np.ndarray) -> list[float]:
-    if not len(values):
-        return [float("nan")] * 3
-    return [float(v) for v in np.percentile(values, [50, 99, 99.9])]
-
-
 def phase_figures(reports: list[ChatReport]) -> PhaseFigures:
     start, end = min(r.window[0] for r in reports), max(r.window[1] for r in reports)
     latencies = np.concatenate([np.frombuffer(r.requests.latencies) for r in reports]) * 1e3
@@ -105,8 +100,8 @@ def phase_figures(reports: list[ChatReport]) -> PhaseFigures:
         errors.update(r.errors)
         routes.update(r.routes)
         sources.update(r.sources)
-    p50, p99, p999 = _percentiles(latencies)
-    t50, t99, _ = _percentiles(ttft)
+    p50, p99, p999 = percentiles(latencies)
+    t50, t99, _ = percentiles(ttft)
     return PhaseFigures(reports[0].phase, len(reports), end - start, len(latencies), len(latencies) / (end - start),
                         p50, p99, p999, t50, t99, sum(r.prompt_tokens for r in reports),
                         sum(r.reused_tokens for r in reports), dict(sorted(errors.items())),

@@ -74,12 +74,17 @@ class LoadResult:
         return out
 
 
+def percentiles(values: np.ndarray) -> tuple[float, float, float]:
+    """p50, p99 and p999 of `values` (NaN when there are none)."""
+    if not len(values):
+        return float("nan"), float("nan"), float("nan")
+    p50, p99, p999 = np.percentile(values, [50, 99, 99.9])
+    return float(p50), float(p99), float(p999)
+
+
 def figures(op: str, timelines: list[Timeline], window_s: float) -> OpFigures:
     latencies = np.concatenate([np.frombuffer(t.latencies) for t in timelines]) * 1e3
-    if not len(latencies):
-        return OpFigures(op, 0, 0.0, float("nan"), float("nan"), float("nan"))
-    p50, p99, p999 = np.percentile(latencies, [50, 99, 99.9])
-    return OpFigures(op, len(latencies), len(latencies) / window_s, float(p50), float(p99), float(p999))
+    return OpFigures(op, len(latencies), len(latencies) / window_s, *percentiles(latencies))
 
 
 def summarise(reports: list[ClientReport], rss: list[tuple[float, int]], prompt_pages: int, blob_bytes: int,

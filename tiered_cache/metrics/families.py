@@ -59,56 +59,49 @@ def tier_families(tiers: Iterable[TierStats], extra: dict[str, str] | None = Non
     return [*families.values(), ratio]
 
 
+def _single(name: str, kind: str, doc: str, value: float) -> Metric:
+    """A family of one unlabelled sample."""
+    family = _family(name, kind, doc, [])
+    family.add_metric([], float(value))
+    return family
+
+
 def cache_families(stats: Any) -> list[Metric]:
     """The engine-side cache's own figures (a `CacheStats`): the device pool, the radix tree and
     the background queues (the write-behind demoter and the lower-tier writer)."""
     pool = stats.pool
-    out: list[Metric] = []
     pages = GaugeMetricFamily(PREFIX + "pool_pages", "Device pool pages by state", labels=["state"])
     pages.add_metric(["used"], pool.used_pages)
     pages.add_metric(["free"], pool.free_pages)
-    out.append(pages)
-    for name, doc, value in (
-        ("pool_utilisation_ratio", "Used device pool pages over all", pool.utilisation),
-        ("pool_unused_slots", "Token slots allocated in used pages but holding no token", pool.unused_slots),
-        ("pool_fragmentation_ratio", "Unused token slots over all slots of the pages in use", stats.fragmentation),
-        ("tree_nodes", "Nodes of the radix tree of token prefixes", stats.tree_nodes),
-        ("tree_evictable_pages", "Device pages no request holds (evictable)", stats.evictable_pages),
-    ):
-        gauge = GaugeMetricFamily(PREFIX + name, doc)
-        gauge.add_metric([], float(value))
-        out.append(gauge)
     depth = GaugeMetricFamily(PREFIX + "queue_depth", "Jobs waiting in a background queue", labels=["queue"])
     dropped = CounterMetricFamily(PREFIX + "queue_dropped", "Jobs a full background queue dropped", labels=["queue"])
     for q in stats.queues:
         depth.add_metric([q.name], q.depth)
         dropped.add_metric([q.name], q.dropped)
-    out += [depth, dropped]
-    for name, doc, value in (
-        ("prefetch_declined", "Prefetches not started: too many in flight", stats.prefetch_declined),
-        ("skipped_puts", "Lower-tier puts avoided: the tier was known to hold the page", stats.skipped_puts),
-        ("dropped_pages", "Pages whose write below was dropped: the write-behind was full", stats.dropped_pages),
-    ):
-        counter = CounterMetricFamily(PREFIX + name, doc)
-        counter.add_metric([], float(value))
-        out.append(counter)
-    return out
+    return [pages, depth, dropped, *(_single(*row) for row in (
+        ("pool_utilisation_ratio", "gauge", "Used device pool pages over all", pool.utilisation),
+        ("pool_unused_slots", "gauge", "Token slots allocated in used pages but holding no token", pool.unused_slots),
+        ("pool_fragmentation_ratio", "gauge", "Unused token slots over all slots of the pages in use",
+         stats.fragmentation),
+        ("tree_nodes", "gauge", "Nodes of the radix tree of token prefixes", stats.tree_nodes),
+        ("tree_evictable_pages", "gauge", "Device pages no request holds (evictable)", stats.evictable_pages),
+        ("prefetch_declined", "counter", "Prefetches not started: too many in flight", stats.prefetch_declined),
+        ("skipped_puts", "counter", "Lower-tier puts avoided: the tier was known to hold the page",
+         stats.skipped_puts),
+        ("dropped_pages", "counter", "Pages whose write below was dropped: the write-behind was full",
+         stats.dropped_pages),
+    ))]
 
 
 def server_families(counters: Any, streams_open: int) -> list[Metric]:
     """The store server's own counters (handlers.ServerCounters) and its open streams."""
-    out: list[Metric] = []
-    for name, doc, value in (
-        ("server_requests", "Calls the store server answered", counters.requests),
-        ("server_rejected_requests", "Calls refused as malformed (INVALID_ARGUMENT)", counters.rejected),
-        ("server_unauthenticated_requests", "Calls refused for a missing or wrong token", counters.unauthenticated),
-        ("server_refused_blobs", "Blobs a Put refused (too big, wrong fingerprint, bad checksum)",
+    return [_single(*row) for row in (
+        ("server_requests", "counter", "Calls the store server answered", counters.requests),
+        ("server_rejected_requests", "counter", "Calls refused as malformed (INVALID_ARGUMENT)", counters.rejected),
+        ("server_unauthenticated_requests", "counter", "Calls refused for a missing or wrong token",
+         counters.unauthenticated),
+        ("server_refused_blobs", "counter", "Blobs a Put refused (too big, wrong fingerprint, bad checksum)",
          counters.refused_blobs),
-        ("server_stalled_streams", "Streams ended for making no progress", counters.stalled_streams),
-    ):
-        counter = CounterMetricFamily(PREFIX + name, doc)
-        counter.add_metric([], float(value))
-        out.append(counter)
-    gauge = GaugeMetricFamily(PREFIX + "server_open_streams", "Get and Put streams open now")
-    gauge.add_metric([], float(streams_open))
-    return [*out, gauge]
+        ("server_stalled_streams", "counter", "Streams ended for making no progress", counters.stalled_streams),
+        ("server_open_streams", "gauge", "Get and Put streams open now", streams_open),
+    )]
