@@ -8,14 +8,25 @@ typedef unsigned long long u64;
 
 // Copy n bytes from src to dst using the threads [first, first + count) of the calling group,
 // thread `rank` of them: 16-byte vectors when both pointers and n are 16-byte aligned, else
-// 4-byte words when 4-byte aligned, else single bytes.
+// 4-byte words when 4-byte aligned, else single bytes. Each thread issues four independent
+// 16-byte loads before its stores: one load in flight per thread left an H100 at 0.3-0.4x of
+// a device-to-device copy (docs/PERFORMANCE.md, "GPU path").
 __device__ __forceinline__ void copy_bytes(const unsigned char* __restrict__ src, unsigned char* __restrict__ dst,
                                            i64 n, int rank, int count) {
   const u64 align = (u64)src | (u64)dst | (u64)n;
   if ((align & 15) == 0) {
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    for (i64 k = rank; k < n / 16; k += count) d[k] = s[k];
+    const uint4* __restrict__ s = reinterpret_cast<const uint4*>(src);
+    uint4* __restrict__ d = reinterpret_cast<uint4*>(dst);
+    const i64 nv = n / 16;
+    i64 k = rank;
+    for (; k + 3 * (i64)count < nv; k += 4 * (i64)count) {
+      const uint4 a = s[k], b = s[k + count], c = s[k + 2 * count], e = s[k + 3 * count];
+      d[k] = a;
+      d[k + count] = b;
+      d[k + 2 * count] = c;
+      d[k + 3 * count] = e;
+    }
+    for (; k < nv; k += count) d[k] = s[k];
   } else if ((align & 3) == 0) {
     const unsigned int* s = reinterpret_cast<const unsigned int*>(src);
     unsigned int* d = reinterpret_cast<unsigned int*>(dst);

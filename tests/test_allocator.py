@@ -5,7 +5,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tiered_cache.device.allocator import PageAllocator
+from tiered_cache.device.allocator import PageAllocator, has_duplicates
 from tiered_cache.errors import IntegrityError, PageStateError, PoolExhaustedError
 
 TOTAL = 24
@@ -148,3 +148,11 @@ def test_integrity_check_catches_a_pinned_page_in_the_free_list():
     alloc._pins[0] = 1  # simulate a bug: a free page with a pin
     with pytest.raises(IntegrityError, match="pinned page is in the free list"):
         alloc.check_integrity()
+
+
+def test_has_duplicates_agrees_with_a_set():
+    rng = np.random.default_rng(3)
+    for size in (0, 1, 2, 7, 300):
+        for high in (2, 50, 10_000):
+            arr = rng.integers(0, high, size)
+            assert has_duplicates(arr) == (len(set(arr.tolist())) != size), (size, high)

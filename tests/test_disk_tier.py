@@ -20,8 +20,9 @@ TESTS = os.path.dirname(__file__)
 
 def python(script: str, *args: object) -> subprocess.Popen:
     """`script` in another interpreter that imports the test helpers, talking over pipes."""
+    path = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))  # keep the caller's too
     return subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, cwd=TESTS, env={**os.environ, "PYTHONPATH": TESTS})
+                            stdout=subprocess.PIPE, cwd=TESTS, env={**os.environ, "PYTHONPATH": path})
 
 
 def test_round_trip_reopen_and_lru(tmp_path):

@@ -48,10 +48,11 @@ class EngineRow:
         return {**asdict(self), "p99_vs_host_only": self.p99_ratio}
 
 
-def _requests(spec: Any, count: int, pages: int) -> list[tuple[list[int], torch.Tensor]]:
+def _requests(spec: Any, count: int, pages: int, device: str = "cpu") -> list[tuple[list[int], torch.Tensor]]:
     n = pages * spec.page_size
     gen = torch.Generator().manual_seed(0)
-    kv = torch.randn(spec.kv_shape(n), generator=gen).to(spec.dtype.torch)  # one tensor: content is not timed
+    # One tensor on the pool's device, as a prefill leaves it: content is not timed.
+    kv = torch.randn(spec.kv_shape(n), generator=gen).to(spec.dtype.torch).to(device)
     return [(list(range(i * n, (i + 1) * n)), kv) for i in range(count)]
 
 
@@ -62,6 +63,8 @@ def _latencies(cache: TieredCache, requests: list[tuple[list[int], torch.Tensor]
     for i, (tokens, kv) in enumerate(requests):
         start = time.perf_counter()
         cache.put(tokens, kv)
+        if kv.is_cuda:
+            torch.cuda.synchronize()  # the request's copies are done, as the next forward needs
         if i >= warmup:
             times.append(time.perf_counter() - start)
         time.sleep(gap_s)
@@ -74,16 +77,19 @@ def _p(values: list[float], q: float) -> float:
 
 
 def bench_engine(model: str = "smollm2-135m", pages: int = 32, requests: int = 120, gap_ms: float = 20.0,
-                 below: tuple[str, ...] = ("host only", "redis", "remote")) -> list[EngineRow]:
+                 below: tuple[str, ...] = ("host only", "redis", "remote"), device: str = "cpu") -> list[EngineRow]:
     from tiered_cache.service.process import StoreProcess
     from tiered_cache.tiers.redis_process import RedisServer
 
     spec = preset_spec(model, page_size=16)
-    reqs = _requests(spec, requests, pages)
+    if below[0] != "host only" or not set(below) <= {"host only", "redis", "remote"}:
+        raise ValueError(f"below must start with 'host only' (the baseline) and name only redis and remote, "
+                         f"got {', '.join(below)}")
+    reqs = _requests(spec, requests, pages, device)
     warmup = max(4, requests // 10)
     # The pool and host RAM hold two requests' pages each; default watermarks.
     base = {"pool_capacity": 2 * pages * spec.bytes_per_page, "host_capacity": 2 * pages * spec.bytes_per_page,
-            "malloc_tuning": True}
+            "malloc_tuning": True, "device": device}
     results: dict[str, tuple[list[float], int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp), maxmemory="1gb") if "redis" in below else None

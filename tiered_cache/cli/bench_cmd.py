@@ -50,6 +50,10 @@ def add_parser(commands: Any) -> None:
     engine.add_argument("--requests", type=int, default=200, help="requests per configuration (default 200)")
     engine.add_argument("--gap-ms", type=float, default=20.0,
                         help="idle host CPU between requests, as while a GPU computes (default 20; 0: saturated)")
+    engine.add_argument("--below", default="redis,remote",
+                        help="tiers under host RAM to compare with host RAM alone, comma-separated: redis, remote, "
+                             "or none (default redis,remote)")
+    engine.add_argument("--device", default="cpu", help="the page pool's device: cpu or cuda (default cpu)")
     subs = [radix, keys, tensor, engine]
     for name, what in (("host", "host RAM tier vs memcpy"), ("disk", "disk tier vs write+fsync / read"),
                        ("redis", "Redis tier vs raw redis-py SET/MGET")):
@@ -268,7 +272,8 @@ def run(args: argparse.Namespace) -> int:
     if args.bench == "engine":
         from tiered_cache.bench.engine_bench import bench_engine, render
 
-        rows = bench_engine(args.model, args.pages, args.requests, args.gap_ms)
+        below = tuple(b.strip() for b in args.below.split(",") if b.strip() and b.strip() != "none")
+        rows = bench_engine(args.model, args.pages, args.requests, args.gap_ms, ("host only", *below), args.device)
         print(json.dumps([r.to_dict() for r in rows], indent=2) if args.json else render(rows))
         return 0
     if args.bench == "vllm":

@@ -26,6 +26,15 @@ def as_page_array(pages: Any, num_pages: int) -> np.ndarray:
     return arr
 
 
+def has_duplicates(arr: np.ndarray) -> bool:
+    """Whether a 1-D integer array holds a value twice. A sort and one comparison: numpy 2's
+    hash-based `np.unique` took ~0.25 ms for 2,048 pages, on the request path of every copy."""
+    if arr.size < 2:
+        return False
+    ordered = np.sort(arr)
+    return bool((ordered[1:] == ordered[:-1]).any())
+
+
 class PageAllocator:
     """Tracks which of `num_pages` pages are free, and which are pinned by a transfer in flight.
 

@@ -8,6 +8,7 @@ tensors when CuPy is installed.
 
 from __future__ import annotations
 
+import warnings
 from functools import cache
 from typing import Any
 
@@ -49,8 +50,32 @@ def _on_torch_stream(launch: Any) -> None:
     import cupy
     import torch
 
-    with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    with _external_stream(cupy, torch.cuda.current_stream().cuda_stream):
         launch()
+
+
+def _external_stream(cupy: Any, handle: int) -> Any:
+    """A CuPy view of torch's stream `handle`: `Stream.from_external` where CuPy has it (14+,
+    which deprecates `ExternalStream`), else `ExternalStream`."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        try:
+            return from_external(_StreamHandle(handle))
+        except (TypeError, AttributeError, ValueError):
+            pass  # an older protocol: the deprecated class still works
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle)
+
+
+class _StreamHandle:
+    """The CUDA stream protocol (`__cuda_stream__`: version 0, the handle) for a raw handle."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.handle
 
 
 class CupyPageOps:
@@ -76,7 +101,7 @@ class CupyPageOps:
         num_layers, pool_pages = pool.shape[1], pool.shape[2]
         block_bytes = pool[0, 0, 0].numel() * pool.element_size()
         n = pages.numel()
-        grid = (min(_MAX_BLOCKS, n * num_layers * 2),)
+        grid = (min(_MAX_BLOCKS, -(-n * num_layers * 2 // (_THREADS // 32))),)  # one warp per block
         first, second = (_bytes(pool), _bytes(staging)) if kernel == "gather_pages" else \
             (_bytes(staging), _bytes(pool))
         args = (first, second, _index(pages), np.int64(n), np.int64(num_layers), np.int64(pool_pages),

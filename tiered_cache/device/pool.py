@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_cache.device.allocator import PageAllocator, as_page_array
+from tiered_cache.device.allocator import PageAllocator, as_page_array, has_duplicates
 from tiered_cache.device.memory import allocate_pretouched, empty_cpu
 from tiered_cache.device.pool_ops import PageOps, select_ops
 from tiered_cache.errors import KVShapeError, PageStateError
@@ -50,6 +50,9 @@ class PagePool:
         self.ops: PageOps = select_ops(self.device, ops)
         self.allocator = PageAllocator(num_pages)
         self.kv, self.pretouch = allocate_pretouched(spec.pool_shape(num_pages), spec.dtype.torch, self.device)
+        # The device the pool really lives on: "cuda" becomes "cuda:0", so `out.device == self.device`
+        # holds for a tensor on the same GPU (a bare "cuda" compared unequal and doubled every gather).
+        self.device = self.kv.device
 
     @classmethod
     def with_capacity(cls, spec: KVSpec, capacity: str | int, device: str | torch.device = "cpu",
@@ -115,10 +118,10 @@ class PagePool:
         ops: one copy per run of consecutive pages; other slots go through `ops.store`.
         """
         slot_arr = as_page_array(slots, self.num_pages * self.spec.page_size)
-        if np.unique(slot_arr).size != slot_arr.size:
+        if has_duplicates(slot_arr):
             raise PageStateError("store() got the same slot twice; each token needs its own slot")
         self._check_tensor("kv", kv, self.spec.kv_shape(slot_arr.size))
-        self.allocator.require_allocated(np.unique(slot_arr // self.spec.page_size))
+        self.allocator.require_allocated(slot_arr // self.spec.page_size)
         if not slot_arr.size:
             return
         heads = _page_heads(slot_arr, self.spec.page_size) if self.ops.name == "torch" else None
@@ -252,7 +255,7 @@ class PagePool:
     # --- checks ------------------------------------------------------------------------------------
     def _pages(self, pages: Any) -> np.ndarray:
         arr = as_page_array(pages, self.num_pages)
-        if np.unique(arr).size != arr.size:
+        if has_duplicates(arr):
             raise PageStateError("the same page appears twice; gather/scatter need distinct pages")
         self.allocator.require_allocated(arr)
         return arr

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU path in one go, on a machine with CUDA, CuPy and torch (the device tool's H100/H200):
+# compile every kernel for sm_90, run the `gpu` tests and the pool/cache tests with CUDA present,
+# then `bench kernels`, the kernel variants (scripts/kernel_variants.py) and `bench engine
+# --device cuda` beside `--device cpu`.
+# Usage: bash scripts/gpu_check.sh [OUTDIR]   (logs land in OUTDIR, default ./gpu-check)
+# Packages the machine lacks may sit as wheels in .whl/ (see docs/PERFORMANCE.md, "GPU path").
+set -uo pipefail
+out=${1:-gpu-check}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+cli() { python3 -m tiered_cache.cli.main "$@"; }
+status=0
+# step LOG CMD...: run CMD, its output on the terminal and appended to $out/LOG; remember failures.
+step() {
+    local log=$1; shift
+    echo "== $*" | tee -a "$out/$log"
+    "$@" 2>&1 | tee -a "$out/$log"
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" != 0 ]; then echo "!! failed ($rc): $*"; status=1; fi
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__, torch.cuda.get_device_name())"
+for f in kernels/*.cu; do step nvcc.log nvcc -arch=sm_90 -c -o /dev/null "$f"; done
+step gpu_tests.log python3 -m pytest -p no:cacheprovider -q -rs tests/test_kernels_gpu.py tests/test_cache_gpu.py
+step cpu_tests_with_cuda.log python3 -m pytest -p no:cacheprovider -q tests/test_offload.py tests/test_pool.py tests/test_cache.py \
+    tests/test_cache_engine_path.py tests/test_cache_machine.py tests/test_kernels_cpu.py tests/test_allocator.py \
+    tests/test_host_tier.py tests/test_disk_tier.py tests/test_tier_chain.py tests/test_codec.py
+step bench_kernels.txt cli bench kernels
+step bench_kernels.txt cli bench kernels --model smollm2-135m --pages 4096
+step kernel_variants.txt python3 scripts/kernel_variants.py
+for device in cuda cpu; do
+    step bench_engine.txt cli bench engine --device "$device" --below none --requests 200
+done
+exit $status

@@ -1,0 +1,129 @@
+"""The whole engine path with the page pool on a CUDA device (marked `gpu`: skipped without CUDA):
+put KV that lives on the GPU, demote it (inline and by the background demoter) to pinned host
+RAM and on to disk, and bring it back with get, the paged API and prefetch. Every read is
+compared bit for bit with what was put; the same workload runs on a CPU pool in
+test_cache.py and test_cache_machine.py."""
+
+import random
+
+import pytest
+import torch
+
+from tiered_cache.cache import TieredCache
+from tiered_cache.config import CacheConfig, WritePolicy
+from tiered_cache.model.spec import DType, KVSpec, Layout
+
+pytestmark = pytest.mark.gpu
+SPECS = [
+    KVSpec("gpu-fp16", 3, 2, 64, DType.FP16, 4),
+    KVSpec("gpu-bf16-hnd", 2, 4, 32, DType.BF16, 8, Layout.HND),
+    KVSpec("gpu-odd", 2, 3, 5, DType.FP16, 3),
+]
+
+
+def _cache(spec, pool_pages, host_pages, tmp_path=None, **cfg):
+    below = {"lower_tiers": ["disk"], "disk_path": str(tmp_path), "disk_fsync": False} if tmp_path else {}
+    return TieredCache(spec, CacheConfig(device="cuda", pool_capacity=pool_pages * spec.bytes_per_page,
+                                         host_capacity=host_pages * spec.bytes_per_page, **below, **cfg))
+
+
+def _kv(spec, n, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(spec.kv_shape(n), generator=gen, device="cuda").to(spec.dtype.torch)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.model_id)
+def test_random_workload_reads_back_exactly_what_was_put(spec, tmp_path):
+    """Prompts sharing prefixes, a pool of 12 pages and host RAM of 16, disk below: most gets
+    promote pages from host RAM or disk. Each hit must equal the KV that was put."""
+    rng = random.Random(spec.page_size)
+    c = _cache(spec, pool_pages=12, host_pages=16, tmp_path=tmp_path, high_watermark=0.7, low_watermark=0.4)
+    ps = spec.page_size
+    base = _kv(spec, 8 * ps, seed=1)
+    truth: dict[tuple[int, ...], torch.Tensor] = {}
+    try:
+        for i in range(40):
+            shared = rng.randrange(0, 5) * ps  # a prefix of the common document
+            n = shared + rng.randrange(1, 4) * ps + rng.randrange(ps)
+            tokens = tuple(range(shared)) + tuple(range(10_000 * (i + 1), 10_000 * (i + 1) + n - shared))
+            kv = torch.cat([base[:, :, :shared], _kv(spec, n - shared, seed=100 + i)], dim=2)
+            c.put(list(tokens), kv)
+            truth[tokens] = kv
+            for probe in rng.sample(sorted(truth), min(3, len(truth))):
+                want = truth[probe]
+                got_n, got = c.get(list(probe))
+                assert got.device.type == "cuda"
+                assert torch.equal(got, want[:, :, :got_n]), f"prompt {i}: wrong KV for a {got_n}-token hit"
+        c.flush(timeout=60)
+        st = c.stats()
+        assert st.tier("device").evictions > 0 and st.tier("host").promotions > 0
+        c.check_integrity()
+    finally:
+        c.close()
+
+
+def test_get_into_a_host_tensor_and_a_device_tensor(tmp_path):
+    spec = SPECS[0]
+    c = _cache(spec, pool_pages=4, host_pages=8, tmp_path=tmp_path, high_watermark=1.0)
+    tokens, kv = list(range(16)), _kv(spec, 16, seed=3)
+    try:
+        c.put(tokens, kv)
+        for i in range(3):  # push the prompt out of the pool
+            c.put(list(range(1000 * (i + 1), 1000 * (i + 1) + 16)), _kv(spec, 16, seed=4 + i))
+        handle = c.match(tokens)
+        assert handle.num_device_pages == 0 and handle.available_pages == 4  # in host RAM or on disk
+        c.release(handle)
+        for device in ("cpu", "cuda"):
+            out = torch.full(spec.kv_shape(16), float("nan"), device=device).to(spec.dtype.torch)
+            n, got = c.get(tokens, out=out)
+            assert n == 16 and got.device.type == device and torch.equal(got.cuda(), kv)
+    finally:
+        c.close()
+
+
+def test_paged_api_prefetch_load_write_commit_on_the_device(tmp_path):
+    spec = SPECS[1]
+    c = _cache(spec, pool_pages=8, host_pages=16, tmp_path=tmp_path, high_watermark=1.0)
+    ps = spec.page_size
+    prompt, kv = list(range(4 * ps)), _kv(spec, 4 * ps, seed=7)
+    try:
+        c.put(prompt, kv)
+        c.put(list(range(500, 500 + 8 * ps)), _kv(spec, 8 * ps, seed=8))  # evicts `prompt` to host RAM
+        handle = c.match(prompt + [9, 9, 9])
+        assert handle.num_device_pages == 0 and handle.available_pages == 4
+        c.prefetch(handle)
+        pages = c.load(handle)
+        assert len(pages) == 4 and torch.equal(c.pool.read_tokens(pages, 4 * ps), kv)
+        more = _kv(spec, ps, seed=9)
+        c.allocate(handle, ps)
+        c.write(handle, more)
+        assert c.commit(handle, prompt + list(range(900, 900 + ps))) == ps
+        c.release(handle)
+        n, got = c.get(prompt + list(range(900, 900 + ps)))
+        assert n == 5 * ps and torch.equal(got, torch.cat([kv, more], dim=2))
+        c.check_integrity()
+    finally:
+        c.close()
+
+
+def test_write_through_and_background_demotion_copy_finished_kv(tmp_path):
+    """Puts back to back (no synchronize) while the demoter and the write-through copy run on
+    their own threads: what lands in host RAM and on disk is the KV that was put."""
+    spec = SPECS[0]
+    c = _cache(spec, pool_pages=16, host_pages=64, tmp_path=tmp_path, write_policy=WritePolicy.WRITE_THROUGH,
+               high_watermark=0.5, low_watermark=0.25)
+    eye = torch.eye(spec.head_dim, device="cuda", dtype=spec.dtype.torch)
+    # kv @ eye == kv, computed on the stream just before the put: the copies must wait for it.
+    prompts = [(list(range(1000 * i, 1000 * i + 4 * spec.page_size)), _kv(spec, 4 * spec.page_size, seed=i) @ eye)
+               for i in range(12)]
+    try:
+        for tokens, kv in prompts:
+            c.put(tokens, kv)
+        assert c.flush(timeout=60)
+        c.evict()  # the device pool empties: every read below comes from host RAM or disk
+        for tokens, kv in prompts:
+            n, got = c.get(tokens)
+            assert n == len(tokens) and torch.equal(got, kv)
+        assert c.stats().tier("disk").pages > 0
+    finally:
+        c.close()
