@@ -1,5 +1,6 @@
 import json
 
+import torch
 from conftest import run_cli
 
 from tiered_cache.bench.keys_bench import bench_keys
@@ -56,6 +57,17 @@ def test_engine_bench_runs_every_configuration_beside_host_only():
     assert all(r["requests"] == 8 and r["pages_per_request"] == 4 for r in data)  # 4 warm-up requests left out
     assert all(0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] for r in data)
     assert all(r["baseline_p99_ms"] == data[0]["p99_ms"] for r in data)  # host only is the baseline
+
+
+def test_engine_bench_below_and_device_options():
+    data = json.loads(run_cli("bench", "engine", "--pages", "2", "--requests", "6", "--gap-ms", "0", "--below", "none",
+                              "--device", "cpu", "--json").stdout)
+    assert [r["below"] for r in data] == ["host only"] and data[0]["requests"] == 2
+    bad = run_cli("bench", "engine", "--below", "memcached", "--requests", "6", check=False)
+    assert bad.returncode == 2 and "memcached" in bad.stderr and "Traceback" not in bad.stderr
+    if not torch.cuda.is_available():
+        gpu = run_cli("bench", "engine", "--device", "cuda", "--requests", "6", check=False)
+        assert gpu.returncode == 2 and "sees no CUDA device" in gpu.stderr and "Traceback" not in gpu.stderr
 
 
 def test_remote_clients_rows_for_each_count_through_the_cli():

@@ -321,3 +321,18 @@ def test_scatter_rows_copies_source_rows_into_pages(pages, rows):
     assert torch.equal(pool.gather(np.array(pages)), source[torch.tensor(rows)])
     with pytest.raises(PageStateError):
         pool.scatter_rows(np.array(pages[:2]), source, np.array(rows[:1]))
+
+
+def test_a_pool_on_a_device_that_is_not_here_is_refused_by_name():
+    spec = KVSpec("where", 1, 1, 8, page_size=2)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"'cuda'.*sees no CUDA device"):
+            PagePool(spec, 4, "cuda")
+    else:
+        with pytest.raises(ValueError, match=r"'cuda:99'.*CUDA device\(s\) here"):
+            PagePool(spec, 4, "cuda:99")
+    with pytest.raises(ValueError, match="'gpu0' is not a torch device"):
+        PagePool(spec, 4, "gpu0")
+    with pytest.raises(ValueError, match=r"'meta'.*lives on 'cpu' or 'cuda"):
+        PagePool(spec, 4, "meta")
+    assert PagePool(spec, 4, "cpu").device == torch.device("cpu")

@@ -26,6 +26,7 @@ import torch
 
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
+from tiered_cache.device.pool import usable_device
 from tiered_cache.model.presets import preset_spec
 
 
@@ -85,7 +86,7 @@ def bench_engine(model: str = "smollm2-135m", pages: int = 32, requests: int = 1
     if below[0] != "host only" or not set(below) <= {"host only", "redis", "remote"}:
         raise ValueError(f"below must start with 'host only' (the baseline) and name only redis and remote, "
                          f"got {', '.join(below)}")
-    reqs = _requests(spec, requests, pages, device)
+    reqs = _requests(spec, requests, pages, str(usable_device(device)))  # a missing GPU: one clear error
     warmup = max(4, requests // 10)
     # The pool and host RAM hold two requests' pages each; default watermarks.
     base = {"pool_capacity": 2 * pages * spec.bytes_per_page, "host_capacity": 2 * pages * spec.bytes_per_page,

@@ -46,7 +46,7 @@ class PagePool:
     def __init__(self, spec: KVSpec, num_pages: int, device: str | torch.device = "cpu",
                  ops: str | None = None) -> None:
         self.spec = spec
-        self.device = torch.device(device)
+        self.device = usable_device(device)
         self.ops: PageOps = select_ops(self.device, ops)
         self.allocator = PageAllocator(num_pages)
         self.kv, self.pretouch = allocate_pretouched(spec.pool_shape(num_pages), spec.dtype.torch, self.device)
@@ -265,6 +265,24 @@ class PagePool:
 
     def _check_tensor(self, what: str, tensor: Any, shape: tuple[int, ...]) -> None:
         check_tensor(what, tensor, shape, self.kv.dtype, self.spec.model_id)
+
+
+def usable_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device, or a ValueError naming why the pool cannot live there (torch's
+    own answer for a missing GPU is an AssertionError deep inside the allocation)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device {device!r} is not a torch device (cpu, cuda, cuda:1, ...): {exc}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: torch {torch.__version__} sees no CUDA device "
+                             "(a CPU build, or no GPU here); use device 'cpu'")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif dev.type != "cpu":
+        raise ValueError(f"device {str(device)!r}: the page pool lives on 'cpu' or 'cuda[:N]'")
+    return dev
 
 
 def check_tensor(what: str, tensor: Any, shape: tuple[int, ...], dtype: torch.dtype, model: str) -> None:
