@@ -26,12 +26,16 @@ def test_yaml_then_environment(tmp_path):
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"pool_capacty": "1GiB"}, "unknown config key.*pool_capacty"),
+    ({"pool_capacty": "1GiB"}, "unknown config key.*pool_capacty .did you mean pool_capacity"),
     ({"pool_capacity": "lots"}, "bad value for pool_capacity"),
     ({"codec": "zstd"}, "bad value for codec.*unknown codec 'zstd'"),
-    ({"write_policy": "sometimes"}, "bad value for write_policy"),
+    ({"write_policy": "sometimes"}, "write_policy: expected one of 'write_back', 'write_through', got 'sometimes'"),
+    ({"eviction_policy": "mru"}, "eviction_policy: expected one of .*'lru'.*got 'mru'"),
     ({"lower_tiers": ["disk"]}, "disk_path is not set"),
-    ({"lower_tiers": ["tape"]}, "bad value for lower_tiers"),
+    ({"lower_tiers": ["tape"]}, "lower_tiers: expected one of 'disk', 'redis', 'remote', got 'tape'"),
+    ({"demotion_queue": "lots"}, "demotion_queue: expected an integer, got 'lots'"),
+    ({"high_watermark": "high"}, "high_watermark: expected a number, got 'high'"),
+    ({"redis_ttl_s": True}, "redis_ttl_s: expected a number, got True"),
     ({"lower_tiers": "redis,redis"}, "lists a tier twice"),
     ({"disk_fsync": "maybe"}, "bad value for disk_fsync"),
     ({"codec_min_saving": 1.5}, "codec_min_saving must be in"),

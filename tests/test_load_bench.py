@@ -94,7 +94,7 @@ def test_plateau_compares_the_last_third_with_the_middle():
 def test_load_bench_smoke_through_the_cli(tmp_path):
     png = tmp_path / "load.png"
     result = run_cli("bench", "load", "--clients", "2", "--duration-s", "3", "--ram", "2MiB", "--page-kib", "4",
-                     "--prompts", "4", "--png", str(png), "--json")
+                     "--prompts", "4", "--plot", str(png), "--json")
     data = json.loads(result.stdout)
     assert [o["op"] for o in data["ops"]] == ["lookup", "get", "put"]
     assert all(o["calls"] > 0 and 0 < o["p50_ms"] <= o["p99_ms"] <= o["p999_ms"] for o in data["ops"])

@@ -58,17 +58,47 @@ def test_a_refused_token_is_said_so_and_the_token_comes_from_the_environment():
     assert good.returncode == 0 and json.loads(good.stdout)["tiers"][0]["name"] == "ram"
 
 
-def test_watch_with_json_prints_one_json_document_per_line():
+def _watch(address: str, *extra: str, stdout=subprocess.PIPE) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tiered_cache.cli.main", "stats", "--address", address,
+                             "--watch", "0.3", *extra], stdout=stdout, text=True, cwd=REPO)
+
+
+def _read_all(fd: int) -> str:
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the terminal's other end closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_watch_prints_json_lines_plain_blocks_into_a_pipe_and_redraws_a_terminal():
+    import pty
+
     with StoreProcess(["--no-disk"]) as store:
-        watch = subprocess.Popen([sys.executable, "-m", "tiered_cache.cli.main", "stats", "--address", store.address,
-                                  "--watch", "0.3", "--json"], stdout=subprocess.PIPE, text=True, cwd=REPO)
+        master, slave = pty.openpty()
+        watchers = [_watch(store.address, "--json"), _watch(store.address), _watch(store.address, stdout=slave)]
+        os.close(slave)
         time.sleep(3.0)
-        watch.send_signal(signal.SIGINT)
-        out, _ = watch.communicate(timeout=10)
-    lines = out.splitlines()
-    assert len(lines) >= 2 and "\x1b" not in out and watch.returncode == 0
+        for w in watchers:
+            w.send_signal(signal.SIGINT)
+        (json_out, _), (plain_out, _) = (w.communicate(timeout=10) for w in watchers[:2])
+        watchers[2].wait(timeout=10)
+        screen = _read_all(master)
+        os.close(master)
+    assert all(w.returncode == 0 for w in watchers)
+    lines = json_out.splitlines()
+    assert len(lines) >= 2 and "\x1b" not in json_out
     docs = [json.loads(line) for line in lines]
     assert all(d["address"] == store.address and "rates" in d["tiers"][0] for d in docs)
+    # Into a pipe: one block per refresh under a "# HH:MM:SS" line, no escape codes.
+    assert "\x1b" not in plain_out and plain_out.count("# ") >= 2 and plain_out.count("hits/s") >= 2
+    # On a terminal: rich's Live in the alternate screen, left again on Ctrl-C.
+    assert "\x1b[?1049h" in screen and "\x1b[?1049l" in screen and "hits/s" in screen
 
 
 def test_every_command_takes_the_logging_flags():

@@ -7,12 +7,13 @@ environment variable `TIERED_CACHE_<FIELD>` (e.g. `TIERED_CACHE_POOL_CAPACITY=2G
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tiered_cache.index.radix_node import EvictionPolicy
 from tiered_cache.model.units import parse_size
@@ -112,7 +113,9 @@ class CacheConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"unknown config key(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+            hints = [f"{u} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u, known, 1)) else u
+                     for u in unknown]
+            raise ValueError(f"unknown config key(s): {', '.join(hints)}; known: {', '.join(sorted(known))}")
         return dataclasses.replace(base or cls(), **dict(data))
 
     @classmethod
@@ -161,6 +164,25 @@ class CacheConfig:
 
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _choice(kind: type[E], value: Any) -> E:
+    """`value` as a member of `kind`, or a ValueError listing the choices."""
+    try:
+        return kind(getattr(value, "value", value))
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in kind)
+        raise ValueError(f"expected one of {choices}, got {value!r}") from None
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    try:
+        return float(value)
+    except (ValueError, TypeError):
+        raise ValueError(f"expected a number, got {value!r}") from None
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -170,13 +192,14 @@ def _coerce(name: str, value: Any) -> Any:
             return parse_size(value)
         if name == "lower_tiers":
             items = value.split(",") if isinstance(value, str) else value
-            return tuple(LowerTier(str(getattr(v, "value", v)).strip().lower()) for v in items if str(v).strip())
+            names = [str(getattr(v, "value", v)).strip().lower() for v in items]
+            return tuple(_choice(LowerTier, n) for n in names if n)
         if name == "codec":
             return Codec.parse(value)
         if name == "write_policy":
-            return WritePolicy(getattr(value, "value", value))
+            return _choice(WritePolicy, value)
         if name == "eviction_policy":
-            return EvictionPolicy(getattr(value, "value", value))
+            return _choice(EvictionPolicy, value)
         if name in {"disk_fsync", "malloc_tuning", "spare_output"}:
             if isinstance(value, bool):
                 return value
@@ -185,15 +208,18 @@ def _coerce(name: str, value: Any) -> Any:
                 raise ValueError(f"expected true or false, got {value!r}")
             return text in _TRUE
         if name in {"codec_min_saving", "redis_timeout_s", "remote_timeout_s", "high_watermark", "low_watermark"}:
-            return float(value)
+            return _number(value)
         if name == "remote_budget_s":
-            return None if value is None or str(value).strip().lower() in {"", "none"} else float(value)
+            return None if value is None or str(value).strip().lower() in {"", "none"} else _number(value)
         if name == "metrics_port" and (value is None or str(value).strip().lower() in {"", "none"}):
             return None
         if name in {"demotion_queue", "prefetch_workers", "max_prefetches", "metrics_port"}:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError(f"expected an integer, got {value!r}")
-            return int(value)
+            try:
+                return int(value)
+            except (ValueError, TypeError):
+                raise ValueError(f"expected an integer, got {value!r}") from None
         if name == "remote_addresses":
             items = value.split(",") if isinstance(value, str) else value
             return tuple(str(v).strip() for v in items if str(v).strip())
@@ -202,7 +228,7 @@ def _coerce(name: str, value: Any) -> Any:
         if name == "remote_tls_ca":
             return None if value in (None, "") else str(value)
         if name == "redis_ttl_s":
-            return None if value in (None, "", "none") else float(value)
+            return None if value in (None, "", "none") else _number(value)
         if name == "disk_path":
             return None if value in (None, "") else str(Path(str(value)).expanduser())
         return str(value)

@@ -38,6 +38,7 @@ def measure(pages: torch.Tensor, spec: KVSpec, label: str) -> list[CodecRow]:
     total = pages.shape[0] * spec.bytes_per_page
     rows = []
     for codec in Codec:
+        decode_page(encode_page(pages[0], spec, keys[0], codec, min_saving=-1.0), spec, keys[0])  # imports, warm-up
         start = time.perf_counter()
         # min_saving=-1 forces the codec even where it does not pay, to show what it gives.
         blobs = [encode_page(p, spec, k, codec, min_saving=-1.0) for p, k in zip(pages, keys, strict=True)]

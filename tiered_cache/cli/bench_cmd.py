@@ -142,7 +142,8 @@ def add_parser(commands: Any) -> None:
     ray_load.add_argument("--verify", type=int, default=32, help="prompts answered from the cache that the baseline "
                                                                  "did not ask, recomputed afterwards to compare "
                                                                  "answers (default 32)")
-    load.add_argument("--png", help="write a figure of latency and server memory over time here")
+    load.add_argument("--plot", "--png", dest="png", metavar="FILE",
+                      help="also write a PNG of latency and server memory over time here (--png: the old name)")
     subs.append(load)
     for sub in subs:
         sub.add_argument("--json", action="store_true", help="print JSON rows instead of a table")

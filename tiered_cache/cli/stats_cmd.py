@@ -116,19 +116,48 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--watch must be a positive number of seconds, got {args.watch:g}")
     before: dict[str, Any] = {}
     last = time.monotonic()
-    while True:
+
+    def sample() -> tuple[str, bool]:
+        nonlocal last
         now = time.monotonic()
         text, ok = _cluster(args) if args.ray else _servers(args, before, now - last)
         last = now
-        if not args.watch:
-            print(text)
-            return 0 if ok else 1
-        if args.json:  # one JSON document per line: for tools, no escape codes
-            print(text, flush=True)
+        return text, ok
+
+    if not args.watch:
+        text, ok = sample()
+        print(text)
+        return 0 if ok else 1
+    try:
+        if args.json or not sys.stdout.isatty():
+            _watch_lines(args, sample)
         else:
-            sys.stdout.write("\x1b[H\x1b[2J" + time.strftime("%H:%M:%S ") + f"every {args.watch:g} s\n" + text + "\n")
-            sys.stdout.flush()
-        try:
+            _watch_screen(args, sample)
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def _watch_lines(args: argparse.Namespace, sample: Any) -> None:
+    """--watch into a pipe or with --json: one block (or one JSON document per line) per refresh,
+    no escape codes, so tools and log files read it."""
+    while True:
+        text, _ = sample()
+        print(text if args.json else f"# {time.strftime('%H:%M:%S')}, every {args.watch:g} s\n{text}\n", flush=True)
+        time.sleep(args.watch)
+
+
+def _watch_screen(args: argparse.Namespace, sample: Any) -> None:
+    """--watch on a terminal: rich's Live redraws in the alternate screen (no flicker, and the
+    terminal is restored on exit or Ctrl-C) instead of hand-written clear-screen codes."""
+    from rich.live import Live
+    from rich.text import Text
+
+    def frame() -> Text:
+        text, _ = sample()
+        return Text(f"{time.strftime('%H:%M:%S')} every {args.watch:g} s (Ctrl-C to stop)\n{text}")
+
+    with Live(frame(), screen=True, auto_refresh=False) as live:
+        while True:
             time.sleep(args.watch)
-        except KeyboardInterrupt:
-            return 0
+            live.update(frame(), refresh=True)
