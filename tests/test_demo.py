@@ -1,6 +1,5 @@
 """`tiered-cache demo`, the main job, end to end: a store server and two instance processes."""
 
-import re
 
 import pytest
 from conftest import run_cli
@@ -9,24 +8,63 @@ pytestmark = pytest.mark.slow
 
 
 def test_demo_runs_the_two_instance_story_and_draws_the_shared_prefix():
-    result = run_cli("demo")
-    out = result.stdout
+    """One run with --json (one TTFT run per row: each repeat of the no-cache row is a full
+    prefill, ~10 s here; the spread is tested below on figures); the tables and the tree are
+    drawn from that JSON by the same functions the text output uses."""
+    import json
+
+    from tiered_cache.cli.tree_render import render_tree
+    from tiered_cache.demo.runner import report
+
+    data = json.loads(run_cli("demo", "--json", "--repeat", "1").stdout)
+    a, b = data["instances"]
+    assert data["identical_answers"] is True
+    assert [r["label"] for r in a["rows"]] == ["no cache", "cold cache (computes, stores)",
+                                               "prefix from local host RAM"]
+    assert [r["label"] for r in b["rows"]] == ["no cache", "prefix from the remote store"]
+    assert all(len(r["ttft_runs_s"]) == 1 and r["ttft_runs_s"][0] == r["ttft_s"] > 0 for r in a["rows"] + b["rows"])
+    assert {t["name"] for t in data["store"]["tiers"]} >= {"ram"}
+    out = report(a, b)
     assert "prefix from local host RAM" in out and "prefix from the remote store" in out
     assert out.count("greedy tokens with and without the cache: identical") == 2
-    assert "Store server figures after the run:" in out and "ram" in out
     # B reused the document from the store (what it reused and where from, not how fast: timing
     # is the benchmark's job, and a loaded machine must not fail this).
-    row = next(line for line in out.splitlines() if line.startswith("B ") and "prefix from the remote store" in line)
-    reused, prompt = (int(n.replace(",", "")) for n in re.search(r"([\d,]+) / ([\d,]+)", row).groups())
-    assert prompt - reused < 32 and f"remote {reused:,}" in row  # all but the last partial page or two
+    remote = b["rows"][-1]
+    reused = remote["reused_tokens"]
+    assert remote["prompt_tokens"] - reused < 32 and remote["sources"] == {"remote": reused}
     # The tree: the document once, as one branch, with each question a leaf under it.
-    tree = out.split("Instance B's radix tree", 1)[1].splitlines()
+    tree = render_tree(b["tree"]).splitlines()
     branch = next(i for i, line in enumerate(tree) if line.startswith("└── "))
     assert "namespace (default): 1 branch" in "\n".join(tree[:branch])
     assert f"({reused:,} tokens)" in tree[branch] and "<|im_start|>" in tree[branch]
     leaves = tree[branch + 1:branch + 3]
     assert leaves[0].startswith("    ├── ") and leaves[1].startswith("    └── ")
     assert any("light automated" in leaf for leaf in leaves) and any("lamp first lit" in leaf for leaf in leaves)
+
+
+def test_the_report_shows_the_median_and_the_spread_of_repeated_runs():
+    from tiered_cache.demo.runner import report
+
+    def row(label, runs, reused=0):
+        ordered = sorted(runs)
+        return {"label": label, "ttft_s": ordered[len(ordered) // 2], "ttft_runs_s": runs, "sources": {},
+                "reused_tokens": reused, "prompt_tokens": 100, "bytes_loaded": 0, "tokens": [1], "answer": "x"}
+
+    a = {"question": "qa", "rows": [row("no cache", [3.0, 2.0, 4.0]), row("cold cache (computes, stores)", [5.0]),
+                                    row("prefix from local host RAM", [0.2, 0.1, 0.4], 96)]}
+    b = {"question": "qb", "rows": [row("no cache", [2.5, 3.5, 3.0]), row("prefix from the remote store",
+                                                                          [0.6, 0.5, 1.5], 96)]}
+    lines = report(a, b).splitlines()
+    host = next(line for line in lines if "local host RAM" in line)
+    assert "200 ms" in host and "100-400 ms" in host and "15.0x" in host  # 3.0 s / 0.2 s, medians
+    assert "- " in next(line for line in lines if "cold cache" in line)  # one run: no spread
+    assert "500-1,500 ms" in next(line for line in lines if "remote store" in line)
+    assert any("median of 3 runs" in line for line in lines)
+
+
+def test_demo_refuses_a_repeat_below_one():
+    bad = run_cli("demo", "--repeat", "0", check=False)
+    assert bad.returncode == 2 and "--repeat must be at least 1" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_ctrl_c_during_the_demo_is_one_line_and_exit_130():

@@ -11,6 +11,9 @@ def add_parser(commands: Any) -> None:
                             description="Starts a store server on a free loopback port, runs instance A and "
                                         "instance B in their own processes, and prints TTFT per tier and both "
                                         "answers. No Redis, GPU or Ray needed.")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="TTFT runs per row after a warm-up; the median and the spread are printed (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
     p.set_defaults(run=run)
 
 
@@ -20,7 +23,7 @@ def run(args: argparse.Namespace) -> int:
     from tiered_cache.demo.runner import run_demo
 
     try:
-        return run_demo()
+        return run_demo(args.repeat, args.json)
     except KeyboardInterrupt:
         print("tiered-cache demo: interrupted; the store server and the instances were stopped", file=sys.stderr)
         return 130

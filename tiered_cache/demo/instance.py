@@ -1,13 +1,18 @@
 """One inference instance of the demo, in its own process. Prints progress to stderr and one JSON
 line of results to stdout.
 
-    python -m tiered_cache.demo.instance a STORE_ADDRESS   # computes the document's KV, answers Q1
-    python -m tiered_cache.demo.instance b STORE_ADDRESS   # empty cache: fetches it, answers Q2
+    python -m tiered_cache.demo.instance a STORE_ADDRESS [REPEAT]   # computes the document's KV, answers Q1
+    python -m tiered_cache.demo.instance b STORE_ADDRESS [REPEAT]   # empty cache: fetches it, answers Q2
+
+Each TTFT is measured REPEAT times (default 3) after one warm-up forward, each time from the same
+state (host RAM refilled by an eviction, a fresh empty cache for the store), so the report can
+print the median and the spread instead of one number a busy machine can swing 10x.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from dataclasses import asdict
 from typing import Any
@@ -23,14 +28,19 @@ def say(message: str) -> None:
     print(f"  [{sys.argv[1].upper()}] {message}", file=sys.stderr, flush=True)
 
 
-def _row(label: str, result: Any, tokenizer: Any) -> dict[str, Any]:
+def _row(label: str, result: Any, tokenizer: Any, more_ttft_s: list[float] = ()) -> dict[str, Any]:
+    """One run's figures; `ttft_s` is the median over this run and the repeats in `more_ttft_s`,
+    `ttft_runs_s` all of them."""
     data = asdict(result)
     data.pop("first_logits")
-    return {"label": label, **data, "answer": tokenizer.decode(result.tokens, skip_special_tokens=True).strip()}
+    runs = [result.ttft_s, *more_ttft_s]
+    return {"label": label, **data, "ttft_s": statistics.median(runs), "ttft_runs_s": runs,
+            "answer": tokenizer.decode(result.tokens, skip_special_tokens=True).strip()}
 
 
 def main() -> None:
     role, address = sys.argv[1], sys.argv[2]
+    repeat = int(sys.argv[3]) if len(sys.argv) > 3 else 3
     from tiered_cache.cache import TieredCache
     from tiered_cache.config import CacheConfig
     from tiered_cache.integrations.smollm2 import chat_prompt, load_model
@@ -39,26 +49,41 @@ def main() -> None:
     say("loading SmolLM2-135M-Instruct (fp32 compute, fp16 KV) ...")
     model, tokenizer = load_model()
     spec = spec_for(model, "fp16", model_id="HuggingFaceTB/SmolLM2-135M-Instruct")
-    cache = TieredCache(spec, CacheConfig(pool_capacity="256MiB", host_capacity="512MiB", lower_tiers=["remote"],
-                                          remote_addresses=[address], write_policy="write_through"))
+    config = CacheConfig(pool_capacity="256MiB", host_capacity="512MiB", lower_tiers=["remote"],
+                         remote_addresses=[address], write_policy="write_through")
+    cache = TieredCache(spec, config)
     prompt = chat_prompt(tokenizer, QUESTIONS[role])
     eos = tokenizer.eos_token_id
+
+    def ttft(use: Any) -> float:  # one more TTFT from the same state: the first token only
+        return generate(model, prompt, use, 1, eos).ttft_s
+
+    generate(model, chat_prompt(tokenizer, "Hello"), None, 1, eos)  # warm-up: first-call allocations
     rows = []
-    say(f"prompt: {len(prompt):,} tokens (the document, then the question)")
+    say(f"prompt: {len(prompt):,} tokens (the document, then the question); each TTFT {repeat} times")
     say("answering without any cache (full prefill) ...")
-    rows.append(_row("no cache", generate(model, prompt, None, MAX_NEW_TOKENS, eos), tokenizer))
+    first = generate(model, prompt, None, MAX_NEW_TOKENS, eos)
+    rows.append(_row("no cache", first, tokenizer, [ttft(None) for _ in range(repeat - 1)]))
     if role == "a":
         say("answering with the cache: nothing cached yet, so it prefills and stores the pages ...")
         rows.append(_row("cold cache (computes, stores)", generate(model, prompt, cache, MAX_NEW_TOKENS, eos),
                          tokenizer))
         moved = cache.evict()
         say(f"moved {moved} pages from the device pool to host RAM; answering again ...")
-        rows.append(_row("prefix from local host RAM", generate(model, prompt, cache, MAX_NEW_TOKENS, eos),
-                         tokenizer))
+        first = generate(model, prompt, cache, MAX_NEW_TOKENS, eos)
+        more = []
+        for _ in range(repeat - 1):
+            cache.evict()
+            more.append(ttft(cache))
+        rows.append(_row("prefix from local host RAM", first, tokenizer, more))
     else:
         say(f"empty local cache; looking the prompt up: {cache.lookup(prompt):,} tokens are in the store")
-        rows.append(_row("prefix from the remote store", generate(model, prompt, cache, MAX_NEW_TOKENS, eos),
-                         tokenizer))
+        first = generate(model, prompt, cache, MAX_NEW_TOKENS, eos)
+        more = []
+        for _ in range(repeat - 1):  # each from a fresh, empty local cache: the store answers again
+            with TieredCache(spec, config.replace(write_policy="write_back")) as fresh:
+                more.append(ttft(fresh))
+        rows.append(_row("prefix from the remote store", first, tokenizer, more))
     tree = None
     if role == "b":  # A's question too: the document's pages are shared, each question is a leaf
         say("asking instance A's question too, for the radix tree picture ...")

@@ -15,8 +15,8 @@ from tiered_cache.cli.table import render_table
 from tiered_cache.model.units import format_binary
 
 
-def _instance(role: str, address: str) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "tiered_cache.demo.instance", role, address],
+def _instance(role: str, address: str, repeat: int) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "tiered_cache.demo.instance", role, address, str(repeat)],
                           stdout=subprocess.PIPE, text=True, timeout=1800)
     if proc.returncode == 130:  # the child saw Ctrl-C too
         raise KeyboardInterrupt
@@ -25,23 +25,35 @@ def _instance(role: str, address: str) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_demo() -> int:
+def run_demo(repeat: int = 3, as_json: bool = False) -> int:
+    """The story, each TTFT measured `repeat` times (median and spread printed); `as_json`: one
+    JSON document (both instances' rows, the store's figures, B's tree) instead of tables.
+    Exit 0 when both instances' greedy answers are identical with and without the cache."""
     from tiered_cache.cli.stats_cmd import render
     from tiered_cache.integrations.smollm2 import gguf_path
     from tiered_cache.service.process import StoreProcess
     from tiered_cache.service.stats import server_stats
 
+    if repeat < 1:
+        raise ValueError(f"--repeat must be at least 1, got {repeat}")
     gguf_path()  # fail early, with the fix, if the weights package is missing
     started = time.perf_counter()
+    progress = sys.stderr if as_json else sys.stdout
     with tempfile.TemporaryDirectory(prefix="tiered-cache-demo-") as folder, \
             StoreProcess(["--disk", folder, "--ram", "256MiB"]) as store:
-        print(f"store server: {store.address} (RAM in front of a temporary disk folder)", flush=True)
-        print("instance A: its own process and cache; reads the document and answers question 1", flush=True)
-        a = _instance("a", store.address)
-        print("instance B: another process, empty local cache; answers question 2 about the same document",
+        print(f"store server: {store.address} (RAM in front of a temporary disk folder)", file=progress, flush=True)
+        print("instance A: its own process and cache; reads the document and answers question 1", file=progress,
               flush=True)
-        b = _instance("b", store.address)
+        a = _instance("a", store.address, repeat)
+        print("instance B: another process, empty local cache; answers question 2 about the same document",
+              file=progress, flush=True)
+        b = _instance("b", store.address, repeat)
         store_stats = server_stats(store.address, None, None, 10)
+    same = all(d["rows"][0]["tokens"] == d["rows"][-1]["tokens"] for d in (a, b))
+    if as_json:
+        print(json.dumps({"instances": [a, b], "store": store_stats, "identical_answers": same,
+                          "seconds": time.perf_counter() - started}, indent=2, default=str))
+        return 0 if same else 1
     print()
     print(report(a, b))
     print()
@@ -54,7 +66,6 @@ def run_demo() -> int:
               "once, each question a leaf")
         print(render_tree(b["tree"]))
     print(f"\ndemo finished in {time.perf_counter() - started:,.0f} s")
-    same = a["rows"][0]["tokens"] == a["rows"][-1]["tokens"] and b["rows"][0]["tokens"] == b["rows"][-1]["tokens"]
     return 0 if same else 1
 
 
@@ -64,12 +75,16 @@ def report(a: dict[str, Any], b: dict[str, Any]) -> str:
         base = data["rows"][0]["ttft_s"]
         for r in data["rows"]:
             where = ", ".join(f"{t} {n:,}" for t, n in r["sources"].items()) or "-"
-            rows.append([inst, r["label"], f"{r['ttft_s'] * 1e3:,.0f} ms", f"{base / r['ttft_s']:.1f}x",
+            runs = r.get("ttft_runs_s") or [r["ttft_s"]]
+            spread = f"{min(runs) * 1e3:,.0f}-{max(runs) * 1e3:,.0f} ms" if len(runs) > 1 else "-"
+            rows.append([inst, r["label"], f"{r['ttft_s'] * 1e3:,.0f} ms", spread, f"{base / r['ttft_s']:.1f}x",
                          f"{r['reused_tokens']:,} / {r['prompt_tokens']:,}", where,
                          format_binary(r["bytes_loaded"]) if r["bytes_loaded"] else "-"])
-    table = render_table(rows, ["instance", "run", "TTFT", "vs no cache", "reused / prompt tokens", "from tier",
-                                "KV moved"], align_right=(2, 3, 4, 6))
-    lines = [table, ""]
+    table = render_table(rows, ["instance", "run", "TTFT (median)", "spread (min-max)", "vs no cache",
+                                "reused / prompt tokens", "from tier", "KV moved"], align_right=(2, 3, 4, 5, 7))
+    counts = sorted({len(r.get("ttft_runs_s") or [0]) for d in (a, b) for r in d["rows"]})
+    lines = [table, f"TTFT: median of {counts[-1]} runs after a warm-up, each from the same state (the cold-cache "
+                    "run happens once); compare the medians, and the spread says how much this machine wobbles", ""]
     for inst, data in (("A", a), ("B", b)):
         nocache, last = data["rows"][0], data["rows"][-1]
         lines.append(f"instance {inst} asked: {data['question']}")
