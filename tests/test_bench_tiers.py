@@ -9,6 +9,7 @@ from conftest import REPO, run_cli
 from tiered_cache.bench.codec_bench import _pages_from_kv, measure
 from tiered_cache.bench.tiers_bench import bench_disk, bench_host, bench_redis
 from tiered_cache.model.presets import preset_spec
+from tiered_cache.tiers.codec import encode_page
 
 SPEC = preset_spec("smollm2-135m", page_size=4)
 
@@ -17,9 +18,13 @@ def test_tier_benches_compare_with_their_baselines(tmp_path, redis_server):
     rows = bench_host(SPEC, 8) + bench_disk(SPEC, 4, str(tmp_path)) + bench_redis(SPEC, 4, redis_server.url)
     assert [r.operation for r in rows] == ["host put", "host get", "disk put (atomic + fsync)",
                                            "disk get (verified)", "redis put", "redis get (verified)"]
-    for row in rows:
+    blob_bytes = 4 * len(encode_page(torch.zeros(SPEC.staging_shape(1)[1:], dtype=SPEC.dtype.torch), SPEC,
+                                     bytes(32)))
+    asked = [8 * SPEC.bytes_per_page] * 2 + [blob_bytes] * 4  # host: 8 pages; disk, redis: 4 blobs
+    for row, size in zip(rows, asked, strict=True):
         assert row.value > 0 and row.baseline > 0 and row.unit == "GiB/s"
-        assert row.ratio == row.value / row.baseline
+        # Each side's last timed call moved every byte asked (read back from its results).
+        assert row.work == row.baseline_work == size, row
 
 
 def test_bench_cli_host_json_and_redis_with_its_own_server(tmp_path):
@@ -59,3 +64,5 @@ def test_remote_bench_rows():
     assert [r.baseline_name for r in rows] == ["bare gRPC stream, kept", "bare gRPC stream, dropped",
                                                "raw Redis MGET", "bare gRPC unary, same bytes"]
     assert all(r.value > 0 and r.baseline > 0 for r in rows)
+    fetched = rows[0].work
+    assert fetched > 8 * SPEC.bytes_per_page and all(r.work == r.baseline_work == fetched for r in rows[:3])

@@ -55,16 +55,20 @@ def bench_radix(num_nodes: int, ops: int = 2000, seed: int = 0) -> list[Comparis
     probes = [rng.choice(sequences) for _ in range(ops)]
     scale = f"{tree.num_nodes:,}"
 
+    matched = {"tree": 0, "dict": 0}  # pages each side found: the same, or one of them is wrong
+
     def match_tree() -> int:
-        for seq in probes:
-            tree.match_prefix(seq)
+        matched["tree"] = sum(tree.match_prefix(seq).num_pages for seq in probes)
         return len(probes)
 
     def match_dict() -> int:
+        found = 0
         for seq in probes:
             for key in seq:
                 if key not in flat:
                     break
+                found += 1
+        matched["dict"] = found
         return len(probes)
 
     new_seqs = [_branch(rng, sequences) for _ in range(ops)]
@@ -98,7 +102,8 @@ def bench_radix(num_nodes: int, ops: int = 2000, seed: int = 0) -> list[Comparis
         return calls
 
     rows = [
-        Comparison(scale, "match", _per_op(match_tree), "dict lookup per page", _per_op(match_dict), "µs/op", False),
+        Comparison(scale, "match", _per_op(match_tree), "dict lookup per page", _per_op(match_dict), "µs/op", False,
+                   matched["tree"], matched["dict"]),
         Comparison(scale, "insert", _per_op(insert_tree), "dict insert per page", _per_op(insert_dict),
                    "µs/op", False),
     ]

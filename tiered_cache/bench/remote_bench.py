@@ -29,7 +29,7 @@ from tiered_cache.bench.remote_clients import (
     run_together,
     verify_pages,
 )
-from tiered_cache.bench.timing import Comparison, best_time
+from tiered_cache.bench.timing import Comparison, best_time, returned_bytes, timed
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.service.client import StoreClient
@@ -82,29 +82,29 @@ def bench_fetch(spec: KVSpec, num_pages: int) -> list[Comparison]:
         StoreClient(store.address, timeout_s=120).put(items)
         tier = RemoteTier([store.address], timeout_s=120)
         assert all(b is not None for b in tier.get(keys)), "the store lost pages during the benchmark"
-        ours = best_time(lambda: tier.get(keys), repeat=3)
+        ours, got = timed(lambda: tier.get(keys), repeat=3)
 
         channel = raw_channel(raw_addr)
         stream = channel.unary_stream("/raw.Raw/Stream")
         request = raw_stream_request(num_pages, size)
-        kept = best_time(lambda: list(stream(request, timeout=120)), repeat=3)  # kept, as a get must
+        kept, messages = timed(lambda: list(stream(request, timeout=120)), repeat=3)  # kept, as a get must
 
-        def drain() -> None:
-            for _ in stream(request, timeout=120):
-                pass
+        def drain() -> int:
+            return sum(len(m) for m in stream(request, timeout=120))  # each counted, then dropped
 
-        dropped = best_time(drain, repeat=3)  # each message dropped on arrival: the transport ceiling
+        dropped, drained = timed(drain, repeat=3)  # each message dropped on arrival: the transport ceiling
+        work = returned_bytes(got)
         rows = [Comparison(scale, "remote get (verified)", total / ours / GIB, "bare gRPC stream, kept",
-                           total / kept / GIB, "GiB/s", True),
+                           total / kept / GIB, "GiB/s", True, work, returned_bytes(messages)),
                 Comparison(scale, "remote get (verified)", total / ours / GIB, "bare gRPC stream, dropped",
-                           total / dropped / GIB, "GiB/s", True)]
-        rows.append(_redis_row(items, total, scale, ours))
+                           total / dropped / GIB, "GiB/s", True, work, drained)]
+        rows.append(_redis_row(items, total, scale, ours, work))
         channel.close()
         tier.close()
     return rows
 
 
-def _redis_row(items: list[tuple[bytes, bytes]], total: int, scale: str, ours: float) -> Comparison:
+def _redis_row(items: list[tuple[bytes, bytes]], total: int, scale: str, ours: float, work: int) -> Comparison:
     import redis
 
     from tiered_cache.tiers.redis import SOCKET_READ_SIZE
@@ -120,12 +120,12 @@ def _redis_row(items: list[tuple[bytes, bytes]], total: int, scale: str, ours: f
             for name, (_, blob) in zip(names, items, strict=True):
                 pipe.set(name, blob)
             pipe.execute()
-            mget = best_time(lambda: client.mget(names), repeat=3)
+            mget, values = timed(lambda: client.mget(names), repeat=3)
             client.close()
         finally:
             server.stop()
     return Comparison(scale, "remote get (verified)", total / ours / GIB, "raw Redis MGET", total / mget / GIB,
-                      "GiB/s", True)
+                      "GiB/s", True, work, returned_bytes(values))
 
 
 def bench_lookup(num_tokens: int = 32768, page_size: int = 16, repeat: int = 30) -> list[Comparison]:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from tiered_cache.bench.timing import Comparison, best_time
+from tiered_cache.bench.timing import Comparison, returned_bytes, timed
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.codec import encode_page
@@ -35,17 +35,22 @@ def bench_host(spec: KVSpec, num_pages: int) -> list[Comparison]:
     host = HostTier(spec, total)
     out = torch.empty_like(pages)
     src, dst = pages.reshape(-1).clone(), torch.empty(pages.numel(), dtype=pages.dtype)
-    memcpy = _rate(total, best_time(lambda: dst.copy_(src)))
+    memcpy_s, copied = timed(lambda: dst.copy_(src))
+    memcpy = _rate(total, memcpy_s)
 
-    put_s = float("inf")
+    put_s, stored = float("inf"), 0
     for _ in range(5):
         host.delete(keys)
-        put_s = min(put_s, best_time(lambda: host.put(keys, pages), repeat=1))
-    get_s = best_time(lambda: host.get(keys, out=out))
+        seconds, stored = timed(lambda: host.put(keys, pages), repeat=1)
+        put_s = min(put_s, seconds)
+    get_s, (found, _) = timed(lambda: host.get(keys, out=out))
     assert host.get(keys, out=out)[0] == num_pages and torch.equal(out, pages)
     scale = f"{num_pages} × {spec.bytes_per_page / 2**20:.2f} MiB"
-    return [Comparison(scale, "host put", _rate(total, put_s), "memcpy (torch copy_)", memcpy, "GiB/s", True),
-            Comparison(scale, "host get", _rate(total, get_s), "memcpy (torch copy_)", memcpy, "GiB/s", True)]
+    moved = returned_bytes(copied)
+    return [Comparison(scale, "host put", _rate(total, put_s), "memcpy (torch copy_)", memcpy, "GiB/s", True,
+                       stored * spec.bytes_per_page, moved),
+            Comparison(scale, "host get", _rate(total, get_s), "memcpy (torch copy_)", memcpy, "GiB/s", True,
+                       found * spec.bytes_per_page, moved)]
 
 
 def bench_disk(spec: KVSpec, num_pages: int, folder: str | None = None) -> list[Comparison]:
@@ -58,30 +63,37 @@ def bench_disk(spec: KVSpec, num_pages: int, folder: str | None = None) -> list[
         raw_dir, tier_dir = Path(tmp, "raw"), Path(tmp, "tier")
         raw_dir.mkdir()
 
-        def raw_write() -> None:
+        def raw_write() -> int:
+            written = 0
             for i, blob in enumerate(blobs):
                 fd = os.open(raw_dir / f"{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.write(fd, blob)
+                written += os.write(fd, blob)
                 os.fsync(fd)
                 os.close(fd)
+            return written
 
         def raw_read() -> list[bytes]:  # kept, as a get must return them all
             return [(raw_dir / f"{i}").read_bytes() for i in range(len(blobs))]
 
         tier = DiskTier(tier_dir, total * 2)
 
-        def tier_write() -> None:
+        def tier_write() -> int:
             tier.delete(keys)
             tier.put(list(zip(keys, blobs, strict=True)))
+            return tier.stats().used_bytes
+
+        def tier_read() -> int:
+            return returned_bytes(tier.get(keys))
 
         results = [("disk put (atomic + fsync)", tier_write, "write + fsync per file", raw_write),
-                   ("disk get (verified)", lambda: tier.get(keys), "read_bytes per file", raw_read)]
+                   ("disk get (verified)", tier_read, "read_bytes per file", lambda: returned_bytes(raw_read()))]
         scale = f"{num_pages} × {len(blobs[0]) / 2**20:.2f} MiB"
         rows = []
         for name, ours, base_name, base in results:
-            base_rate = _rate(total, best_time(base, repeat=3))
-            rows.append(Comparison(scale, name, _rate(total, best_time(ours, repeat=3)), base_name, base_rate,
-                                   "GiB/s", True))
+            base_s, base_work = timed(base, repeat=3)
+            ours_s, work = timed(ours, repeat=3)
+            rows.append(Comparison(scale, name, _rate(total, ours_s), base_name, _rate(total, base_s),
+                                   "GiB/s", True, work, base_work))
         return rows
 
 
@@ -111,22 +123,26 @@ def bench_redis(spec: KVSpec, num_pages: int, url: str | None = None) -> list[Co
         raw = redis.Redis.from_url(url, socket_timeout=30, socket_read_size=SOCKET_READ_SIZE)
         raw_names = [b"bench-raw:" + k.hex().encode() for k in keys]
 
-        def raw_set() -> None:
+        def raw_set() -> int:
             pipe = raw.pipeline(transaction=False)
             for name, blob in zip(raw_names, blobs, strict=True):
                 pipe.set(name, blob)
-            pipe.execute()
+            return sum(len(b) for b, ok in zip(blobs, pipe.execute(), strict=True) if ok)
 
         items = list(zip(keys, blobs, strict=True))
         raw_set()
         tier.put(items)
         scale = f"{num_pages} × {len(blobs[0]) / 2**20:.2f} MiB"
-        set_rate, put_rate = (_rate(total, best_time(f, repeat=3)) for f in (raw_set, lambda: tier.put(items)))
-        mget_rate, get_rate = (_rate(total, best_time(f, repeat=3))
-                               for f in (lambda: raw.mget(raw_names), lambda: tier.get(keys)))
+        (set_s, set_work), (put_s, _) = (timed(f, repeat=3) for f in (raw_set, lambda: tier.put(items)))
+        put_work = sum(len(b) for b, held in zip(blobs, tier.contains(keys), strict=True) if held)
+        (mget_s, mget_work), (get_s, get_work) = (
+            timed(f, repeat=3) for f in (lambda: returned_bytes(raw.mget(raw_names)),
+                                         lambda: returned_bytes(tier.get(keys))))
         assert all(b is not None for b in tier.get(keys)), "the Redis tier lost pages during the benchmark"
-        return [Comparison(scale, "redis put", put_rate, "redis-py pipelined SET", set_rate, "GiB/s", True),
-                Comparison(scale, "redis get (verified)", get_rate, "redis-py MGET", mget_rate, "GiB/s", True)]
+        return [Comparison(scale, "redis put", _rate(total, put_s), "redis-py pipelined SET", _rate(total, set_s),
+                           "GiB/s", True, put_work, set_work),
+                Comparison(scale, "redis get (verified)", _rate(total, get_s), "redis-py MGET", _rate(total, mget_s),
+                           "GiB/s", True, get_work, mget_work)]
     finally:
         if server is not None:
             server.stop()

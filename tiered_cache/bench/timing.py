@@ -10,12 +10,25 @@ from typing import Any
 
 def best_time(fn: Callable[[], Any], repeat: int = 5) -> float:
     """Smallest wall time of `repeat` calls, in seconds (the least disturbed by a noisy machine)."""
-    best = float("inf")
+    return timed(fn, repeat)[0]
+
+
+def timed(fn: Callable[[], Any], repeat: int = 5) -> tuple[float, Any]:
+    """(smallest wall time of `repeat` calls, what the last call returned): the result shows what
+    the timed call really did (`Comparison.work`)."""
+    best, result = float("inf"), None
     for _ in range(repeat):
         start = time.perf_counter()
-        fn()
+        result = fn()
         best = min(best, time.perf_counter() - start)
-    return best
+    return best, result
+
+
+def returned_bytes(result: Any) -> int:
+    """Bytes a timed read returned: blobs (None for a miss counts 0), or a tensor."""
+    if hasattr(result, "numel"):
+        return int(result.numel() * result.element_size())
+    return sum(len(b) for b in result if b is not None)
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,10 @@ class Comparison:
     baseline: float
     unit: str
     higher_is_better: bool
+    # What the last timed call of each side really did (bytes returned or written, pages matched,
+    # tokens keyed), read from its results: equal to what was asked unless the benchmark is broken.
+    work: float | None = None
+    baseline_work: float | None = None
 
     @property
     def ratio(self) -> float:
