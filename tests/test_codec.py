@@ -255,3 +255,18 @@ def test_version_1_blobs_left_on_disk_are_misses_and_deleted(tmp_path):
     assert disk.get(keys) == [None, blobs[1]]
     assert disk.stats().corrupt == 1 and disk.contains(keys) == [False, True]
     assert not (tmp_path / keys[0].hex()).exists()
+
+
+def test_without_the_blosc2_package_a_blosc2_blob_is_a_miss_and_the_codec_is_refused(monkeypatch):
+    import sys
+
+    from tiered_cache.config import CacheConfig
+
+    page, key = page_of(SPEC, smooth=True), key_of(SPEC)
+    blob = encode_page(page, SPEC, key, Codec.BLOSC2, min_saving=0)
+    monkeypatch.setitem(sys.modules, "blosc2", None)  # what a reader without the package sees on import
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "blosc2" else object())
+    with pytest.raises(BlobError, match="blosc2 package is not installed"):
+        decode_page(blob, SPEC, key)
+    with pytest.raises(ValueError, match="codec 'blosc2' needs the blosc2 package"):
+        CacheConfig(codec="blosc2")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -195,7 +196,10 @@ def _coerce(name: str, value: Any) -> Any:
             names = [str(getattr(v, "value", v)).strip().lower() for v in items]
             return tuple(_choice(LowerTier, n) for n in names if n)
         if name == "codec":
-            return Codec.parse(value)
+            codec = Codec.parse(value)
+            if codec is Codec.BLOSC2 and importlib.util.find_spec("blosc2") is None:
+                raise ValueError("codec 'blosc2' needs the blosc2 package: pip install blosc2")
+            return codec
         if name == "write_policy":
             return _choice(WritePolicy, value)
         if name == "eviction_policy":

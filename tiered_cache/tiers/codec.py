@@ -164,8 +164,13 @@ def _blosc2_encode(raw: np.ndarray, itemsize: int) -> bytes:
 
 def _blosc2_decode(payload: memoryview, raw_len: int, out: np.ndarray) -> None:
     """Decode a blosc2 chunk into `out`, after checking its own sizes against the header's: a
-    chunk that claims more bytes than the page would write past `out`."""
-    import blosc2
+    chunk that claims more bytes than the page would write past `out`. Without the blosc2
+    package here the blob is refused (a miss), like any blob this reader cannot decode."""
+    try:
+        import blosc2
+    except ImportError:
+        raise BlobError("the blob is blosc2-encoded and the blosc2 package is not installed here "
+                        "(pip install blosc2)") from None
 
     try:
         nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(payload)
