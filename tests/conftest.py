@@ -19,6 +19,15 @@ settings.register_profile("dev", max_examples=40, stateful_step_count=30, deadli
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def ctrl_c_able() -> None:
+    """`preexec_fn` for a child a test interrupts with SIGINT: a shell that runs the suite in the
+    background (`make test &`) starts it with SIGINT ignored, every child inherits that, and
+    Python then never raises KeyboardInterrupt: the child would hang instead of exiting."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run `tiered-cache ARGS` as a user would, in a fresh interpreter."""
     result = subprocess.run([sys.executable, "-m", "tiered_cache.cli.main", *args],

@@ -74,10 +74,11 @@ def test_ctrl_c_during_the_demo_is_one_line_and_exit_130():
     import sys
     import time
 
-    from conftest import REPO
+    from conftest import REPO, ctrl_c_able
 
     demo = subprocess.Popen([sys.executable, "-m", "tiered_cache.cli.main", "demo"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=REPO)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, cwd=REPO,
+                            preexec_fn=ctrl_c_able)
     assert demo.stdout is not None
     seen = []
     while "[A] loading" not in (line := demo.stdout.readline()):  # instance A is running

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, ctrl_c_able, run_cli
 from tier_helpers import SPEC, blobs_for
 
 from tiered_cache.service.client import StoreClient
@@ -60,7 +60,8 @@ def test_a_refused_token_is_said_so_and_the_token_comes_from_the_environment():
 
 def _watch(address: str, *extra: str, stdout=subprocess.PIPE) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "tiered_cache.cli.main", "stats", "--address", address,
-                             "--watch", "0.3", *extra], stdout=stdout, text=True, cwd=REPO)
+                             "--watch", "0.3", *extra], stdout=stdout, text=True, cwd=REPO,
+                            preexec_fn=ctrl_c_able)
 
 
 def _read_all(fd: int) -> str:
