@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tiered_cache.cli.table import render_table
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _watch_lines(args: argparse.Namespace, sample: Any) -> None:
+def _watch_lines(args: argparse.Namespace, sample: Callable[[], tuple[str, bool]]) -> None:
     """--watch into a pipe or with --json: one block (or one JSON document per line) per refresh,
     no escape codes, so tools and log files read it."""
     while True:
@@ -147,7 +148,7 @@ def _watch_lines(args: argparse.Namespace, sample: Any) -> None:
         time.sleep(args.watch)
 
 
-def _watch_screen(args: argparse.Namespace, sample: Any) -> None:
+def _watch_screen(args: argparse.Namespace, sample: Callable[[], tuple[str, bool]]) -> None:
     """--watch on a terminal: rich's Live redraws in the alternate screen (no flicker, and the
     terminal is restored on exit or Ctrl-C) instead of hand-written clear-screen codes."""
     from rich.live import Live

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -28,7 +29,7 @@ def say(message: str) -> None:
     print(f"  [{sys.argv[1].upper()}] {message}", file=sys.stderr, flush=True)
 
 
-def _row(label: str, result: Any, tokenizer: Any, more_ttft_s: list[float] = ()) -> dict[str, Any]:
+def _row(label: str, result: Any, tokenizer: Any, more_ttft_s: Sequence[float] = ()) -> dict[str, Any]:
     """One run's figures; `ttft_s` is the median over this run and the repeats in `more_ttft_s`,
     `ttft_runs_s` all of them."""
     data = asdict(result)

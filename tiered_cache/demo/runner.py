@@ -82,8 +82,8 @@ def report(a: dict[str, Any], b: dict[str, Any]) -> str:
                          format_binary(r["bytes_loaded"]) if r["bytes_loaded"] else "-"])
     table = render_table(rows, ["instance", "run", "TTFT (median)", "spread (min-max)", "vs no cache",
                                 "reused / prompt tokens", "from tier", "KV moved"], align_right=(2, 3, 4, 5, 7))
-    counts = sorted({len(r.get("ttft_runs_s") or [0]) for d in (a, b) for r in d["rows"]})
-    lines = [table, f"TTFT: median of {counts[-1]} runs after a warm-up, each from the same state (the cold-cache "
+    most = max(len(r.get("ttft_runs_s") or [0]) for d in (a, b) for r in d["rows"])
+    lines = [table, f"TTFT: median of {most} runs after a warm-up, each from the same state (the cold-cache "
                     "run happens once); compare the medians, and the spread says how much this machine wobbles", ""]
     for inst, data in (("A", a), ("B", b)):
         nocache, last = data["rows"][0], data["rows"][-1]

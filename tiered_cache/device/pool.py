@@ -46,10 +46,10 @@ class PagePool:
     def __init__(self, spec: KVSpec, num_pages: int, device: str | torch.device = "cpu",
                  ops: str | None = None) -> None:
         self.spec = spec
-        self.device = usable_device(device)
-        self.ops: PageOps = select_ops(self.device, ops)
+        wanted = usable_device(device)
+        self.ops: PageOps = select_ops(wanted, ops)
         self.allocator = PageAllocator(num_pages)
-        self.kv, self.pretouch = allocate_pretouched(spec.pool_shape(num_pages), spec.dtype.torch, self.device)
+        self.kv, self.pretouch = allocate_pretouched(spec.pool_shape(num_pages), spec.dtype.torch, wanted)
         # The device the pool really lives on: "cuda" becomes "cuda:0", so `out.device == self.device`
         # holds for a tensor on the same GPU (a bare "cuda" compared unequal and doubled every gather).
         self.device = self.kv.device

@@ -136,22 +136,20 @@ def encode_page(page: Any, spec: KVSpec, key: bytes, codec: Codec | str = Codec.
         raise ValueError(f"a page of {spec.model_id} is {spec.bytes_per_page:,} bytes, got {raw.size:,}")
     if len(key) != 32:
         raise ValueError(f"page key must be 32 bytes, got {len(key)}")
-    payload: Any = raw
-    used = Codec.RAW
     if codec is Codec.INT8:
-        payload, used = _int8_encode(raw, spec), Codec.INT8
-    elif codec in (Codec.LZ4, Codec.LZ4_SHUFFLE):
+        return _assemble(spec, key, Codec.INT8, _int8_encode(raw, spec))
+    if codec in (Codec.LZ4, Codec.LZ4_SHUFFLE):
         import lz4.block
 
         source = _shuffle(raw, spec.dtype.itemsize) if codec is Codec.LZ4_SHUFFLE else raw
         packed = lz4.block.compress(source, store_size=False)
-        if len(packed) <= raw.size * (1 - min_saving):
-            payload, used = packed, codec
     elif codec is Codec.BLOSC2:
         packed = _blosc2_encode(raw, spec.dtype.itemsize)
-        if len(packed) <= raw.size * (1 - min_saving):
-            payload, used = packed, codec
-    return _assemble(spec, key, used, payload)
+    else:
+        return _assemble(spec, key, Codec.RAW, raw)
+    if len(packed) <= raw.size * (1 - min_saving):  # a lossless codec must pay for itself
+        return _assemble(spec, key, codec, packed)
+    return _assemble(spec, key, Codec.RAW, raw)
 
 
 def _blosc2_encode(raw: np.ndarray, itemsize: int) -> bytes:
