@@ -46,6 +46,11 @@ def test_kernels_match_torch_bit_for_bit(spec):
     target_c = cuda.allocate(num)
     cuda.scatter(target_c, staged)
     assert torch.equal(cuda.read_tokens(target_c, n), kv)
+    copies_c, copies_r = cuda.allocate(num), reference.allocate(num)  # copy-on-write's page copy
+    cuda.copy_pages(pages_c, copies_c)
+    reference.copy_pages(pages_r, copies_r)
+    assert torch.equal(cuda.read_tokens(copies_c, n), kv)
+    assert torch.equal(cuda.kv.view(torch.uint8), reference.kv.view(torch.uint8))
 
 
 def test_gather_into_a_device_tensor_makes_no_temporary_copy():

@@ -36,7 +36,8 @@ from tiered_cache.cache_stats import CacheStats, Movements, PoolFigures
 from tiered_cache.config import CacheConfig, WritePolicy
 from tiered_cache.demotion import BACKGROUND_NICE, BackgroundQueue, Foreground
 from tiered_cache.device.pool import PagePool, check_tensor
-from tiered_cache.errors import PoolExhaustedError
+from tiered_cache.errors import IntegrityError, PoolExhaustedError
+from tiered_cache.forking import ForkOps
 from tiered_cache.handle import HOST, CacheHandle, Prefetch
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.index.radix import RadixTree
@@ -86,13 +87,14 @@ class Fetched:
     tiers: list[str]  # the tier that supplied each of the n pages
 
 
-class TieredCache:
+class TieredCache(ForkOps):
     """KV cache over a device page pool, host RAM and optional lower tiers.
 
     Tensor API: `put`, `get`, `lookup`. Paged API: `match` -> (`prefetch`) -> `load` ->
-    `allocate` -> engine writes K/V (`write`, or into `pool.kv` then `mark_written`) -> `commit`
-    -> `release`. KV tensors use the shapes of DESIGN.md §6; tokens are 1-D integer sequences;
-    `namespace` defaults to the config's.
+    `allocate` -> engine writes K/V (`write`, or into `writable_slots` then `mark_written`) ->
+    `commit` -> `release`; `fork` makes copy-on-write copies of a handle (forking.py). KV tensors
+    use the shapes of DESIGN.md §6; tokens are 1-D integer sequences; `namespace` defaults to the
+    config's.
     """
 
     def __init__(self, spec: KVSpec, config: CacheConfig | None = None,
@@ -139,6 +141,10 @@ class TieredCache:
         self._spare = (SpareOutput(self._foreground, self.pool.num_pages * spec.bytes_per_page)
                        if self.config.spare_output and self.pool.kv.device.type == "cpu" else None)
         self._closed = False
+        self._live: set[CacheHandle] = set()  # handles not released yet: they hold their own pages
+        self._loose = 0  # pages allocated outside any holder while a copy fills them (put, load)
+        self._forks = 0
+        self._cow_copies = 0
         self._page_tokens = PageTokens()  # token ids of inserted pages, for tree() previews
         self.metrics: Any = None  # a MetricsServer with config.metrics_port
         self._fetch_metrics: Any = None
@@ -186,6 +192,7 @@ class TieredCache:
             except BaseException:
                 self.tree.unlock(match.node)
                 raise
+            self._loose += len(pages)
         n = len(pages)
         start = match.num_pages
         try:
@@ -194,10 +201,12 @@ class TieredCache:
         except BaseException:
             with self._lock:
                 self.pool.free(pages)
+                self._loose -= n
                 self.tree.unlock(match.node)
             raise
         with self._lock:
             self.tree.unlock(match.node)
+            self._loose -= n
             if not n:
                 return 0
             self._device.bytes_in += n * self.spec.bytes_per_page
@@ -269,6 +278,8 @@ class TieredCache:
         handle = CacheHandle(self, ns, self.spec.page_size, keys, result.node, result.values,
                              result.num_pages + len(plan), plan, tokens=toks)
         handle.sources["device"] = result.num_pages
+        with self._lock:
+            self._live.add(handle)
         return handle
 
     @_request_path
@@ -367,19 +378,21 @@ class TieredCache:
         self._check_kv(kv, n)
         with self._lock:
             self._check_writable(handle, n)
+            self._make_private(handle, handle.own_written, handle.own_written + n)  # copy-on-write
             slots = self.pool.slots(np.array(handle.own_pages, dtype=np.int64), handle.own_written + n)
-        self.pool.store(slots[handle.own_written:], kv)  # the handle's own pages: no lock needed
+        self.pool.store(slots[handle.own_written:], kv)  # the handle's own private pages: no lock needed
         handle.own_written += n
 
     @_request_path
     def mark_written(self, handle: CacheHandle, num_tokens: int) -> None:
         """Record that the engine wrote the KV of the handle's next `num_tokens` tokens itself
-        (into `pool.kv`, at `pool.slots(handle.own_pages, ...)`). Only written tokens are ever
-        committed. Raises ValueError past the tokens allocated."""
+        (into `pool.kv`, at the slots `writable_slots` gave). Only written tokens are ever
+        committed. Raises ValueError past the tokens allocated, or over a page a fork shares."""
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
             raise ValueError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
         with self._lock:
             self._check_writable(handle, int(num_tokens))
+            self._require_private(handle, handle.own_written, handle.own_written + int(num_tokens))
             handle.own_written += int(num_tokens)
 
     @_request_path
@@ -446,6 +459,7 @@ class TieredCache:
             handle.own_pages.clear()
             handle.own_tokens = handle.own_written = 0
             handle.released = True
+            self._live.discard(handle)
             pending, handle.prefetch = handle.prefetch, None
         if pending is not None:
             pending.cancel.set()
@@ -515,7 +529,8 @@ class TieredCache:
             device = replace(self._device, pages=size.total, used_bytes=size.total * self.spec.bytes_per_page)
             tiers = [device, self.moves.apply(self.host.stats())]
             pool = PoolFigures(usage.total_pages, usage.used_pages, usage.free_pages, usage.page_bytes,
-                               self._unused_slots)
+                               self._unused_slots, int((self.pool.allocator.refs > 1).sum()), self._forks,
+                               self._cow_copies)
             nodes = self.tree.num_nodes
         for tier in self.chain.stats():
             tiers.append(replace(tier, corrupt=tier.corrupt + self.moves.refused[tier.name]))
@@ -559,7 +574,9 @@ class TieredCache:
         self.close()
 
     def check_integrity(self) -> None:
-        """Tree and pool invariants, and every tree page allocated in the pool."""
+        """Tree and pool invariants, and page holder counts: every page the tree or a live handle
+        holds has exactly that many holders in the pool; pages allocated with no holder are only
+        those a copy is filling now (background demotion, a put or load under way)."""
         with self._lock:
             self.tree.check_integrity()
             self.pool.check_integrity()
@@ -567,6 +584,15 @@ class TieredCache:
             if held > self.pool.usage().used_pages:
                 raise AssertionError(f"the tree holds {held} pages but only {self.pool.usage().used_pages} "
                                      "are in use")
+            counts, refs = self._holder_counts(), self.pool.allocator.refs
+            wrong = np.flatnonzero((counts > 0) & (counts != refs))
+            if wrong.size:
+                raise IntegrityError(f"pages {wrong.tolist()[:16]} have {refs[wrong].tolist()[:16]} holders in the "
+                                     f"pool but {counts[wrong].tolist()[:16]} known holders")
+            orphans = int(((counts == 0) & (refs > 0)).sum())
+            if orphans > self._demoting + self._loose:
+                raise IntegrityError(f"{orphans} pages are allocated with no holder ({self._demoting} being "
+                                     f"demoted, {self._loose} being filled): leaked")
 
     # --- ownership (call with the lock held) ------------------------------------------------------
     def _adopt(self, ns: str, keys: list[bytes], prefix_pages: np.ndarray, new_pages: np.ndarray,
@@ -599,10 +625,18 @@ class TieredCache:
         with self._lock:
             self._check_live(handle)
             pages = self._allocate_fitting(fetched.n)
+            self._loose += len(pages)
         n = len(pages)
-        if n:
-            self.pool.scatter(pages, fetched.buffer[:n])  # the pages are ours until adopted
+        try:
+            if n:
+                self.pool.scatter(pages, fetched.buffer[:n])  # the pages are ours until adopted
+        except BaseException:
+            with self._lock:
+                self.pool.free(pages)
+                self._loose -= n
+            raise
         with self._lock:
+            self._loose -= n
             return self._adopt_loaded(handle, start, pages, fetched.tiers[:n])
 
     def _load_from_host(self, handle: CacheHandle, start: int, wanted: list[bytes]) -> np.ndarray | None:

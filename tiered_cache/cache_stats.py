@@ -32,6 +32,9 @@ class PoolFigures:
     free_pages: int
     page_bytes: int
     unused_slots: int  # token slots allocated to live requests but not (yet) filled
+    shared_pages: int = 0  # pages more than one holder (forks, the tree) holds: stored once
+    forks: int = 0  # handles made by fork()
+    cow_copies: int = 0  # shared pages copied because a fork wrote into them
 
     @property
     def utilisation(self) -> float:
@@ -70,7 +73,8 @@ class CacheStats:
                 "total_pages": self.pool.total_pages, "used_pages": self.pool.used_pages,
                 "free_pages": self.pool.free_pages, "page_bytes": self.pool.page_bytes,
                 "utilisation": self.pool.utilisation, "unused_slots": self.pool.unused_slots,
-                "fragmentation": self.fragmentation,
+                "fragmentation": self.fragmentation, "shared_pages": self.pool.shared_pages,
+                "forks": self.pool.forks, "cow_copies": self.pool.cow_copies,
             },
             "tree": {"nodes": self.tree_nodes, "evictable_pages": self.evictable_pages,
                      "protected_pages": self.protected_pages},

@@ -1,5 +1,6 @@
 // Host entry points that run each kernel over a whole grid (see cuda_shim.h).
 #include "cuda_shim.h"
+#include "copy_pages.cu"
 #include "gather_pages.cu"
 #include "scatter_pages.cu"
 #include "store_kv.cu"
@@ -25,4 +26,9 @@ extern "C" void run_store(unsigned grid, unsigned block, const unsigned char* kv
                           const i64* slots, i64 layers, i64 tokens, i64 heads, i64 pool_pages, i64 page_size,
                           i64 row_bytes, int hnd) {
   RUN_GRID(grid, block, store_kv(kv, pool, slots, layers, tokens, heads, pool_pages, page_size, row_bytes, hnd));
+}
+
+extern "C" void run_copy(unsigned grid, unsigned block, unsigned char* pool, const i64* src, const i64* dst,
+                         i64 n, i64 layers, i64 pool_pages, i64 block_bytes) {
+  RUN_GRID(grid, block, copy_pages(pool, src, dst, n, layers, pool_pages, block_bytes));
 }

@@ -36,17 +36,19 @@ def has_duplicates(arr: np.ndarray) -> bool:
 
 
 class PageAllocator:
-    """Tracks which of `num_pages` pages are free, and which are pinned by a transfer in flight.
+    """Tracks which of `num_pages` pages are free, who shares them, and which are pinned by a
+    transfer in flight.
 
     The free list is a stack in a preallocated array: `allocate(n)` takes the top n entries and
-    `free(pages)` pushes them back, each a single vectorised slice. `in_use` marks the pages the
-    caller owns (allocated, not yet freed), so double frees and frees of never-allocated pages
+    `free(pages)` pushes them back, each a single vectorised slice. `refs` counts the holders of
+    each page (copy-on-write forks share pages: `share` adds a holder, `free` removes one) and
+    `in_use` marks the pages with any holder, so double frees and frees of never-allocated pages
     are caught before any state changes.
 
     A page is in exactly one state:
-      free     on the stack, `in_use` False, no pins; `allocate` may hand it out.
-      used     `in_use` True (pinned or not); the caller owns it.
-      pending  freed by the caller while pinned: `in_use` False, pins > 0, not on the stack.
+      free     on the stack, `in_use` False, no holder, no pins; `allocate` may hand it out.
+      used     `in_use` True, refs >= 1 (pinned or not); its holders own it.
+      pending  its last holder freed it while pinned: `in_use` False, pins > 0, not on the stack.
                A copy may still read or write it, so it reaches the stack with its last `unpin`.
     """
 
@@ -58,6 +60,7 @@ class PageAllocator:
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._top = num_pages  # entries [0, _top) of _stack are free
         self.in_use = np.zeros(num_pages, dtype=bool)
+        self.refs = np.zeros(num_pages, dtype=np.int64)  # holders of each page (forks share pages)
         self._pins = np.zeros(num_pages, dtype=np.int64)
         self._num_pending = 0
 
@@ -87,20 +90,36 @@ class PageAllocator:
         pages = self._stack[self._top - n:self._top][::-1].copy()
         self._top -= n
         self.in_use[pages] = True
+        self.refs[pages] = 1
         return pages
 
+    def share(self, pages: Any) -> None:
+        """Add a holder to each of `pages` (allocated): a fork now holds them too, and they stay
+        allocated until every holder has freed them. Raises PageStateError (changing nothing)
+        unless every page is allocated; a page listed twice gains two holders."""
+        arr = as_page_array(pages, self.num_pages)
+        self.require_allocated(arr)
+        np.add.at(self.refs, arr, 1)
+
+    def is_shared(self, pages: Any) -> np.ndarray:
+        """Per page of `pages`, whether more than one holder has it (a write must copy it first)."""
+        return self.refs[as_page_array(pages, self.num_pages)] > 1
+
     def free(self, pages: Any) -> None:
-        """Give pages back. Unpinned pages return to the free list now; pinned ones become pending
-        and return with their last `unpin`. Raises PageStateError (changing nothing) for pages out
-        of range, repeated within the call, or not currently allocated (double free, pending too)."""
+        """Drop one holder of each of `pages`; a page whose last holder goes is released. Unpinned
+        pages return to the free list now; pinned ones become pending and return with their last
+        `unpin`. Raises PageStateError (changing nothing) for pages out of range, repeated within
+        the call, or not currently allocated (double free, pending too)."""
         arr = as_page_array(pages, self.num_pages)
         if arr.size == 0:
             return
-        if np.unique(arr).size != arr.size:
+        if has_duplicates(arr):
             raise PageStateError(f"the same page appears twice in one free() call: {arr.tolist()[:16]}")
         not_used = arr[~self.in_use[arr]]
         if not_used.size:
             raise PageStateError(f"double free or never allocated: pages {not_used.tolist()[:16]} are already free")
+        self.refs[arr] -= 1
+        arr = arr[self.refs[arr] == 0]  # pages other holders still share stay allocated
         self.in_use[arr] = False
         pinned = self._pins[arr] > 0
         self._num_pending += int(pinned.sum())
@@ -142,12 +161,16 @@ class PageAllocator:
 
     def check_integrity(self) -> None:
         """free + used + pending == total; the free stack holds exactly the pages neither in use
-        nor pinned; pin counts are never negative."""
+        nor pinned; pin and holder counts are never negative; a page is in use exactly when it
+        has a holder."""
         free = self._stack[:self._top]
         if np.unique(free).size != free.size:
             raise IntegrityError("a page appears twice in the free list")
         if self.in_use[free].any():
             raise IntegrityError("a page is both free and in use")
+        if (self.refs < 0).any() or not np.array_equal(self.refs > 0, self.in_use):
+            raise IntegrityError(f"holder counts disagree with in-use marks on pages "
+                                 f"{np.flatnonzero((self.refs > 0) != self.in_use).tolist()[:16]}")
         if (self._pins < 0).any():
             raise IntegrityError(f"negative pin counts on pages {np.flatnonzero(self._pins < 0).tolist()[:16]}")
         if (self._pins[free] > 0).any():

@@ -97,6 +97,15 @@ class CupyPageOps:
     def scatter(self, pool: Any, pages: Any, staging: Any) -> None:
         self._move("scatter_pages", pool, pages, staging.contiguous(), source=None, target=pool)
 
+    def copy(self, pool: Any, src: Any, dst: Any) -> None:
+        num_layers, pool_pages = pool.shape[1], pool.shape[2]
+        block_bytes = pool[0, 0, 0].numel() * pool.element_size()
+        n = src.numel()
+        grid = (min(_MAX_BLOCKS, -(-n * num_layers * 2 // (_THREADS // 32))),)
+        args = (_bytes(pool), _index(src), _index(dst), np.int64(n), np.int64(num_layers), np.int64(pool_pages),
+                np.int64(block_bytes))
+        _on_torch_stream(lambda: _kernel("copy_pages")(grid, (_THREADS,), args))
+
     def _move(self, kernel: str, pool: Any, pages: Any, staging: Any, source: Any, target: Any) -> None:
         num_layers, pool_pages = pool.shape[1], pool.shape[2]
         block_bytes = pool[0, 0, 0].numel() * pool.element_size()

@@ -85,6 +85,10 @@ class PagePool:
         """Give pages back. Raises PageStateError, freeing nothing, on a double free or bad index."""
         self.allocator.free(pages)
 
+    def share(self, pages: Any) -> None:
+        """Add a holder to each of `pages` (a copy-on-write fork): each is freed with its last holder."""
+        self.allocator.share(pages)
+
     def pin(self, pages: Any) -> None:
         """Keep allocated pages from reuse until `unpin`, even if freed meanwhile (a copy is in flight)."""
         self.allocator.pin(pages)
@@ -189,6 +193,17 @@ class PagePool:
         order = (2, 1, 0, *range(3, staging.dim()))
         for i, page, count in _runs(pages):
             _copy(self.kv[:, :, page:page + count], staging[i:i + count].permute(order), to_pool)
+
+    def copy_pages(self, src: Any, dst: Any) -> None:
+        """Copy pool page `src[i]` into pool page `dst[i]` (all allocated and distinct): the copy a
+        copy-on-write fork makes before writing into a shared page. One kernel on CUDA."""
+        s, d = self._pages(src), self._pages(dst)
+        if s.size != d.size:
+            raise PageStateError(f"{s.size} source pages for {d.size} destination pages")
+        if has_duplicates(np.concatenate([s, d])):
+            raise PageStateError("copy_pages() needs distinct source and destination pages")
+        if s.size:
+            self.ops.copy(self.kv, self._index(s), self._index(d))
 
     def read_tokens(self, pages: Any, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
         """KV of the first `num_tokens` tokens stored over `pages`, in tensor-API shape

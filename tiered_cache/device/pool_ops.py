@@ -1,4 +1,4 @@
-"""The three data movements of a page pool, behind one small interface.
+"""The data movements of a page pool, behind one small interface.
 
 `TorchPageOps` works on any torch device and is the reference: faster implementations (the CuPy
 kernels under `kernels/`) register under another name and must produce identical bytes.
@@ -12,6 +12,8 @@ Shapes (DESIGN.md §6), with `inner` = the spec's `page_inner_shape`:
 from __future__ import annotations
 
 from typing import Any, Protocol
+
+import torch
 
 from tiered_cache.model.spec import Layout
 
@@ -27,6 +29,9 @@ class PageOps(Protocol):
 
     def scatter(self, pool: Any, pages: Any, staging: Any) -> None:
         """Copy page-first `staging` into `pages` of the pool (the reverse of gather)."""
+
+    def copy(self, pool: Any, src: Any, dst: Any) -> None:
+        """Copy pool page `src[i]` into pool page `dst[i]` (all distinct), every layer and K/V."""
 
 
 class TorchPageOps:
@@ -47,6 +52,10 @@ class TorchPageOps:
 
     def scatter(self, pool: Any, pages: Any, staging: Any) -> None:
         pool.index_copy_(2, pages, staging.permute(2, 1, 0, *range(3, pool.dim())))
+
+    def copy(self, pool: Any, src: Any, dst: Any) -> None:
+        raw = pool.view(torch.uint8)  # bytes: torch has no float8 indexing on the CPU
+        raw.index_copy_(2, dst, raw.index_select(2, src))
 
 
 _REGISTRY: dict[str, PageOps] = {"torch": TorchPageOps()}

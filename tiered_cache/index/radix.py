@@ -254,6 +254,17 @@ class RadixTree:
         if not parent.children:
             self._refresh(parent)
 
+    def all_values(self) -> np.ndarray:
+        """The values (pool pages) of every node, in no particular order."""
+        values = [_NO_VALUES]
+        for root in self._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                values.append(node.values)
+                stack.extend(node.children.values())
+        return np.concatenate(values)
+
     # --- integrity -------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Verify every structural and accounting invariant; raise IntegrityError on the first break."""
