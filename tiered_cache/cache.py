@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from tiered_cache.cache_stats import CacheStats, Movements, PoolFigures
+from tiered_cache.compaction import CompactionOps
 from tiered_cache.config import CacheConfig, WritePolicy
 from tiered_cache.demotion import BACKGROUND_NICE, BackgroundQueue, Foreground
 from tiered_cache.device.pool import PagePool, check_tensor
@@ -46,6 +47,7 @@ from tiered_cache.index.tokens import as_token_array
 from tiered_cache.model.spec import DType, KVSpec
 from tiered_cache.spare_output import SpareOutput
 from tiered_cache.staging import StagingBuffers
+from tiered_cache.swapping import SwapOps
 from tiered_cache.tiers.base import BlobTier, TierStats
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.codec import BlobError, decode_page, encode_page
@@ -87,12 +89,14 @@ class Fetched:
     tiers: list[str]  # the tier that supplied each of the n pages
 
 
-class TieredCache(ForkOps):
+class TieredCache(ForkOps, SwapOps, CompactionOps):
     """KV cache over a device page pool, host RAM and optional lower tiers.
 
     Tensor API: `put`, `get`, `lookup`. Paged API: `match` -> (`prefetch`) -> `load` ->
     `allocate` -> engine writes K/V (`write`, or into `writable_slots` then `mark_written`) ->
-    `commit` -> `release`; `fork` makes copy-on-write copies of a handle (forking.py). KV tensors
+    `commit` -> `release`; `fork` makes copy-on-write copies of a handle (forking.py), `swap_out` /
+    `swap_in` preempt one (swapping.py), `drop_tokens` applies a retention policy (compaction.py,
+    retention.py). KV tensors
     use the shapes of DESIGN.md §6; tokens are 1-D integer sequences; `namespace` defaults to the
     config's.
     """
@@ -145,6 +149,8 @@ class TieredCache(ForkOps):
         self._loose = 0  # pages allocated outside any holder while a copy fills them (put, load)
         self._forks = 0
         self._cow_copies = 0
+        self._swapped_pages = 0  # host RAM slots holding swapped-out requests' pages
+        self._pages_compacted = 0  # pages freed by retention policies
         self._page_tokens = PageTokens()  # token ids of inserted pages, for tree() previews
         self.metrics: Any = None  # a MetricsServer with config.metrics_port
         self._fetch_metrics: Any = None
@@ -261,7 +267,9 @@ class TieredCache(ForkOps):
         `prefetch` / `load`."""
         ns = self._ns(namespace)
         toks = as_token_array(tokens)
-        keys = self._keyer(ns).keys(toks)
+        return self._match_keys(ns, self._keyer(ns).keys(toks), toks)
+
+    def _match_keys(self, ns: str, keys: list[bytes], toks: Any) -> CacheHandle:
         with self._lock:
             self._check_open()
             self._await_keys(keys)
@@ -408,6 +416,9 @@ class TieredCache(ForkOps):
         ns_tokens = as_token_array(tokens)
         with self._lock:
             self._check_live(handle)
+            if handle.compacted:
+                raise ValueError("commit() of a sequence a retention policy compacted: its KV is no longer the KV "
+                                 "of its tokens, so it is never cached as a prefix; release it")
             written = handle.written_tokens
             if num_written is None:
                 if len(ns_tokens) > written:
@@ -451,9 +462,12 @@ class TieredCache(ForkOps):
         owns (e.g. a partial last page). Raises ValueError for a handle of another cache or one
         released already."""
         with self._lock:
-            self._check_live(handle)
-            self.tree.unlock(handle.node)
-            self._unused_slots -= self._handle_unused(handle)
+            self._check_live(handle, allow_swapped=True)
+            if handle.swapped is not None:
+                self._release_swapped(handle)  # its prefix was unlocked and its pages freed then
+            else:
+                self.tree.unlock(handle.node)
+                self._unused_slots -= self._handle_unused(handle)
             if handle.own_pages:
                 self.pool.free(np.array(handle.own_pages, dtype=np.int64))
             handle.own_pages.clear()
@@ -530,7 +544,7 @@ class TieredCache(ForkOps):
             tiers = [device, self.moves.apply(self.host.stats())]
             pool = PoolFigures(usage.total_pages, usage.used_pages, usage.free_pages, usage.page_bytes,
                                self._unused_slots, int((self.pool.allocator.refs > 1).sum()), self._forks,
-                               self._cow_copies)
+                               self._cow_copies, self._swapped_pages, self._pages_compacted)
             nodes = self.tree.num_nodes
         for tier in self.chain.stats():
             tiers.append(replace(tier, corrupt=tier.corrupt + self.moves.refused[tier.name]))
@@ -1014,13 +1028,15 @@ class TieredCache(ForkOps):
         if self._closed:
             raise ValueError("this TieredCache is closed")
 
-    def _check_live(self, handle: CacheHandle) -> None:
+    def _check_live(self, handle: CacheHandle, allow_swapped: bool = False) -> None:
         if not isinstance(handle, CacheHandle):
             raise TypeError(f"expected a CacheHandle, got {type(handle).__name__}")
         if handle.owner is not self:
             raise ValueError("this cache handle belongs to another TieredCache")
         if handle.released:
             raise ValueError("this cache handle was already released")
+        if handle.swapped is not None and not allow_swapped:
+            raise ValueError("this cache handle is swapped out: swap_in() it first")
 
     def _check_writable(self, handle: CacheHandle, n: int) -> None:
         self._check_live(handle)

@@ -35,6 +35,8 @@ class PoolFigures:
     shared_pages: int = 0  # pages more than one holder (forks, the tree) holds: stored once
     forks: int = 0  # handles made by fork()
     cow_copies: int = 0  # shared pages copied because a fork wrote into them
+    swapped_pages: int = 0  # host RAM slots holding swapped-out requests' private pages
+    compacted_pages: int = 0  # private pages freed by retention policies (drop_tokens)
 
     @property
     def utilisation(self) -> float:
@@ -75,6 +77,7 @@ class CacheStats:
                 "utilisation": self.pool.utilisation, "unused_slots": self.pool.unused_slots,
                 "fragmentation": self.fragmentation, "shared_pages": self.pool.shared_pages,
                 "forks": self.pool.forks, "cow_copies": self.pool.cow_copies,
+                "swapped_pages": self.pool.swapped_pages, "compacted_pages": self.pool.compacted_pages,
             },
             "tree": {"nodes": self.tree_nodes, "evictable_pages": self.evictable_pages,
                      "protected_pages": self.protected_pages},

@@ -35,3 +35,9 @@ class KVShapeError(TieredCacheError, ValueError):
 
 class IntegrityError(TieredCacheError, AssertionError):
     """An internal invariant is broken (raised by `check_integrity()`): a bug, never user error."""
+
+
+class SwapError(TieredCacheError):
+    """A request could not be swapped out or in (host RAM full, its prefix no longer cached, no
+    room on the device). Nothing changed: the request is where it was; drop and recompute it, or
+    retry when room is made."""

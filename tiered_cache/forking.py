@@ -48,6 +48,7 @@ class ForkOps:
                                     own_pages=list(handle.own_pages), own_tokens=handle.own_tokens,
                                     own_written=handle.own_written, tokens=handle.tokens)
                 child.sources.update(handle.sources)
+                child.dropped, child.compacted = handle.dropped.copy(), handle.compacted
                 self._live.add(child)  # type: ignore[attr-defined]
                 self._unused_slots += self._handle_unused(child)  # type: ignore[attr-defined]
                 children.append(child)

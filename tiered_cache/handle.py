@@ -50,6 +50,11 @@ class CacheHandle:
     sources: Counter[str] = field(default_factory=Counter)  # tier name -> prefix pages it supplied
     prefetch: Prefetch | None = field(default=None, repr=False)
     tokens: Any = field(default=None, repr=False)  # the matched token ids: pages it loads get their tokens shown
+    # Retention (compaction.py): own-token indices dropped but still inside a live page, and
+    # whether anything was ever dropped (then the sequence is not a reusable prefix: no commit).
+    dropped: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
+    compacted: bool = False
+    swapped: Any = field(default=None, repr=False)  # a `SwappedPages` while swapped out (swapping.py)
 
     @property
     def num_device_pages(self) -> int:

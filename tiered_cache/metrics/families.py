@@ -87,6 +87,8 @@ def cache_families(stats: Any) -> list[Metric]:
          pool.shared_pages),
         ("forks", "counter", "Handles made by fork() (copy-on-write sequences)", pool.forks),
         ("cow_copies", "counter", "Shared pages copied because a fork wrote into them", pool.cow_copies),
+        ("swapped_pages", "gauge", "Host RAM slots holding swapped-out requests' pages", pool.swapped_pages),
+        ("compacted_pages", "counter", "Private pages freed by retention policies", pool.compacted_pages),
         ("tree_nodes", "gauge", "Nodes of the radix tree of token prefixes", stats.tree_nodes),
         ("tree_evictable_pages", "gauge", "Device pages no request holds (evictable)", stats.evictable_pages),
         ("prefetch_declined", "counter", "Prefetches not started: too many in flight", stats.prefetch_declined),

@@ -127,7 +127,7 @@ class HostTier:
                 seen.add(key)
                 new.append(i)
         room = self.num_slots - (len(keys) - len(new))  # held batch keys are pinned by being most recent
-        self._make_room(min(len(new), room))
+        self.make_room(min(len(new), room))
         room = min(room, self.slots.num_free)  # retained slots may leave less room than asked
         overflow, new = new[room:], new[:room]
         return new, self.slots.allocate(len(new)), overflow
@@ -166,7 +166,7 @@ class HostTier:
         self.slots.free(slots)
         self.num_retained -= len(slots)
 
-    def _make_room(self, n: int) -> None:
+    def make_room(self, n: int) -> None:
         """Evict least recently used pages until `n` slots are free or nothing is left. Victims go
         to `retain` when set (it may keep their slots: no copy), else, copied, to `on_evict`."""
         # Slots kept by `retain` stay in use, so evict until the room is there (`retain` must bound
