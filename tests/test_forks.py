@@ -1,6 +1,6 @@
 """Copy-on-write forks: `TieredCache.fork`, page holder counts, the copy on first write.
 
-A state machine forks, writes, commits, releases and evicts several live sequences over a small
+A state machine forks, writes, commits, swaps out and in, releases and evicts several live sequences over a small
 pool against a brute-force model (each sequence must read back exactly the KV of its own
 tokens); unit tests pin the page accounting: forks store shared pages once, a write copies one
 page, a release frees only what no one else holds, and `check_integrity` catches a wrong count.
@@ -17,7 +17,7 @@ from kv_oracle import token_kv
 
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
-from tiered_cache.errors import IntegrityError, PoolExhaustedError
+from tiered_cache.errors import IntegrityError, PoolExhaustedError, SwapError
 from tiered_cache.model.spec import DType, KVSpec
 from tiered_cache.tiers.memory import MemoryTier
 
@@ -187,7 +187,7 @@ class ForkMachine(RuleBasedStateMachine):
     @rule(sequence=sequences, n=st.integers(0, 6))
     def allocate(self, sequence, n):
         h = sequence.handle
-        if h.released:
+        if h.released or h.swapped:
             return
         n = min(n, len(sequence.target) - h.prefix_tokens - h.own_tokens)
         if n > 0:
@@ -201,7 +201,7 @@ class ForkMachine(RuleBasedStateMachine):
     @rule(sequence=sequences, k=st.integers(1, 6))
     def write(self, sequence, k):
         h = sequence.handle
-        if h.released:
+        if h.released or h.swapped:
             return
         k = min(k, h.own_tokens - h.own_written)
         if k <= 0:
@@ -215,7 +215,7 @@ class ForkMachine(RuleBasedStateMachine):
     @rule(target=sequences, sequence=sequences, n=st.integers(1, 3), suffixes=st.lists(SUFFIX, min_size=3, max_size=3))
     def fork(self, sequence, n, suffixes):
         h = sequence.handle
-        if h.released:
+        if h.released or h.swapped:
             return sequence  # hypothesis needs a value; a released one does nothing later
         children = self.cache.fork(h, n)
         written = sequence.target[:h.written_tokens]
@@ -226,8 +226,25 @@ class ForkMachine(RuleBasedStateMachine):
     @rule(sequence=sequences)
     def commit(self, sequence):
         h = sequence.handle
-        if not h.released:
+        if not h.released and not h.swapped:
             self.cache.commit(h, sequence.target[:h.written_tokens])
+
+    @rule(sequence=sequences)
+    def swap(self, sequence):
+        """Preempt a sequence (its pages to host RAM) or bring it back: its bytes must survive."""
+        h = sequence.handle
+        if h.released:
+            return
+        if h.swapped is None:
+            try:
+                self.cache.swap_out(h)
+            except SwapError:  # host RAM full: nothing may have changed
+                assert h.swapped is None
+        else:
+            try:
+                self.cache.swap_in(h)
+            except (SwapError, PoolExhaustedError):  # no room, or its prefix is gone: still swapped
+                assert h.swapped is not None
 
     @rule(sequence=consumes(sequences))
     def release(self, sequence):
@@ -242,7 +259,7 @@ class ForkMachine(RuleBasedStateMachine):
     def each_sequence_reads_its_own_tokens(self):
         for sequence in self.live:
             h = sequence.handle
-            if not h.released:
+            if not h.released and not h.swapped:
                 got = read_back(self.cache, h)
                 assert torch.equal(got, token_kv(SPEC, sequence.target[:h.written_tokens])), \
                     "a sequence reads KV another fork wrote"
