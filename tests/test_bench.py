@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import torch
 from conftest import run_cli
 
@@ -170,3 +171,27 @@ def test_ttft_figure_draws_recompute_and_each_tier(tmp_path):
     path = plot_ttft(rows, tmp_path / "figures" / "ttft.png")
     image = matplotlib.image.imread(path)
     assert image.shape[0] > 300 and image.shape[1] > 500  # a real figure, in a folder it made
+
+
+def test_fork_bench_counts_pages_with_and_without_sharing():
+    data = json.loads(run_cli("bench", "fork", "--prompt-tokens", "66", "--new-tokens", "20", "--samples", "1,4",
+                              "--json").stdout)
+    one, four = data
+    # 66 tokens: 5 pages (the last holds 2); 20 new tokens each. Unshared: 86 tokens = 6 pages per sample.
+    assert one["baseline"] == 6 and four["baseline"] == 24
+    assert one["value"] == 6
+    stored = (66 + 4 * 20) / 16  # pages' worth of tokens: the prompt once, each sample's own 20
+    assert stored <= four["value"] < stored + 4  # waste under one page per sample
+    assert "waste 0.7" in four["operation"]  # 12 pages for 9.125 pages of tokens: 0.72 per sample
+    refused = run_cli("bench", "fork", "--samples", "4,-1", check=False)
+    assert refused.returncode != 0 and "positive counts" in refused.stderr
+
+
+@pytest.mark.slow
+def test_swap_bench_moves_the_request_and_recomputes_its_prefill():
+    (row,) = json.loads(run_cli("bench", "swap", "--tokens", "40", "--repeat", "1", "--json").stdout)
+    assert row["operation"] == "swap_out + swap_in" and row["baseline_name"] == "recompute the prefill"
+    assert row["value"] > 0 and row["baseline"] > 0
+    assert row["baseline_work"] == 40  # the prefill really ran over the request's 40 tokens
+    # 3 pages of 16 tokens swapped out: SmolLM2's 30 layers x K/V x 3 heads x 64 dims, fp32.
+    assert row["work"] == 3 * 16 * 30 * 2 * 3 * 64 * 4

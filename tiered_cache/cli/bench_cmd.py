@@ -78,6 +78,16 @@ def add_parser(commands: Any) -> None:
     remote.add_argument("--long-prefix", type=float, metavar="GIB",
                         help="fetch a prefix of GIB GiB through the remote tier on its default settings")
     subs.append(remote)
+    fork = _add(which, "fork", help="pool pages of n parallel samples with copy-on-write forks vs each its own copy")
+    fork.add_argument("--model", default="smollm2-135m", help="preset whose pages are counted")
+    fork.add_argument("--prompt-tokens", type=int, default=2048, help="prompt length (default 2048)")
+    fork.add_argument("--new-tokens", type=int, default=64, help="tokens each sample writes (default 64)")
+    fork.add_argument("--samples", default="1,4,16", help="parallel sample counts (default 1,4,16)")
+    subs.append(fork)
+    swap = _add(which, "swap", help="swap_out + swap_in of a SmolLM2 request vs recomputing its prefill")
+    swap.add_argument("--tokens", default="512,2048", help="request lengths (default 512,2048)")
+    swap.add_argument("--repeat", type=int, default=3, help="runs per figure, best kept (default 3)")
+    subs.append(swap)
     kernels = _add(which, "kernels", help="(CUDA) gather/scatter kernels vs D2D copy; offload vs pinned copy")
     kernels.add_argument("--model", default="llama-3.1-8b", help="preset whose pages are moved")
     kernels.add_argument("--pages", type=int, default=1024, help="pages moved per call (default 1024)")
@@ -174,6 +184,8 @@ def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
             raise SystemExit(f"tiered-cache bench tensor: --tokens must be a positive multiple of the page "
                              f"size ({spec.page_size}); the cache keeps whole pages only")
         return bench_tensor(spec, args.tokens, args.repeat), "prefix"
+    if args.bench in ("fork", "swap"):
+        return _feature_rows(args)
     from tiered_cache.bench import tiers_bench
     from tiered_cache.model.presets import get_preset
 
@@ -197,6 +209,32 @@ def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
     if args.bench == "disk":
         return tiers_bench.bench_disk(spec, args.pages, args.dir), "batch"
     return tiers_bench.bench_redis(spec, args.pages, args.url), "batch"
+
+
+def _feature_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
+    from tiered_cache.bench import features_bench
+
+    counts = _positive_counts(args.samples if args.bench == "fork" else args.tokens, args.bench)
+    if args.bench == "swap":
+        print("loading SmolLM2-135M; each length: prefill, then swap out and in, then the prefill again ...",
+              file=sys.stderr)
+        return features_bench.bench_swap(counts, max(1, args.repeat)), "request"
+    from tiered_cache.model.presets import get_preset
+
+    if args.prompt_tokens <= 0 or args.new_tokens <= 0:
+        raise SystemExit("tiered-cache bench fork: --prompt-tokens and --new-tokens must be positive")
+    return features_bench.bench_fork(get_preset(args.model).spec, args.prompt_tokens, args.new_tokens,
+                                     counts), "samples"
+
+
+def _positive_counts(text: str, bench: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) <= 0:
+        raise SystemExit(f"tiered-cache bench {bench}: expected positive counts such as 1,4,16, got {text!r}")
+    return counts
 
 
 def _remote_rows(args: argparse.Namespace, spec: Any) -> list[Any]:
