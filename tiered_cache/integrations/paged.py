@@ -100,8 +100,9 @@ class PagedSequence:
         device = getattr(self.model, "device", None)
         positions = torch.arange(self._past, self._past + n, device=device)[None]
         try:
-            out = self.model(torch.tensor([list(token_ids)], device=device), past_key_values=self.hf_cache,
-                             position_ids=positions, use_cache=True, output_attentions=needs_scores)
+            cache_arg = {_cache_keyword(self.model): self.hf_cache}
+            out = self.model(torch.tensor([list(token_ids)], device=device), position_ids=positions, use_cache=True,
+                             output_attentions=needs_scores, **cache_arg)
         finally:
             self._read = self._write = self._rotation = None
         cache.mark_written(handle, n)
@@ -222,6 +223,13 @@ def _paged_cache(sequence: PagedSequence, num_layers: int) -> Any:
             raise NotImplementedError("a paged sequence is not cropped; drop tokens through a retention policy")
 
     return Cache(layers=[PagedLayer(i) for i in range(num_layers)])
+
+
+def _cache_keyword(model: Any) -> str:
+    """`cache` where the model's forward takes it (transformers 5.2x renamed `past_key_values`)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def _inv_freq(model: Any) -> torch.Tensor:
