@@ -29,6 +29,7 @@ import torch
 
 from tiered_cache.cache import TieredCache
 from tiered_cache.handle import CacheHandle
+from tiered_cache.integrations.transformers import cache_keyword
 from tiered_cache.model.spec import Layout
 
 
@@ -100,7 +101,7 @@ class PagedSequence:
         device = getattr(self.model, "device", None)
         positions = torch.arange(self._past, self._past + n, device=device)[None]
         try:
-            cache_arg = {_cache_keyword(self.model): self.hf_cache}
+            cache_arg = {cache_keyword(self.model): self.hf_cache}
             out = self.model(torch.tensor([list(token_ids)], device=device), position_ids=positions, use_cache=True,
                              output_attentions=needs_scores, **cache_arg)
         finally:
@@ -223,13 +224,6 @@ def _paged_cache(sequence: PagedSequence, num_layers: int) -> Any:
             raise NotImplementedError("a paged sequence is not cropped; drop tokens through a retention policy")
 
     return Cache(layers=[PagedLayer(i) for i in range(num_layers)])
-
-
-def _cache_keyword(model: Any) -> str:
-    """`cache` where the model's forward takes it (transformers 5.2x renamed `past_key_values`)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def _inv_freq(model: Any) -> torch.Tensor:

@@ -99,7 +99,8 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
                 sources = {tier: n * cache.spec.page_size for tier, n in handle.sources.items() if n}
                 _trim_sources(sources, reused)
         device = getattr(model, "device", None)  # inputs go where the weights are (a GPU worker)
-        out = model(torch.tensor([ids[reused:]], device=device), past_key_values=past, use_cache=True)
+        keyword = cache_keyword(model)
+        out = model(torch.tensor([ids[reused:]], device=device), use_cache=True, **{keyword: past})
         logits = out.logits[0, -1].float()
         next_token = int(logits.argmax())
         ttft = time.perf_counter() - start
@@ -114,11 +115,19 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
     past_kv = out.past_key_values
     decode_start = time.perf_counter()
     while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
-        step = model(torch.tensor([[tokens[-1]]], device=device), past_key_values=past_kv, use_cache=True)
+        step = model(torch.tensor([[tokens[-1]]], device=device), use_cache=True, **{keyword: past_kv})
         past_kv = step.past_key_values
         tokens.append(int(step.logits[0, -1].argmax()))
     return GenerationResult(tokens, ttft, len(ids), reused, sources, loaded, stored,
                             time.perf_counter() - decode_start, logits)
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword a model's forward takes its KV cache under: `cache` where it has it
+    (transformers 5.2x renamed `past_key_values`, which warns until its removal)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def _trim_sources(sources: dict[str, int], reused: int) -> None:
