@@ -127,3 +127,38 @@ def test_write_through_and_background_demotion_copy_finished_kv(tmp_path):
         assert c.stats().tier("disk").pages > 0
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.model_id)
+def test_forks_copy_on_write_and_swap_on_a_cuda_pool(spec):
+    """The engine features with the pool on the GPU: a fork's first write copies the shared page
+    with the copy kernel; a swap goes through pinned host RAM and back into other pages."""
+    c = _cache(spec, pool_pages=16, host_pages=8)
+    ps = spec.page_size
+    n = 2 * ps + 1  # the last page is partly written: shared by the forks
+    kv = _kv(spec, n + 2, seed=7)
+    try:
+        parent = c.match(list(range(n)))
+        c.allocate(parent, n)
+        c.write(parent, kv[:, :, :n])
+        forks = c.fork(parent, 2)
+        for i, fork in enumerate(forks):
+            c.allocate(fork, 1)
+            c.write(fork, _kv(spec, 1, seed=20 + i))
+        assert c.stats().pool.cow_copies == 2 and c.stats().pool.used_pages == 3 + 2
+        for i, fork in enumerate(forks):
+            pages = fork.own_pages
+            got = c.pool.read_tokens(pages, n + 1)
+            assert torch.equal(got[:, :, :n], kv[:, :, :n]) and torch.equal(got[:, :, n:], _kv(spec, 1, seed=20 + i))
+        assert torch.equal(c.pool.read_tokens(parent.own_pages, n), kv[:, :, :n])  # untouched by the forks
+        before = list(parent.own_pages)
+        c.swap_out(parent)
+        blocker = c.match([99] * (3 * ps))
+        c.allocate(blocker, 3 * ps)  # takes the pages it had
+        c.swap_in(parent)
+        assert parent.own_pages != before and torch.equal(c.pool.read_tokens(parent.own_pages, n), kv[:, :, :n])
+        for h in (parent, blocker, *forks):
+            c.release(h)
+        c.check_integrity()
+    finally:
+        c.close()
