@@ -195,3 +195,13 @@ def test_swap_bench_moves_the_request_and_recomputes_its_prefill():
     assert row["baseline_work"] == 40  # the prefill really ran over the request's 40 tokens
     # 3 pages of 16 tokens swapped out: SmolLM2's 30 layers x K/V x 3 heads x 64 dims, fp32.
     assert row["work"] == 3 * 16 * 30 * 2 * 3 * 64 * 4
+
+
+@pytest.mark.slow
+def test_retention_bench_holds_fewer_pages_under_a_window():
+    pages, per_token = json.loads(run_cli("bench", "retention", "--tokens", "80", "--window", "8", "--json").stdout)
+    assert pages["work"] == 4 + 8 and pages["baseline_work"] > 80  # live tokens at the end: sink + window vs all
+    assert pages["value"] <= 4 < 6 <= pages["baseline"]  # the sink page and the window (<= 3 pages) vs 90+ tokens
+    assert per_token["unit"] == "ms" and per_token["value"] > 0 and per_token["baseline"] > 0
+    refused = run_cli("bench", "retention", "--window", "0", check=False)
+    assert refused.returncode != 0 and "--window must be positive" in refused.stderr

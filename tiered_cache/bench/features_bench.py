@@ -1,14 +1,19 @@
-"""`tiered-cache bench fork` and `bench swap`: the engine features against what they replace.
+"""`tiered-cache bench fork`, `bench swap` and `bench retention`: the engine features against what they replace.
 
 - fork: device pool pages held by n parallel samples of one prompt, each writing `new_tokens`,
   with copy-on-write forks against every sample holding its own copy of the prompt (what an
   engine without sharing does). The claim: forks cost the prompt once, plus each sample's own
   tokens, plus at most one copied page per sample.
+- retention: a long generation under `SinkWindow` against keeping every token: peak pool pages
+  (flat against growing) and decode time per token (attention over a window, plus re-rotating
+  its keys, against attention over everything).
 - swap: preempting an N-token request by `swap_out` + `swap_in` (its pages to host RAM and back)
   against recomputing its prefill on the real model (SmolLM2-135M), measured in the same run.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -98,3 +103,34 @@ def bench_swap(lengths: list[int], repeat: int = 3) -> list[Comparison]:
                                "recompute the prefill", prefill_s * 1e3, "ms", False,
                                work=moved * spec.bytes_per_page, baseline_work=out.logits.shape[1]))
     return rows
+
+
+def bench_retention(new_tokens: int, window: int, sink: int = 4) -> list[Comparison]:
+    """A SmolLM2 generation of `new_tokens` under SinkWindow(sink, window) vs keeping every token:
+    peak device pool pages and decode time per token, in the same run."""
+    from tiered_cache.integrations.paged import PagedSequence
+    from tiered_cache.integrations.smollm2 import load_model
+    from tiered_cache.integrations.transformers import spec_for
+    from tiered_cache.retention import SinkWindow
+
+    model, tokenizer = load_model()
+    spec = spec_for(model, dtype="fp32", page_size=16)
+    prompt = tokenizer("The keeper of the lighthouse wrote in the log").input_ids
+    figures = {}
+    for name, policy in (("window", SinkWindow(sink, window)), ("all", None)):
+        with _cache(spec, spec.pages_for_tokens(len(prompt) + new_tokens) + 4) as cache:
+            sequence, logits = PagedSequence.start(cache, model, prompt, policy=policy, commit=False)
+            peak, start = 0, time.perf_counter()
+            for _ in range(new_tokens):
+                logits = sequence.forward([int(logits.argmax())])
+                peak = max(peak, cache.stats().pool.used_pages)
+            figures[name] = (peak, (time.perf_counter() - start) / new_tokens, sequence.num_live)
+            sequence.release()
+    scale = f"{new_tokens:,} new tokens"
+    (w_peak, w_time, w_live), (a_peak, a_time, a_live) = figures["window"], figures["all"]
+    return [
+        Comparison(scale, f"peak pool pages, SinkWindow({sink}, {window})", w_peak, "every token kept", a_peak,
+                   "pages", False, work=w_live, baseline_work=a_live),
+        Comparison(scale, f"decode per token, SinkWindow({sink}, {window})", w_time * 1e3, "every token kept",
+                   a_time * 1e3, "ms", False, work=w_live, baseline_work=a_live),
+    ]

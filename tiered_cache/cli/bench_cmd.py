@@ -88,6 +88,12 @@ def add_parser(commands: Any) -> None:
     swap.add_argument("--tokens", default="512,2048", help="request lengths (default 512,2048)")
     swap.add_argument("--repeat", type=int, default=3, help="runs per figure, best kept (default 3)")
     subs.append(swap)
+    retention = _add(which, "retention", help="a SmolLM2 generation under SinkWindow vs every token kept: "
+                                              "peak pool pages, decode time per token")
+    retention.add_argument("--tokens", type=int, default=512, help="tokens generated (default 512)")
+    retention.add_argument("--window", type=int, default=128, help="SinkWindow's window (default 128)")
+    retention.add_argument("--sink", type=int, default=4, help="SinkWindow's sink tokens (default 4)")
+    subs.append(retention)
     kernels = _add(which, "kernels", help="(CUDA) gather/scatter kernels vs D2D copy; offload vs pinned copy")
     kernels.add_argument("--model", default="llama-3.1-8b", help="preset whose pages are moved")
     kernels.add_argument("--pages", type=int, default=1024, help="pages moved per call (default 1024)")
@@ -184,7 +190,7 @@ def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
             raise SystemExit(f"tiered-cache bench tensor: --tokens must be a positive multiple of the page "
                              f"size ({spec.page_size}); the cache keeps whole pages only")
         return bench_tensor(spec, args.tokens, args.repeat), "prefix"
-    if args.bench in ("fork", "swap"):
+    if args.bench in ("fork", "swap", "retention"):
         return _feature_rows(args)
     from tiered_cache.bench import tiers_bench
     from tiered_cache.model.presets import get_preset
@@ -214,6 +220,12 @@ def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
 def _feature_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
     from tiered_cache.bench import features_bench
 
+    if args.bench == "retention":
+        if args.tokens <= 0 or args.window <= 0 or args.sink < 0:
+            raise SystemExit("tiered-cache bench retention: --tokens and --window must be positive, --sink >= 0")
+        print(f"loading SmolLM2-135M; {args.tokens} tokens under SinkWindow({args.sink}, {args.window}), then "
+              "with every token kept ...", file=sys.stderr)
+        return features_bench.bench_retention(args.tokens, args.window, args.sink), "generation"
     counts = _positive_counts(args.samples if args.bench == "fork" else args.tokens, args.bench)
     if args.bench == "swap":
         print("loading SmolLM2-135M; each length: prefill, then swap out and in, then the prefill again ...",
