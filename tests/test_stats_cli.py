@@ -64,6 +64,14 @@ def _watch(address: str, *extra: str, stdout=subprocess.PIPE) -> subprocess.Pope
                             preexec_fn=ctrl_c_able)
 
 
+def _read_until(fd: int, text: str, timeout: float = 60.0) -> str:
+    """What a terminal's other end wrote, read until `text` appears (or `timeout` passes)."""
+    seen, deadline = "", time.monotonic() + timeout
+    while text not in seen and time.monotonic() < deadline:
+        seen += os.read(fd, 65536).decode(errors="replace")
+    return seen
+
+
 def _read_all(fd: int) -> str:
     chunks = []
     while True:
@@ -84,12 +92,16 @@ def test_watch_prints_json_lines_plain_blocks_into_a_pipe_and_redraws_a_terminal
         master, slave = pty.openpty()
         watchers = [_watch(store.address, "--json"), _watch(store.address), _watch(store.address, stdout=slave)]
         os.close(slave)
-        time.sleep(3.0)
+        # Interrupt only once each has drawn (a fixed sleep raced a slow start on a loaded machine).
+        firsts = [w.stdout.readline() for w in watchers[:2]]
+        screen = _read_until(master, "hits/s")
+        time.sleep(1.0)  # a few more refreshes
         for w in watchers:
             w.send_signal(signal.SIGINT)
-        (json_out, _), (plain_out, _) = (w.communicate(timeout=10) for w in watchers[:2])
-        watchers[2].wait(timeout=10)
-        screen = _read_all(master)
+        (json_out, _), (plain_out, _) = (w.communicate(timeout=30) for w in watchers[:2])
+        json_out, plain_out = firsts[0] + json_out, firsts[1] + plain_out
+        watchers[2].wait(timeout=30)
+        screen += _read_all(master)
         os.close(master)
     assert all(w.returncode == 0 for w in watchers)
     lines = json_out.splitlines()
