@@ -40,8 +40,7 @@ def running(cache: TieredCache, prefix: list[int], suffix: list[int]):
 
 
 def live_kv(cache: TieredCache, handle) -> torch.Tensor:
-    slots = cache.live_slots(handle)
-    return cache._read_slots(slots)
+    return cache.pool.read_slots(cache.live_slots(handle))
 
 
 def test_swap_out_frees_every_device_page_and_swap_in_restores_the_bytes_elsewhere():

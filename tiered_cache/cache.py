@@ -149,7 +149,6 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         self._loose = 0  # pages allocated outside any holder while a copy fills them (put, load)
         self._forks = 0
         self._cow_copies = 0
-        self._swapped_pages = 0  # host RAM slots holding swapped-out requests' pages
         self._pages_compacted = 0  # pages freed by retention policies
         self._page_tokens = PageTokens()  # token ids of inserted pages, for tree() previews
         self.metrics: Any = None  # a MetricsServer with config.metrics_port
@@ -544,7 +543,8 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             tiers = [device, self.moves.apply(self.host.stats())]
             pool = PoolFigures(usage.total_pages, usage.used_pages, usage.free_pages, usage.page_bytes,
                                self._unused_slots, int((self.pool.allocator.refs > 1).sum()), self._forks,
-                               self._cow_copies, self._swapped_pages, self._pages_compacted)
+                               self._cow_copies, sum(len(h.swapped.slots) for h in self._live if h.swapped),
+                               self._pages_compacted)
             nodes = self.tree.num_nodes
         for tier in self.chain.stats():
             tiers.append(replace(tier, corrupt=tier.corrupt + self.moves.refused[tier.name]))

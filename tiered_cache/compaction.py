@@ -32,9 +32,7 @@ class CompactionOps:
         """Flat pool slots of the handle's live tokens in order: its matched prefix, then its own
         written tokens that no policy dropped. What attention reads for this sequence."""
         with self._lock:
-            self._check_live(handle)  # type: ignore[attr-defined]
-            if handle.swapped is not None:
-                raise ValueError("this handle is swapped out: swap_in() first")
+            self._check_live(handle)  # type: ignore[attr-defined]  # refuses a swapped-out handle too
             return self._live_slots(handle)
 
     def _live_slots(self, handle: CacheHandle) -> np.ndarray:
@@ -50,9 +48,7 @@ class CompactionOps:
         becomes compacted (never committed). Tokens of the matched prefix are shared and cannot be
         dropped (ValueError), nor can tokens not written yet. Returns the pages freed."""
         with self._lock:
-            self._check_live(handle)  # type: ignore[attr-defined]
-            if handle.swapped is not None:
-                raise ValueError("this handle is swapped out: swap_in() first")
+            self._check_live(handle)  # type: ignore[attr-defined]  # refuses a swapped-out handle too
             indices = np.unique(np.asarray(live_indices, dtype=np.int64))
             if not indices.size:
                 return 0
@@ -83,7 +79,7 @@ class CompactionOps:
         pages left empty (lock held); returns the pages freed."""
         own = np.array(handle.own_pages, dtype=np.int64)
         source = np.delete(self.pool.slots(own, handle.own_written), handle.dropped)
-        kv = self._read_slots(source)  # a copy: the moves below overlap the source
+        kv = self.pool.read_slots(source)  # a copy: the moves below overlap the source
         live = len(source)
         self._make_private(handle, 0, live)  # type: ignore[attr-defined]  # forks keep their pages
         own = np.array(handle.own_pages, dtype=np.int64)
@@ -97,19 +93,6 @@ class CompactionOps:
         self._unused_slots += self._handle_unused(handle)  # type: ignore[attr-defined]
         self._pages_compacted += len(own) - keep
         return len(own) - keep
-
-    def _read_slots(self, slots: np.ndarray) -> Any:
-        """K/V of the tokens in `slots`, in tensor-API shape (layers, 2, n, heads, dim)."""
-        import torch
-
-        from tiered_cache.model.spec import Layout
-
-        ps = self.spec.page_size
-        pages = torch.from_numpy(slots // ps).to(self.pool.device)
-        offsets = torch.from_numpy(slots % ps).to(self.pool.device)
-        if self.spec.layout is Layout.NHD:
-            return self.pool.kv[:, :, pages, offsets].transpose(0, 1)
-        return self.pool.kv[:, :, pages, :, offsets].permute(2, 1, 0, 3, 4)  # (n, 2, L, H, D) first
 
     def _free_dead_pages(self, handle: CacheHandle) -> int:
         """Free the handle's own pages whose every slot is written and dropped; renumber (lock held)."""

@@ -70,10 +70,8 @@ class ForkOps:
     def _make_private(self, handle: CacheHandle, first: int, end: int) -> None:
         """Copy-on-write (lock held): replace the handle's own pages that hold tokens [first, end)
         of its suffix and are shared with another holder by private copies of them."""
-        if end <= first:
-            return
         ps = self.spec.page_size
-        span = np.array(handle.own_pages[first // ps:-(-end // ps)], dtype=np.int64)
+        span = self._own_span(handle, first, end)
         shared = np.flatnonzero(self.pool.allocator.is_shared(span)) if span.size else span
         if not shared.size:
             return
@@ -87,13 +85,17 @@ class ForkOps:
     def _require_private(self, handle: CacheHandle, first: int, end: int) -> None:
         """Raise ValueError if tokens [first, end) of the handle's suffix lie in a shared page: an
         engine wrote there without `writable_slots`, and a fork would see its writes."""
-        if end <= first:
-            return
-        ps = self.spec.page_size
-        span = np.array(handle.own_pages[first // ps:-(-end // ps)], dtype=np.int64)
+        span = self._own_span(handle, first, end)
         if span.size and self.pool.allocator.is_shared(span).any():
             raise ValueError("mark_written() over a page a fork shares: get the slots from writable_slots() "
                              "(it copies shared pages first), write there, then mark_written()")
+
+    def _own_span(self, handle: CacheHandle, first: int, end: int) -> np.ndarray:
+        """The handle's own pages that hold tokens [first, end) of its suffix (none when empty)."""
+        if end <= first:
+            return np.empty(0, dtype=np.int64)
+        ps = self.spec.page_size
+        return np.array(handle.own_pages[first // ps:-(-end // ps)], dtype=np.int64)
 
     def _holder_counts(self) -> np.ndarray:
         """Per pool page, the holders the cache knows of: the tree, live handles' own pages (lock held)."""

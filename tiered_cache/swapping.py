@@ -47,9 +47,7 @@ class SwapOps:
         """Move the handle's own pages to host RAM and free its device pages; returns the pages
         moved. Raises SwapError (nothing changed) when host RAM cannot hold them."""
         with self._lock:
-            self._check_live(handle)  # type: ignore[attr-defined]
-            if handle.swapped is not None:
-                raise SwapError("this handle is swapped out already")
+            self._check_live(handle)  # type: ignore[attr-defined]  # refuses one swapped out already
             own = np.array(handle.own_pages, dtype=np.int64)
             n = len(own)
             evictable = len(self.host.index)  # cached pages in host RAM can move down to make room
@@ -58,9 +56,10 @@ class SwapOps:
                                 f"{self.host.num_slots} slots free, {evictable} more evictable (the rest hold "
                                 "other swapped requests or pages on their way down); drop and recompute it, or "
                                 "raise host_capacity")
-            if n and not self._reserve_swap_slots(n):
+            self.host.make_room(n)  # cached pages move down the tiers; retained ones may not free a slot
+            if self.host.slots.num_free < n:
                 raise SwapError(f"host RAM could not free {n} slots for this request; drop and recompute it")
-            slots = self.host.slots.allocate(n) if n else np.empty(0, dtype=np.int64)
+            slots = self.host.slots.allocate(n)
             if n:
                 buffer = self._staging.lease(n)  # type: ignore[attr-defined]
                 try:
@@ -74,13 +73,7 @@ class SwapOps:
             handle.own_pages = []
             self.tree.unlock(handle.node)  # type: ignore[attr-defined]
             handle.swapped = SwappedPages(slots, handle.num_device_pages)
-            self._swapped_pages += n
             return n
-
-    def _reserve_swap_slots(self, n: int) -> bool:
-        """Evict cached pages from host RAM until `n` slots are free (lock held)."""
-        self.host.make_room(n)
-        return self.host.slots.num_free >= n
 
     def swap_in(self, handle: CacheHandle) -> np.ndarray:
         """Bring a swapped-out handle back: its prefix matched (and loaded) again, its own pages
@@ -109,7 +102,6 @@ class SwapOps:
                 handle.available_pages, handle.plan = found.num_device_pages, []
                 handle.own_pages = own.tolist()
                 handle.swapped = None
-                self._swapped_pages -= n
                 self._unused_slots += self._handle_unused(handle)  # type: ignore[attr-defined]
                 return own
         except BaseException:
@@ -121,4 +113,3 @@ class SwapOps:
         """A swapped-out handle is released: its host RAM slots go back (lock held)."""
         swapped, handle.swapped = handle.swapped, None
         self.host.slots.free(swapped.slots)
-        self._swapped_pages -= len(swapped.slots)

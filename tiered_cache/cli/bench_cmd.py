@@ -226,7 +226,8 @@ def _feature_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
         print(f"loading SmolLM2-135M; {args.tokens} tokens under SinkWindow({args.sink}, {args.window}), then "
               "with every token kept ...", file=sys.stderr)
         return features_bench.bench_retention(args.tokens, args.window, args.sink), "generation"
-    counts = _positive_counts(args.samples if args.bench == "fork" else args.tokens, args.bench)
+    counts = (_positive_counts(args.samples, "fork --samples") if args.bench == "fork"
+              else _positive_counts(args.tokens, "swap --tokens"))
     if args.bench == "swap":
         print("loading SmolLM2-135M; each length: prefill, then swap out and in, then the prefill again ...",
               file=sys.stderr)
@@ -239,13 +240,14 @@ def _feature_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
                                      counts), "samples"
 
 
-def _positive_counts(text: str, bench: str) -> list[int]:
+def _positive_counts(text: str, what: str) -> list[int]:
+    """A comma list of positive integers, or a one-line exit naming the bench option and the text."""
     try:
         counts = [int(x) for x in text.split(",")]
     except ValueError:
         counts = []
     if not counts or min(counts) <= 0:
-        raise SystemExit(f"tiered-cache bench {bench}: expected positive counts such as 1,4,16, got {text!r}")
+        raise SystemExit(f"tiered-cache bench {what}: expected positive counts such as 1,4,16, got {text!r}")
     return counts
 
 
@@ -258,13 +260,9 @@ def _remote_rows(args: argparse.Namespace, spec: Any) -> list[Any]:
         return remote_bench.bench_fetch(spec, args.pages) + remote_bench.bench_lookup(args.lookup_tokens)
     rows = []
     if args.clients is not None:
-        try:
-            counts = [int(x) for x in args.clients.split(",")]
-        except ValueError:
-            counts = []
-        if not counts or min(counts) <= 0 or args.duration <= 0:
-            raise SystemExit(f"tiered-cache bench remote: --clients takes positive counts such as 1,4,16 and "
-                             f"--duration positive seconds; got {args.clients!r} and {args.duration:g}")
+        counts = _positive_counts(args.clients, "remote --clients")
+        if args.duration <= 0:
+            raise SystemExit(f"tiered-cache bench remote: --duration takes positive seconds, got {args.duration:g}")
         rows += remote_bench.bench_clients(spec, args.pages, counts, args.duration, args.lookup_tokens)
     if args.long_prefix is not None:
         if not args.long_prefix > 0:

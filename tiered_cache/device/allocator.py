@@ -41,9 +41,9 @@ class PageAllocator:
 
     The free list is a stack in a preallocated array: `allocate(n)` takes the top n entries and
     `free(pages)` pushes them back, each a single vectorised slice. `refs` counts the holders of
-    each page (copy-on-write forks share pages: `share` adds a holder, `free` removes one) and
-    `in_use` marks the pages with any holder, so double frees and frees of never-allocated pages
-    are caught before any state changes.
+    each page (copy-on-write forks share pages: `share` adds a holder, `free` removes one); a page
+    with a holder is in use, so double frees and frees of never-allocated pages are caught before
+    any state changes.
 
     A page is in exactly one state:
       free     on the stack, `in_use` False, no holder, no pins; `allocate` may hand it out.
@@ -59,10 +59,14 @@ class PageAllocator:
         # Reversed so that allocation hands out low page numbers first (easier to read in tests).
         self._stack = np.arange(num_pages - 1, -1, -1, dtype=np.int64)
         self._top = num_pages  # entries [0, _top) of _stack are free
-        self.in_use = np.zeros(num_pages, dtype=bool)
         self.refs = np.zeros(num_pages, dtype=np.int64)  # holders of each page (forks share pages)
         self._pins = np.zeros(num_pages, dtype=np.int64)
         self._num_pending = 0
+
+    @property
+    def in_use(self) -> np.ndarray:
+        """Per page, whether it has a holder (allocated, not yet freed by all who share it)."""
+        return self.refs > 0
 
     @property
     def num_pending(self) -> int:
@@ -89,7 +93,6 @@ class PageAllocator:
             raise PoolExhaustedError(needed=int(n), available=self._top, total=self.num_pages)
         pages = self._stack[self._top - n:self._top][::-1].copy()
         self._top -= n
-        self.in_use[pages] = True
         self.refs[pages] = 1
         return pages
 
@@ -115,12 +118,11 @@ class PageAllocator:
             return
         if has_duplicates(arr):
             raise PageStateError(f"the same page appears twice in one free() call: {arr.tolist()[:16]}")
-        not_used = arr[~self.in_use[arr]]
+        not_used = arr[self.refs[arr] == 0]
         if not_used.size:
             raise PageStateError(f"double free or never allocated: pages {not_used.tolist()[:16]} are already free")
         self.refs[arr] -= 1
         arr = arr[self.refs[arr] == 0]  # pages other holders still share stay allocated
-        self.in_use[arr] = False
         pinned = self._pins[arr] > 0
         self._num_pending += int(pinned.sum())
         self._push(arr[~pinned])
@@ -145,7 +147,7 @@ class PageAllocator:
         if short.size:
             raise PageStateError(f"unpin() without a matching pin() on pages {short.tolist()[:16]}")
         self._pins[unique] -= counts
-        released = unique[(self._pins[unique] == 0) & ~self.in_use[unique]]
+        released = unique[(self._pins[unique] == 0) & (self.refs[unique] == 0)]
         self._num_pending -= released.size
         self._push(released)
 
@@ -155,28 +157,26 @@ class PageAllocator:
 
     def require_allocated(self, pages: np.ndarray) -> None:
         """Raise PageStateError unless every page in `pages` is currently allocated."""
-        free = pages[~self.in_use[pages]]
+        free = pages[self.refs[pages] == 0]
         if free.size:
             raise PageStateError(f"pages {np.unique(free).tolist()[:16]} are free; allocate them before use")
 
     def check_integrity(self) -> None:
         """free + used + pending == total; the free stack holds exactly the pages neither in use
-        nor pinned; pin and holder counts are never negative; a page is in use exactly when it
-        has a holder."""
+        nor pinned; pin and holder counts are never negative."""
         free = self._stack[:self._top]
         if np.unique(free).size != free.size:
             raise IntegrityError("a page appears twice in the free list")
-        if self.in_use[free].any():
+        if (self.refs[free] > 0).any():
             raise IntegrityError("a page is both free and in use")
-        if (self.refs < 0).any() or not np.array_equal(self.refs > 0, self.in_use):
-            raise IntegrityError(f"holder counts disagree with in-use marks on pages "
-                                 f"{np.flatnonzero((self.refs > 0) != self.in_use).tolist()[:16]}")
+        if (self.refs < 0).any():
+            raise IntegrityError(f"negative holder counts on pages {np.flatnonzero(self.refs < 0).tolist()[:16]}")
         if (self._pins < 0).any():
             raise IntegrityError(f"negative pin counts on pages {np.flatnonzero(self._pins < 0).tolist()[:16]}")
         if (self._pins[free] > 0).any():
             raise IntegrityError("a pinned page is in the free list")
-        used = int(self.in_use.sum())
-        pending = int(((self._pins > 0) & ~self.in_use).sum())
+        used = int((self.refs > 0).sum())
+        pending = int(((self._pins > 0) & (self.refs == 0)).sum())
         if pending != self._num_pending:
             raise IntegrityError(f"counted {pending} pending pages, recorded {self._num_pending}")
         if free.size + used + pending != self.num_pages:

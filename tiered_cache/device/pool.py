@@ -227,6 +227,16 @@ class PagePool:
             self._move(arr[:self.spec.pages_for_tokens(num_tokens)], out.transpose(0, 1), to_pool=False)
         return out
 
+    def read_slots(self, slots: Any) -> torch.Tensor:
+        """A copy of the K/V of the tokens at flat `slots` (any order, e.g. a sequence's live tokens
+        after a retention policy dropped some), in tensor-API shape (layers, 2, n, heads, dim)."""
+        arr = as_page_array(slots, self.num_pages * self.spec.page_size)
+        ps = self.spec.page_size
+        pages, offsets = self._index(arr // ps), self._index(arr % ps)
+        if self.spec.layout is Layout.NHD:
+            return self.kv[:, :, pages, offsets].transpose(0, 1)
+        return self.kv[:, :, pages, :, offsets].permute(2, 1, 0, 3, 4)  # indices split by a slice lead: (n, 2, L, H, D)
+
     # --- token copies --------------------------------------------------------------------------------
     # Token i of a (2, layers, n, heads, dim) view lives in page heads[i // ps] at offset i % ps.
     # A run of consecutive pages is one strided copy over K/V and every layer (memcpy speed in
