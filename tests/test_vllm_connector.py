@@ -1,11 +1,16 @@
 """The vLLM connector on a real vLLM engine (CPU build, in `.venv-vllm`, which `make test`
 builds), each instance its own process sharing a real store server: a second instance reuses
 the first one's document prefix with the same greedy answer, only full blocks are stored, and a
-dead store means recompute with the same answer."""
+dead store means recompute with the same answer.
+
+Each vLLM process costs 10-15 s to start here, so the instances that only store (A) and the
+plain-vLLM references run once per module and the tests share them; every test still starts
+its own reading instance (B), fresh, as a second serving instance would be."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,6 +25,9 @@ VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 BLOCK = 128  # vLLM's block size on the CPU
 Q1, Q2 = "In what year was the lighthouse's lamp first lit?", "In what year was the light automated?"
 Q3 = "Who was the first keeper of the light?"
+# Question i asks about the i-th 2,000 characters of the document: the first question's prompt is
+# then the one a plain `-q` asks (the first 2,000 characters), the second shares no block with it.
+SLICES = ["--doc-per-question", "--doc-chars", "2000"]
 
 
 @pytest.fixture(scope="module")
@@ -46,65 +54,55 @@ def instance(model: str, *args: str) -> list[dict]:
     return run_instance(model, *args)["rows"]
 
 
+def pages_held(store: StoreProcess) -> int:
+    return StoreClient(store.address).stats().tiers[0].pages
+
+
+def page_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != ".lock")
+
+
 @pytest.fixture(scope="module")
 def references(model_folder) -> list[dict]:
-    """Q2, then Q3 (another slice of the document), answered by plain vLLM."""
-    return instance(model_folder, "--no-connector", "--doc-per-question", "--doc-chars", "1500",
-                    "-q", Q2, "-q", Q3)
+    """Q2 about the first slice (the prompt a plain `-q Q2` asks), Q3 about the second, answered
+    by plain vLLM with its own prefix cache off: each a full prefill."""
+    rows = instance(model_folder, "--no-connector", "--no-prefix-caching", *SLICES, "-q", Q2, "-q", Q3)
+    assert [r["num_cached_tokens"] for r in rows] == [0, 0]
+    return rows
 
 
 @pytest.fixture(scope="module")
-def reference(model_folder) -> dict:
-    """Q2 answered by plain vLLM: no connector, empty prefix cache."""
-    return instance(model_folder, "--no-connector", "-q", Q2)[0]
+def reference(references) -> dict:
+    """Q2 about the document's first 2,000 characters, without any cache."""
+    return references[0]
 
 
-@pytest.mark.parametrize("groups", ["auto", "1"])
-def test_a_second_instance_reuses_the_first_ones_prefix_through_the_store(model_folder, reference, groups):
-    """Loaded layer group by layer group (auto: SmolLM2's 30 layers as 6 pages a block) or whole
-    blocks before the forward (1): the same answer either way."""
+@pytest.fixture(scope="module")
+def store_after_a(model_folder):
+    """A store server holding what instance A stored answering Q1 (layer groups "auto": SmolLM2's
+    30 layers as 6 pages a block), and A's output and the pages the store held right after it."""
     with StoreProcess(["--no-disk"]) as store:
-        out = run_instance(model_folder, "--remote", store.address, "--layer-groups", groups, "-q", Q1)
-        first, pages_per_block = out["rows"][0], out["stores"][0]["layer_groups"]
-        assert first["num_cached_tokens"] == 0 and pages_per_block == (6 if groups == "auto" else 1)
-        held = StoreClient(store.address).stats().tiers[0].pages
-        assert held == first["prompt_tokens"] // BLOCK * pages_per_block  # full prompt blocks only
-        second = instance(model_folder, "--remote", store.address, "--layer-groups", groups, "-q", Q2)[0]
-        assert StoreClient(store.address).stats().tiers[0].pages == held  # B had nothing new to store
+        out = run_instance(model_folder, "--remote", store.address, "-q", Q1)
+        yield store, out, pages_held(store)
+
+
+def test_a_second_instance_reuses_the_first_ones_prefix_through_the_store(model_folder, reference, store_after_a):
+    """Loaded layer group by layer group (whole blocks before the forward: the store-killed test)."""
+    store, out, held_after_a = store_after_a
+    first, pages_per_block = out["rows"][0], out["stores"][0]["layer_groups"]
+    assert first["num_cached_tokens"] == 0 and pages_per_block == 6
+    assert held_after_a == first["prompt_tokens"] // BLOCK * pages_per_block  # full prompt blocks only
+    before = pages_held(store)
+    second = instance(model_folder, "--remote", store.address, "-q", Q2)[0]
+    assert pages_held(store) == before  # B had nothing new to store: its last, partial block is never saved
     shared = min(first["prompt_tokens"], second["prompt_tokens"] - 1) // BLOCK * BLOCK
     assert second["num_cached_tokens"] == shared > 0  # the document's blocks came from the store
     assert second["tokens"] == reference["tokens"] and second["text"] == reference["text"]
-    assert reference["num_cached_tokens"] == 0
-
-
-def test_a_dead_store_means_recompute_and_the_same_answer(model_folder, reference):
-    store = StoreProcess(["--no-disk"])
-    store.start()
-    address = store.address
-    store.kill()
-    answer = instance(model_folder, "--remote", address, "-q", Q2)[0]
-    assert answer["num_cached_tokens"] == 0 and answer["tokens"] == reference["tokens"]
-
-
-def test_the_store_killed_mid_run_means_recompute_and_the_same_answers(model_folder, references):
-    """B's first answer reuses A's blocks; then the store is SIGKILLed; B's second answer (blocks
-    A stored too) is computed instead, with the same tokens, and nothing hangs."""
-    args = ["--doc-per-question", "--doc-chars", "1500", "-q", Q2, "-q", Q3]
-    with StoreProcess(["--no-disk"]) as store:
-        instance(model_folder, "--remote", store.address, *args)
-        assert store.proc is not None
-        first, second = instance(model_folder, "--remote", store.address, "--kill-after-first",
-                                 str(store.proc.pid), *args)
-        assert store.proc.wait(timeout=10) == -9
-    assert first["num_cached_tokens"] > 0 and second["num_cached_tokens"] == 0
-    assert [first["tokens"], second["tokens"]] == [r["tokens"] for r in references]
 
 
 @pytest.fixture(scope="module")
 def tuned_folder(model_folder, tmp_path_factory) -> str:
     """SmolLM2 "fine-tuned": every weight nudged, same geometry, tokenizer and config."""
-    import shutil
-
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -119,36 +117,67 @@ def tuned_folder(model_folder, tmp_path_factory) -> str:
     return str(folder)
 
 
-def test_a_fine_tune_never_reads_its_base_models_blocks(model_folder, tuned_folder):
+def test_a_fine_tune_never_reads_its_base_models_blocks(tuned_folder, store_after_a):
+    store, out, held_after_a = store_after_a
+    before = pages_held(store)
+    tuned = instance(tuned_folder, "--remote", store.address, "-q", Q1)[0]
+    assert tuned["prompt_tokens"] == out["rows"][0]["prompt_tokens"]  # the very prompt the base model stored
+    assert tuned["num_cached_tokens"] == 0  # same prompt, same geometry, other weights: no block shared
+    assert pages_held(store) == before + held_after_a  # its own blocks, beside the base's
+
+
+def test_a_dead_store_means_recompute_and_the_same_answer(model_folder, reference):
+    store = StoreProcess(["--no-disk"])
+    store.start()
+    address = store.address
+    store.kill()
+    answer = instance(model_folder, "--remote", address, "-q", Q2)[0]
+    assert answer["num_cached_tokens"] == 0 and answer["tokens"] == reference["tokens"]
+
+
+def test_the_store_killed_mid_run_means_recompute_and_the_same_answers(model_folder, references):
+    """Whole blocks before the forward (layer groups 1). B's first answer reuses A's blocks; then
+    the store is SIGKILLed; B's second answer (blocks A stored too) is computed instead, with the
+    same tokens, and nothing hangs."""
+    args = ["--layer-groups", "1", *SLICES, "-q", Q2, "-q", Q3]
     with StoreProcess(["--no-disk"]) as store:
-        out = run_instance(model_folder, "--remote", store.address, "-q", Q1)
-        base = out["rows"][0]
-        held = StoreClient(store.address).stats().tiers[0].pages
-        assert held == base["prompt_tokens"] // BLOCK * out["stores"][0]["layer_groups"]
-        tuned = instance(tuned_folder, "--remote", store.address, "-q", Q1)[0]
-        assert tuned["num_cached_tokens"] == 0  # same prompt, same geometry, other weights: no block shared
-        assert StoreClient(store.address).stats().tiers[0].pages == 2 * held  # its own blocks, beside the base's
+        stored = run_instance(model_folder, "--remote", store.address, *args)
+        assert stored["stores"][0]["layer_groups"] == 1
+        assert store.proc is not None
+        first, second = instance(model_folder, "--remote", store.address, "--kill-after-first",
+                                 str(store.proc.pid), *args)
+        assert store.proc.wait(timeout=10) == -9
+    assert first["num_cached_tokens"] > 0 and second["num_cached_tokens"] == 0
+    assert [first["tokens"], second["tokens"]] == [r["tokens"] for r in references]
 
 
-def test_tiers_from_a_yaml_file_named_in_the_extra_config(model_folder, reference, tmp_path):
-    config = tmp_path / "cache.yaml"
-    config.write_text(f"lower_tiers: [disk]\ndisk_path: {tmp_path / 'blocks'}\nhost_capacity: 64MiB\n")
+@pytest.fixture(scope="module")
+def disk_after_a(model_folder, tmp_path_factory):
+    """A disk tier named in a tiered-cache YAML (kv_connector_extra_config.config), written
+    through by instance A answering Q1: (the YAML, the folder, A's answer)."""
+    where = tmp_path_factory.mktemp("vllm-disk")
+    config = where / "cache.yaml"
+    config.write_text(f"lower_tiers: [disk]\ndisk_path: {where / 'blocks'}\nhost_capacity: 64MiB\n")
     first = instance(model_folder, "--config", str(config), "-q", Q1)[0]
-    blocks = sorted((tmp_path / "blocks").rglob("*"))
-    pages = [b for b in blocks if b.is_file() and b.name != ".lock"]
-    assert len(pages) >= first["prompt_tokens"] // BLOCK  # written through to the disk tier the file names
+    return config, where / "blocks", first
+
+
+def test_tiers_from_a_yaml_file_named_in_the_extra_config(model_folder, reference, disk_after_a):
+    config, folder, first = disk_after_a
+    assert len(page_files(folder)) >= first["prompt_tokens"] // BLOCK  # written through to the tier the file names
     second = instance(model_folder, "--config", str(config), "-q", Q2)[0]
     assert second["num_cached_tokens"] > 0 and second["tokens"] == reference["tokens"]
 
 
 def test_blocks_corrupted_on_disk_after_the_lookup_are_recomputed_with_the_same_answer(model_folder, reference,
-                                                                                      tmp_path):
-    """The disk tier's index says every block is there; half their pages have a flipped byte. The
-    load finds the checksums wrong, reports those blocks, and vLLM recomputes them (the connector
-    sets kv_load_failure_policy to recompute: vLLM's default would fail the request)."""
+                                                                                      disk_after_a, tmp_path):
+    """A copy of A's disk tier, where half the pages have a flipped byte: the tier's index says
+    every block is there. The load finds the checksums wrong, reports those blocks, and vLLM
+    recomputes them (the connector sets kv_load_failure_policy to recompute: vLLM's default
+    would fail the request)."""
     disk = tmp_path / "blocks"
-    instance(model_folder, "--disk", str(disk), "-q", Q1)
-    pages = sorted(p for p in disk.rglob("*") if p.is_file() and p.name != ".lock")
+    shutil.copytree(disk_after_a[1], disk, ignore=shutil.ignore_patterns(".lock"))
+    pages = page_files(disk)
     assert pages
     for page in pages[::2]:
         data = bytearray(page.read_bytes())

@@ -13,6 +13,9 @@ def add_parser(commands: Any) -> None:
                                         "answers. No Redis, GPU or Ray needed.")
     p.add_argument("--repeat", type=int, default=3,
                    help="TTFT runs per row after a warm-up; the median and the spread are printed (default 3)")
+    p.add_argument("--doc-chars", type=int, default=None,
+                   help="read only the document's first N characters (default: all of it, ~2,800 tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens in each answer (default 48)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the tables")
     p.set_defaults(run=run)
 
@@ -23,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
     from tiered_cache.demo.runner import run_demo
 
     try:
-        return run_demo(args.repeat, args.json)
+        return run_demo(args.repeat, args.json, args.doc_chars, args.max_new_tokens)
     except KeyboardInterrupt:
         print("tiered-cache demo: interrupted; the store server and the instances were stopped", file=sys.stderr)
         return 130

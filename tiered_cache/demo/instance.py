@@ -1,16 +1,17 @@
 """One inference instance of the demo, in its own process. Prints progress to stderr and one JSON
 line of results to stdout.
 
-    python -m tiered_cache.demo.instance a STORE_ADDRESS [REPEAT]   # computes the document's KV, answers Q1
-    python -m tiered_cache.demo.instance b STORE_ADDRESS [REPEAT]   # empty cache: fetches it, answers Q2
+    python -m tiered_cache.demo.instance a STORE_ADDRESS [--repeat N]   # computes the document's KV, answers Q1
+    python -m tiered_cache.demo.instance b STORE_ADDRESS [--repeat N]   # empty cache: fetches it, answers Q2
 
-Each TTFT is measured REPEAT times (default 3) after one warm-up forward, each time from the same
+Each TTFT is measured N times (default 3) after one warm-up forward, each time from the same
 state (host RAM refilled by an eviction, a fresh empty cache for the store), so the report can
 print the median and the spread instead of one number a busy machine can swing 10x.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -39,12 +40,23 @@ def _row(label: str, result: Any, tokenizer: Any, more_ttft_s: Sequence[float] =
             "answer": tokenizer.decode(result.tokens, skip_special_tokens=True).strip()}
 
 
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="one instance of `tiered-cache demo`")
+    p.add_argument("role", choices=sorted(QUESTIONS))
+    p.add_argument("address", help="the store server's HOST:PORT")
+    p.add_argument("--repeat", type=int, default=3, help="TTFT runs per row (default 3)")
+    p.add_argument("--doc-chars", type=int, default=None, help="leading characters of the document (default all)")
+    p.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS,
+                   help=f"tokens of each answer (default {MAX_NEW_TOKENS})")
+    return p.parse_args(argv)
+
+
 def main() -> None:
-    role, address = sys.argv[1], sys.argv[2]
-    repeat = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    args = parse_args()
+    role, address, repeat, max_new = args.role, args.address, args.repeat, args.max_new_tokens
     from tiered_cache.cache import TieredCache
     from tiered_cache.config import CacheConfig
-    from tiered_cache.integrations.smollm2 import chat_prompt, load_model
+    from tiered_cache.integrations.smollm2 import chat_prompt, document, load_model
     from tiered_cache.integrations.transformers import generate, spec_for
 
     say("loading SmolLM2-135M-Instruct (fp32 compute, fp16 KV) ...")
@@ -53,7 +65,8 @@ def main() -> None:
     config = CacheConfig(pool_capacity="256MiB", host_capacity="512MiB", lower_tiers=["remote"],
                          remote_addresses=[address], write_policy="write_through")
     cache = TieredCache(spec, config)
-    prompt = chat_prompt(tokenizer, QUESTIONS[role])
+    text = None if args.doc_chars is None else document()[:args.doc_chars]
+    prompt = chat_prompt(tokenizer, QUESTIONS[role], text)
     eos = tokenizer.eos_token_id
 
     def ttft(use: Any) -> float:  # one more TTFT from the same state: the first token only
@@ -63,15 +76,15 @@ def main() -> None:
     rows = []
     say(f"prompt: {len(prompt):,} tokens (the document, then the question); each TTFT {repeat} times")
     say("answering without any cache (full prefill) ...")
-    first = generate(model, prompt, None, MAX_NEW_TOKENS, eos)
+    first = generate(model, prompt, None, max_new, eos)
     rows.append(_row("no cache", first, tokenizer, [ttft(None) for _ in range(repeat - 1)]))
     if role == "a":
         say("answering with the cache: nothing cached yet, so it prefills and stores the pages ...")
-        rows.append(_row("cold cache (computes, stores)", generate(model, prompt, cache, MAX_NEW_TOKENS, eos),
+        rows.append(_row("cold cache (computes, stores)", generate(model, prompt, cache, max_new, eos),
                          tokenizer))
         moved = cache.evict()
         say(f"moved {moved} pages from the device pool to host RAM; answering again ...")
-        first = generate(model, prompt, cache, MAX_NEW_TOKENS, eos)
+        first = generate(model, prompt, cache, max_new, eos)
         more = []
         for _ in range(repeat - 1):
             cache.evict()
@@ -79,7 +92,7 @@ def main() -> None:
         rows.append(_row("prefix from local host RAM", first, tokenizer, more))
     else:
         say(f"empty local cache; looking the prompt up: {cache.lookup(prompt):,} tokens are in the store")
-        first = generate(model, prompt, cache, MAX_NEW_TOKENS, eos)
+        first = generate(model, prompt, cache, max_new, eos)
         more = []
         for _ in range(repeat - 1):  # each from a fresh, empty local cache: the store answers again
             with TieredCache(spec, config.replace(write_policy="write_back")) as fresh:
@@ -88,7 +101,7 @@ def main() -> None:
     tree = None
     if role == "b":  # A's question too: the document's pages are shared, each question is a leaf
         say("asking instance A's question too, for the radix tree picture ...")
-        generate(model, chat_prompt(tokenizer, QUESTIONS["a"]), cache, 4, eos)
+        generate(model, chat_prompt(tokenizer, QUESTIONS["a"], text), cache, 4, eos)
         tree = cache.prefix_tree(decode=tokenizer.decode)
     cache.close()  # finishes the background write-through to the store
     print(json.dumps({"role": role, "question": QUESTIONS[role], "prompt_tokens": len(prompt), "rows": rows,

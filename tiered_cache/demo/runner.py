@@ -15,8 +15,8 @@ from tiered_cache.cli.table import render_table
 from tiered_cache.model.units import format_binary
 
 
-def _instance(role: str, address: str, repeat: int) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "tiered_cache.demo.instance", role, address, str(repeat)],
+def _instance(role: str, address: str, options: list[str]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "tiered_cache.demo.instance", role, address, *options],
                           stdout=subprocess.PIPE, text=True, timeout=1800)
     if proc.returncode == 130:  # the child saw Ctrl-C too
         raise KeyboardInterrupt
@@ -25,17 +25,24 @@ def _instance(role: str, address: str, repeat: int) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def run_demo(repeat: int = 3, as_json: bool = False) -> int:
+def run_demo(repeat: int = 3, as_json: bool = False, doc_chars: int | None = None,
+             max_new_tokens: int | None = None) -> int:
     """The story, each TTFT measured `repeat` times (median and spread printed); `as_json`: one
     JSON document (both instances' rows, the store's figures, B's tree) instead of tables.
+    `doc_chars`: only the document's first characters (default all: ~2,800 tokens);
+    `max_new_tokens`: the answers' length (default 48).
     Exit 0 when both instances' greedy answers are identical with and without the cache."""
     from tiered_cache.cli.stats_cmd import render
     from tiered_cache.integrations.smollm2 import gguf_path
     from tiered_cache.service.process import StoreProcess
     from tiered_cache.service.stats import server_stats
 
-    if repeat < 1:
-        raise ValueError(f"--repeat must be at least 1, got {repeat}")
+    for name, value in (("--repeat", repeat), ("--doc-chars", doc_chars), ("--max-new-tokens", max_new_tokens)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    options = ["--repeat", str(repeat)]
+    options += ["--doc-chars", str(doc_chars)] if doc_chars is not None else []
+    options += ["--max-new-tokens", str(max_new_tokens)] if max_new_tokens is not None else []
     gguf_path()  # fail early, with the fix, if the weights package is missing
     started = time.perf_counter()
     progress = sys.stderr if as_json else sys.stdout
@@ -44,10 +51,10 @@ def run_demo(repeat: int = 3, as_json: bool = False) -> int:
         print(f"store server: {store.address} (RAM in front of a temporary disk folder)", file=progress, flush=True)
         print("instance A: its own process and cache; reads the document and answers question 1", file=progress,
               flush=True)
-        a = _instance("a", store.address, repeat)
+        a = _instance("a", store.address, options)
         print("instance B: another process, empty local cache; answers question 2 about the same document",
               file=progress, flush=True)
-        b = _instance("b", store.address, repeat)
+        b = _instance("b", store.address, options)
         store_stats = server_stats(store.address, None, None, 10)
     same = all(d["rows"][0]["tokens"] == d["rows"][-1]["tokens"] for d in (a, b))
     if as_json:
