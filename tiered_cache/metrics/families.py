@@ -99,8 +99,9 @@ def cache_families(stats: Any) -> list[Metric]:
     ))]
 
 
-def server_families(counters: Any, streams_open: int) -> list[Metric]:
-    """The store server's own counters (handlers.ServerCounters) and its open streams."""
+def server_families(counters: Any, streams_open: int, shm_pages: int = 0) -> list[Metric]:
+    """The store server's own counters (handlers.ServerCounters), its open streams and the Get
+    pages it handed over through its shared-memory ring."""
     return [_single(*row) for row in (
         ("server_requests", "counter", "Calls the store server answered", counters.requests),
         ("server_rejected_requests", "counter", "Calls refused as malformed (INVALID_ARGUMENT)", counters.rejected),
@@ -110,4 +111,5 @@ def server_families(counters: Any, streams_open: int) -> list[Metric]:
          counters.refused_blobs),
         ("server_stalled_streams", "counter", "Streams ended for making no progress", counters.stalled_streams),
         ("server_open_streams", "gauge", "Get and Put streams open now", streams_open),
+        ("server_shm_pages", "counter", "Get pages handed to same-host clients through shared memory", shm_pages),
     )]

@@ -22,6 +22,7 @@ from tiered_cache.service.aio_fetch import AioFetcher, FetchResult
 from tiered_cache.service.auth import check_token
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.framing import ReceivedBlob, page_blob_message, parse_page_blob
+from tiered_cache.service.shm_ring import ShmReader, host_identity
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
 
@@ -85,8 +86,10 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 class StoreClient:
     def __init__(self, address: str, token: str | None = None, tls_ca: str | None = None,
-                 timeout_s: float = 5.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE) -> None:
+                 timeout_s: float = 5.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE, shm: bool = True) -> None:
+        """`shm`: on the server's host, take bulk Gets through its shared-memory ring."""
         self.address = address
+        self.shm = shm
         self.timeout_s = timeout_s
         options = channel_options(max_message_bytes)
         if tls_ca:
@@ -137,7 +140,37 @@ class StoreClient:
         with self._fetcher_lock:
             if self._fetcher is None:
                 self._fetcher = AioFetcher(self.address, self._options, self._tls_ca, self.metadata, StreamStalled)
+                if self.shm:
+                    self._fetcher.reader = self.attach()
+            elif self._fetcher.stale:  # the server restarted: its ring is another segment
+                self._fetcher.stale = False
+                old, self._fetcher.reader = self._fetcher.reader, self.attach()
+                if old is not None:
+                    old.close()
         return self._fetcher.get_all(keys, fingerprint, timeout_s or self.timeout_s, budget_s, on_blob)
+
+    @property
+    def shm_overruns(self) -> int:
+        """Pages the server's ring wrapped over before this client copied them (asked again as bytes)."""
+        return self._fetcher.overruns if self._fetcher is not None else 0
+
+    @property
+    def uses_shm(self) -> bool:
+        return self._fetcher is not None and self._fetcher.reader is not None
+
+    def attach(self) -> ShmReader | None:
+        """The server's shared-memory ring, mapped read-only, when the server offers one and runs
+        on this host as this user; None otherwise (Get then moves bytes, as to any other host)."""
+        try:
+            reply = self.stub.Attach(pb.AttachRequest(), timeout=self.timeout_s, metadata=self.metadata)
+        except grpc.RpcError:
+            return None  # down, or a server without Attach: bytes
+        if not reply.path or not reply.host or reply.host != host_identity():
+            return None
+        try:
+            return ShmReader(reply.path, reply.size, reply.segment)
+        except (OSError, ValueError):
+            return None  # another container, another user, or the pid is not the server's any more
 
     def put(self, items: Iterable[tuple[bytes, bytes]], fingerprint: bytes = b"",
             timeout_s: float | None = None, budget_s: float | None = None) -> pb.PutResponse:

@@ -17,7 +17,7 @@ MIN_CAPACITY = 2**20  # a tier smaller than this is a unit forgotten (`--ram 10`
 DEFAULT_DISK = "default"  # <$TIERED_CACHE_DIR or ~/.cache/tiered-cache>/store
 _INTS = ("port", "max_keys", "workers", "max_streams", "metrics_port")
 _FLOATS = ("stream_idle_s", "grace_s")
-_SIZES = ("ram_capacity", "disk_capacity", "max_page_bytes", "stream_buffer_bytes")
+_SIZES = ("ram_capacity", "disk_capacity", "max_page_bytes", "stream_buffer_bytes", "shm_bytes")
 
 
 def default_store_folder() -> str:
@@ -70,6 +70,8 @@ class ServerConfig:
     write_through: bool = False  # copy new blobs to the tier below RAM at once
     metrics_port: int | None = None  # serve Prometheus metrics at http://metrics_host:PORT/metrics
     metrics_host: str = "127.0.0.1"  # (with the token, when one is set)
+    # Get for clients on this host through a shared-memory ring of this size (0: off); see shm_ring.py.
+    shm_bytes: int = 256 * 2**20
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -91,6 +93,8 @@ class ServerConfig:
         for name in ("workers", "max_streams"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.shm_bytes and self.shm_bytes < 2**20:
+            raise ValueError(f"shm_bytes of {self.shm_bytes} is below the ring's 1MiB minimum (0 turns it off)")
         if not float(self.stream_idle_s) > 0:
             raise ValueError(f"stream_idle_s must be positive, got {self.stream_idle_s}")
         check_token(self.token, "token")

@@ -17,13 +17,21 @@ def page_blob_message(key: bytes, blob: bytes, fingerprint: bytes = b"") -> byte
     return b"".join(parts)
 
 
+def page_ref_message(key: bytes, position: int, length: int) -> bytes:
+    """A serialized `PageBlob{key, shm_position, shm_length}`: where the page lies in the
+    server's shared-memory ring (shm_ring.py), instead of its bytes."""
+    return b"".join([b"\x0a", _varint(len(key)), key, b"\x20", _varint(position), b"\x28", _varint(length)])
+
+
 class ReceivedBlob:
-    """A `PageBlob` as received (key, blob, fingerprint), parsed without the message class."""
+    """A `PageBlob` as received (key, blob, fingerprint), parsed without the message class;
+    `shm`: (position, length) in the server's ring when the page came that way (blob empty)."""
 
-    __slots__ = ("blob", "fingerprint", "key")
+    __slots__ = ("blob", "fingerprint", "key", "shm")
 
-    def __init__(self, key: bytes, blob: bytes | memoryview, fingerprint: bytes = b"") -> None:
-        self.key, self.blob, self.fingerprint = key, blob, fingerprint
+    def __init__(self, key: bytes, blob: bytes | memoryview, fingerprint: bytes = b"",
+                 shm: tuple[int, int] | None = None) -> None:
+        self.key, self.blob, self.fingerprint, self.shm = key, blob, fingerprint, shm
 
 
 def parse_page_blob(data: bytes) -> ReceivedBlob:
@@ -34,6 +42,7 @@ def parse_page_blob(data: bytes) -> ReceivedBlob:
     ValueError."""
     key = fingerprint = b""
     blob: bytes | memoryview = b""
+    shm_position = shm_length = 0
     view, pos, end = memoryview(data), 0, len(data)
     while pos < end:
         tag, pos = _read_varint(view, pos)
@@ -50,14 +59,18 @@ def parse_page_blob(data: bytes) -> ReceivedBlob:
                 fingerprint = bytes(view[pos:pos + length])
             pos += length
         elif wire == 0:
-            _, pos = _read_varint(view, pos)
+            value, pos = _read_varint(view, pos)
+            if number == 4:
+                shm_position = value
+            elif number == 5:
+                shm_length = value
         elif wire in (1, 5):
             pos += 8 if wire == 1 else 4
         else:
             raise ValueError(f"PageBlob has a field of unsupported wire type {wire}")
     if pos != end:
         raise ValueError("PageBlob is truncated")
-    return ReceivedBlob(key, blob, fingerprint)
+    return ReceivedBlob(key, blob, fingerprint, (shm_position, shm_length) if shm_length else None)
 
 
 def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:

@@ -25,7 +25,8 @@ from google.protobuf.message import DecodeError
 from tiered_cache import __version__
 from tiered_cache.index.keys import KEY_BYTES
 from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.framing import page_blob_message, parse_page_blob
+from tiered_cache.service.framing import page_blob_message, page_ref_message, parse_page_blob
+from tiered_cache.service.shm_ring import ShmRing, host_identity
 from tiered_cache.service.store import BlobStore
 from tiered_cache.service.streams import BatchSizer, ProgressWatch, Stalled, StreamSlots
 from tiered_cache.tiers.base import TierStats
@@ -77,11 +78,12 @@ class ServerCounters:
 
 class KVCacheService:
     def __init__(self, store: BlobStore, config: ServerConfig, counters: ServerCounters,
-                 io: Executor, meta: Executor) -> None:
+                 io: Executor, meta: Executor, ring: ShmRing | None = None) -> None:
         self.store = store
         self.config = config
         self.counters = counters
         self.slots = StreamSlots(config.max_streams)
+        self.ring = ring  # same-host Get through shared memory, when on
         self._io = io
         self._meta = meta
 
@@ -92,6 +94,12 @@ class KVCacheService:
     async def _reject(self, context: grpc.aio.ServicerContext, message: str) -> None:
         self.counters.rejected += 1
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    async def _take_unary(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Count a keyless unary call (Stats, Attach); refuse it when it did not parse."""
+        self.counters.requests += 1
+        if isinstance(request, Malformed):
+            await self._reject(context, f"request is not a valid {request.message_type} ({request.size} bytes)")
 
     async def _check_keys(self, request: Any, context: grpc.aio.ServicerContext) -> list[bytes]:
         if isinstance(request, Malformed):
@@ -126,10 +134,11 @@ class KVCacheService:
         fingerprint = bytes(request.fingerprint)
         if fingerprint and len(fingerprint) != KEY_BYTES:
             await self._reject(context, f"fingerprint is {len(fingerprint)} bytes; expected 32 raw bytes")
+        ring = self.ring if self.ring is not None and request.shm_segment == self.ring.segment else None
         await self.slots.acquire(context)
         watch = ProgressWatch(self.config.stream_idle_s, "the client read nothing")
         try:
-            await self._stream_blobs(keys, fingerprint, context, watch)
+            await self._stream_blobs(keys, fingerprint, context, watch, ring)
         except asyncio.CancelledError:
             if watch.stalled:
                 self._count_stalled(context, watch.error())
@@ -139,38 +148,53 @@ class KVCacheService:
             self.slots.release()
 
     async def _stream_blobs(self, keys: list[bytes], fingerprint: bytes, context: grpc.aio.ServicerContext,
-                            watch: ProgressWatch) -> None:
+                            watch: ProgressWatch, ring: ShmRing | None) -> None:
         """Read the next batch from the store while the current one is sent: at most two batches
         of about `stream_buffer_bytes` each are held per stream. A write waits while the client
-        is not reading (HTTP/2 flow control); the watch ends the stream when that lasts."""
+        is not reading (HTTP/2 flow control); the watch ends the stream when that lasts. With
+        `ring`, pages go through the shared-memory ring (a reference each) where they fit."""
         sizer = BatchSizer(self.config.stream_buffer_bytes)
         start = 0
 
-        def next_batch() -> tuple[list[bytes], asyncio.Future[list[bytes | None]]] | None:
+        def next_batch() -> asyncio.Future[list[bytes]] | None:
             nonlocal start
             if start >= len(keys):
                 return None
             chunk = keys[start:start + sizer.count]
             start += len(chunk)
-            return chunk, asyncio.ensure_future(self._run(self._io, self.store.get, chunk))
+            return asyncio.ensure_future(self._run(self._io, self._read_batch, chunk, fingerprint, sizer, ring))
 
         pending = next_batch()
         try:
             while pending is not None:
-                chunk, reading = pending
-                blobs = await reading
-                for blob in blobs:
-                    if blob is not None:
-                        sizer.see(len(blob))
+                messages = await pending
                 pending = next_batch()
-                for key, blob in zip(chunk, blobs, strict=True):
-                    if blob is None or (fingerprint and not _fingerprint_ok(blob, fingerprint)):
-                        continue
-                    await context.write(page_blob_message(key, blob))
+                for message in messages:
+                    await context.write(message)
                     watch.progress()
         finally:
             if pending is not None:
-                pending[1].cancel()
+                pending.cancel()
+
+    def _read_batch(self, chunk: list[bytes], fingerprint: bytes, sizer: BatchSizer,
+                    ring: ShmRing | None) -> list[bytes]:
+        """The Get messages of one batch (on the io pool: framing and ring copies off the loop)."""
+        messages = []
+        for key, blob in zip(chunk, self.store.get(chunk), strict=True):
+            if blob is None or (fingerprint and not _fingerprint_ok(blob, fingerprint)):
+                continue
+            sizer.see(len(blob))
+            where = ring.place(blob) if ring is not None else None
+            messages.append(page_ref_message(key, *where) if where else page_blob_message(key, blob))
+        return messages
+
+    async def Attach(self, request: Any, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
+        """Where a client on this host finds the shared-memory ring (empty when it is off)."""
+        await self._take_unary(request, context)
+        ring = self.ring
+        if ring is None:
+            return pb.AttachResponse()
+        return pb.AttachResponse(path=ring.path, size=ring.size, segment=ring.segment, host=host_identity())
 
     async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.PutResponse:
         self.counters.requests += 1
@@ -221,14 +245,13 @@ class KVCacheService:
             await storing
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        self.counters.requests += 1
-        if isinstance(request, Malformed):
-            await self._reject(context, f"request is not a valid {request.message_type} ({request.size} bytes)")
+        await self._take_unary(request, context)
         c = self.counters
         server = pb.ServerStats(version=__version__, uptime_s=time.monotonic() - c.started, requests=c.requests,
                                 rejected_requests=c.rejected, unauthenticated=c.unauthenticated,
                                 refused_blobs=c.refused_blobs, active_streams=self.slots.active,
-                                refused_streams=self.slots.refused, stalled_streams=c.stalled_streams)
+                                refused_streams=self.slots.refused, stalled_streams=c.stalled_streams,
+                                shm_pages=self.ring.pages if self.ring is not None else 0)
         tiers = [pb.TierStats(**{k: v for k, v in s.to_dict().items() if k not in _NOT_IN_PROTO})
                  for s in await self._tiers_stats()]
         return pb.StatsResponse(tiers=tiers, server=server)

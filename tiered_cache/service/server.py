@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import hmac
+import os
 import signal
 import socket
 import sys
@@ -24,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tiered_cache.service.client import message_options
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.handlers import KVCacheService, ServerCounters, parse_put_item, parser
+from tiered_cache.service.shm_ring import ShmRing
 from tiered_cache.service.store import BlobStore
 from tiered_cache.tiers.base import BlobTier
 from tiered_cache.tiers.memory import MemoryTier
@@ -87,7 +89,8 @@ class StoreServer:
         self.port = 0
         self._io = ThreadPoolExecutor(config.workers, thread_name_prefix="tiered-cache-store-io")
         self._meta = ThreadPoolExecutor(_META_THREADS, thread_name_prefix="tiered-cache-store-meta")
-        self.service = KVCacheService(self.store, config, self.counters, self._io, self._meta)
+        self.ring = ShmRing(config.shm_bytes) if config.shm_bytes and hasattr(os, "memfd_create") else None
+        self.service = KVCacheService(self.store, config, self.counters, self._io, self._meta, self.ring)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
@@ -118,7 +121,9 @@ class StoreServer:
         from tiered_cache.metrics.http import MetricsServer
 
         def build() -> list[Any]:
-            return [*tier_families(self.store.stats()), *server_families(self.counters, self.service.slots.active)]
+            ring = self.service.ring
+            return [*tier_families(self.store.stats()),
+                    *server_families(self.counters, self.service.slots.active, ring.pages if ring else 0)]
 
         config = self.config
         return MetricsServer(registry_of(build), config.metrics_host, config.metrics_port or 0, config.token)
@@ -158,6 +163,9 @@ class StoreServer:
         self._stop_loop()
         self._io.shutdown(wait=True)
         self._meta.shutdown(wait=True)
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
         return self.store.flush()
 
     async def _drain(self) -> None:
@@ -183,6 +191,7 @@ def _handlers(service: KVCacheService) -> grpc.GenericRpcHandler:
         "Get": grpc.unary_stream_rpc_method_handler(service.Get, parser(pb.GetRequest), raw),
         "Put": grpc.stream_unary_rpc_method_handler(service.Put, parse_put_item, ser),
         "Stats": grpc.unary_unary_rpc_method_handler(service.Stats, parser(pb.StatsRequest), ser),
+        "Attach": grpc.unary_unary_rpc_method_handler(service.Attach, parser(pb.AttachRequest), ser),
     })
 
 

@@ -52,22 +52,44 @@ class LookupResponse(_message.Message):
     def __init__(self, leading: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("keys", "fingerprint")
+    __slots__ = ("keys", "fingerprint", "shm_segment")
     KEYS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     fingerprint: bytes
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
+    shm_segment: bytes
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., fingerprint: _Optional[bytes] = ..., shm_segment: _Optional[bytes] = ...) -> None: ...
 
 class PageBlob(_message.Message):
-    __slots__ = ("key", "blob", "fingerprint")
+    __slots__ = ("key", "blob", "fingerprint", "shm_position", "shm_length")
     KEY_FIELD_NUMBER: _ClassVar[int]
     BLOB_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SHM_POSITION_FIELD_NUMBER: _ClassVar[int]
+    SHM_LENGTH_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     blob: bytes
     fingerprint: bytes
-    def __init__(self, key: _Optional[bytes] = ..., blob: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ...) -> None: ...
+    shm_position: int
+    shm_length: int
+    def __init__(self, key: _Optional[bytes] = ..., blob: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., shm_position: _Optional[int] = ..., shm_length: _Optional[int] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("path", "size", "segment", "host")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    segment: bytes
+    host: str
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., segment: _Optional[bytes] = ..., host: _Optional[str] = ...) -> None: ...
 
 class Refusal(_message.Message):
     __slots__ = ("key", "reason", "message")
@@ -128,7 +150,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., errors: _Optional[int] = ..., corrupt: _Optional[int] = ..., breaker_trips: _Optional[int] = ..., open_breakers: _Optional[int] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("version", "uptime_s", "requests", "rejected_requests", "unauthenticated", "refused_blobs", "active_streams", "refused_streams", "stalled_streams")
+    __slots__ = ("version", "uptime_s", "requests", "rejected_requests", "unauthenticated", "refused_blobs", "active_streams", "refused_streams", "stalled_streams", "shm_pages")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +160,7 @@ class ServerStats(_message.Message):
     ACTIVE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_STREAMS_FIELD_NUMBER: _ClassVar[int]
     STALLED_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    SHM_PAGES_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     requests: int
@@ -147,7 +170,8 @@ class ServerStats(_message.Message):
     active_streams: int
     refused_streams: int
     stalled_streams: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., unauthenticated: _Optional[int] = ..., refused_blobs: _Optional[int] = ..., active_streams: _Optional[int] = ..., refused_streams: _Optional[int] = ..., stalled_streams: _Optional[int] = ...) -> None: ...
+    shm_pages: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., unauthenticated: _Optional[int] = ..., refused_blobs: _Optional[int] = ..., active_streams: _Optional[int] = ..., refused_streams: _Optional[int] = ..., stalled_streams: _Optional[int] = ..., shm_pages: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "server")

@@ -54,6 +54,11 @@ class KVCacheStub:
                 request_serializer=tiered__cache_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tiered__cache_dot_v1_dot_cache__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/tiered_cache.v1.KVCache/Attach',
+                request_serializer=tiered__cache_dot_v1_dot_cache__pb2.AttachRequest.SerializeToString,
+                response_deserializer=tiered__cache_dot_v1_dot_cache__pb2.AttachResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -87,6 +92,13 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Attach(self, request, context):
+        """The server's shared-memory segment, for clients on its host (see GetRequest.shm_segment).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tiered__cache_dot_v1_dot_cache__pb2.StatsRequest.FromString,
                     response_serializer=tiered__cache_dot_v1_dot_cache__pb2.StatsResponse.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=tiered__cache_dot_v1_dot_cache__pb2.AttachRequest.FromString,
+                    response_serializer=tiered__cache_dot_v1_dot_cache__pb2.AttachResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +236,33 @@ class KVCache:
             '/tiered_cache.v1.KVCache/Stats',
             tiered__cache_dot_v1_dot_cache__pb2.StatsRequest.SerializeToString,
             tiered__cache_dot_v1_dot_cache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiered_cache.v1.KVCache/Attach',
+            tiered__cache_dot_v1_dot_cache__pb2.AttachRequest.SerializeToString,
+            tiered__cache_dot_v1_dot_cache__pb2.AttachResponse.FromString,
             options,
             channel_credentials,
             insecure,
