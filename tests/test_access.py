@@ -21,6 +21,7 @@ from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.process import StoreProcess
 from tiered_cache.tiers.disk import DiskTier
 from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.v1 import cache_pb2 as pb
 from workers.config import ShardSettings
 
 BLANK = ["", " ", "\t", "  \n "]
@@ -87,6 +88,7 @@ def _every_call(client: StoreClient, keys: list[bytes], items: list[tuple[bytes,
         "Get": lambda: list(client.get(keys, FINGERPRINT)),
         "Put": lambda: client.put(items, FINGERPRINT),
         "Stats": lambda: client.stats(),
+        "Attach": lambda: client.stub.Attach(pb.AttachRequest(), timeout=5, metadata=client.metadata),
     }
     errors = {}
     for name, call in calls.items():
@@ -109,13 +111,16 @@ def test_without_the_token_every_method_is_refused_and_reveals_nothing(guarded):
                 assert on_held[name].code() == grpc.StatusCode.UNAUTHENTICATED, name
                 # The same answer whether the key is held or not: nothing to probe with.
                 assert on_held[name].details() == on_missing[name].details(), name
-            # The bulk path (aio channel) is refused too, and yields no blob.
+            # The bulk path (aio channel) is refused too, and yields no blob; the shared-memory ring
+            # it asks for first (Attach) is not revealed either.
             result = stranger.get_all([k for k, _ in held], FINGERPRINT)
             assert result.error is not None and result.error.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert not stranger.uses_shm
             assert stranger.health() == "SERVING"
     with StoreClient(guarded.address, token="s3cret") as owner:
         stats = owner.stats()
-        assert stats.server.unauthenticated == before + 3 * (8 + 1)
+        # Per stranger: 5 methods x (held, missing) + the bulk Get and the Attach before it.
+        assert stats.server.unauthenticated == before + 3 * (10 + 2)
         # The strangers' Puts stored nothing: the owner's two pages are all there is.
         assert sum(t.pages for t in stats.tiers if t.name == "ram") == 2
         assert [g.key for g in owner.get([k for k, _ in missing])] == []
