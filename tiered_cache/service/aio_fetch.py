@@ -86,17 +86,17 @@ class AioFetcher:
     async def _get_all(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
                        on_blob: Callable[[ReceivedBlob], None] | None) -> FetchResult:
         blobs: list[ReceivedBlob] = []
-        reader = self.reader
-        overrun = await self._stream(keys, fingerprint, idle_s, budget_s, on_blob, reader, blobs)
-        if isinstance(overrun, list) and overrun:
-            self.overruns += len(overrun)
-            overrun = await self._stream(overrun, fingerprint, idle_s, budget_s, on_blob, None, blobs)
-        return FetchResult(blobs, overrun if isinstance(overrun, grpc.RpcError) else None)
+        lost, error = await self._stream(keys, fingerprint, idle_s, budget_s, on_blob, self.reader, blobs)
+        if lost and error is None:
+            self.overruns += len(lost)
+            _, error = await self._stream(lost, fingerprint, idle_s, budget_s, on_blob, None, blobs)
+        return FetchResult(blobs, error)
 
     async def _stream(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
                       on_blob: Callable[[ReceivedBlob], None] | None, reader: ShmReader | None,
-                      blobs: list[ReceivedBlob]) -> list[bytes] | grpc.RpcError:
-        """One Get stream into `blobs`: the keys whose pages the ring lost, or the error that ended it."""
+                      blobs: list[ReceivedBlob]) -> tuple[list[bytes], grpc.RpcError | None]:
+        """One Get stream into `blobs`: the keys whose pages the ring lost, and the error that
+        ended the stream (None when it completed)."""
         request = pb.GetRequest(keys=keys, fingerprint=fingerprint, shm_segment=reader.segment if reader else b"")
         call = self._get(request, timeout=budget_s, metadata=self.metadata)
         what = f"Get of {len(keys)} pages from {self.address}"
@@ -111,19 +111,19 @@ class AioFetcher:
                         lost.append(item.key)
                         continue
                     item.blob, item.shm = data, None
-                elif reader is not None and 0 < len(item.blob) <= reader.capacity // 4:
+                elif reader is not None and 0 < len(item.blob) <= reader.max_page:
                     self.stale = True  # a page the ring would take came as bytes: not our segment
                 blobs.append(item)
                 if on_blob is not None:
                     on_blob(item)
-            return lost
+            return lost, None
         except asyncio.CancelledError:
             if not watch.stalled:
                 raise
             call.cancel()
-            return self._stalled(what, idle_s)
+            return lost, self._stalled(what, idle_s)
         except grpc.RpcError as exc:
-            return exc
+            return lost, exc
         finally:
             watch.close()
 

@@ -144,9 +144,9 @@ class StoreClient:
                     self._fetcher.reader = self.attach()
             elif self._fetcher.stale:  # the server restarted: its ring is another segment
                 self._fetcher.stale = False
-                old, self._fetcher.reader = self._fetcher.reader, self.attach()
-                if old is not None:
-                    old.close()
+                # Not closed here: a Get on another thread may still be reading it (it unmaps
+                # when the last reference goes).
+                self._fetcher.reader = self.attach()
         return self._fetcher.get_all(keys, fingerprint, timeout_s or self.timeout_s, budget_s, on_blob)
 
     @property

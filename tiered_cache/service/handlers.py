@@ -87,6 +87,11 @@ class KVCacheService:
         self._io = io
         self._meta = meta
 
+    @property
+    def shm_pages(self) -> int:
+        """Get pages handed over through the shared-memory ring."""
+        return self.ring.pages if self.ring is not None else 0
+
     # --- helpers -------------------------------------------------------------------------------
     async def _run(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -251,7 +256,7 @@ class KVCacheService:
                                 rejected_requests=c.rejected, unauthenticated=c.unauthenticated,
                                 refused_blobs=c.refused_blobs, active_streams=self.slots.active,
                                 refused_streams=self.slots.refused, stalled_streams=c.stalled_streams,
-                                shm_pages=self.ring.pages if self.ring is not None else 0)
+                                shm_pages=self.shm_pages)
         tiers = [pb.TierStats(**{k: v for k, v in s.to_dict().items() if k not in _NOT_IN_PROTO})
                  for s in await self._tiers_stats()]
         return pb.StatsResponse(tiers=tiers, server=server)

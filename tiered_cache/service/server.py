@@ -89,8 +89,8 @@ class StoreServer:
         self.port = 0
         self._io = ThreadPoolExecutor(config.workers, thread_name_prefix="tiered-cache-store-io")
         self._meta = ThreadPoolExecutor(_META_THREADS, thread_name_prefix="tiered-cache-store-meta")
-        self.ring = ShmRing(config.shm_bytes) if config.shm_bytes and hasattr(os, "memfd_create") else None
-        self.service = KVCacheService(self.store, config, self.counters, self._io, self._meta, self.ring)
+        ring = ShmRing(config.shm_bytes) if config.shm_bytes and hasattr(os, "memfd_create") else None
+        self.service = KVCacheService(self.store, config, self.counters, self._io, self._meta, ring)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
@@ -121,9 +121,9 @@ class StoreServer:
         from tiered_cache.metrics.http import MetricsServer
 
         def build() -> list[Any]:
-            ring = self.service.ring
+            service = self.service
             return [*tier_families(self.store.stats()),
-                    *server_families(self.counters, self.service.slots.active, ring.pages if ring else 0)]
+                    *server_families(self.counters, service.slots.active, service.shm_pages)]
 
         config = self.config
         return MetricsServer(registry_of(build), config.metrics_host, config.metrics_port or 0, config.token)
@@ -163,9 +163,9 @@ class StoreServer:
         self._stop_loop()
         self._io.shutdown(wait=True)
         self._meta.shutdown(wait=True)
-        if self.ring is not None:
-            self.ring.close()
-            self.ring = None
+        ring, self.service.ring = self.service.ring, None
+        if ring is not None:
+            ring.close()
         return self.store.flush()
 
     async def _drain(self) -> None:

@@ -35,6 +35,12 @@ _CURSOR = 24
 MIN_BYTES = 2**20
 
 
+def largest_page(capacity: int) -> int:
+    """The largest page a ring of `capacity` takes: a larger one would be written over by the
+    next few, so it goes as bytes. Server and client apply the same rule."""
+    return capacity // 4
+
+
 def host_identity() -> str:
     """This machine's boot id and host name ('' where the boot id cannot be read: then no
     client ever takes a segment path for its own)."""
@@ -54,16 +60,16 @@ class ShmRing:
             raise ValueError(f"the shared-memory ring needs at least {MIN_BYTES} bytes, got {size}")
         self.size = size
         self.capacity = size - HEADER
-        # A page over a quarter of the ring would be written over by the next few: bytes instead.
-        self.max_page = self.capacity // 4
+        self.max_page = largest_page(self.capacity)
         self.fd = os.memfd_create("tiered-cache-get-ring", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, size)
         self._map = mmap.mmap(self.fd, size)
         # Touch every page now: the first lap of Gets would otherwise fault the ring in page by
         # page (about as slow as the loopback stream it replaces).
-        zeros = bytes(min(size, 4 << 20))
+        zeros = memoryview(bytes(min(size, 4 << 20)))
         for offset in range(0, size, len(zeros)):
-            self._map[offset:offset + len(zeros[:size - offset])] = zeros[:size - offset]
+            n = min(len(zeros), size - offset)
+            self._map[offset:offset + n] = zeros[:n]
         self.segment = os.urandom(16)
         self._map[:8] = MAGIC
         self._map[_SEGMENT] = self.segment
@@ -116,6 +122,7 @@ class ShmReader:
             raise ValueError(f"{path} is not the segment the server named")
         self.segment = segment
         self.capacity = size - HEADER
+        self.max_page = largest_page(self.capacity)
 
     def read(self, position: int, length: int) -> bytes | None:
         """A copy of the page at `position`, or None when the ring has since been written over it
