@@ -205,3 +205,27 @@ def test_retention_bench_holds_fewer_pages_under_a_window():
     assert per_token["unit"] == "ms" and per_token["value"] > 0 and per_token["baseline"] > 0
     refused = run_cli("bench", "retention", "--window", "0", check=False)
     assert refused.returncode != 0 and "--window must be positive" in refused.stderr
+
+
+def test_bench_vllm_takes_the_median_over_rounds_and_needs_every_rounds_tokens_to_match():
+    import pytest
+
+    from tiered_cache.bench.vllm_bench import _add_round, bench_vllm, render
+
+    def results(latencies, tokens):
+        return [{"prompt_tokens": 800, "num_cached_tokens": c, "latency_s": t, "tokens": k}
+                for t, c, k in zip(latencies, (0, 0), tokens, strict=True)]
+
+    rows: dict = {}
+    _add_round(rows, "recompute", results([0.5, 0.7], [[1], [2]]))
+    _add_round(rows, "ours", results([0.1, 0.3], [[1], [2]]))
+    _add_round(rows, "recompute", results([0.6, 0.9], [[1], [2]]))
+    _add_round(rows, "ours", results([0.2, 0.5], [[1], [3]]))  # a round that answered otherwise
+    base, ours = rows["recompute"], rows["ours"]
+    assert base.latencies_s == [0.5, 0.7, 0.6, 0.9] and base.ttft_s == pytest.approx(0.65)
+    assert ours.ttft_s == pytest.approx(0.25) and ours.mean_s == pytest.approx(0.275)
+    assert base.same_answers(base) and not ours.same_answers(base)
+    table = render([base, ours])
+    assert "650 ms" in table and "2.60x" in table and "NO" in table and "2 rounds: median of 4" in table
+    with pytest.raises(ValueError, match="rounds must be at least 1"):
+        bench_vllm(rounds=0)

@@ -62,11 +62,11 @@ def test_server_killed_mid_stream_gives_verified_blobs_then_misses():
         StoreClient(proc.address, timeout_s=60).put(items)
 
         class KillOnFirstBlob(RemoteTier):
-            def _verified(self, key: bytes, blob: bytes) -> bytes | None:
+            def _verified(self, key: bytes, blob: bytes, lease: object = None) -> bytes | None:
                 if proc.proc is not None and proc.proc.poll() is None:
                     proc.proc.send_signal(signal.SIGKILL)  # the server dies with the stream half sent
                     proc.proc.wait()
-                return super()._verified(key, blob)
+                return super()._verified(key, blob, lease)
 
         tier = KillOnFirstBlob([proc.address], timeout_s=10)
         start = time.monotonic()

@@ -15,7 +15,7 @@ from tiered_cache.service import client as client_module
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.process import StoreProcess
-from tiered_cache.service.shm_ring import HEADER, ShmReader, ShmRing
+from tiered_cache.service.shm_ring import HEADER, MAX_REMEMBERED, ShmLease, ShmReader, ShmRing
 from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.remote import RemoteTier
 
@@ -33,6 +33,10 @@ def pages(n: int, seed: int = 0) -> list[tuple[bytes, bytes]]:
 
 def shm_pages(address: str) -> int:
     return StoreClient(address).stats().server.shm_pages
+
+
+def shm_reused(address: str) -> int:
+    return StoreClient(address).stats().server.shm_pages_reused
 
 
 def test_a_same_host_get_comes_through_the_ring_with_the_bytes_put():
@@ -140,3 +144,89 @@ def test_a_ring_below_its_minimum_is_refused_by_name():
     with pytest.raises(ValueError, match="shm_bytes"):
         ServerConfig(shm_bytes="64KiB", disk_path="")
     assert ServerConfig(shm_bytes=0, disk_path="").shm_bytes == 0
+
+
+def test_a_page_already_in_the_ring_is_sent_again_by_position_until_half_a_lap_passes():
+    ring = ShmRing(2**20)
+    try:
+        reader = ShmReader(ring.path, ring.size, ring.segment)
+        page = bytes(range(256)) * 800  # 200 KiB: about a fifth of the ring
+        first = ring.place(page, b"k" * 32, sent=False)  # as at Put time: not counted as sent
+        assert first is not None and ring.pages == 0
+        assert ring.place(page, b"k" * 32) == first and (ring.pages, ring.reused) == (1, 1)
+        assert ring.place(page[:-1], b"k" * 32) != first  # another length: never taken for it
+        assert ring.place(page, b"j" * 32) != first  # another key: copied
+        later = ring.place(page, b"k" * 32)  # `first` is now more than half a lap back: copied again
+        assert later is not None and later[0] > first[0] and ring.reused == 1
+        assert reader.read(*later) == page
+        reader.close()
+    finally:
+        ring.close()
+
+
+def test_pages_put_are_in_the_ring_and_a_get_sends_them_without_a_copy():
+    items = pages(8, seed=5)
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk"]) as store:
+        client = StoreClient(store.address)
+        try:
+            client.put(items)
+            assert {r.key: bytes(r.blob) for r in client.get_all(keys).blobs} == dict(items)
+            assert shm_pages(store.address) == shm_reused(store.address) == len(items)
+        finally:
+            client.close()
+
+
+def test_lent_pages_are_views_of_the_bytes_put_and_the_lease_names_those_written_over():
+    """A 2 MiB ring: 4 pages lent, then a Get of 8 others comes round over them. The lease names
+    exactly the pages whose views no longer hold their bytes; a copy taken before is intact."""
+    items, others = pages(4, seed=6), pages(8, seed=7)
+    with StoreProcess(["--no-disk", "--shm", "2MiB"]) as store:
+        client = StoreClient(store.address)
+        try:
+            client.put(items)
+            lease = ShmLease()
+            result = client.get_all([k for k, _ in items], lease=lease)
+            assert result.error is None and len(lease) == len(items)
+            assert all(isinstance(r.blob, memoryview) for r in result.blobs)
+            copies = {r.key: bytes(r.blob) for r in result.blobs}
+            assert copies == dict(items) and lease.lost() == set()
+            client.put(others)  # placed at Put time: over the lent pages
+            client.get_all([k for k, _ in others])
+            lost = lease.lost()
+            assert lost and lost <= set(copies)
+            for r in result.blobs:
+                assert (bytes(r.blob) == copies[r.key]) or r.key in lost  # only lost views changed
+            assert any(bytes(r.blob) != copies[r.key] for r in result.blobs)
+            assert copies == dict(items)  # copies taken while the lease held are intact
+        finally:
+            client.close()
+
+
+def test_a_remote_tier_lends_pages_only_when_asked_and_counts_no_corruption_for_lost_ones():
+    items = pages(4, seed=8)
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk"]) as store:
+        tier = RemoteTier([store.address])
+        try:
+            tier.put(items)
+            assert all(isinstance(b, bytes) for b in tier.get(keys))  # copies by default
+            lease = ShmLease()
+            lent = tier.get(keys, lease=lease)
+            assert all(isinstance(b, memoryview) for b in lent) and len(lease) == len(keys)
+            assert [bytes(b) for b in lent] == [b for _, b in items] and not lease.lost()
+            assert tier.stats().corrupt == 0
+        finally:
+            tier.close()
+
+
+def test_the_ring_remembers_a_bounded_number_of_keys_however_small_the_pages():
+    ring = ShmRing(64 << 20)
+    try:
+        for i in range(MAX_REMEMBERED + 100):
+            ring.place(b"x" * 64, i.to_bytes(32, "little"), sent=False)
+        assert len(ring._where) == MAX_REMEMBERED
+        assert ring.place(b"x" * 64, (MAX_REMEMBERED + 99).to_bytes(32, "little")) is not None
+        assert ring.reused == 1  # the newest are the ones kept
+    finally:
+        ring.close()

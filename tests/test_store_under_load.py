@@ -27,6 +27,7 @@ from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.memory import ENTRY_OVERHEAD_BYTES, MemoryTier
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.v1 import cache_pb2 as pb
+from tiered_cache.v1 import cache_pb2_grpc
 
 MIB_SPEC = KVSpec("mib-pages", 8, 8, 128, page_size=32)  # 1 MiB pages
 
@@ -65,7 +66,12 @@ def test_idle_and_unread_streams_do_not_stall_others_and_are_ended():
         client = StoreClient(store.address, timeout_s=60)
         assert client.put(items).stored == 100
         idle_puts = [_idle_put(StoreClient(store.address), release) for _ in range(10)]
-        unread_gets = [StoreClient(store.address).stub.Get(pb.GetRequest(keys=keys)) for _ in range(10)]
+        # Readers that never read, on channels whose receive window stays at gRPC's 64 KiB (no
+        # BDP probing: on a fast loopback it can grow the window past the 25 MiB and the Get
+        # would finish instead of stalling).
+        unread_channels = [grpc.insecure_channel(store.address, options=[("grpc.http2.bdp_probe", 0)])
+                           for _ in range(10)]
+        unread_gets = [cache_pb2_grpc.KVCacheStub(ch).Get(pb.GetRequest(keys=keys)) for ch in unread_channels]
         try:
             _wait_for(lambda: _stats(store.address).active_streams == 20, 10, "20 open streams")
             start = time.monotonic()
@@ -87,6 +93,8 @@ def test_idle_and_unread_streams_do_not_stall_others_and_are_ended():
             release.set()
             for call in unread_gets:
                 call.cancel()
+            for channel in unread_channels:
+                channel.close()
 
 
 def test_past_max_streams_calls_fail_fast_with_a_retry_hint():

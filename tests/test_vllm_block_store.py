@@ -46,6 +46,12 @@ def test_auto_groups_are_the_most_layers_within_a_mebibyte_that_divide_the_model
     assert size == 1 or size * per_layer <= TARGET_PAGE_BYTES
 
 
+def test_auto_loads_whole_blocks_when_the_kv_lives_in_cpu_memory():
+    assert group_size(30, 196_608, "auto", kv_on_cpu=True) == 30
+    assert group_size(30, 196_608, None, kv_on_cpu=True) == 30
+    assert group_size(30, 196_608, 6, kv_on_cpu=True) == 5  # an explicit count still wins
+
+
 def test_an_explicit_group_count_must_divide_the_layers():
     assert group_size(30, 1000, 6) == 5 and group_size(30, 1000, 1) == 30
     for bad in (7, 0, -1, "three", True):
@@ -158,3 +164,71 @@ def test_a_load_that_outlives_its_wait_is_failed_and_never_copied_in():
         assert job.done.wait(30)
         assert job.failed == {2, 3}
         assert not any(layer.any() for layer in dst)  # nothing copied in after the wait gave up
+
+
+def test_pages_lent_from_the_ring_and_written_over_before_the_check_are_fetched_again():
+    """A same-host store server with a 2 MiB ring lends the pages as views into it. Between the
+    fetch and the check, another client's Put comes round the ring over them (for real): the job
+    sees it, fetches those pages again as copies, and vLLM's KV ends with exactly the saved
+    blocks, none failed."""
+    from tiered_cache.index.keys import PageKeyer
+    from tiered_cache.model.spec import KVSpec
+    from tiered_cache.tiers.codec import encode_page
+
+    big = KVSpec("ring-filler", 4, 2, 64, page_size=64, dtype="fp32")  # 256 KiB pages
+    filler_keys = PageKeyer(big, "filler").keys(list(range(big.page_size * 10)))
+    filler = [(k, encode_page(torch.randn(big.staging_shape(1)[1:]), big, k, "raw")) for k in filler_keys]
+    with StoreProcess(["--no-disk", "--shm", "2MiB"]) as server:
+        writer = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
+        src = vllm_layers()
+        keys = writer.keys(list(range(3 * BS)), "")
+        writer.save(keys, gather_blocks(src, [0, 1, 2], "cpu", DIM))
+        assert writer.flush(10)
+        reader = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
+        assert reader.leading(keys) == 3
+        other = StoreClient(server.address)
+        load = reader.load
+
+        def load_then_fill(block_keys, group=0, lease=None):
+            pages = load(block_keys, group, lease)
+            if lease is not None and len(lease):
+                other.put(filler)  # placed in the ring at Put time: over the lent pages
+            return pages
+
+        reader.load = load_then_fill
+        dst = vllm_layers(fill=0.0)
+        job = _job(reader, dst, keys, [5, 6, 7])
+        job.run()
+        assert job.finish(set()) == 0 and job.failed == set()
+        assert reader.lent_lost == 3 * 3  # every page of every group was lent, then written over
+        for layer in range(LAYERS):
+            for src_id, dst_id in ((0, 5), (1, 6), (2, 7)):
+                assert torch.equal(dst[layer][dst_id], src[layer][src_id])
+        other.close()
+
+
+def test_a_load_started_by_the_scheduler_is_taken_by_the_job_that_follows():
+    """Whole blocks from a same-host store server: `prefetch` (the scheduler found them) starts the
+    fetch; the load job for exactly those blocks copies what it fetched, and the KV is exact. It
+    starts only where a worker loads in this process, and only for whole blocks."""
+    with StoreProcess(["--no-disk"]) as server:
+        writer = BlockStore(SPEC, remote_config(server.address))
+        src = vllm_layers()
+        keys = writer.keys(list(range(3 * BS)), "")
+        writer.save(keys, gather_blocks(src, [0, 1, 2], "cpu", DIM))
+        assert writer.flush(10)
+        reader = BlockStore(SPEC, remote_config(server.address))
+        assert not reader.prefetch(keys)  # no worker registered here: nothing would take it
+        reader.loads_here = True
+        assert reader.prefetch(keys) and reader.prefetch(keys)  # once per set of blocks
+        dst = vllm_layers(fill=0.0)
+        job = _job(reader, dst, keys, [5, 6, 7])
+        job.run()
+        assert job.finish(set()) == 0 and job.failed == set() and reader.prefetches_taken == 1
+        for layer in range(LAYERS):
+            for src_id, dst_id in ((0, 5), (1, 6), (2, 7)):
+                assert torch.equal(dst[layer][dst_id], src[layer][src_id])
+        assert reader.take_prefetch(keys) is None  # taken once
+        grouped = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
+        grouped.loads_here = True
+        assert not grouped.prefetch(grouped.keys(list(range(3 * BS)), ""))  # group 0 must not wait for the last

@@ -28,6 +28,7 @@ Q3 = "Who was the first keeper of the light?"
 # Question i asks about the i-th 2,000 characters of the document: the first question's prompt is
 # then the one a plain `-q` asks (the first 2,000 characters), the second shares no block with it.
 SLICES = ["--doc-per-question", "--doc-chars", "2000"]
+GROUPED = ["--layer-groups", "6"]  # layer by layer (on the CPU "auto" loads whole blocks)
 
 
 @pytest.fixture(scope="module")
@@ -79,21 +80,23 @@ def reference(references) -> dict:
 
 @pytest.fixture(scope="module")
 def store_after_a(model_folder):
-    """A store server holding what instance A stored answering Q1 (layer groups "auto": SmolLM2's
-    30 layers as 6 pages a block), and A's output and the pages the store held right after it."""
+    """A store server holding what instance A stored answering Q1 (6 layer groups: SmolLM2's 30
+    layers as 6 pages a block, loaded layer by layer; "auto" on the CPU is whole blocks), and A's
+    output and the pages the store held right after it."""
     with StoreProcess(["--no-disk"]) as store:
-        out = run_instance(model_folder, "--remote", store.address, "-q", Q1)
+        out = run_instance(model_folder, "--remote", store.address, *GROUPED, "-q", Q1)
         yield store, out, pages_held(store)
 
 
 def test_a_second_instance_reuses_the_first_ones_prefix_through_the_store(model_folder, reference, store_after_a):
-    """Loaded layer group by layer group (whole blocks before the forward: the store-killed test)."""
+    """Loaded layer group by layer group (whole blocks before the forward, the default on the CPU:
+    the store-killed test)."""
     store, out, held_after_a = store_after_a
     first, pages_per_block = out["rows"][0], out["stores"][0]["layer_groups"]
     assert first["num_cached_tokens"] == 0 and pages_per_block == 6
     assert held_after_a == first["prompt_tokens"] // BLOCK * pages_per_block  # full prompt blocks only
     before = pages_held(store)
-    second = instance(model_folder, "--remote", store.address, "-q", Q2)[0]
+    second = instance(model_folder, "--remote", store.address, *GROUPED, "-q", Q2)[0]
     assert pages_held(store) == before  # B had nothing new to store: its last, partial block is never saved
     shared = min(first["prompt_tokens"], second["prompt_tokens"] - 1) // BLOCK * BLOCK
     assert second["num_cached_tokens"] == shared > 0  # the document's blocks came from the store
@@ -120,7 +123,7 @@ def tuned_folder(model_folder, tmp_path_factory) -> str:
 def test_a_fine_tune_never_reads_its_base_models_blocks(tuned_folder, store_after_a):
     store, out, held_after_a = store_after_a
     before = pages_held(store)
-    tuned = instance(tuned_folder, "--remote", store.address, "-q", Q1)[0]
+    tuned = instance(tuned_folder, "--remote", store.address, *GROUPED, "-q", Q1)[0]
     assert tuned["prompt_tokens"] == out["rows"][0]["prompt_tokens"]  # the very prompt the base model stored
     assert tuned["num_cached_tokens"] == 0  # same prompt, same geometry, other weights: no block shared
     assert pages_held(store) == before + held_after_a  # its own blocks, beside the base's
@@ -136,10 +139,10 @@ def test_a_dead_store_means_recompute_and_the_same_answer(model_folder, referenc
 
 
 def test_the_store_killed_mid_run_means_recompute_and_the_same_answers(model_folder, references):
-    """Whole blocks before the forward (layer groups 1). B's first answer reuses A's blocks; then
-    the store is SIGKILLed; B's second answer (blocks A stored too) is computed instead, with the
-    same tokens, and nothing hangs."""
-    args = ["--layer-groups", "1", *SLICES, "-q", Q2, "-q", Q3]
+    """Whole blocks before the forward (layer groups "auto" on the CPU). B's first answer reuses
+    A's blocks; then the store is SIGKILLed; B's second answer (blocks A stored too) is computed
+    instead, with the same tokens, and nothing hangs."""
+    args = [*SLICES, "-q", Q2, "-q", Q3]
     with StoreProcess(["--no-disk"]) as store:
         stored = run_instance(model_folder, "--remote", store.address, *args)
         assert stored["stores"][0]["layer_groups"] == 1

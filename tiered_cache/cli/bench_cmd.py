@@ -112,6 +112,8 @@ def add_parser(commands: Any) -> None:
     vllm = _add(which, "vllm", help="TTFT of a second vLLM instance: recompute vs tiered-cache (store "
                                          "server, disk, Redis) vs vLLM's ExampleConnector")
     vllm.add_argument("--doc-chars", type=int, default=3000, help="document characters in each prompt (default 3000)")
+    vllm.add_argument("--rounds", type=int, default=2,
+                      help="times each way's second instance runs, the ways taking turns (default 2)")
     subs.append(vllm)
     clus = _add(which, "cluster", help="shared-prefix workload on a Ray cluster: workers alone vs a shared "
                                             "store with round robin vs with the prefix router, vs recompute")
@@ -329,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         from tiered_cache.bench.vllm_bench import bench_vllm
         from tiered_cache.bench.vllm_bench import render as render_vllm
 
-        rows = bench_vllm(args.doc_chars, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        rows = bench_vllm(args.doc_chars, args.rounds, progress=lambda m: print(m, file=sys.stderr, flush=True))
         print(json.dumps([r.to_dict(rows[0]) for r in rows], indent=2) if args.json else render_vllm(rows))
         return 0
     if args.bench == "cluster":

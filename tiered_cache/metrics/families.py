@@ -99,7 +99,7 @@ def cache_families(stats: Any) -> list[Metric]:
     ))]
 
 
-def server_families(counters: Any, streams_open: int, shm_pages: int = 0) -> list[Metric]:
+def server_families(counters: Any, streams_open: int, shm_pages: int = 0, shm_pages_reused: int = 0) -> list[Metric]:
     """The store server's own counters (handlers.ServerCounters), its open streams and the Get
     pages it handed over through its shared-memory ring."""
     return [_single(*row) for row in (
@@ -112,4 +112,6 @@ def server_families(counters: Any, streams_open: int, shm_pages: int = 0) -> lis
         ("server_stalled_streams", "counter", "Streams ended for making no progress", counters.stalled_streams),
         ("server_open_streams", "gauge", "Get and Put streams open now", streams_open),
         ("server_shm_pages", "counter", "Get pages handed to same-host clients through shared memory", shm_pages),
+        ("server_shm_pages_reused", "counter", "Of those, pages already in the ring: sent without a copy",
+         shm_pages_reused),
     )]

@@ -7,7 +7,8 @@ client, 1.34 with aio (medians of 6 alternating runs). One event loop thread per
 every `AioFetcher`; each fetcher owns an aio channel bound to that loop.
 
 With `reader` (the server's shared-memory ring, mapped: shm_ring.py) pages come as references
-and are copied out of the ring; a page the ring wrapped over meanwhile is asked again as bytes.
+and are copied out of the ring, or with a `ShmLease` lent as views into it; a page the ring
+wrapped over before it was read is asked again as bytes.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import grpc
 
 from tiered_cache.service.framing import ReceivedBlob, parse_page_blob
-from tiered_cache.service.shm_ring import ShmReader
+from tiered_cache.service.shm_ring import ShmLease, ShmReader
 from tiered_cache.service.streams import ProgressWatch
 from tiered_cache.v1 import cache_pb2 as pb
 
@@ -77,24 +78,25 @@ class AioFetcher:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def get_all(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
-                on_blob: Callable[[ReceivedBlob], None] | None = None) -> FetchResult:
+                on_blob: Callable[[ReceivedBlob], None] | None = None, lease: ShmLease | None = None) -> FetchResult:
         """Every blob the server streams for `keys`. The stream fails when nothing arrives for
         `idle_s` (progress deadline) or, when set, past `budget_s`. `on_blob` runs on the loop's
-        thread as each blob arrives (e.g. to start its checksum elsewhere): keep it short."""
-        return self._on_loop(self._get_all(keys, fingerprint, idle_s, budget_s, on_blob))
+        thread as each blob arrives (e.g. to start its checksum elsewhere): keep it short. With
+        `lease`, ring pages are views recorded in it, not copies (see `ShmLease`)."""
+        return self._on_loop(self._get_all(keys, fingerprint, idle_s, budget_s, on_blob, lease))
 
     async def _get_all(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
-                       on_blob: Callable[[ReceivedBlob], None] | None) -> FetchResult:
+                       on_blob: Callable[[ReceivedBlob], None] | None, lease: ShmLease | None) -> FetchResult:
         blobs: list[ReceivedBlob] = []
-        lost, error = await self._stream(keys, fingerprint, idle_s, budget_s, on_blob, self.reader, blobs)
+        lost, error = await self._stream(keys, fingerprint, idle_s, budget_s, on_blob, self.reader, blobs, lease)
         if lost and error is None:
             self.overruns += len(lost)
-            _, error = await self._stream(lost, fingerprint, idle_s, budget_s, on_blob, None, blobs)
+            _, error = await self._stream(lost, fingerprint, idle_s, budget_s, on_blob, None, blobs, None)
         return FetchResult(blobs, error)
 
     async def _stream(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
                       on_blob: Callable[[ReceivedBlob], None] | None, reader: ShmReader | None,
-                      blobs: list[ReceivedBlob]) -> tuple[list[bytes], grpc.RpcError | None]:
+                      blobs: list[ReceivedBlob], lease: ShmLease | None) -> tuple[list[bytes], grpc.RpcError | None]:
         """One Get stream into `blobs`: the keys whose pages the ring lost, and the error that
         ended the stream (None when it completed)."""
         request = pb.GetRequest(keys=keys, fingerprint=fingerprint, shm_segment=reader.segment if reader else b"")
@@ -106,10 +108,13 @@ class AioFetcher:
             async for item in call:
                 watch.progress()
                 if item.shm is not None:
-                    data = reader.read(*item.shm) if reader is not None else None
+                    data = (None if reader is None else reader.view(*item.shm) if lease is not None
+                            else reader.read(*item.shm))
                     if data is None:
                         lost.append(item.key)
                         continue
+                    if lease is not None:
+                        lease.add(item.key, reader, *item.shm)
                     item.blob, item.shm = data, None
                 elif reader is not None and 0 < len(item.blob) <= reader.max_page:
                     self.stale = True  # a page the ring would take came as bytes: not our segment

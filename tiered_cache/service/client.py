@@ -22,7 +22,7 @@ from tiered_cache.service.aio_fetch import AioFetcher, FetchResult
 from tiered_cache.service.auth import check_token
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.framing import ReceivedBlob, page_blob_message, parse_page_blob
-from tiered_cache.service.shm_ring import ShmReader, host_identity
+from tiered_cache.service.shm_ring import ShmLease, ShmReader, host_identity
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
 
@@ -134,9 +134,12 @@ class StoreClient:
             call.cancel()  # a consumer that stops early frees the stream at once (no-op when done)
 
     def get_all(self, keys: list[bytes], fingerprint: bytes = b"", timeout_s: float | None = None,
-                budget_s: float | None = None, on_blob: Callable[[ReceivedBlob], None] | None = None) -> FetchResult:
+                budget_s: float | None = None, on_blob: Callable[[ReceivedBlob], None] | None = None,
+                lease: ShmLease | None = None) -> FetchResult:
         """Like `get`, but the whole stream at once, read on an aio channel (faster for bulk
-        fetches: see aio_fetch.py); the error that ended it, if any, is returned, not raised."""
+        fetches: see aio_fetch.py); the error that ended it, if any, is returned, not raised.
+        With `lease`, pages that come through the server's ring are lent as views into it (see
+        `ShmLease`: check `lease.lost()` after copying them)."""
         with self._fetcher_lock:
             if self._fetcher is None:
                 self._fetcher = AioFetcher(self.address, self._options, self._tls_ca, self.metadata, StreamStalled)
@@ -147,7 +150,7 @@ class StoreClient:
                 # Not closed here: a Get on another thread may still be reading it (it unmaps
                 # when the last reference goes).
                 self._fetcher.reader = self.attach()
-        return self._fetcher.get_all(keys, fingerprint, timeout_s or self.timeout_s, budget_s, on_blob)
+        return self._fetcher.get_all(keys, fingerprint, timeout_s or self.timeout_s, budget_s, on_blob, lease)
 
     @property
     def shm_overruns(self) -> int:

@@ -92,6 +92,11 @@ class KVCacheService:
         """Get pages handed over through the shared-memory ring."""
         return self.ring.pages if self.ring is not None else 0
 
+    @property
+    def shm_pages_reused(self) -> int:
+        """Of those, pages already in the ring: sent by position without a copy."""
+        return self.ring.reused if self.ring is not None else 0
+
     # --- helpers -------------------------------------------------------------------------------
     async def _run(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -189,7 +194,7 @@ class KVCacheService:
             if blob is None or (fingerprint and not _fingerprint_ok(blob, fingerprint)):
                 continue
             sizer.see(len(blob))
-            where = ring.place(blob) if ring is not None else None
+            where = ring.place(blob, key) if ring is not None else None
             messages.append(page_ref_message(key, *where) if where else page_blob_message(key, blob))
         return messages
 
@@ -256,7 +261,7 @@ class KVCacheService:
                                 rejected_requests=c.rejected, unauthenticated=c.unauthenticated,
                                 refused_blobs=c.refused_blobs, active_streams=self.slots.active,
                                 refused_streams=self.slots.refused, stalled_streams=c.stalled_streams,
-                                shm_pages=self.shm_pages)
+                                shm_pages=self.shm_pages, shm_pages_reused=self.shm_pages_reused)
         tiers = [pb.TierStats(**{k: v for k, v in s.to_dict().items() if k not in _NOT_IN_PROTO})
                  for s in await self._tiers_stats()]
         return pb.StatsResponse(tiers=tiers, server=server)
@@ -288,6 +293,10 @@ class KVCacheService:
             else:
                 refused.append(refusal)
         stored, held = self.store.put(good) if good else (0, 0)
+        ring = self.ring
+        if ring is not None:
+            for key, blob in good:  # into the ring now: a same-host Get then sends it without a copy
+                ring.place(blob, key, sent=False)
         return refused, stored, held
 
     def _validate(self, key: bytes, blob: bytes, fingerprint: bytes) -> pb.Refusal | None:

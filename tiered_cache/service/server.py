@@ -123,7 +123,8 @@ class StoreServer:
         def build() -> list[Any]:
             service = self.service
             return [*tier_families(self.store.stats()),
-                    *server_families(self.counters, service.slots.active, service.shm_pages)]
+                    *server_families(self.counters, service.slots.active, service.shm_pages,
+                                     service.shm_pages_reused)]
 
         config = self.config
         return MetricsServer(registry_of(build), config.metrics_host, config.metrics_port or 0, config.token)

@@ -14,6 +14,10 @@ page was written over it (x86 keeps stores and loads in order; elsewhere the che
 received blob still goes through catches a torn page). A page written over is a miss the client
 asks again as bytes, never wrong KV.
 
+The ring also remembers where each key's page lies while it is in the newer half of the ring: a
+page placed at Put time or sent by a recent Get is sent again by position, without a copy (keys
+are content-addressed, and the client checks key and checksum of whatever it reads).
+
 The segment is a memfd: it exists only while the server process does (nothing is left in
 /dev/shm after a crash), and others open it through `/proc/<pid>/fd/<n>`, which only the same
 user (or root) may do. Clients on another host are told apart by `host_identity()`.
@@ -21,11 +25,13 @@ user (or root) may do. Clients on another host are told apart by `host_identity(
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
 import struct
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 MAGIC = b"TCSHM\x00v1"
@@ -33,6 +39,7 @@ HEADER = 64
 _SEGMENT = slice(8, 24)
 _CURSOR = 24
 MIN_BYTES = 2**20
+MAX_REMEMBERED = 1 << 16  # keys whose ring position is kept (~250 B each: tiny pages must not grow it)
 
 
 def largest_page(capacity: int) -> int:
@@ -52,8 +59,8 @@ def host_identity() -> str:
 
 
 class ShmRing:
-    """The server's ring. `place` copies a page in and returns (position, length), or None when
-    the page is too large for the ring (it then goes as bytes)."""
+    """The server's ring. `place` copies a page in (or finds it there) and returns (position,
+    length), or None when the page is too large for the ring (it then goes as bytes)."""
 
     def __init__(self, size: int) -> None:
         if size < MIN_BYTES:
@@ -76,17 +83,28 @@ class ShmRing:
         struct.pack_into("<Q", self._map, _CURSOR, 0)
         self._cursor = 0
         self._lock = threading.Lock()
+        self._where: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> page, oldest first
         self.pages = 0  # pages placed
+        self.reused = 0  # of which already in the ring: sent again without a copy
 
     @property
     def path(self) -> str:
         return f"/proc/{os.getpid()}/fd/{self.fd}"
 
-    def place(self, blob: bytes | memoryview) -> tuple[int, int] | None:
+    def place(self, blob: bytes | memoryview, key: bytes = b"", sent: bool = True) -> tuple[int, int] | None:
+        """Where the page lies in the ring. With `key`, a page of that key still in the newer half
+        of the ring (at least half a lap from being written over) is not copied again. `sent`:
+        counted as a page handed over (False when placed ahead of a Get, at Put time)."""
         n = len(blob)
         if not 0 < n <= self.max_page:
             return None
         with self._lock:
+            self.pages += sent
+            if key:
+                found = self._where.get(key)
+                if found is not None and found[1] == n and self._cursor - found[0] <= self.capacity // 2:
+                    self.reused += sent
+                    return found
             position = self._cursor
             offset = position % self.capacity
             if offset + n > self.capacity:  # skip the tail: a page never wraps
@@ -94,9 +112,30 @@ class ShmRing:
                 offset = 0
             self._cursor = position + n
             struct.pack_into("<Q", self._map, _CURSOR, self._cursor)  # before the copy: see the module doc
-            self.pages += 1
+            self._forget_before(self._cursor - self.capacity // 2)
+            if key:
+                # Known only once copied in: until then a Get must not send its position. A page
+                # placed meanwhile under the same key copies it again (rare, and still correct).
+                self._where.pop(key, None)
         self._map[HEADER + offset:HEADER + offset + n] = blob  # outside the lock: regions are disjoint
+        if key:
+            with self._lock:
+                if position >= self._cursor - self.capacity // 2:
+                    self._where[key] = (position, n)
+                    if len(self._where) > MAX_REMEMBERED:
+                        self._where.popitem(last=False)
         return position, n
+
+    def _forget_before(self, position: int) -> None:
+        """Drop keys whose pages start before `position` (under the lock). Entries are added about
+        in cursor order (copies finish out of order), so one left behind lingers a little longer;
+        `place` checks every entry's age anyway."""
+        where = self._where
+        while where:
+            key, (start, _) = next(iter(where.items()))
+            if start >= position:
+                break
+            del where[key]
 
     def close(self) -> None:
         self._map.close()
@@ -131,10 +170,41 @@ class ShmReader:
         if not 0 < length <= self.capacity - offset:
             return None
         data = self._map[HEADER + offset:HEADER + offset + length]  # the copy
-        cursor = struct.unpack_from("<Q", self._map, _CURSOR)[0]  # after the copy: see the module doc
-        if not position + length <= cursor <= position + self.capacity:
+        return data if self.intact(position, length) else None  # checked after the copy: module doc
+
+    def view(self, position: int, length: int) -> memoryview | None:
+        """The page at `position` in place (no copy), or None when it is already written over.
+        Valid only until the ring comes round: whoever uses it checks `intact` after copying."""
+        offset = position % self.capacity
+        if not 0 < length <= self.capacity - offset or not self.intact(position, length):
             return None
-        return data
+        return memoryview(self._map)[HEADER + offset:HEADER + offset + length]
+
+    def intact(self, position: int, length: int) -> bool:
+        """Whether no page written since has reached the one at `position`."""
+        cursor = struct.unpack_from("<Q", self._map, _CURSOR)[0]
+        return position + length <= cursor <= position + self.capacity
 
     def close(self) -> None:
-        self._map.close()
+        with contextlib.suppress(BufferError):  # pages still lent as views: unmapped when the last goes
+            self._map.close()
+
+
+class ShmLease:
+    """Pages lent as views into server rings instead of copied out (`StoreClient.get_all(lease=)`).
+    A view is good only while the ring has not come round over it: copy the pages where they go,
+    then ask `lost()`; a page named there must not be used (fetch it again). One copy fewer per
+    page than `ShmReader.read`."""
+
+    def __init__(self) -> None:
+        self._pages: list[tuple[bytes, ShmReader, int, int]] = []
+
+    def add(self, key: bytes, reader: ShmReader, position: int, length: int) -> None:
+        self._pages.append((key, reader, position, length))  # list.append: safe across threads
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def lost(self) -> set[bytes]:
+        """Keys of lent pages written over since they were lent (their views hold other bytes)."""
+        return {key for key, reader, position, length in self._pages if not reader.intact(position, length)}

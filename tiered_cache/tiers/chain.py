@@ -23,8 +23,12 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from tiered_cache.tiers.base import BlobTier, EvictCallback, TierStats
+
+if TYPE_CHECKING:
+    from tiered_cache.service.shm_ring import ShmLease
 
 _DEFAULT_MAX_KNOWN = 1 << 20  # keys whose residency is remembered (~100 B each)
 
@@ -109,10 +113,14 @@ class TierChain:
         return where
 
     def fetch(self, keys: Sequence[bytes], where: Sequence[int | None] | None = None,
-              promote: bool = False) -> list[bytes | None]:
+              promote: bool = False, lease: ShmLease | None = None) -> list[bytes | None]:
         """The verified blob of each key from the tier `where` names (`locate` when not given),
         one batched `get` per tier. A key a tier turned out not to hold is None and forgotten.
-        With `promote`, blobs found below the first tier are copied into it."""
+        With `promote`, blobs found below the first tier are copied into it. With `lease` (a
+        `ShmLease`), tiers that can lend pages instead of copying them do (`lends_views`): the
+        caller copies them out, then drops those `lease.lost()` names."""
+        if lease is not None and promote:
+            raise ValueError("fetch cannot promote lent pages (they are views, good only for a while)")
         where = self.locate(keys) if where is None else where
         out: list[bytes | None] = [None] * len(keys)
         for index, tier in enumerate(self.tiers):
@@ -122,7 +130,8 @@ class TierChain:
             wanted = [keys[i] for i in positions]
             started = time.perf_counter()
             with self._tier_locks[index]:
-                blobs = tier.get(wanted)
+                lends = lease is not None and getattr(tier, "lends_views", False)
+                blobs = tier.get(wanted, lease=lease) if lends else tier.get(wanted)
             if self.on_fetch is not None:
                 self.on_fetch(tier.name, time.perf_counter() - started, sum(len(b) for b in blobs if b is not None))
             for i, blob in zip(positions, blobs, strict=True):

@@ -28,6 +28,7 @@ import grpc
 
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.framing import ReceivedBlob
+from tiered_cache.service.shm_ring import ShmLease
 from tiered_cache.tiers.base import TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, CircuitBreaker, breaker_states
 from tiered_cache.tiers.codec import BlobError, verify_blob
@@ -68,6 +69,7 @@ class _Ring:
 class RemoteTier:
     name = "remote"
     thread_safe = True  # gRPC channels serve every thread; each call keeps its own state
+    lends_views = True  # `get(keys, lease=)`: same-host pages as views into the server's ring
 
     def __init__(self, addresses: Sequence[str], token: str | None = None, tls_ca: str | None = None,
                  timeout_s: float = 5.0, fingerprint: bytes = b"", breaker: BreakerPolicy | None = None,
@@ -186,8 +188,10 @@ class RemoteTier:
             return reply.leading if reply is not None else 0
         return leading_run(self.contains(keys))
 
-    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Each key's verified blob or None. A key asked twice is answered at every position."""
+    def get(self, keys: Sequence[bytes], lease: ShmLease | None = None) -> list[bytes | None]:
+        """Each key's verified blob or None. A key asked twice is answered at every position.
+        With `lease`, a page from a server on this host may be a view into its ring, good only
+        until `lease.lost()` names it (`ShmLease`): copy it before asking."""
         out: list[bytes | None] = [None] * len(keys)
         positions_of: dict[bytes, list[int]] = {}
         for i, key in enumerate(keys):
@@ -205,11 +209,11 @@ class RemoteTier:
                 # Checksums run on another thread (they release the GIL) while the stream flows.
                 if item.key in pending:
                     pending.discard(item.key)
-                    checks.append((item.key, self._checker.submit(self._verified, item.key, item.blob)))
+                    checks.append((item.key, self._checker.submit(self._verified, item.key, item.blob, lease)))
 
             def stream(client: StoreClient) -> None:
                 # Blobs received before a stream breaks stay usable: each is verified on its own.
-                result = client.get_all(asked, self.fingerprint, budget_s=self.budget_s, on_blob=check)
+                result = client.get_all(asked, self.fingerprint, budget_s=self.budget_s, on_blob=check, lease=lease)
                 if result.error is not None:
                     raise result.error
 
@@ -259,10 +263,11 @@ class RemoteTier:
         self._checker.shutdown(wait=False)
         self._fanout.shutdown(wait=False)
 
-    def _verified(self, key: bytes, blob: bytes) -> bytes | None:
+    def _verified(self, key: bytes, blob: bytes, lease: ShmLease | None = None) -> bytes | None:
         try:
             verify_blob(blob, key)
         except BlobError:
-            self._stats.corrupt += 1
+            if lease is None or key not in lease.lost():  # a lent page written over is no fault
+                self._stats.corrupt += 1
             return None
         return blob

@@ -22,9 +22,9 @@ cache miss).
 `kv_connector_extra_config`: `config` (a tiered-cache YAML of `CacheConfig` settings: host
 capacity, lower tiers, disk path, Redis URL, store servers ...), any `CacheConfig` setting
 inline (wins over the file), `model_id` when the weights cannot be identified otherwise,
-`layer_groups` (pages per block: "auto", about 1 MiB a page, or a number dividing the layers;
-1 loads whole blocks before the forward) and `load_failure_policy` ("recompute", or "fail" to
-keep vLLM's).
+`layer_groups` (pages per block: "auto", about 1 MiB a page on GPUs and whole blocks when vLLM
+runs on the CPU, or a number dividing the layers; 1 loads whole blocks before the forward) and
+`load_failure_policy` ("recompute", or "fail" to keep vLLM's).
 """
 
 from __future__ import annotations
@@ -105,8 +105,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self.spec = vllm_spec(model_id_for(model.model, model.revision, extra.get("model_id")),
                               model.get_num_layers(parallel), model.get_num_kv_heads(parallel), model.get_head_size(),
                               str(dtype), self.block_size)
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
         per_page = group_size(self.spec.num_layers, self.spec.bytes_per_page // self.spec.num_layers,
-                              extra.get("layer_groups"))
+                              extra.get("layer_groups"), kv_on_cpu=device == "cpu")
         self.store = BlockStore.shared(self.spec, self.config, per_page)
         self._set_failure_policy(str(extra.get("load_failure_policy", "recompute")))
         self._requests: dict[str, _Request] = {}  # scheduler side
@@ -143,6 +144,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         if held <= first:
             return 0, False
         state.load = (first, held)
+        self.store.prefetch(state.keys[first:held])  # the worker's load job takes it (same process)
         return held * self.block_size - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -198,6 +200,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
                              f"{self.spec.num_layers}")
         self._kind = layout_of(self._layers[0], self.spec.num_kv_heads, self.spec.head_dim)
         self._group_of = {name: i // self.store.layers_per_page for i, name in enumerate(kv_caches)}
+        self.store.loads_here = True  # the scheduler here may start loads ahead (BlockStore.prefetch)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -116,7 +116,8 @@ def _store_figures() -> list[dict[str, int]]:
     from tiered_cache.integrations.vllm import store
 
     return [{"layer_groups": s.num_groups, "load_failures": s.load_failures, "load_errors": s.load_errors,
-             "saves_dropped": s.saves_dropped} for s in list(store._STORES.values())]
+             "saves_dropped": s.saves_dropped, "prefetches_taken": s.prefetches_taken, "lent_lost": s.lent_lost}
+            for s in list(store._STORES.values())]
 
 
 def _flush_stores() -> bool:

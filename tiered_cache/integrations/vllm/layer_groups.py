@@ -14,13 +14,19 @@ from collections.abc import Sequence
 TARGET_PAGE_BYTES = 1 << 20  # ~1 MiB pages: what the store server and Redis move best (FACTS.md)
 
 
-def group_size(num_layers: int, bytes_per_layer: int, groups: int | str | None = None) -> int:
+def group_size(num_layers: int, bytes_per_layer: int, groups: int | str | None = None,
+               kv_on_cpu: bool = False) -> int:
     """Layers per page. `groups` is the number of pages per block (it must divide the layers), or
-    "auto"/None: the most layers whose page stays within ~1 MiB (at least one layer a page)."""
+    "auto"/None: the most layers whose page stays within ~1 MiB (at least one layer a page), or
+    whole blocks when the KV lives in CPU memory (`kv_on_cpu`): there the forward runs on the same
+    cores the loader would use to overlap it, and loading group by group measured 20-70 ms slower
+    per request than whole blocks before the forward (docs/PERFORMANCE.md, "Under vLLM")."""
     if num_layers < 1:
         raise ValueError(f"a model needs at least one layer, got {num_layers}")
     divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
     if groups in (None, "auto"):
+        if kv_on_cpu:
+            return num_layers
         fitting = [d for d in divisors if d * bytes_per_layer <= TARGET_PAGE_BYTES]
         return max(fitting, default=1)
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or num_layers % groups:

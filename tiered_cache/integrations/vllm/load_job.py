@@ -23,6 +23,7 @@ import torch
 
 from tiered_cache.integrations.vllm.layout import scatter_blocks
 from tiered_cache.integrations.vllm.store import BlockStore
+from tiered_cache.service.shm_ring import ShmLease
 
 log = logging.getLogger(__name__)
 WAIT_S = 120.0  # the tiers' own deadlines end a stuck fetch long before this
@@ -42,6 +43,8 @@ class LoadJob:
         self._lock = threading.Lock()  # held while copying in, and to cancel
         self._cancelled = False
         self._waited: set[str] = set()
+        # Loads the scheduler started ahead for exactly these blocks (BlockStore.prefetch).
+        self._prefetched = [store.take_prefetch(keys) for keys, _ in self.transfers]
 
     @property
     def block_ids(self) -> set[int]:
@@ -67,15 +70,48 @@ class LoadJob:
 
     def _load_group(self, group: int) -> None:
         layers = [self.layers[i] for i in self.store.layers_of(group)]
-        for keys, block_ids in self.transfers:
-            pages = self.store.load(keys, group)
-            good = [i for i, page in enumerate(pages) if page is not None]
+        for (keys, block_ids), prefetched in zip(self.transfers, self._prefetched, strict=True):
+            started = time.perf_counter()
+            # Pages from a store server on this host come as views into its ring (no copy out):
+            # copied into vLLM's KV, then checked; any the ring came round over are fetched again
+            # as copies before the group is signalled, so no layer ever attends to them.
+            lease, pages = ShmLease(), None
+            if prefetched is not None:
+                try:
+                    pages, lease = prefetched[0].result()[group], prefetched[1]
+                except Exception:  # fetched again below, as if never started
+                    log.warning("tiered-cache: a load started ahead failed; fetching again", exc_info=True)
+            copied, failed = self._copy_in(layers, keys, block_ids, group, lease, pages)
+            page_keys = self.store.page_keys(keys, group)
+            lost = lease.lost().intersection(page_keys)  # a prefetch's lease holds every group's pages
+            if lost:
+                self.store.lent_lost += len(lost)
+                again = [i for i, key in enumerate(page_keys) if key in lost]
+                recopied, _ = self._copy_in(layers, [keys[i] for i in again], [block_ids[i] for i in again], group,
+                                            None)
+                failed = (failed - recopied) | ({block_ids[i] for i in again} - recopied)
             with self._lock:
-                if self._cancelled:
-                    return
-                scatter_blocks(layers, [block_ids[i] for i in good], [pages[i] for i in good], self.kind,
-                               self.store.block_spec.head_dim)
-                self.failed.update(block_ids[i] for i, page in enumerate(pages) if page is None)
+                self.failed.update(failed)
+            if self.timing:
+                print(f"[tiered-cache]   group {group}: {len(keys)} blocks in "
+                      f"{1e3 * (time.perf_counter() - started):.1f} ms ({len(copied)} copied, {len(lost)} pages "
+                      "written over and fetched again)", file=sys.stderr, flush=True)
+
+    def _copy_in(self, layers: list[torch.Tensor], keys: list[bytes], block_ids: list[int], group: int,
+                 lease: ShmLease | None, pages: list[torch.Tensor | None] | None = None) -> tuple[set[int], set[int]]:
+        """Fetch group `group` of these blocks (unless prefetched: `pages`) and copy it into
+        vLLM's KV. Returns the block ids copied in and those missing or refused."""
+        if not keys:
+            return set(), set()
+        if pages is None:
+            pages = self.store.load(keys, group, lease)
+        good = [i for i, page in enumerate(pages) if page is not None]
+        with self._lock:
+            if self._cancelled:
+                return set(), set()
+            scatter_blocks(layers, [block_ids[i] for i in good], [pages[i] for i in good], self.kind,
+                           self.store.block_spec.head_dim)
+        return {block_ids[i] for i in good}, {block_ids[i] for i, page in enumerate(pages) if page is None}
 
     def wait_for(self, group: int, layer_name: str) -> None:
         """Block until group `group` is copied in (or the job gave up on it)."""

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -26,6 +28,7 @@ from tiered_cache.demotion import BACKGROUND_NICE, BackgroundQueue
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.integrations.vllm.layer_groups import group_keys
 from tiered_cache.model.spec import KVSpec
+from tiered_cache.service.shm_ring import ShmLease
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.codec import BlobError, encode_page, page_view
 from tiered_cache.tiers.factory import build_lower_tiers
@@ -34,6 +37,8 @@ from tiered_cache.tiers.memtune import tune_malloc
 
 _STORES: dict[tuple[str, str, int], BlockStore] = {}  # (fingerprint, config, layers per page)
 _STORES_LOCK = threading.Lock()
+_MAX_PREFETCHES = 16  # loads started ahead and not yet taken (a request vLLM then did not load)
+Pages = list[torch.Tensor | None]
 
 
 class BlockStore:
@@ -60,6 +65,13 @@ class BlockStore:
         self.saves_dropped = 0  # blocks whose save was dropped: the queue was full
         self.load_errors = 0  # pages found but refused on decode (counted, then recomputed)
         self.load_failures = 0  # blocks a lookup promised that could not be loaded (vLLM recomputed them)
+        self.lent_lost = 0  # pages lent from a server's ring and written over before copied: fetched again
+        # Loads started when the scheduler found the blocks, taken by the worker's load job: set
+        # once a worker registers its KV in this process (scheduler and worker share the store).
+        self.loads_here = False
+        self._prefetches: OrderedDict[tuple[bytes, ...], tuple[Future[list[Pages]], ShmLease]] = OrderedDict()
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self.prefetches_taken = 0
 
     @classmethod
     def shared(cls, spec: KVSpec, config: CacheConfig, layers_per_page: int | None = None) -> BlockStore:
@@ -106,14 +118,17 @@ class BlockStore:
         last = len(self.chain.tiers) - 1
         return all(self.chain.known_in(k, last) for k in self._all_page_keys([block_key]))
 
-    def load(self, block_keys: Sequence[bytes], group: int = 0) -> list[torch.Tensor | None]:
+    def load(self, block_keys: Sequence[bytes], group: int = 0, lease: ShmLease | None = None
+             ) -> list[torch.Tensor | None]:
         """Layer group `group` of each block: a page (layers_per_page, 2, heads, block_size, dim),
         or None when it is missing or refused on decode (the caller must not use that block). A
-        raw page is a view into its blob: no copy."""
+        raw page is a view into its blob: no copy. With `lease`, a page from a store server on
+        this host may be a view into its ring: copy it, then drop the blocks whose page keys
+        `lease.lost()` names (`ShmLease`)."""
         shape = self.spec.staging_shape(1)[1:]
         keys = self.page_keys(block_keys, group)
         out: list[torch.Tensor | None] = []
-        for key, blob in zip(keys, self.chain.fetch(keys), strict=True):
+        for key, blob in zip(keys, self.chain.fetch(keys, lease=lease), strict=True):
             if blob is None:
                 out.append(None)
                 continue
@@ -127,6 +142,37 @@ class BlockStore:
                 warnings.simplefilter("ignore", UserWarning)
                 out.append(torch.from_numpy(flat).view(self.spec.dtype.torch).view(shape))
         return out
+
+    def prefetch(self, block_keys: Sequence[bytes]) -> bool:
+        """Start loading every layer group of these blocks in the background, for the load job
+        that follows in this process (`take_prefetch`): the fetch overlaps what the engine does
+        between scheduling a request and its forward. Pages from a same-host store server are
+        lent (`ShmLease`): the job checks them after copying, as for its own fetches. Only where a
+        worker registered its KV here, and for whole blocks (loaded group by group, the first
+        group must not wait for the last); False when not started."""
+        key = tuple(block_keys)
+        if not self.loads_here or not key or self.num_groups > 1:
+            return False
+        with self._lock:
+            if key in self._prefetches:
+                return True
+            if self._prefetcher is None:
+                self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-block-prefetch")
+            lease = ShmLease()
+            self._prefetches[key] = (self._prefetcher.submit(self._load_groups, list(key), lease), lease)
+            while len(self._prefetches) > _MAX_PREFETCHES:
+                self._prefetches.popitem(last=False)
+        return True
+
+    def _load_groups(self, block_keys: list[bytes], lease: ShmLease) -> list[Pages]:
+        return [self.load(block_keys, group, lease) for group in range(self.num_groups)]
+
+    def take_prefetch(self, block_keys: Sequence[bytes]) -> tuple[Future[list[Pages]], ShmLease] | None:
+        """The background load `prefetch` started for exactly these blocks, if any (taken once)."""
+        with self._lock:
+            found = self._prefetches.pop(tuple(block_keys), None)
+        self.prefetches_taken += found is not None
+        return found
 
     def save(self, block_keys: Sequence[bytes], blocks: torch.Tensor) -> bool:
         """Queue `blocks` (n, layers, 2, heads, block_size, dim; a copy the caller no longer
