@@ -27,5 +27,5 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
     $PIP uninstall -y -q torchvision torchaudio torchcodec 2>&1 | quiet
 fi
 $PIP install -q --no-deps -e . 2>&1 | quiet
-$PIP install -q lz4 google-crc32c "redis[hiredis]>=5.0" grpcio-health-checking "blosc2>=3.0" "rich>=13" 2>&1 | quiet
+$PIP install -q lz4 google-crc32c "crc32c>=2.4" "redis[hiredis]>=5.0" grpcio-health-checking "blosc2>=3.0" "rich>=13" 2>&1 | quiet
 "$VENV/bin/python" -c "import vllm, tiered_cache.integrations.vllm.connector; print('    vllm', vllm.__version__)"

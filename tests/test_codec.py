@@ -1,3 +1,4 @@
+import mmap
 import struct
 import zlib
 
@@ -8,6 +9,8 @@ import torch
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import DType, KVSpec, Layout
+from tiered_cache.tiers import checksum
+from tiered_cache.tiers import codec as codec_module
 from tiered_cache.tiers.codec import (
     VERSION,
     BlobError,
@@ -186,6 +189,40 @@ def test_checksum_is_crc32c_in_c_over_parts_without_joining():
     parts = (b"1234", memoryview(b"xx567xx")[2:5], bytearray(b"8"), np.frombuffer(b"9", np.uint8))
     assert blob_checksum(*parts) == 0xE3069283
     assert blob_checksum() == 0 == blob_checksum(b"")
+
+
+def test_the_fast_crc32c_is_installed_by_make_and_both_implementations_agree_on_every_buffer():
+    """`make` installs the `fast` extra; google-crc32c stays the fallback. Both must give the very
+    same CRC on every kind of buffer a tier hands over (a blob written by one is read by the other)."""
+    assert checksum.IMPLEMENTATION == "crc32c" and set(checksum.IMPLEMENTATIONS) == {"crc32c", "google-crc32c"}
+    data = np.random.default_rng(3).integers(0, 256, 3 * 2**20 + 7, dtype=np.uint8).tobytes()
+    ring = mmap.mmap(-1, len(data))  # what a lent page from the store's ring is a view of
+    ring[:] = data
+    forms = [data, bytearray(data), memoryview(data)[5:], np.frombuffer(data, np.uint8)[:-3], memoryview(ring)]
+    try:
+        for name, extend in checksum.IMPLEMENTATIONS.items():
+            assert extend(0, b"123456789") == 0xE3069283, name
+            assert extend(extend(0, b"1234"), memoryview(b"56789")) == 0xE3069283, name  # continued
+            assert extend(0, memoryview(data)[:4096]) == crc32c_bitwise(data[:4096]), name
+        for form in forms:
+            values = {name: extend(0, form) for name, extend in checksum.IMPLEMENTATIONS.items()}
+            assert len(set(values.values())) == 1, values
+    finally:
+        forms.pop().release()
+        ring.close()
+
+
+def test_blobs_round_trip_and_corruption_is_caught_with_the_google_fallback(monkeypatch):
+    page, key = page_of(SPEC), key_of(SPEC)
+    fast = encode_page(page, SPEC, key)
+    monkeypatch.setattr(codec_module, "crc32c_extend", checksum.IMPLEMENTATIONS["google-crc32c"])
+    slow = encode_page(page, SPEC, key)
+    assert slow == fast  # the same bytes: a blob written with either is read with the other
+    assert torch.equal(as_tensor(decode_page(memoryview(slow), SPEC, key), SPEC), page)
+    bad = bytearray(slow)
+    bad[len(bad) // 2] ^= 1
+    with pytest.raises(BlobError, match="checksum"):
+        verify_blob(bytes(bad), key)
 
 
 @pytest.mark.parametrize("codec", [Codec.RAW, Codec.LZ4_SHUFFLE, Codec.INT8, Codec.BLOSC2])
