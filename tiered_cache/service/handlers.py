@@ -105,15 +105,17 @@ class KVCacheService:
         self.counters.rejected += 1
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
-    async def _take_unary(self, request: Any, context: grpc.aio.ServicerContext) -> None:
-        """Count a keyless unary call (Stats, Attach); refuse it when it did not parse."""
-        self.counters.requests += 1
+    async def _refuse_malformed(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         if isinstance(request, Malformed):
             await self._reject(context, f"request is not a valid {request.message_type} ({request.size} bytes)")
 
+    async def _take_unary(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Count a keyless unary call (Stats, Attach); refuse it when it did not parse."""
+        self.counters.requests += 1
+        await self._refuse_malformed(request, context)
+
     async def _check_keys(self, request: Any, context: grpc.aio.ServicerContext) -> list[bytes]:
-        if isinstance(request, Malformed):
-            await self._reject(context, f"request is not a valid {request.message_type} ({request.size} bytes)")
+        await self._refuse_malformed(request, context)
         keys = list(request.keys)
         if len(keys) > self.config.max_keys:
             await self._reject(context, f"{len(keys)} keys in one request; the limit is {self.config.max_keys}")
