@@ -230,3 +230,101 @@ def test_the_ring_remembers_a_bounded_number_of_keys_however_small_the_pages():
         assert ring.reused == 1  # the newest are the ones kept
     finally:
         ring.close()
+
+
+def test_a_same_host_lookup_says_where_held_pages_lie_and_the_get_after_it_needs_no_stream():
+    items = pages(6, seed=9)
+    keys = [k for k, _ in items]
+    unknown = pages(1, seed=10)[0][0]
+    with StoreProcess(["--no-disk"]) as store:
+        tier = RemoteTier([store.address])
+        try:
+            tier.put(items)
+            tier.warm()  # maps the ring, as the vLLM block store does at start
+            assert tier.contains([*keys, unknown]) == [True] * len(keys) + [False]
+            sent_before = shm_pages(store.address)
+            assert tier.get(keys) == [b for _, b in items]  # read where the Lookup said: no Get
+            assert tier.pages_from_lookup == len(keys) and shm_pages(store.address) == sent_before
+            assert tier.contains_prefix(keys) == len(keys)  # the one-server path remembers them too
+            lease = ShmLease()
+            lent = tier.get(keys, lease=lease)
+            assert all(isinstance(b, memoryview) for b in lent) and len(lease) == len(keys)
+            assert [bytes(b) for b in lent] == [b for _, b in items] and not lease.lost()
+            assert tier.pages_from_lookup == 2 * len(keys)
+            # Taken once: a second get of the same keys streams them (by position, through the ring).
+            assert tier.get(keys) == [b for _, b in items]
+            assert tier.pages_from_lookup == 2 * len(keys) and shm_pages(store.address) == sent_before + len(keys)
+            assert tier.stats().corrupt == 0
+        finally:
+            tier.close()
+
+
+def test_a_lookup_ref_the_ring_came_round_over_is_fetched_again_never_read_as_wrong_bytes():
+    """A 2 MiB ring: the Lookup names 4 pages' positions, then 8 other pages are put over them.
+    The get finds the refs stale and streams the pages instead: the bytes put, no corruption."""
+    items, others = pages(4, seed=11), pages(8, seed=12)
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk", "--shm", "2MiB"]) as store:
+        tier = RemoteTier([store.address])
+        try:
+            tier.put(items)
+            tier.warm()
+            assert all(tier.contains(keys))
+            tier.put(others)  # placed in the ring at Put time: a lap over the looked-up pages
+            assert tier.get(keys) == [b for _, b in items]
+            assert tier.pages_from_lookup == 0  # every ref was stale: all streamed
+            lease = ShmLease()
+            assert all(tier.contains(keys))
+            tier.put(others[::-1])
+            lent = tier.get(keys, lease=lease)
+            assert all(b is None or bytes(b) == blob or key in lease.lost()
+                       for key, b, (_, blob) in zip(keys, lent, items, strict=True))
+            assert tier.stats().corrupt == 0
+        finally:
+            tier.close()
+
+
+def test_a_lookup_gets_ring_positions_only_for_held_pages_and_the_segment_it_names():
+    items = pages(3, seed=13)
+    keys = [k for k, _ in items]
+    unknown = pages(1, seed=14)[0][0]
+    with StoreProcess(["--no-disk"]) as store:
+        client = StoreClient(store.address)
+        try:
+            client.put(items)
+            assert client.ring_reader is None  # not mapped before a bulk Get
+            client.get_all([])
+            reader = client.ring_reader
+            assert reader is not None
+            reply = client.lookup([keys[0], unknown, *keys[1:]], ring=reader)
+            assert list(reply.tiers) != [] and reply.leading == 1
+            lengths = list(reply.shm_lengths)
+            assert lengths[1] == 0 and all(lengths[i] == len(items[j][1]) for i, j in ((0, 0), (2, 1), (3, 2)))
+            assert reader.read(reply.shm_positions[0], lengths[0]) == items[0][1]
+            assert not client.lookup(keys).shm_lengths  # no ring named: no positions
+            other = ShmRing(2**20)  # another segment (as after the server restarted): none either
+            try:
+                elsewhere = ShmReader(other.path, other.size, other.segment)
+                assert not client.lookup(keys, ring=elsewhere).shm_lengths
+                elsewhere.close()
+            finally:
+                other.close()
+        finally:
+            client.close()
+
+
+def test_lookup_refs_are_bounded_taken_once_and_skip_pages_not_in_the_ring():
+    from tiered_cache.service.shm_ring import LookupRefs
+
+    ring = ShmRing(2**20)
+    try:
+        reader = ShmReader(ring.path, ring.size, ring.segment)
+        refs = LookupRefs(capacity=3)
+        keys = [bytes([i]) * 32 for i in range(5)]
+        refs.remember(reader, keys, [10, 20, 30, 40, 50], [1, 0, 1, 1, 1])  # keys[1] not in the ring
+        assert len(refs) == 3  # keys 2, 3, 4: the oldest went
+        assert refs.take(keys) == {keys[i]: (reader, 10 * (i + 1), 1) for i in (2, 3, 4)}
+        assert refs.take(keys) == {} and len(refs) == 0
+        reader.close()
+    finally:
+        ring.close()

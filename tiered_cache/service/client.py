@@ -111,9 +111,18 @@ class StoreClient:
         self._fetcher: AioFetcher | None = None  # the aio channel of get_all, opened on first use
         self._fetcher_lock = threading.Lock()
 
-    def lookup(self, keys: list[bytes], timeout_s: float | None = None) -> pb.LookupResponse:
-        return self.stub.Lookup(pb.LookupRequest(keys=keys), timeout=timeout_s or self.timeout_s,
-                                metadata=self.metadata)
+    def lookup(self, keys: list[bytes], timeout_s: float | None = None, ring: ShmReader | None = None
+               ) -> pb.LookupResponse:
+        """Which keys the server holds. With `ring` (`ring_reader`), the reply also says where
+        held pages lie in the server's shared-memory ring (`shm_positions`, `shm_lengths`)."""
+        request = pb.LookupRequest(keys=keys, shm_segment=ring.segment if ring is not None else b"")
+        return self.stub.Lookup(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+
+    @property
+    def ring_reader(self) -> ShmReader | None:
+        """The server's ring as mapped here (after a first bulk Get found it on this host), or None."""
+        fetcher = self._fetcher
+        return fetcher.reader if fetcher is not None and not fetcher.stale else None
 
     def get(self, keys: list[bytes], fingerprint: bytes = b"", timeout_s: float | None = None,
             budget_s: float | None = None) -> Iterator[ReceivedBlob]:

@@ -135,10 +135,24 @@ class KVCacheService:
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         self.counters.requests += 1
         keys = await self._check_keys(request, context)
-        where = await self._run(self._meta, self.store.locate, keys)
+        ring = self.ring if self.ring is not None and request.shm_segment == self.ring.segment else None
+        where, refs = await self._run(self._meta, self._locate, keys, ring)
         tiers = [_TIERS.get(w, pb.TIER_RAM) if w else pb.TIER_NONE for w in where]
         leading = next((i for i, w in enumerate(where) if w is None), len(where))
-        return pb.LookupResponse(leading=leading, tiers=tiers)
+        return pb.LookupResponse(leading=leading, tiers=tiers, shm_positions=[r[0] if r else 0 for r in refs],
+                                 shm_lengths=[r[1] if r else 0 for r in refs])
+
+    def _locate(self, keys: list[bytes], ring: ShmRing | None) -> tuple[list[str | None], list[tuple[int, int] | None]]:
+        """Where each key is held, and (for a client that mapped `ring`) where the held ones lie
+        in the ring; no refs without a ring."""
+        where = self.store.locate(keys)
+        if ring is None:
+            return where, []
+        held = [i for i, w in enumerate(where) if w]
+        refs: list[tuple[int, int] | None] = [None] * len(keys)
+        for i, ref in zip(held, ring.find([keys[i] for i in held]), strict=True):
+            refs[i] = ref
+        return where, refs
 
     async def Get(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         self.counters.requests += 1

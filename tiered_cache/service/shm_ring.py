@@ -16,7 +16,9 @@ asks again as bytes, never wrong KV.
 
 The ring also remembers where each key's page lies while it is in the newer half of the ring: a
 page placed at Put time or sent by a recent Get is sent again by position, without a copy (keys
-are content-addressed, and the client checks key and checksum of whatever it reads).
+are content-addressed, and the client checks key and checksum of whatever it reads). A Lookup
+from a client that mapped the ring is answered with those positions too (`find`): the client
+then reads the pages without a Get at all.
 
 The segment is a memfd: it exists only while the server process does (nothing is left in
 /dev/shm after a crash), and others open it through `/proc/<pid>/fd/<n>`, which only the same
@@ -32,6 +34,7 @@ import socket
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 MAGIC = b"TCSHM\x00v1"
@@ -86,6 +89,7 @@ class ShmRing:
         self._where: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> page, oldest first
         self.pages = 0  # pages placed
         self.reused = 0  # of which already in the ring: sent again without a copy
+        self.refs_at_lookup = 0  # positions a Lookup answered with (pages a Get then need not send)
 
     @property
     def path(self) -> str:
@@ -125,6 +129,16 @@ class ShmRing:
                     if len(self._where) > MAX_REMEMBERED:
                         self._where.popitem(last=False)
         return position, n
+
+    def find(self, keys: Sequence[bytes]) -> list[tuple[int, int] | None]:
+        """Where each key's page lies while it is in the newer half of the ring (else None): a
+        Lookup's answer, so a client on this host can take the pages without a Get."""
+        with self._lock:
+            oldest = self._cursor - self.capacity // 2
+            found = [self._where.get(key) for key in keys]
+            found = [where if where is not None and where[0] >= oldest else None for where in found]
+            self.refs_at_lookup += sum(where is not None for where in found)
+        return found
 
     def _forget_before(self, position: int) -> None:
         """Drop keys whose pages start before `position` (under the lock). Entries are added about
@@ -208,3 +222,35 @@ class ShmLease:
     def lost(self) -> set[bytes]:
         """Keys of lent pages written over since they were lent (their views hold other bytes)."""
         return {key for key, reader, position, length in self._pages if not reader.intact(position, length)}
+
+
+RingRef = tuple[ShmReader, int, int]  # a server's ring as mapped here, position, length
+
+
+class LookupRefs:
+    """Where pages lay in same-host servers' rings when a Lookup answered, kept for the Get that
+    usually follows (a vLLM load, an engine fetch): taken once, then read straight from the ring
+    with no Get. A ref may be stale by then; its reader says so (`ShmReader.intact`), and the page
+    is then asked for by Get like any other. Bounded: the oldest refs go first."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._refs: OrderedDict[bytes, RingRef] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, reader: ShmReader, keys: Sequence[bytes], positions: Sequence[int],
+                 lengths: Sequence[int]) -> None:
+        with self._lock:
+            for key, position, length in zip(keys, positions, lengths, strict=False):
+                if length:
+                    self._refs[key] = (reader, position, length)
+                    self._refs.move_to_end(key)
+            while len(self._refs) > self.capacity:
+                self._refs.popitem(last=False)
+
+    def take(self, keys: Sequence[bytes]) -> dict[bytes, RingRef]:
+        with self._lock:
+            return {key: ref for key in keys if (ref := self._refs.pop(key, None)) is not None}
+
+    def __len__(self) -> int:
+        return len(self._refs)

@@ -38,18 +38,24 @@ TOO_LARGE: RefusalReason
 NO_SPACE: RefusalReason
 
 class LookupRequest(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "shm_segment")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    SHM_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    shm_segment: bytes
+    def __init__(self, keys: _Optional[_Iterable[bytes]] = ..., shm_segment: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("leading", "tiers")
+    __slots__ = ("leading", "tiers", "shm_positions", "shm_lengths")
     LEADING_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    SHM_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    SHM_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     leading: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
-    def __init__(self, leading: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+    shm_positions: _containers.RepeatedScalarFieldContainer[int]
+    shm_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, leading: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., shm_positions: _Optional[_Iterable[int]] = ..., shm_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("keys", "fingerprint", "shm_segment")
