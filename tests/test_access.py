@@ -89,6 +89,9 @@ def _every_call(client: StoreClient, keys: list[bytes], items: list[tuple[bytes,
         "Put": lambda: client.put(items, FINGERPRINT),
         "Stats": lambda: client.stats(),
         "Attach": lambda: client.stub.Attach(pb.AttachRequest(), timeout=5, metadata=client.metadata),
+        "Offer": lambda: client.stub.Offer(pb.OfferRequest(), timeout=5, metadata=client.metadata),
+        "PutOffered": lambda: client.stub.PutOffered(pb.PutOfferedRequest(segment=b"s" * 16, pages=[
+            pb.OfferedPage(key=k, position=0, length=len(b)) for k, b in items]), timeout=5, metadata=client.metadata),
     }
     errors = {}
     for name, call in calls.items():
@@ -119,8 +122,9 @@ def test_without_the_token_every_method_is_refused_and_reveals_nothing(guarded):
             assert stranger.health() == "SERVING"
     with StoreClient(guarded.address, token="s3cret") as owner:
         stats = owner.stats()
-        # Per stranger: 5 methods x (held, missing) + the bulk Get and the Attach before it.
-        assert stats.server.unauthenticated == before + 3 * (10 + 2)
+        # Per stranger: 7 methods x (held, missing) + the bulk Get and the Attach before it + the
+        # Attach its first Put asks (is the server on this host?).
+        assert stats.server.unauthenticated == before + 3 * (14 + 2 + 1)
         # The strangers' Puts stored nothing: the owner's two pages are all there is.
         assert sum(t.pages for t in stats.tiers if t.name == "ram") == 2
         assert [g.key for g in owner.get([k for k, _ in missing])] == []

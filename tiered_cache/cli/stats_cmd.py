@@ -60,7 +60,9 @@ def render(result: dict[str, Any], rates: dict[str, dict[str, float]] | None = N
             f"{int(s.get('active_streams', 0))} streams open, {int(s.get('refused_streams', 0)):,} refused "
             f"(max_streams), {int(s.get('stalled_streams', 0)):,} ended stalled, "
             f"{int(s.get('shm_pages', 0)):,} pages through shared memory "
-            f"({int(s.get('shm_pages_reused', 0)):,} already there)")
+            f"({int(s.get('shm_pages_reused', 0)):,} already there), "
+            f"{int(s.get('shm_put_pages', 0)):,} Put pages from clients' shared memory "
+            f"({int(s.get('shm_offers', 0))} clients)")
     rows = [[t["name"], format_binary(t["capacity_bytes"]), format_binary(t["used_bytes"]), f"{t['pages']:,}",
              f"{t['hit_rate']:.1%}", f"{t['hits']:,}", f"{t['misses']:,}",
              f"{rates[t['name']]['hits']:,.1f}", f"{rates[t['name']]['misses']:,.1f}",

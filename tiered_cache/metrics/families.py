@@ -100,8 +100,9 @@ def cache_families(stats: Any) -> list[Metric]:
 
 
 def server_families(counters: Any, streams_open: int, shm_pages: int = 0, shm_pages_reused: int = 0) -> list[Metric]:
-    """The store server's own counters (handlers.ServerCounters), its open streams and the Get
-    pages it handed over through its shared-memory ring."""
+    """The store server's own counters (handlers.ServerCounters: Put pages taken from clients'
+    shared memory among them), its open streams and the Get pages it handed over through its
+    shared-memory ring."""
     return [_single(*row) for row in (
         ("server_requests", "counter", "Calls the store server answered", counters.requests),
         ("server_rejected_requests", "counter", "Calls refused as malformed (INVALID_ARGUMENT)", counters.rejected),
@@ -114,4 +115,6 @@ def server_families(counters: Any, streams_open: int, shm_pages: int = 0, shm_pa
         ("server_shm_pages", "counter", "Get pages handed to same-host clients through shared memory", shm_pages),
         ("server_shm_pages_reused", "counter", "Of those, pages already in the ring: sent without a copy",
          shm_pages_reused),
+        ("server_shm_put_pages", "counter", "Put pages read from same-host clients' shared memory (no bytes sent)",
+         getattr(counters, "shm_put_pages", 0)),
     )]

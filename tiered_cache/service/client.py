@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,13 @@ from tiered_cache.service.aio_fetch import AioFetcher, FetchResult
 from tiered_cache.service.auth import check_token
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.framing import ReceivedBlob, page_blob_message, parse_page_blob
-from tiered_cache.service.shm_ring import ShmLease, ShmReader, host_identity
+from tiered_cache.service.shm_ring import PUT_RING, ShmLease, ShmReader, ShmRing, host_identity
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
 
 DEFAULT_MAX_MESSAGE = ServerConfig().max_message_bytes  # the server's default page limit + framing
+PUT_RING_BYTES = 64 * 2**20  # a client's ring for same-host Put: Puts of up to half of it each
+_MAX_OFFERED_PAGES = 4096  # pages per PutOffered request (about 200 KiB of message)
 
 
 class StreamStalled(grpc.RpcError):
@@ -86,8 +89,10 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 class StoreClient:
     def __init__(self, address: str, token: str | None = None, tls_ca: str | None = None,
-                 timeout_s: float = 5.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE, shm: bool = True) -> None:
-        """`shm`: on the server's host, take bulk Gets through its shared-memory ring."""
+                 timeout_s: float = 5.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE, shm: bool = True,
+                 put_ring_bytes: int = PUT_RING_BYTES) -> None:
+        """`shm`: on the server's host, take bulk Gets through its shared-memory ring and send
+        Puts through a ring of this client's own (`put_ring_bytes`, mapped by the server)."""
         self.address = address
         self.shm = shm
         self.timeout_s = timeout_s
@@ -110,6 +115,12 @@ class StoreClient:
         self._options, self._tls_ca = options, tls_ca  # for the aio channel of get_all
         self._fetcher: AioFetcher | None = None  # the aio channel of get_all, opened on first use
         self._fetcher_lock = threading.Lock()
+        # Same-host Put: this client's own ring, which the server maps once offered (put()).
+        self.put_ring_bytes = put_ring_bytes
+        self._put_ring: ShmRing | None = None
+        self._offered = self._offer_refused = False
+        self._offer_lock = threading.Lock()
+        self.shm_put_resent = 0  # pages the server found written over (or unmapped), sent again as bytes
 
     def lookup(self, keys: list[bytes], timeout_s: float | None = None, ring: ShmReader | None = None
                ) -> pb.LookupResponse:
@@ -187,12 +198,108 @@ class StoreClient:
     def put(self, items: Iterable[tuple[bytes, bytes]], fingerprint: bytes = b"",
             timeout_s: float | None = None, budget_s: float | None = None) -> pb.PutResponse:
         """Stream pages to the server and return its ack. Raises `StreamStalled` when the server
-        takes no page for `timeout_s` (or does not answer that long after the last)."""
+        takes no page for `timeout_s` (or does not answer that long after the last).
+
+        To a server on this host (same user) the pages go through a ring of this client's own
+        that the server maps (`Offer`, shm_offers.py): a `PutOffered` call names where each page
+        lies instead of carrying it, at most half the ring per call, so the ring does not come
+        round over pages the server has yet to read; any it did come round over are sent again
+        as bytes by Put. The ack counts every page either way."""
+        ring = self._offered_ring() if self.shm else None
+        if ring is None:
+            return self._put_messages((page_blob_message(k, b, fingerprint) for k, b in items), timeout_s, budget_s)
+        reply = pb.PutResponse()
+        for chunk in _chunks(items, ring.capacity // 2, _MAX_OFFERED_PAGES):
+            self._merge(reply, self._put_through(ring, chunk, fingerprint, timeout_s, budget_s))
+        return reply
+
+    def _put_through(self, ring: ShmRing, items: list[tuple[bytes, bytes]], fingerprint: bytes,
+                     timeout_s: float | None, budget_s: float | None) -> pb.PutResponse:
+        """`items` placed in this client's offered ring and stored by one PutOffered call; pages
+        too large for the ring, and any the ring came round over first, go by Put as bytes."""
+        pages, rest = [], []
+        for key, blob in items:
+            where = ring.place(blob)
+            if where is None:
+                rest.append((key, blob))
+            else:
+                pages.append(pb.OfferedPage(key=key, position=where[0], length=where[1]))
+        request = pb.PutOfferedRequest(segment=ring.segment, fingerprint=fingerprint, pages=pages)
+        # A unary call (no request-stream thread): the server copies at most half a ring
+        # (`_chunks`), well inside the progress timeout, which serves as its deadline.
+        deadline = min(t for t in (budget_s, timeout_s or self.timeout_s) if t)
+        reply = self.stub.PutOffered(request, timeout=deadline, metadata=self.metadata)
+        lost = Counter(r.key for r in reply.refused if r.reason == pb.SHM_LOST)
+        if lost:
+            self.shm_put_resent += sum(lost.values())
+            if sum(lost.values()) == len(pages):  # every page lost: the server no longer maps the ring
+                with self._offer_lock:
+                    self._offered = False  # offered again by the next put (a restarted server)
+            kept = [r for r in reply.refused if r.reason != pb.SHM_LOST]
+            del reply.refused[:]
+            reply.refused.extend(kept)
+            for key, blob in items:  # as many of each key as were lost (a key may repeat)
+                if lost[key]:
+                    lost[key] -= 1
+                    rest.append((key, blob))
+        if rest:
+            self._merge(reply, self._put_messages((page_blob_message(k, b, fingerprint) for k, b in rest),
+                                                  timeout_s, budget_s))
+        return reply
+
+    @staticmethod
+    def _merge(into: pb.PutResponse, reply: pb.PutResponse) -> None:
+        into.stored += reply.stored
+        into.already_held += reply.already_held
+        into.refused.extend(reply.refused)
+
+    def _offered_ring(self) -> ShmRing | None:
+        """This client's Put ring once the server (on this host) maps it; None where it cannot
+        (another host, `--shm 0`, another user, an older server): Put then carries bytes."""
+        with self._offer_lock:
+            if self._offered or self._offer_refused:
+                return self._put_ring if self._offered else None
+            try:
+                if self._put_ring is None:
+                    reply = self.stub.Attach(pb.AttachRequest(), timeout=self.timeout_s, metadata=self.metadata)
+                    if not reply.host or reply.host != host_identity():  # elsewhere, or shm off
+                        self._offer_refused = True
+                        return None
+                    self._put_ring = ShmRing(self.put_ring_bytes, name=PUT_RING)
+                ring = self._put_ring
+                answer = self.stub.Offer(pb.OfferRequest(path=ring.path, size=ring.size, segment=ring.segment,
+                                                         host=host_identity()),
+                                         timeout=self.timeout_s, metadata=self.metadata)
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED,
+                                  grpc.StatusCode.PERMISSION_DENIED):
+                    self._refuse_offer()
+                return None  # down: bytes this time, asked again next time
+            if not answer.accepted:
+                self._refuse_offer()
+                return None
+            self._offered = True
+            return ring
+
+    def _refuse_offer(self) -> None:
+        """Bytes from now on (under the offer lock)."""
+        self._offer_refused = True
+        if self._put_ring is not None:
+            self._put_ring.close()
+            self._put_ring = None
+
+    @property
+    def uses_shm_put(self) -> bool:
+        return self._offered
+
+    def _put_messages(self, messages: Iterable[bytes], timeout_s: float | None,
+                      budget_s: float | None) -> pb.PutResponse:
+        """One Put stream of serialized `PageBlob`s; its ack."""
         watch: ProgressDeadline | None = None
 
-        def stream() -> Iterator[tuple[bytes, bytes, bytes]]:
-            for k, b in items:
-                yield k, b, fingerprint
+        def stream() -> Iterator[bytes]:
+            for message in messages:
+                yield message
                 if watch is not None:
                     watch.progress()  # the previous page was taken: flow control let it go
 
@@ -223,6 +330,12 @@ class StoreClient:
         self.channel.close()
         if self._fetcher is not None:
             self._fetcher.close()
+        with self._offer_lock:
+            if self._put_ring is not None:  # the server's map of it stays valid until it unmaps
+                self._put_ring.close()
+                self._put_ring = None
+            self._offered = False
+            self._offer_refused = True
 
     def __enter__(self) -> StoreClient:
         return self
@@ -231,5 +344,20 @@ class StoreClient:
         self.close()
 
 
-def _put_item(item: tuple[bytes, bytes, bytes]) -> bytes:
-    return page_blob_message(*item)
+def _put_item(message: bytes) -> bytes:
+    return message  # framed by hand (framing.py)
+
+
+def _chunks(items: Iterable[tuple[bytes, bytes]], max_bytes: int, max_count: int
+            ) -> Iterator[list[tuple[bytes, bytes]]]:
+    """`items` in runs of at most `max_bytes` and `max_count` (a larger page alone in its run)."""
+    chunk: list[tuple[bytes, bytes]] = []
+    size = 0
+    for key, blob in items:
+        if chunk and (size + len(blob) > max_bytes or len(chunk) >= max_count):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((key, blob))
+        size += len(blob)
+    if chunk:
+        yield chunk

@@ -26,6 +26,7 @@ from tiered_cache import __version__
 from tiered_cache.index.keys import KEY_BYTES
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.framing import page_blob_message, page_ref_message, parse_page_blob
+from tiered_cache.service.shm_offers import OfferedSegments
 from tiered_cache.service.shm_ring import ShmRing, host_identity
 from tiered_cache.service.store import BlobStore
 from tiered_cache.service.streams import BatchSizer, ProgressWatch, Stalled, StreamSlots
@@ -74,16 +75,19 @@ class ServerCounters:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.requests = self.rejected = self.unauthenticated = self.refused_blobs = self.stalled_streams = 0
+        self.shm_put_pages = 0  # Put pages read from clients' offered segments
 
 
 class KVCacheService:
     def __init__(self, store: BlobStore, config: ServerConfig, counters: ServerCounters,
-                 io: Executor, meta: Executor, ring: ShmRing | None = None) -> None:
+                 io: Executor, meta: Executor, ring: ShmRing | None = None,
+                 offers: OfferedSegments | None = None) -> None:
         self.store = store
         self.config = config
         self.counters = counters
         self.slots = StreamSlots(config.max_streams)
         self.ring = ring  # same-host Get through shared memory, when on
+        self.offers = offers  # same-host Put through clients' segments, when on
         self._io = io
         self._meta = meta
 
@@ -222,6 +226,15 @@ class KVCacheService:
             return pb.AttachResponse()
         return pb.AttachResponse(path=ring.path, size=ring.size, segment=ring.segment, host=host_identity())
 
+    async def Offer(self, request: Any, context: grpc.aio.ServicerContext) -> pb.OfferResponse:
+        """Map a same-host client's own segment for its Puts (shm_offers.py says what is accepted)."""
+        await self._take_unary(request, context)
+        if self.offers is None:
+            return pb.OfferResponse(accepted=False, reason="shared memory is off on this server (serve --shm 0)")
+        reason = await self._run(self._meta, self.offers.offer, request.path, request.size, bytes(request.segment),
+                                 request.host, context.peer())
+        return pb.OfferResponse(accepted=not reason, reason=reason)
+
     async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.PutResponse:
         self.counters.requests += 1
         await self.slots.acquire(context)
@@ -277,7 +290,9 @@ class KVCacheService:
                                 rejected_requests=c.rejected, unauthenticated=c.unauthenticated,
                                 refused_blobs=c.refused_blobs, active_streams=self.slots.active,
                                 refused_streams=self.slots.refused, stalled_streams=c.stalled_streams,
-                                shm_pages=self.shm_pages, shm_pages_reused=self.shm_pages_reused)
+                                shm_pages=self.shm_pages, shm_pages_reused=self.shm_pages_reused,
+                                shm_put_pages=c.shm_put_pages,
+                                shm_offers=len(self.offers) if self.offers is not None else 0)
         tiers = [pb.TierStats(**{k: v for k, v in s.to_dict().items() if k not in _NOT_IN_PROTO})
                  for s in await self._tiers_stats()]
         return pb.StatsResponse(tiers=tiers, server=server)
@@ -299,7 +314,72 @@ class KVCacheService:
         response.already_held += held
         self.counters.refused_blobs += len(refused)
 
-    def _check_and_store(self, items: Sequence[tuple[bytes, bytes, bytes]]) -> tuple[list[pb.Refusal], int, int]:
+    async def PutOffered(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        """Store pages that lie in the caller's offered segment (shm_offers.py): copied out and
+        verified on the io pool like any Put's blobs, a batch of about `stream_buffer_bytes` at a
+        time (so a request naming the same GiB over and over holds no more than a Put stream)."""
+        self.counters.requests += 1
+        await self._refuse_malformed(request, context)
+        if len(request.pages) > self.config.max_keys:
+            await self._reject(context, f"{len(request.pages)} pages in one request; "
+                                        f"the limit is {self.config.max_keys}")
+        await self.slots.acquire(context)
+        try:
+            response = pb.PutResponse()
+            copied = await self._run(self._io, self._store_offered, request, response)
+            self.counters.shm_put_pages += copied
+            self.counters.refused_blobs += len(response.refused)
+            return response
+        finally:
+            self.slots.release()
+
+    def _store_offered(self, request: Any, response: pb.PutResponse) -> int:
+        """On the io pool: copy the offered pages out of the client's segment batch by batch, check
+        and store each batch; a refusal for each page lost. Returns how many were copied out."""
+        segment, fingerprint = bytes(request.segment), bytes(request.fingerprint)
+        sizer = BatchSizer(self.config.stream_buffer_bytes)
+        batch: list[tuple[bytes, bytes | memoryview, bytes]] = []
+        nbytes = copied = 0
+
+        def store() -> None:
+            nonlocal nbytes
+            refused, stored, held = self._check_and_store(batch)
+            response.refused.extend(refused)
+            response.stored += stored
+            response.already_held += held
+            batch.clear()
+            nbytes = 0
+
+        def refuse(refusal: pb.Refusal) -> None:
+            if batch:
+                store()  # first: refusals stay in the order of the pages
+            response.refused.append(refusal)
+
+        for page in request.pages:
+            key = bytes(page.key)
+            if page.length > self.config.max_page_bytes:
+                limit = self.config.max_page_bytes
+                refuse(pb.Refusal(key=key, reason=pb.TOO_LARGE,
+                                  message=f"blob is {page.length:,} bytes; this server takes at most {limit:,}"))
+                continue
+            if self.offers is None:
+                data, why = None, "shared memory is off on this server (serve --shm 0); send bytes by Put"
+            else:
+                data, why = self.offers.read(segment, page.position, page.length)
+            if data is None:
+                refuse(pb.Refusal(key=key, reason=pb.SHM_LOST, message=why))
+                continue
+            copied += 1
+            batch.append((key, data, fingerprint))
+            nbytes += len(data)
+            if sizer.full(len(batch), nbytes):
+                store()
+        if batch:
+            store()
+        return copied
+
+    def _check_and_store(self, items: Sequence[tuple[bytes, bytes | memoryview, bytes]]
+                         ) -> tuple[list[pb.Refusal], int, int]:
         """On the io pool: verify each blob (checksums are CPU work), store those that pass."""
         refused, good = [], []
         for key, blob, fingerprint in items:
@@ -315,7 +395,7 @@ class KVCacheService:
                 ring.place(blob, key, sent=False)
         return refused, stored, held
 
-    def _validate(self, key: bytes, blob: bytes, fingerprint: bytes) -> pb.Refusal | None:
+    def _validate(self, key: bytes, blob: bytes | memoryview, fingerprint: bytes) -> pb.Refusal | None:
         if len(key) != KEY_BYTES:
             return pb.Refusal(key=key, reason=pb.BAD_KEY, message=f"key is {len(key)} bytes, expected {KEY_BYTES}")
         if len(blob) > self.config.max_page_bytes:

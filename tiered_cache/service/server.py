@@ -25,6 +25,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tiered_cache.service.client import message_options
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.handlers import KVCacheService, ServerCounters, parse_put_item, parser
+from tiered_cache.service.shm_offers import OfferedSegments
 from tiered_cache.service.shm_ring import ShmRing
 from tiered_cache.service.store import BlobStore
 from tiered_cache.tiers.base import BlobTier
@@ -89,8 +90,12 @@ class StoreServer:
         self.port = 0
         self._io = ThreadPoolExecutor(config.workers, thread_name_prefix="tiered-cache-store-io")
         self._meta = ThreadPoolExecutor(_META_THREADS, thread_name_prefix="tiered-cache-store-meta")
-        ring = ShmRing(config.shm_bytes) if config.shm_bytes and hasattr(os, "memfd_create") else None
-        self.service = KVCacheService(self.store, config, self.counters, self._io, self._meta, ring)
+        # Shared memory with same-host clients, both ways: the server's ring for Get, the clients'
+        # own segments (offered) for Put. `shm_bytes=0` turns both off.
+        shm = bool(config.shm_bytes) and hasattr(os, "memfd_create")
+        ring = ShmRing(config.shm_bytes) if shm else None
+        self.service = KVCacheService(self.store, config, self.counters, self._io, self._meta, ring,
+                                      OfferedSegments() if shm else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
@@ -167,6 +172,9 @@ class StoreServer:
         ring, self.service.ring = self.service.ring, None
         if ring is not None:
             ring.close()
+        offers, self.service.offers = self.service.offers, None
+        if offers is not None:
+            offers.close()
         return self.store.flush()
 
     async def _drain(self) -> None:
@@ -193,6 +201,8 @@ def _handlers(service: KVCacheService) -> grpc.GenericRpcHandler:
         "Put": grpc.stream_unary_rpc_method_handler(service.Put, parse_put_item, ser),
         "Stats": grpc.unary_unary_rpc_method_handler(service.Stats, parser(pb.StatsRequest), ser),
         "Attach": grpc.unary_unary_rpc_method_handler(service.Attach, parser(pb.AttachRequest), ser),
+        "Offer": grpc.unary_unary_rpc_method_handler(service.Offer, parser(pb.OfferRequest), ser),
+        "PutOffered": grpc.unary_unary_rpc_method_handler(service.PutOffered, parser(pb.PutOfferedRequest), ser),
     })
 
 

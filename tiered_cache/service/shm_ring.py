@@ -42,6 +42,8 @@ HEADER = 64
 _SEGMENT = slice(8, 24)
 _CURSOR = 24
 MIN_BYTES = 2**20
+GET_RING = "tiered-cache-get-ring"  # the server's, for Get
+PUT_RING = "tiered-cache-put-ring"  # a client's, offered to a server on its host for Put (shm_offers.py)
 MAX_REMEMBERED = 1 << 16  # keys whose ring position is kept (~250 B each: tiny pages must not grow it)
 
 
@@ -62,16 +64,17 @@ def host_identity() -> str:
 
 
 class ShmRing:
-    """The server's ring. `place` copies a page in (or finds it there) and returns (position,
-    length), or None when the page is too large for the ring (it then goes as bytes)."""
+    """A ring written by this process: the server's for Get, or a client's for Put (`name`).
+    `place` copies a page in (or finds it there) and returns (position, length), or None when
+    the page is too large for the ring (it then goes as bytes)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, name: str = GET_RING) -> None:
         if size < MIN_BYTES:
             raise ValueError(f"the shared-memory ring needs at least {MIN_BYTES} bytes, got {size}")
         self.size = size
         self.capacity = size - HEADER
         self.max_page = largest_page(self.capacity)
-        self.fd = os.memfd_create("tiered-cache-get-ring", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
         os.ftruncate(self.fd, size)
         self._map = mmap.mmap(self.fd, size)
         # Touch every page now: the first lap of Gets would otherwise fault the ring in page by

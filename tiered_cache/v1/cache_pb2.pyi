@@ -24,6 +24,7 @@ class RefusalReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     UNKNOWN_CODEC: _ClassVar[RefusalReason]
     TOO_LARGE: _ClassVar[RefusalReason]
     NO_SPACE: _ClassVar[RefusalReason]
+    SHM_LOST: _ClassVar[RefusalReason]
 TIER_NONE: Tier
 TIER_RAM: Tier
 TIER_DISK: Tier
@@ -36,6 +37,7 @@ FINGERPRINT_MISMATCH: RefusalReason
 UNKNOWN_CODEC: RefusalReason
 TOO_LARGE: RefusalReason
 NO_SPACE: RefusalReason
+SHM_LOST: RefusalReason
 
 class LookupRequest(_message.Message):
     __slots__ = ("keys", "shm_segment")
@@ -97,6 +99,46 @@ class AttachResponse(_message.Message):
     host: str
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., segment: _Optional[bytes] = ..., host: _Optional[str] = ...) -> None: ...
 
+class OfferRequest(_message.Message):
+    __slots__ = ("path", "size", "segment", "host")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    segment: bytes
+    host: str
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., segment: _Optional[bytes] = ..., host: _Optional[str] = ...) -> None: ...
+
+class OfferResponse(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class OfferedPage(_message.Message):
+    __slots__ = ("key", "position", "length")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    position: int
+    length: int
+    def __init__(self, key: _Optional[bytes] = ..., position: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class PutOfferedRequest(_message.Message):
+    __slots__ = ("segment", "fingerprint", "pages")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    segment: bytes
+    fingerprint: bytes
+    pages: _containers.RepeatedCompositeFieldContainer[OfferedPage]
+    def __init__(self, segment: _Optional[bytes] = ..., fingerprint: _Optional[bytes] = ..., pages: _Optional[_Iterable[_Union[OfferedPage, _Mapping]]] = ...) -> None: ...
+
 class Refusal(_message.Message):
     __slots__ = ("key", "reason", "message")
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -156,7 +198,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., errors: _Optional[int] = ..., corrupt: _Optional[int] = ..., breaker_trips: _Optional[int] = ..., open_breakers: _Optional[int] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("version", "uptime_s", "requests", "rejected_requests", "unauthenticated", "refused_blobs", "active_streams", "refused_streams", "stalled_streams", "shm_pages", "shm_pages_reused")
+    __slots__ = ("version", "uptime_s", "requests", "rejected_requests", "unauthenticated", "refused_blobs", "active_streams", "refused_streams", "stalled_streams", "shm_pages", "shm_pages_reused", "shm_put_pages", "shm_offers")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +210,8 @@ class ServerStats(_message.Message):
     STALLED_STREAMS_FIELD_NUMBER: _ClassVar[int]
     SHM_PAGES_FIELD_NUMBER: _ClassVar[int]
     SHM_PAGES_REUSED_FIELD_NUMBER: _ClassVar[int]
+    SHM_PUT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFERS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     requests: int
@@ -179,7 +223,9 @@ class ServerStats(_message.Message):
     stalled_streams: int
     shm_pages: int
     shm_pages_reused: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., unauthenticated: _Optional[int] = ..., refused_blobs: _Optional[int] = ..., active_streams: _Optional[int] = ..., refused_streams: _Optional[int] = ..., stalled_streams: _Optional[int] = ..., shm_pages: _Optional[int] = ..., shm_pages_reused: _Optional[int] = ...) -> None: ...
+    shm_put_pages: int
+    shm_offers: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., unauthenticated: _Optional[int] = ..., refused_blobs: _Optional[int] = ..., active_streams: _Optional[int] = ..., refused_streams: _Optional[int] = ..., stalled_streams: _Optional[int] = ..., shm_pages: _Optional[int] = ..., shm_pages_reused: _Optional[int] = ..., shm_put_pages: _Optional[int] = ..., shm_offers: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "server")

@@ -59,6 +59,16 @@ class KVCacheStub:
                 request_serializer=tiered__cache_dot_v1_dot_cache__pb2.AttachRequest.SerializeToString,
                 response_deserializer=tiered__cache_dot_v1_dot_cache__pb2.AttachResponse.FromString,
                 _registered_method=True)
+        self.Offer = channel.unary_unary(
+                '/tiered_cache.v1.KVCache/Offer',
+                request_serializer=tiered__cache_dot_v1_dot_cache__pb2.OfferRequest.SerializeToString,
+                response_deserializer=tiered__cache_dot_v1_dot_cache__pb2.OfferResponse.FromString,
+                _registered_method=True)
+        self.PutOffered = channel.unary_unary(
+                '/tiered_cache.v1.KVCache/PutOffered',
+                request_serializer=tiered__cache_dot_v1_dot_cache__pb2.PutOfferedRequest.SerializeToString,
+                response_deserializer=tiered__cache_dot_v1_dot_cache__pb2.PutResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -99,6 +109,23 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Offer(self, request, context):
+        """A client on the server's host offers a shared-memory segment of its own for Put: the server
+        maps it read-only, and the client then stores pages with PutOffered, naming where each lies in
+        the segment instead of sending its bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutOffered(self, request, context):
+        """Store pages that lie in a segment the caller offered; the ack is Put's. A page the client's
+        ring came round over before the server read it is refused with SHM_LOST (send it again by Put).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +153,16 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Attach,
                     request_deserializer=tiered__cache_dot_v1_dot_cache__pb2.AttachRequest.FromString,
                     response_serializer=tiered__cache_dot_v1_dot_cache__pb2.AttachResponse.SerializeToString,
+            ),
+            'Offer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Offer,
+                    request_deserializer=tiered__cache_dot_v1_dot_cache__pb2.OfferRequest.FromString,
+                    response_serializer=tiered__cache_dot_v1_dot_cache__pb2.OfferResponse.SerializeToString,
+            ),
+            'PutOffered': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutOffered,
+                    request_deserializer=tiered__cache_dot_v1_dot_cache__pb2.PutOfferedRequest.FromString,
+                    response_serializer=tiered__cache_dot_v1_dot_cache__pb2.PutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +300,60 @@ class KVCache:
             '/tiered_cache.v1.KVCache/Attach',
             tiered__cache_dot_v1_dot_cache__pb2.AttachRequest.SerializeToString,
             tiered__cache_dot_v1_dot_cache__pb2.AttachResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Offer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiered_cache.v1.KVCache/Offer',
+            tiered__cache_dot_v1_dot_cache__pb2.OfferRequest.SerializeToString,
+            tiered__cache_dot_v1_dot_cache__pb2.OfferResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutOffered(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tiered_cache.v1.KVCache/PutOffered',
+            tiered__cache_dot_v1_dot_cache__pb2.PutOfferedRequest.SerializeToString,
+            tiered__cache_dot_v1_dot_cache__pb2.PutResponse.FromString,
             options,
             channel_credentials,
             insecure,

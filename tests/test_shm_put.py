@@ -1,0 +1,213 @@
+"""Same-host Put through the client's own shared-memory ring (service/shm_offers.py), against real
+server processes: the bytes put are the bytes stored, the ack counts every page, pages the ring
+came round over (or a restarted server that no longer maps it) are sent again as bytes, garbage
+at a position is refused as corrupt, and the server maps nothing but a client's Put ring."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from tests.test_shm_transport import pages
+from tiered_cache.service.client import StoreClient
+from tiered_cache.service.process import StoreProcess
+from tiered_cache.service.shm_offers import OfferedSegments
+from tiered_cache.service.shm_ring import MIN_BYTES, PUT_RING, ShmRing, host_identity
+from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.v1 import cache_pb2 as pb
+
+
+def server_figures(address: str) -> pb.ServerStats:
+    with StoreClient(address) as client:
+        return client.stats().server
+
+
+def stored(client: StoreClient, keys: list[bytes]) -> dict[bytes, bytes]:
+    return {r.key: bytes(r.blob) for r in client.get(keys)}
+
+
+def test_a_same_host_put_goes_through_the_clients_ring_and_stores_exactly_the_bytes():
+    items = pages(10, seed=20)
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk"]) as store:
+        tier = RemoteTier([store.address])
+        try:
+            assert tier.put(items) == len(items)
+            client = tier.servers[0].client
+            assert client.uses_shm_put and client.shm_put_resent == 0
+            figures = server_figures(store.address)
+            assert figures.shm_put_pages == len(items) and figures.shm_offers == 1
+            assert stored(client, keys) == dict(items)
+            assert tier.get(keys) == [b for _, b in items]
+        finally:
+            tier.close()
+
+
+def test_the_ack_accounts_for_every_page_sent_repeated_keys_included():
+    a, b = pages(2, seed=21)
+    with StoreProcess(["--no-disk"]) as store, StoreClient(store.address) as client:
+        reply = client.put([a, a, a, b, b])
+        assert client.uses_shm_put
+        assert (reply.stored, reply.already_held, len(reply.refused)) == (2, 3, 0)
+        assert stored(client, [a[0], b[0]]) == dict([a, b])
+
+
+def test_a_put_larger_than_half_the_ring_is_split_and_a_page_too_large_for_it_goes_as_bytes():
+    items = pages(12, seed=22)  # 3 MiB of 256 KiB pages through a 2 MiB ring: Puts of <= 1 MiB
+    with StoreProcess(["--no-disk"]) as store, StoreClient(store.address, put_ring_bytes=2 * MIN_BYTES) as client:
+        reply = client.put(items)
+        assert (reply.stored, len(reply.refused)) == (len(items), 0) and client.uses_shm_put
+        assert server_figures(store.address).shm_put_pages == len(items) and client.shm_put_resent == 0
+        assert stored(client, [k for k, _ in items]) == dict(items)
+    big = pages(1, seed=23)[0]
+    with StoreProcess(["--no-disk"]) as store, StoreClient(store.address, put_ring_bytes=2 * MIN_BYTES) as client:
+        client.put(pages(1, seed=24))  # offers the ring
+        with_header = (big[0], big[1] + big[1])  # over 512 KiB: past a 2 MiB ring's largest page (a quarter)
+        assert client.put([with_header]).refused[0].reason == pb.CORRUPT_BLOB  # sent as bytes, checked there
+        assert server_figures(store.address).shm_put_pages == 1
+
+
+def test_a_page_the_clients_ring_came_round_over_is_refused_as_lost_never_stored():
+    items = pages(12, seed=25)
+    with StoreProcess(["--no-disk"]) as store, StoreClient(store.address, put_ring_bytes=2 * MIN_BYTES) as client:
+        client.put(items[:1])
+        ring = client._put_ring
+        assert ring is not None and client.uses_shm_put
+        first = ring.place(items[1][1])
+        for _, blob in items[2:]:  # ten more pages of an eighth of the ring each: a lap over `first`
+            ring.place(blob)
+        request = pb.PutOfferedRequest(segment=ring.segment, pages=[
+            pb.OfferedPage(key=items[1][0], position=first[0], length=first[1])])
+        reply = client.stub.PutOffered(request, timeout=5)
+        assert [r.reason for r in reply.refused] == [pb.SHM_LOST] and reply.stored == 0
+        assert "came round" in reply.refused[0].message
+        assert stored(client, [items[1][0]]) == {}
+        # Through put() the same page is stored: placed afresh.
+        assert client.put([items[1]]).stored == 1 and stored(client, [items[1][0]]) == dict([items[1]])
+
+
+def test_garbage_at_a_position_is_refused_as_corrupt_and_an_unknown_segment_as_lost():
+    items = pages(2, seed=26)
+    with StoreProcess(["--no-disk"]) as store, StoreClient(store.address) as client:
+        client.put(items[:1])
+        ring = client._put_ring
+        assert ring is not None
+        where = ring.place(os.urandom(len(items[1][1])))
+        garbage = pb.PutOfferedRequest(segment=ring.segment, pages=[
+            pb.OfferedPage(key=items[1][0], position=where[0], length=where[1])])
+        reply = client.stub.PutOffered(garbage, timeout=5)
+        assert [r.reason for r in reply.refused] == [pb.CORRUPT_BLOB] and reply.stored == 0
+        unknown = pb.PutOfferedRequest(segment=os.urandom(16), pages=garbage.pages)
+        reply = client.stub.PutOffered(unknown, timeout=5)
+        assert [r.reason for r in reply.refused] == [pb.SHM_LOST] and "not mapped" in reply.refused[0].message
+        too_large = pb.PutOfferedRequest(segment=ring.segment, pages=[
+            pb.OfferedPage(key=items[1][0], position=0, length=2**40)])
+        assert client.stub.PutOffered(too_large, timeout=5).refused[0].reason == pb.TOO_LARGE
+        assert stored(client, [items[1][0]]) == {}
+        assert server_figures(store.address).refused_blobs == 3
+
+
+def test_one_request_naming_the_same_page_many_times_is_stored_once_and_counted_each_time():
+    items = pages(1, seed=27)
+    with StoreProcess(["--no-disk"]) as store, StoreClient(store.address) as client:
+        client.put(items)
+        ring = client._put_ring
+        where = ring.place(items[0][1])
+        request = pb.PutOfferedRequest(segment=ring.segment, pages=[
+            pb.OfferedPage(key=items[0][0], position=where[0], length=where[1])] * 2000)  # 500 MiB named
+        reply = client.stub.PutOffered(request, timeout=30)
+        assert (reply.stored, reply.already_held, len(reply.refused)) == (0, 2000, 0)
+
+
+def test_a_restarted_server_gets_the_pages_as_bytes_then_the_ring_is_offered_again(tmp_path):
+    first, second, third = pages(3, seed=28), pages(3, seed=29), pages(3, seed=30)
+    store = StoreProcess(["--disk", str(tmp_path)])
+    store.start()
+    port = store.address.rsplit(":", 1)[1]
+    client = StoreClient(store.address)
+    try:
+        assert client.put(first).stored == 3 and client.uses_shm_put
+        store.stop()
+        store = StoreProcess(["--disk", str(tmp_path), "--port", port])
+        store.start()
+        reply = client.put(second)  # the new server does not map the old ring: every page lost, resent
+        assert (reply.stored, len(reply.refused)) == (3, 0) and client.shm_put_resent == 3
+        assert server_figures(store.address).shm_put_pages == 0
+        assert client.put(third).stored == 3  # offered again: through the ring
+        assert server_figures(store.address).shm_put_pages == 3 and client.shm_put_resent == 3
+        assert stored(client, [k for k, _ in first + second + third]) == dict(first + second + third)
+    finally:
+        client.close()
+        store.stop()
+
+
+def test_with_shared_memory_off_a_put_carries_bytes():
+    items = pages(3, seed=31)
+    with StoreProcess(["--no-disk", "--shm", "0"]) as store, StoreClient(store.address) as client:
+        assert client.put(items).stored == 3 and not client.uses_shm_put
+        assert client._put_ring is None  # not even made: the server said it shares no memory
+        assert server_figures(store.address).shm_put_pages == 0
+        reply = client.stub.Offer(pb.OfferRequest(path="/proc/1/fd/0", size=MIN_BYTES, segment=b"x" * 16,
+                                                  host=host_identity()), timeout=5)
+        assert not reply.accepted and "--shm 0" in reply.reason
+
+
+def test_the_server_maps_only_a_same_host_clients_put_ring(tmp_path):
+    ring = ShmRing(MIN_BYTES, name=PUT_RING)
+    get_ring = ShmRing(MIN_BYTES)  # a memfd, but not a Put ring
+    plain = tmp_path / "plain"
+    plain.write_bytes(bytes(MIN_BYTES))
+    fd = os.open(plain, os.O_RDONLY)
+    offers = OfferedSegments(capacity=2)
+    here, local = host_identity(), "ipv4:127.0.0.1:5000"
+    try:
+        refusals = {
+            "remote peer": offers.offer(ring.path, ring.size, ring.segment, here, "ipv4:10.1.2.3:5000"),
+            "other host": offers.offer(ring.path, ring.size, ring.segment, "someone-else", local),
+            "not /proc": offers.offer(str(plain), ring.size, ring.segment, here, local),
+            "a file": offers.offer(f"/proc/{os.getpid()}/fd/{fd}", MIN_BYTES, ring.segment, here, local),
+            "a Get ring": offers.offer(get_ring.path, get_ring.size, get_ring.segment, here, local),
+            "wrong id": offers.offer(ring.path, ring.size, os.urandom(16), here, local),
+            "wrong size": offers.offer(ring.path, ring.size + 4096, ring.segment, here, local),
+            "huge": offers.offer(ring.path, 2**41, ring.segment, here, local),
+        }
+        assert all(refusals.values()), refusals
+        assert len(offers) == 0
+        assert offers.offer(ring.path, ring.size, ring.segment, here, local) == ""
+        assert len(offers) == 1
+        assert offers.read(ring.segment, *ring.place(b"page")) == (b"page", "")
+    finally:
+        os.close(fd)
+        offers.close()
+        ring.close()
+        get_ring.close()
+
+
+def test_segments_of_exited_clients_are_unmapped_and_the_count_is_bounded():
+    code = ("import sys; from tests.test_shm_transport import pages; from tiered_cache.service.client import "
+            "StoreClient; c = StoreClient(sys.argv[1]); assert c.put(pages(1, seed=32)).stored <= 1; "
+            "assert c.uses_shm_put")
+    with StoreProcess(["--no-disk"]) as store, StoreClient(store.address) as client:
+        subprocess.run([sys.executable, "-c", code, store.address], check=True, timeout=60,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+        assert server_figures(store.address).shm_offers == 1  # the exited client's, not unmapped yet
+        client.put(pages(1, seed=33))  # a new offer unmaps segments of exited processes
+        assert server_figures(store.address).shm_offers == 1 and client.uses_shm_put
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+def test_offer_and_put_offered_need_the_token(tmp_path, token):
+    items = pages(1, seed=34)
+    with StoreProcess(["--no-disk", "--token", "s3cret"]) as store:
+        with StoreClient(store.address, token=token) as stranger:
+            with pytest.raises(grpc.RpcError) as info:
+                stranger.put(items)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert not stranger.uses_shm_put
+        with StoreClient(store.address, token="s3cret") as owner:
+            assert owner.put(items).stored == 1 and owner.uses_shm_put
+

@@ -1,0 +1,115 @@
+"""Same-host Put through shared memory: segments that clients on the server's host offer.
+
+A client on the store server's host writes the pages it puts into a ring of its own (a memfd,
+`ShmRing(name=PUT_RING)`), offers that segment once (`Offer`), and then sends each Put item as
+(segment, position, length) instead of the bytes. The server maps the segment read-only, copies
+each page out, checks the client's ring had not come round over it during the copy
+(`ShmReader.read`), and verifies the copy like any received blob: a page the client overwrote
+early, or garbage at a position, is a refused blob (`SHM_LOST`, or corrupt), never stored KV.
+On the 2-core host of docs/PERFORMANCE.md a loopback Put stream cost each side ~4 ms of CPU per
+MiB; one memcpy per side instead is what lets write-behind to a same-host store keep off the
+request path's cores.
+
+What the server accepts, so that an offer cannot make it read anything but a client's ring: the
+caller must come over loopback or a Unix socket, from this host (`host_identity`), run as the
+server's user, and name `/proc/<pid>/fd/<n>` of a memfd called `PUT_RING` whose header carries
+the segment id it offers. The server holds at most `capacity` segments (the oldest is unmapped
+first) and unmaps those whose process has exited whenever a new one is offered: a mapping keeps
+the client's memory alive after the client is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from tiered_cache.service.shm_ring import MIN_BYTES, PUT_RING, ShmReader, host_identity
+
+_PROC_FD = re.compile(r"/proc/(\d+)/fd/(\d+)")
+_LOCAL_PEERS = ("ipv4:127.", "ipv6:[::1]", "ipv6:%5B::1%5D", "unix:")
+MAX_OFFER_BYTES = 2**30  # a client's ring larger than this is refused (it is mapped by the server)
+
+
+@dataclass
+class _Offered:
+    reader: ShmReader
+    pid: int
+
+
+class OfferedSegments:
+    """Client segments mapped for Put, by segment id; thread-safe."""
+
+    def __init__(self, capacity: int = 64) -> None:
+        self.capacity = capacity
+        self._segments: OrderedDict[bytes, _Offered] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._segments)
+
+    def offer(self, path: str, size: int, segment: bytes, host: str, peer: str) -> str:
+        """Map the client's segment; '' when accepted, else why not (the client then sends bytes)."""
+        if not peer.startswith(_LOCAL_PEERS):
+            return f"shared memory is for clients on the server's host; this call came from {peer}"
+        if not host or host != host_identity():
+            return "the client is on another host (or in another container) than the server"
+        if not MIN_BYTES <= size <= MAX_OFFER_BYTES:
+            return f"a segment of {size} bytes is outside {MIN_BYTES}..{MAX_OFFER_BYTES}"
+        if len(segment) != 16:
+            return f"segment id is {len(segment)} bytes, expected 16"
+        match = _PROC_FD.fullmatch(path)
+        if match is None:
+            return f"{path!r} is not a /proc/<pid>/fd/<n> path"
+        pid = int(match.group(1))
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+                return f"process {pid} runs as another user than the server"
+            if not os.readlink(path).startswith(f"/memfd:{PUT_RING}"):
+                return f"{path} is not a tiered-cache Put ring"
+            reader = ShmReader(path, size, segment)
+        except (OSError, ValueError) as exc:
+            return f"cannot map {path}: {exc}"
+        with self._lock:
+            self._drop_exited()
+            old = self._segments.pop(segment, None)
+            self._segments[segment] = _Offered(reader, pid)
+            while len(self._segments) > self.capacity:
+                _, oldest = self._segments.popitem(last=False)
+                oldest.reader.close()
+        if old is not None:
+            old.reader.close()
+        return ""
+
+    def reader(self, segment: bytes) -> ShmReader | None:
+        with self._lock:
+            offered = self._segments.get(segment)
+            return offered.reader if offered is not None else None
+
+    def read(self, segment: bytes, position: int, length: int) -> tuple[bytes | None, str]:
+        """A copy of the page, or (None, why) when the segment is not mapped or was written over."""
+        reader = self.reader(segment)
+        if reader is None:
+            return None, "the offered segment is not mapped here (the server restarted?); send bytes"
+        try:
+            data = reader.read(position, length)
+        except ValueError:  # unmapped meanwhile (its process exited, or it was replaced)
+            data = None
+        if data is None:
+            return None, f"the client's ring came round over the page at {position} before the server read it"
+        return data, ""
+
+    def _drop_exited(self) -> None:
+        """Unmap segments whose process has exited (under the lock)."""
+        for segment, offered in list(self._segments.items()):
+            if not os.path.exists(f"/proc/{offered.pid}"):
+                del self._segments[segment]
+                offered.reader.close()
+
+    def close(self) -> None:
+        with self._lock:
+            for offered in self._segments.values():
+                offered.reader.close()
+            self._segments.clear()
