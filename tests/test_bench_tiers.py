@@ -66,3 +66,13 @@ def test_remote_bench_rows():
     assert all(r.value > 0 and r.baseline > 0 for r in rows)
     fetched = rows[0].work
     assert fetched > 8 * SPEC.bytes_per_page and all(r.work == r.baseline_work == fetched for r in rows[:3])
+
+
+def test_remote_put_bench_rows():
+    from tiered_cache.bench.remote_bench import bench_put
+
+    rows = bench_put(SPEC, 8, repeat=2)
+    assert [r.baseline_name for r in rows] == ["remote put as bytes (gRPC stream)", "bare gRPC client stream"]
+    assert all(r.value > 0 and r.baseline > 0 for r in rows)
+    # Every put stored all 8 pages (fresh ones each time); the bare stream took the same bytes.
+    assert rows[0].work == rows[0].baseline_work == rows[1].work == rows[1].baseline_work

@@ -1,5 +1,6 @@
-"""A bare gRPC server for baselines: streams N byte messages of a given size from memory, and
-answers a unary echo. Same HTTP/2 options as the store server. Run as a child process:
+"""A bare gRPC server for baselines: streams N byte messages of a given size from memory, takes a
+client stream of byte messages (counting their bytes, keeping none), and answers a unary echo.
+Same HTTP/2 options as the store server. Run as a child process:
 
     python -m tiered_cache.bench.raw_grpc   # prints "listening on 127.0.0.1:PORT"
 """
@@ -20,6 +21,7 @@ from tiered_cache.service.server import grpc_options
 _MAX = 80 * 2**20
 STREAM = "/raw.Raw/Stream"
 ECHO = "/raw.Raw/Echo"
+ABSORB = "/raw.Raw/Absorb"
 
 
 def _stream(request: bytes, context: Any) -> Iterator[bytes]:
@@ -27,6 +29,10 @@ def _stream(request: bytes, context: Any) -> Iterator[bytes]:
     payload = bytes(size)
     for _ in range(count):
         yield payload
+
+
+def _absorb(requests: Iterator[bytes], context: Any) -> bytes:
+    return struct.pack("<Q", sum(len(r) for r in requests))
 
 
 def _echo(request: bytes, context: Any) -> bytes:
@@ -37,7 +43,8 @@ def main() -> None:
     # A thread per stream (up to 32): the multi-client ceiling must not be capped by threads.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=grpc_options(_MAX))
     handlers = {"Stream": grpc.unary_stream_rpc_method_handler(_stream),
-                "Echo": grpc.unary_unary_rpc_method_handler(_echo)}
+                "Echo": grpc.unary_unary_rpc_method_handler(_echo),
+                "Absorb": grpc.stream_unary_rpc_method_handler(_absorb)}
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("raw.Raw", handlers)])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

@@ -104,6 +104,43 @@ def bench_fetch(spec: KVSpec, num_pages: int) -> list[Comparison]:
     return rows
 
 
+def bench_put(spec: KVSpec, num_pages: int, repeat: int = 3) -> list[Comparison]:
+    """Putting a prefix into a store server on this host: through the client's own shared-memory
+    ring (the default here) beside the same pages streamed as bytes (a client with `shm=False`)
+    and a bare gRPC client stream of the same bytes into a server that keeps none of them.
+    Each timed put stores fresh pages (another namespace), as write-behind does."""
+    import struct
+
+    batches = [_blobs(spec, num_pages, f"put-{i}") for i in range(2 * repeat)]
+    size = len(batches[0][0][1])
+    total = size * num_pages
+    scale = f"{num_pages} × {size / 2**20:.2f} MiB"
+    store_bytes = 2 * repeat * total
+    with StoreProcess(_store_args(store_bytes)) as store, _RawServer() as raw_addr:
+        ring, plain = StoreClient(store.address, timeout_s=120), StoreClient(store.address, timeout_s=120, shm=False)
+        fresh = iter(batches)
+
+        def put(client: StoreClient) -> int:
+            reply = client.put(next(fresh))
+            return reply.stored * size  # pages stored, in bytes: what this put really did
+
+        ours, stored = timed(lambda: put(ring), repeat=repeat)
+        assert ring.uses_shm_put, "the store server did not take this client's ring"
+        streamed, stored_plain = timed(lambda: put(plain), repeat=repeat)
+        channel = raw_channel(raw_addr)
+        absorb = channel.stream_unary("/raw.Raw/Absorb")
+        blobs = [b for _, b in batches[0]]
+        bare, absorbed = timed(lambda: struct.unpack("<Q", absorb(iter(blobs), timeout=120))[0], repeat=repeat)
+        channel.close()
+        ring.close()
+        plain.close()
+    name = "remote put, same host (client's ring)"
+    return [Comparison(scale, name, total / ours / GIB, "remote put as bytes (gRPC stream)", total / streamed / GIB,
+                       "GiB/s", True, stored, stored_plain),
+            Comparison(scale, name, total / ours / GIB, "bare gRPC client stream", total / bare / GIB,
+                       "GiB/s", True, stored, absorbed)]
+
+
 def _redis_row(items: list[tuple[bytes, bytes]], total: int, scale: str, ours: float, work: int) -> Comparison:
     import redis
 

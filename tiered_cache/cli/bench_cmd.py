@@ -66,7 +66,7 @@ def add_parser(commands: Any) -> None:
         if name == "redis":
             sub.add_argument("--url", help="an existing Redis (default: start a throwaway redis-server)")
         subs.append(sub)
-    remote = _add(which, "remote", help="fetch through the remote tier vs bare gRPC and Redis; lookup latency")
+    remote = _add(which, "remote", help="fetch and put through the remote tier vs bare gRPC and Redis; lookup latency")
     remote.add_argument("--model", default="llama-3.1-8b", help="preset whose pages are moved")
     remote.add_argument("--page-size", type=int, default=8, help="tokens per page (default 8: 1 MiB pages)")
     remote.add_argument("--pages", type=int, default=256, help="pages in the prefix (default 256)")
@@ -259,7 +259,8 @@ def _remote_rows(args: argparse.Namespace, spec: Any) -> list[Any]:
     if args.clients is None and args.long_prefix is None:
         print(f"fetching {args.pages} pages of {spec.bytes_per_page:,} bytes through a store server ...",
               file=sys.stderr)
-        return remote_bench.bench_fetch(spec, args.pages) + remote_bench.bench_lookup(args.lookup_tokens)
+        return (remote_bench.bench_fetch(spec, args.pages) + remote_bench.bench_put(spec, args.pages)
+                + remote_bench.bench_lookup(args.lookup_tokens))
     rows = []
     if args.clients is not None:
         counts = _positive_counts(args.clients, "remote --clients")
