@@ -219,7 +219,10 @@ class StoreClient:
         too large for the ring, and any the ring came round over first, go by Put as bytes."""
         pages, rest = [], []
         for key, blob in items:
-            where = ring.place(blob)
+            try:
+                where = ring.place(blob)
+            except ValueError:  # the ring was closed meanwhile (close() on another thread): bytes
+                where = None
             if where is None:
                 rest.append((key, blob))
             else:
