@@ -44,6 +44,28 @@ def test_corrupt_blobs_in_redis_are_misses_and_deleted(redis_server, redis_prefi
     assert not raw.exists(name(items[0][0])) and not raw.exists(name(items[1][0]))
 
 
+def test_a_large_get_is_checked_part_by_part_and_every_bad_blob_is_a_miss(redis_server, redis_prefix):
+    """42 keys asked come as 4 MGETs of 11; the first three parts are checked on a helper thread while
+    the next arrives, the last on the caller's. A bad blob in any part is a miss, counted, deleted."""
+    tier = RedisTier(redis_server.url, prefix=redis_prefix)
+    items = blobs_for(40)
+    keys = [k for k, _ in items]
+    tier.put(items)
+    raw = redis_py.Redis.from_url(redis_server.url)
+    name = lambda k: f"{redis_prefix}:{k.hex()}".encode()  # noqa: E731
+    bad = {0: items[0][1][:-1], 15: items[16][1], 39: b"garbage"}  # first part, a middle one, the last
+    for i, blob in bad.items():
+        raw.set(name(keys[i]), blob)
+    raw.delete(name(keys[22]))  # and one missing
+    asked = keys + keys[:2]  # a key asked twice is answered at both positions
+    got = tier.get(asked)
+    expected = [None if i in bad or i == 22 else b for i, (_, b) in enumerate(items)] + [None, items[1][1]]
+    assert got == expected
+    assert tier.stats().corrupt == 3 + 1  # keys[0] asked twice: found bad at both positions
+    assert not any(raw.exists(name(keys[i])) for i in bad)
+    tier.close()
+
+
 def test_redis_down_then_back(tmp_path):
     server = RedisServer(tmp_path)
     server.start()
