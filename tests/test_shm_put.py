@@ -162,6 +162,8 @@ def test_the_server_maps_only_a_same_host_clients_put_ring(tmp_path):
     plain = tmp_path / "plain"
     plain.write_bytes(bytes(MIN_BYTES))
     fd = os.open(plain, os.O_RDONLY)
+    unsealed = os.memfd_create(PUT_RING, os.MFD_CLOEXEC)  # the right name, but it could shrink
+    os.ftruncate(unsealed, MIN_BYTES)
     offers = OfferedSegments(capacity=2)
     here, local = host_identity(), "ipv4:127.0.0.1:5000"
     try:
@@ -174,7 +176,9 @@ def test_the_server_maps_only_a_same_host_clients_put_ring(tmp_path):
             "wrong id": offers.offer(ring.path, ring.size, os.urandom(16), here, local),
             "wrong size": offers.offer(ring.path, ring.size + 4096, ring.segment, here, local),
             "huge": offers.offer(ring.path, 2**41, ring.segment, here, local),
+            "unsealed": offers.offer(f"/proc/{os.getpid()}/fd/{unsealed}", MIN_BYTES, ring.segment, here, local),
         }
+        assert "not sealed" in refusals["unsealed"]
         assert all(refusals.values()), refusals
         assert len(offers) == 0
         assert offers.offer(ring.path, ring.size, ring.segment, here, local) == ""
@@ -182,9 +186,67 @@ def test_the_server_maps_only_a_same_host_clients_put_ring(tmp_path):
         assert offers.read(ring.segment, *ring.place(b"page")) == (b"page", "")
     finally:
         os.close(fd)
+        os.close(unsealed)
         offers.close()
         ring.close()
         get_ring.close()
+
+
+def test_segments_of_closed_clients_are_unmapped_at_the_next_offer():
+    with StoreProcess(["--no-disk"]) as store:
+        first = StoreClient(store.address)
+        assert first.put(pages(1, seed=36)).stored == 1 and first.uses_shm_put
+        first.close()  # its ring's fd is gone; only the server's map keeps the memory alive
+        assert server_figures(store.address).shm_offers == 1
+        with StoreClient(store.address) as second:
+            second.put(pages(1, seed=37))
+            assert second.uses_shm_put and server_figures(store.address).shm_offers == 1
+
+
+def test_a_server_that_does_not_take_put_offered_gets_bytes_from_then_on():
+    """An older server behind the same address (it answers Offer's UNIMPLEMENTED too, so the
+    client sends bytes at once); and one that took the offer, then stopped taking PutOffered."""
+    items = pages(4, seed=38)
+    with StoreProcess(["--no-disk"]) as store, StoreClient(store.address) as client:
+        assert client.put(items[:1]).stored == 1 and client.uses_shm_put
+
+        class Unimplemented(grpc.RpcError):
+            def code(self) -> grpc.StatusCode:
+                return grpc.StatusCode.UNIMPLEMENTED
+
+        def refuse(*args: object, **kwargs: object) -> None:  # a fault a current server cannot give
+            raise Unimplemented()
+
+        client.stub.PutOffered = refuse
+        reply = client.put(items[1:3])
+        assert (reply.stored, len(reply.refused)) == (2, 0) and not client.uses_shm_put
+        assert client.put(items[3:]).stored == 1 and not client.uses_shm_put
+        assert server_figures(store.address).shm_put_pages == 1
+        assert stored(client, [k for k, _ in items]) == dict(items)
+
+
+def test_a_page_read_by_lookup_ref_must_be_of_the_tiers_model():
+    """A blob of another model stored under one of our keys (a Put without a fingerprint): a Get
+    would filter it on the server; read in place after a Lookup it is refused by the tier."""
+    import torch
+
+    from tests.test_shm_transport import SPEC
+    from tiered_cache.tiers.codec import encode_page
+
+    ours = pages(2, seed=39)
+    other = SPEC.with_options(model_id="another-model")
+    foreign = encode_page(torch.randn(other.staging_shape(1)[1:]), other, ours[1][0], "raw")
+    with StoreProcess(["--no-disk"]) as store:
+        with StoreClient(store.address) as client:
+            assert client.put([ours[0], (ours[1][0], foreign)]).stored == 2
+        tier = RemoteTier([store.address], fingerprint=bytes.fromhex(SPEC.fingerprint))
+        try:
+            tier.warm()
+            assert tier.contains([k for k, _ in ours]) == [True, True]
+            assert tier.get([k for k, _ in ours]) == [ours[0][1], None]
+            assert tier.pages_from_lookup == 2 and tier.stats().corrupt == 1
+        finally:
+            tier.close()
 
 
 def test_segments_of_exited_clients_are_unmapped_and_the_count_is_bounded():

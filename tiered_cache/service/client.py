@@ -30,6 +30,8 @@ from tiered_cache.v1 import cache_pb2_grpc
 DEFAULT_MAX_MESSAGE = ServerConfig().max_message_bytes  # the server's default page limit + framing
 PUT_RING_BYTES = 64 * 2**20  # a client's ring for same-host Put: Puts of up to half of it each
 _MAX_OFFERED_PAGES = 4096  # pages per PutOffered request (about 200 KiB of message)
+# Answers meaning this server will not take Puts through our ring (older, or not ours to use).
+_NO_SHM_PUT = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class StreamStalled(grpc.RpcError):
@@ -120,6 +122,7 @@ class StoreClient:
         self._put_ring: ShmRing | None = None
         self._offered = self._offer_refused = False
         self._offer_lock = threading.Lock()
+        self._ring_put_lock = threading.Lock()
         self.shm_put_resent = 0  # pages the server found written over (or unmapped), sent again as bytes
 
     def lookup(self, keys: list[bytes], timeout_s: float | None = None, ring: ShmReader | None = None
@@ -210,7 +213,10 @@ class StoreClient:
             return self._put_messages((page_blob_message(k, b, fingerprint) for k, b in items), timeout_s, budget_s)
         reply = pb.PutResponse()
         for chunk in _chunks(items, ring.capacity // 2, _MAX_OFFERED_PAGES):
-            self._merge(reply, self._put_through(ring, chunk, fingerprint, timeout_s, budget_s))
+            # One put through the ring at a time: two threads placing half a ring each would
+            # lap each other's pages before the server read them (then sent twice).
+            with self._ring_put_lock:
+                self._merge(reply, self._put_through(ring, chunk, fingerprint, timeout_s, budget_s))
         return reply
 
     def _put_through(self, ring: ShmRing, items: list[tuple[bytes, bytes]], fingerprint: bytes,
@@ -231,7 +237,17 @@ class StoreClient:
         # A unary call (no request-stream thread): the server copies at most half a ring
         # (`_chunks`), well inside the progress timeout, which serves as its deadline.
         deadline = min(t for t in (budget_s, timeout_s or self.timeout_s) if t)
-        reply = self.stub.PutOffered(request, timeout=deadline, metadata=self.metadata)
+        try:
+            reply = self.stub.PutOffered(request, timeout=deadline, metadata=self.metadata)
+        except grpc.RpcError as exc:
+            with self._offer_lock:
+                if exc.code() in _NO_SHM_PUT:  # a server without PutOffered (or not for us): bytes from now on
+                    self._refuse_offer()
+                else:
+                    self._offered = False  # down, or restarted: offered again next time
+            if exc.code() not in _NO_SHM_PUT:
+                raise
+            return self._put_messages((page_blob_message(k, b, fingerprint) for k, b in items), timeout_s, budget_s)
         lost = Counter(r.key for r in reply.refused if r.reason == pb.SHM_LOST)
         if lost:
             self.shm_put_resent += sum(lost.values())
@@ -274,10 +290,12 @@ class StoreClient:
                                                          host=host_identity()),
                                          timeout=self.timeout_s, metadata=self.metadata)
             except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED,
-                                  grpc.StatusCode.PERMISSION_DENIED):
+                if exc.code() in _NO_SHM_PUT:
                     self._refuse_offer()
                 return None  # down: bytes this time, asked again next time
+            except (OSError, ValueError):  # no memfd here (limits, memory): bytes from now on
+                self._refuse_offer()
+                return None
             if not answer.accepted:
                 self._refuse_offer()
                 return None
@@ -286,7 +304,7 @@ class StoreClient:
 
     def _refuse_offer(self) -> None:
         """Bytes from now on (under the offer lock)."""
-        self._offer_refused = True
+        self._offer_refused, self._offered = True, False
         if self._put_ring is not None:
             self._put_ring.close()
             self._put_ring = None

@@ -337,6 +337,9 @@ class KVCacheService:
         """On the io pool: copy the offered pages out of the client's segment batch by batch, check
         and store each batch; a refusal for each page lost. Returns how many were copied out."""
         segment, fingerprint = bytes(request.segment), bytes(request.fingerprint)
+        offers = self.offers  # once: stop() clears it
+        if offers is not None:
+            offers.sweep()
         sizer = BatchSizer(self.config.stream_buffer_bytes)
         batch: list[tuple[bytes, bytes | memoryview, bytes]] = []
         nbytes = copied = 0
@@ -362,10 +365,10 @@ class KVCacheService:
                 refuse(pb.Refusal(key=key, reason=pb.TOO_LARGE,
                                   message=f"blob is {page.length:,} bytes; this server takes at most {limit:,}"))
                 continue
-            if self.offers is None:
+            if offers is None:
                 data, why = None, "shared memory is off on this server (serve --shm 0); send bytes by Put"
             else:
-                data, why = self.offers.read(segment, page.position, page.length)
+                data, why = offers.read(segment, page.position, page.length)
             if data is None:
                 refuse(pb.Refusal(key=key, reason=pb.SHM_LOST, message=why))
                 continue

@@ -13,16 +13,19 @@ request path's cores.
 What the server accepts, so that an offer cannot make it read anything but a client's ring: the
 caller must come over loopback or a Unix socket, from this host (`host_identity`), run as the
 server's user, and name `/proc/<pid>/fd/<n>` of a memfd called `PUT_RING` whose header carries
-the segment id it offers. The server holds at most `capacity` segments (the oldest is unmapped
-first) and unmaps those whose process has exited whenever a new one is offered: a mapping keeps
-the client's memory alive after the client is gone.
+the segment id it offers. The segment must be sealed against shrinking (a
+shrunk segment would fault the server's map). The server holds at most `capacity` segments (the
+oldest is unmapped first) and unmaps those whose client closed them or exited, at each offer and
+at most once a second while Puts come in: a mapping keeps the client's memory alive.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -36,7 +39,8 @@ MAX_OFFER_BYTES = 2**30  # a client's ring larger than this is refused (it is ma
 @dataclass
 class _Offered:
     reader: ShmReader
-    pid: int
+    path: str
+    inode: int  # the memfd's: gone from `path`, or another file there, means the client let it go
 
 
 class OfferedSegments:
@@ -46,6 +50,7 @@ class OfferedSegments:
         self.capacity = capacity
         self._segments: OrderedDict[bytes, _Offered] = OrderedDict()
         self._lock = threading.Lock()
+        self._swept = time.monotonic()
 
     def __len__(self) -> int:
         return len(self._segments)
@@ -69,13 +74,14 @@ class OfferedSegments:
                 return f"process {pid} runs as another user than the server"
             if not os.readlink(path).startswith(f"/memfd:{PUT_RING}"):
                 return f"{path} is not a tiered-cache Put ring"
+            inode = _sealed_inode(path)
             reader = ShmReader(path, size, segment)
         except (OSError, ValueError) as exc:
             return f"cannot map {path}: {exc}"
         with self._lock:
-            self._drop_exited()
+            self._drop_released()
             old = self._segments.pop(segment, None)
-            self._segments[segment] = _Offered(reader, pid)
+            self._segments[segment] = _Offered(reader, path, inode)
             while len(self._segments) > self.capacity:
                 _, oldest = self._segments.popitem(last=False)
                 oldest.reader.close()
@@ -101,10 +107,24 @@ class OfferedSegments:
             return None, f"the client's ring came round over the page at {position} before the server read it"
         return data, ""
 
-    def _drop_exited(self) -> None:
-        """Unmap segments whose process has exited (under the lock)."""
+    def sweep(self) -> None:
+        """Unmap segments their clients have let go (at most once a second; a stat per segment)."""
+        now = time.monotonic()
+        if now - self._swept < 1.0:
+            return
+        with self._lock:
+            self._swept = now
+            self._drop_released()
+
+    def _drop_released(self) -> None:
+        """Unmap segments whose process exited or closed them (under the lock): the server's map
+        would otherwise keep the client's memory alive."""
         for segment, offered in list(self._segments.items()):
-            if not os.path.exists(f"/proc/{offered.pid}"):
+            try:
+                held = os.stat(offered.path).st_ino == offered.inode
+            except OSError:
+                held = False
+            if not held:
                 del self._segments[segment]
                 offered.reader.close()
 
@@ -113,3 +133,15 @@ class OfferedSegments:
             for offered in self._segments.values():
                 offered.reader.close()
             self._segments.clear()
+
+
+def _sealed_inode(path: str) -> int:
+    """The inode of the memfd at `path`, which must be sealed against shrinking: a segment that
+    could shrink under the server's map would fault the server (SIGBUS) instead of reading."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+            raise ValueError("the segment is not sealed against shrinking (F_SEAL_SHRINK)")
+        return os.fstat(fd).st_ino
+    finally:
+        os.close(fd)

@@ -28,6 +28,7 @@ user (or root) may do. Clients on another host are told apart by `host_identity(
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import socket
@@ -74,9 +75,16 @@ class ShmRing:
         self.size = size
         self.capacity = size - HEADER
         self.max_page = largest_page(self.capacity)
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, size)
-        self._map = mmap.mmap(self.fd, size)
+        # Sealed at its size: a reader (the server, for a client's Put ring) must not find the
+        # segment shrunk under its map, which would fault (SIGBUS) instead of reading bytes.
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+            self._map = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
         # Touch every page now: the first lap of Gets would otherwise fault the ring in page by
         # page (about as slow as the loopback stream it replaces).
         zeros = memoryview(bytes(min(size, 4 << 20)))
@@ -257,3 +265,7 @@ class LookupRefs:
 
     def __len__(self) -> int:
         return len(self._refs)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._refs.clear()

@@ -31,7 +31,7 @@ from tiered_cache.service.framing import ReceivedBlob
 from tiered_cache.service.shm_ring import LookupRefs, ShmLease
 from tiered_cache.tiers.base import TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, CircuitBreaker, breaker_states
-from tiered_cache.tiers.codec import BlobError, verify_blob
+from tiered_cache.tiers.codec import BlobError, check_fingerprint, verify_blob
 
 T = TypeVar("T")
 _MAX_FANOUT = 16  # threads asking servers in parallel (created only as calls need them)
@@ -208,7 +208,9 @@ class RemoteTier:
         """Pages a recent Lookup placed in a same-host server's ring, read there without a Get
         (lent as views with `lease`, else copied out) and checked on the checker threads. A ref
         the ring has come round over since is skipped: the caller Gets that page."""
-        checks = []
+        checks: list[tuple[bytes, Future[bytes | None]]] = []
+        if self._closed:
+            return checks
         for key, (reader, position, length) in self._lookup_refs.take(keys).items():
             try:
                 data = reader.view(position, length) if lease is not None else reader.read(position, length)
@@ -295,6 +297,7 @@ class RemoteTier:
         with self._ring_lock:
             self._closed = True
             ring, self._ring = self._ring, _Ring((), ())
+        self._lookup_refs.clear()
         for server in ring.servers:
             server.client.close()
         self._checker.shutdown(wait=False)
@@ -302,7 +305,9 @@ class RemoteTier:
 
     def _verified(self, key: bytes, blob: bytes, lease: ShmLease | None = None) -> bytes | None:
         try:
-            verify_blob(blob, key)
+            header = verify_blob(blob, key)
+            if self.fingerprint:  # as the server's filter does for a Get (a page read by ref had none)
+                check_fingerprint(header, self.fingerprint)
         except BlobError:
             if lease is None or key not in lease.lost():  # a lent page written over is no fault
                 self._stats.corrupt += 1
