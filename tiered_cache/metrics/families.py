@@ -116,5 +116,5 @@ def server_families(counters: Any, streams_open: int, shm_pages: int = 0, shm_pa
         ("server_shm_pages_reused", "counter", "Of those, pages already in the ring: sent without a copy",
          shm_pages_reused),
         ("server_shm_put_pages", "counter", "Put pages read from same-host clients' shared memory (no bytes sent)",
-         getattr(counters, "shm_put_pages", 0)),
+         counters.shm_put_pages),
     )]

@@ -210,7 +210,7 @@ class StoreClient:
         as bytes by Put. The ack counts every page either way."""
         ring = self._offered_ring() if self.shm else None
         if ring is None:
-            return self._put_messages((page_blob_message(k, b, fingerprint) for k, b in items), timeout_s, budget_s)
+            return self._put_bytes(items, fingerprint, timeout_s, budget_s)
         reply = pb.PutResponse()
         for chunk in _chunks(items, ring.capacity // 2, _MAX_OFFERED_PAGES):
             # One put through the ring at a time: two threads placing half a ring each would
@@ -240,14 +240,15 @@ class StoreClient:
         try:
             reply = self.stub.PutOffered(request, timeout=deadline, metadata=self.metadata)
         except grpc.RpcError as exc:
+            for_good = exc.code() in _NO_SHM_PUT  # a server without PutOffered (or not for us)
             with self._offer_lock:
-                if exc.code() in _NO_SHM_PUT:  # a server without PutOffered (or not for us): bytes from now on
-                    self._refuse_offer()
+                if for_good:
+                    self._refuse_offer()  # bytes from now on
                 else:
                     self._offered = False  # down, or restarted: offered again next time
-            if exc.code() not in _NO_SHM_PUT:
+            if not for_good:
                 raise
-            return self._put_messages((page_blob_message(k, b, fingerprint) for k, b in items), timeout_s, budget_s)
+            return self._put_bytes(items, fingerprint, timeout_s, budget_s)
         lost = Counter(r.key for r in reply.refused if r.reason == pb.SHM_LOST)
         if lost:
             self.shm_put_resent += sum(lost.values())
@@ -262,8 +263,7 @@ class StoreClient:
                     lost[key] -= 1
                     rest.append((key, blob))
         if rest:
-            self._merge(reply, self._put_messages((page_blob_message(k, b, fingerprint) for k, b in rest),
-                                                  timeout_s, budget_s))
+            self._merge(reply, self._put_bytes(rest, fingerprint, timeout_s, budget_s))
         return reply
 
     @staticmethod
@@ -313,14 +313,14 @@ class StoreClient:
     def uses_shm_put(self) -> bool:
         return self._offered
 
-    def _put_messages(self, messages: Iterable[bytes], timeout_s: float | None,
-                      budget_s: float | None) -> pb.PutResponse:
-        """One Put stream of serialized `PageBlob`s; its ack."""
+    def _put_bytes(self, items: Iterable[tuple[bytes, bytes]], fingerprint: bytes, timeout_s: float | None,
+                   budget_s: float | None) -> pb.PutResponse:
+        """One Put stream carrying the pages' bytes (`PageBlob`s framed by hand); its ack."""
         watch: ProgressDeadline | None = None
 
         def stream() -> Iterator[bytes]:
-            for message in messages:
-                yield message
+            for key, blob in items:
+                yield page_blob_message(key, blob, fingerprint)
                 if watch is not None:
                     watch.progress()  # the previous page was taken: flow control let it go
 

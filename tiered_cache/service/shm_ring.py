@@ -100,7 +100,6 @@ class ShmRing:
         self._where: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> page, oldest first
         self.pages = 0  # pages placed
         self.reused = 0  # of which already in the ring: sent again without a copy
-        self.refs_at_lookup = 0  # positions a Lookup answered with (pages a Get then need not send)
 
     @property
     def path(self) -> str:
@@ -147,9 +146,7 @@ class ShmRing:
         with self._lock:
             oldest = self._cursor - self.capacity // 2
             found = [self._where.get(key) for key in keys]
-            found = [where if where is not None and where[0] >= oldest else None for where in found]
-            self.refs_at_lookup += sum(where is not None for where in found)
-        return found
+            return [where if where is not None and where[0] >= oldest else None for where in found]
 
     def _forget_before(self, position: int) -> None:
         """Drop keys whose pages start before `position` (under the lock). Entries are added about

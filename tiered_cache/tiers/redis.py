@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import unquote
 
@@ -292,7 +292,8 @@ class RedisTier:
         names = [self._k(k) for k in keys]
         out: list[bytes | None] = [None] * len(keys)
         size = max(_MIN_GET_PART, -(-len(keys) // _GET_PARTS))
-        checks = []
+        corrupt: list[bytes] = []
+        checking = []
         for start in range(0, len(keys), size):
             part = range(start, min(len(keys), start + size))
             for positions, (blobs,) in self._pipelined(names, lambda pipe, group: pipe.mget([names[i] for i in group]),
@@ -300,10 +301,10 @@ class RedisTier:
                 for i, blob in zip(positions, blobs, strict=True):
                     out[i] = blob
             if part.stop == len(keys):  # the last part (or the only one): checked here, beside the others
-                checks.append(_done(self._check(keys, out, part)))
+                corrupt += self._check(keys, out, part)
             else:
-                checks.append(self._checker().submit(self._check, keys, out, part))
-        corrupt = [key for check in checks for key in check.result()]
+                checking.append(self._checker().submit(self._check, keys, out, part))
+        corrupt += [key for check in checking for key in check.result()]
         self._stats.record_reads(out)
         if corrupt:
             self._stats.corrupt += len(corrupt)
@@ -376,10 +377,3 @@ class RedisTier:
                 self._checks.shutdown(wait=True)
             if self._cluster is not None:
                 self._cluster.close()
-
-
-def _done(value: T) -> Future[T]:
-    """A future that already holds `value` (a part checked on the caller's thread)."""
-    future: Future[T] = Future()
-    future.set_result(value)
-    return future
