@@ -54,19 +54,23 @@ def test_tensor_bench_reports_each_path_beside_memcpy(tmp_path):
 
 
 def test_engine_bench_runs_every_configuration_beside_host_only():
-    data = json.loads(run_cli("bench", "engine", "--pages", "4", "--requests", "12", "--gap-ms", "1", "--json").stdout)
+    data = json.loads(run_cli("bench", "engine", "--pages", "4", "--requests", "12", "--gap-ms", "1", "--rounds", "2",
+                              "--json").stdout)
     assert [r["below"] for r in data] == ["host only", "redis", "remote"]
-    assert all(r["requests"] == 8 and r["pages_per_request"] == 4 for r in data)  # 4 warm-up requests left out
+    # 2 rounds of 12 requests each, 4 warm-up requests of each turn left out
+    assert all(r["requests"] == 16 and r["pages_per_request"] == 4 for r in data)
     assert all(0 < r["p50_ms"] <= r["p99_ms"] <= r["max_ms"] for r in data)
     assert all(r["baseline_p99_ms"] == data[0]["p99_ms"] for r in data)  # host only is the baseline
 
 
 def test_engine_bench_below_and_device_options():
     data = json.loads(run_cli("bench", "engine", "--pages", "2", "--requests", "6", "--gap-ms", "0", "--below", "none",
-                              "--device", "cpu", "--json").stdout)
+                              "--device", "cpu", "--rounds", "1", "--json").stdout)
     assert [r["below"] for r in data] == ["host only"] and data[0]["requests"] == 2
     bad = run_cli("bench", "engine", "--below", "memcached", "--requests", "6", check=False)
     assert bad.returncode == 2 and "memcached" in bad.stderr and "Traceback" not in bad.stderr
+    no_rounds = run_cli("bench", "engine", "--rounds", "0", "--requests", "6", check=False)
+    assert no_rounds.returncode == 2 and "rounds must be at least 1" in no_rounds.stderr
     if not torch.cuda.is_available():
         gpu = run_cli("bench", "engine", "--device", "cuda", "--requests", "6", check=False)
         assert gpu.returncode == 2 and "sees no CUDA device" in gpu.stderr and "Traceback" not in gpu.stderr

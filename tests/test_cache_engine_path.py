@@ -134,6 +134,38 @@ def test_put_and_commit_never_wait_for_a_hanging_lower_tier_and_a_full_queue_dro
     c.close()
 
 
+def test_the_writer_stops_between_pages_while_a_request_is_in_progress(monkeypatch):
+    """A request that arrives while the writer encodes a chunk waits for at most one page of it:
+    the writer holds the GIL while it encodes, and gives the request its turn page by page."""
+    import tiered_cache.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "_YIELD_S", 5.0)  # no timeout ends the wait within the test
+    below = GatedTier(1 << 20)
+    below.gate.set()
+    c = make(pool_pages=8, host_pages=8, lower=[below], write_policy="write_through")
+    encoded: list[bytes] = []
+    first = threading.Event()
+    encode = c._encode
+
+    def encode_then_a_request_arrives(page, key):
+        if not encoded:
+            c._foreground.__enter__()  # a request starts while this chunk is being encoded
+            first.set()
+        encoded.append(key)
+        return encode(page, key)
+
+    monkeypatch.setattr(c, "_encode", encode_then_a_request_arrives)
+    tokens = list(range(16))  # 4 pages, one chunk
+    c.put(tokens, token_kv(SPEC, tokens))
+    assert first.wait(10)
+    threading.Event().wait(0.2)
+    assert len(encoded) == 1 and below.put_keys == [], "the writer went on while a request was in progress"
+    c._foreground.__exit__(None, None, None)  # the request ends
+    assert c.flush(timeout=30)
+    assert len(encoded) == 4 and len(below.put_keys) == 4
+    c.close()
+
+
 def test_watermarks_demote_in_the_background():
     c = make(pool_pages=10, host_pages=32, high_watermark=0.5, low_watermark=0.2)
     for i in range(4):

@@ -78,7 +78,11 @@ def _p(values: list[float], q: float) -> float:
 
 
 def bench_engine(model: str = "smollm2-135m", pages: int = 32, requests: int = 120, gap_ms: float = 20.0,
-                 below: tuple[str, ...] = ("host only", "redis", "remote"), device: str = "cpu") -> list[EngineRow]:
+                 below: tuple[str, ...] = ("host only", "redis", "remote"), device: str = "cpu",
+                 rounds: int = 1) -> list[EngineRow]:
+    """With `rounds` > 1 the configurations take turns (host only, then each lower tier, again
+    and again), each turn `requests` requests on a fresh cache, so a slow spell of a shared
+    machine falls on all of them; the figures are over every turn's counted requests."""
     from tiered_cache.service.process import StoreProcess
     from tiered_cache.tiers.redis_process import RedisServer
 
@@ -86,12 +90,14 @@ def bench_engine(model: str = "smollm2-135m", pages: int = 32, requests: int = 1
     if below[0] != "host only" or not set(below) <= {"host only", "redis", "remote"}:
         raise ValueError(f"below must start with 'host only' (the baseline) and name only redis and remote, "
                          f"got {', '.join(below)}")
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
     reqs = _requests(spec, requests, pages, str(usable_device(device)))  # a missing GPU: one clear error
     warmup = max(4, requests // 10)
     # The pool and host RAM hold two requests' pages each; default watermarks.
     base = {"pool_capacity": 2 * pages * spec.bytes_per_page, "host_capacity": 2 * pages * spec.bytes_per_page,
             "malloc_tuning": True, "device": device}
-    results: dict[str, tuple[list[float], int]] = {}
+    results: dict[str, tuple[list[float], int]] = {name: ([], 0) for name in below}
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp), maxmemory="1gb") if "redis" in below else None
         if redis is not None:
@@ -100,20 +106,21 @@ def bench_engine(model: str = "smollm2-135m", pages: int = 32, requests: int = 1
         try:
             if store is not None:
                 store.start()
-            for name in below:
-                extra: dict[str, Any] = {}
-                if name == "redis" and redis is not None:
-                    extra = {"lower_tiers": ["redis"], "redis_url": redis.url, "redis_prefix": "bench-engine"}
-                elif name == "remote" and store is not None:
-                    extra = {"lower_tiers": ["remote"], "remote_addresses": [store.address]}
-                print(f"{name}: {requests} requests of {pages} pages, each demoting as many, "
-                      f"{gap_ms:g} ms idle between requests ...",
-                      file=sys.stderr, flush=True)
-                cache = TieredCache(spec, CacheConfig(**base, **extra))
-                times = _latencies(cache, reqs, warmup, gap_ms / 1e3)
-                dropped = cache.stats().dropped_pages
-                cache.close()
-                results[name] = (times, dropped)
+            for round_ in range(1, rounds + 1):
+                for name in below:
+                    extra: dict[str, Any] = {}
+                    if name == "redis" and redis is not None:
+                        extra = {"lower_tiers": ["redis"], "redis_url": redis.url, "redis_prefix": "bench-engine"}
+                    elif name == "remote" and store is not None:
+                        extra = {"lower_tiers": ["remote"], "remote_addresses": [store.address]}
+                    turn = f" (round {round_}/{rounds})" if rounds > 1 else ""
+                    print(f"{name}{turn}: {requests} requests of {pages} pages, each demoting as many, "
+                          f"{gap_ms:g} ms idle between requests ...", file=sys.stderr, flush=True)
+                    cache = TieredCache(spec, CacheConfig(**base, **extra))
+                    times = _latencies(cache, reqs, warmup, gap_ms / 1e3)
+                    dropped = cache.stats().dropped_pages
+                    cache.close()
+                    results[name] = (results[name][0] + times, results[name][1] + dropped)
         finally:
             if store is not None:
                 store.stop()

@@ -47,7 +47,10 @@ def add_parser(commands: Any) -> None:
                                              "host RAM only vs Redis vs a store server below")
     engine.add_argument("--model", default="smollm2-135m", help="preset whose pages are moved")
     engine.add_argument("--pages", type=int, default=32, help="pages each request stores and demotes (default 32)")
-    engine.add_argument("--requests", type=int, default=200, help="requests per configuration (default 200)")
+    engine.add_argument("--requests", type=int, default=200,
+                        help="requests per configuration and round, the first tenth not counted (default 200)")
+    engine.add_argument("--rounds", type=int, default=3,
+                        help="rounds: the configurations take turns, each on a fresh cache (default 3)")
     engine.add_argument("--gap-ms", type=float, default=20.0,
                         help="idle host CPU between requests, as while a GPU computes (default 20; 0: saturated)")
     engine.add_argument("--below", default="redis,remote",
@@ -325,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
         from tiered_cache.bench.engine_bench import bench_engine, render
 
         below = tuple(b.strip() for b in args.below.split(",") if b.strip() and b.strip() != "none")
-        rows = bench_engine(args.model, args.pages, args.requests, args.gap_ms, ("host only", *below), args.device)
+        rows = bench_engine(args.model, args.pages, args.requests, args.gap_ms, ("host only", *below), args.device,
+                            args.rounds)
         print(json.dumps([r.to_dict() for r in rows], indent=2) if args.json else render(rows))
         return 0
     if args.bench == "vllm":
