@@ -525,14 +525,13 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         keys = [k for k in held if moved(k)]  # hashing outside the lock
         step = max(1, _WRITE_CHUNK_BYTES // self.spec.bytes_per_page)
         for start in range(0, len(keys), step):
-            self._demoter_quiet.wait(_YIELD_S)
-            self._foreground.wait_idle(_YIELD_S)
+            self._step_aside()
             with self._lock:
                 if self._closed:
                     return
                 found, pages = self.host.copy_out(keys[start:start + step])
             items = self._encode_politely(found, pages)
-            self._foreground.wait_idle(_YIELD_S)
+            self._step_aside()
             self.chain.put(items, index, demotion=True)
 
     # --- statistics ------------------------------------------------------------------------------
@@ -897,25 +896,32 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         """Encode pages and put them into the first `num_tiers` lower tiers, a chunk at a time,
         each chunk after a quiet moment (no request in progress and no demotion under way, or
         `_YIELD_S` passed for each), and each page's encode and each put after a request in
-        progress ends. Why per page: encoding and the client's gRPC work hold the GIL, and a
-        request thread that let the GIL go (every torch op does) gets it back only when this
-        thread blocks or after the 5 ms switch interval. Checked per chunk, a request that
-        arrived mid-chunk waited for the whole chunk, a few times over (p99 1.2-1.8x of host
-        only with a store below; per page 1.03-1.09x, docs/PERFORMANCE.md)."""
+        progress ends and no demotion is under way. Why per page: encoding and the client's gRPC
+        work hold the GIL, and a request thread (or the demoter) that let the GIL go (every
+        torch op does) gets it back only when this thread blocks or after the 5 ms switch
+        interval. Checked per chunk, a request that arrived mid-chunk waited for the whole chunk,
+        a few times over (p99 1.2-1.8x of host only with a store below; per page 1.03-1.09x,
+        docs/PERFORMANCE.md), and a demotion that started mid-chunk stretched past the idle gap,
+        so the next request waited for it."""
         step = max(1, _WRITE_CHUNK_BYTES // self.spec.bytes_per_page)
         for start in range(0, len(keys), step):
-            self._demoter_quiet.wait(_YIELD_S)
             items = self._encode_politely(keys[start:start + step], pages[start:start + step])
             for index in range(num_tiers):
-                self._foreground.wait_idle(_YIELD_S)
+                self._step_aside()
                 self.chain.put(items, index, demotion=True)
+
+    def _step_aside(self) -> None:
+        """Wait until no demotion is under way and no request is in progress (at most `_YIELD_S`
+        for each): room on the device is what the next request needs, a write below is not."""
+        self._demoter_quiet.wait(_YIELD_S)
+        self._foreground.wait_idle(_YIELD_S)
 
     def _encode_politely(self, keys: list[bytes], pages: Any) -> list[tuple[bytes, bytes]]:
         """(key, blob) of each page, each encoded once no request is in progress (or after
         `_YIELD_S`): see `_encode_and_put` for why per page."""
         items = []
         for key, page in zip(keys, pages, strict=True):
-            self._foreground.wait_idle(_YIELD_S)
+            self._step_aside()
             items.append((key, self._encode(page, key)))
         return items
 
