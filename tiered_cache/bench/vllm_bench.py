@@ -75,7 +75,7 @@ def _add_round(rows: dict[str, VllmRow], way: str, results: list[dict[str, Any]]
     row.answers.append([r["tokens"] for r in results])
 
 
-def bench_vllm(doc_chars: int = 3000, rounds: int = 2,
+def bench_vllm(doc_chars: int = 3000, rounds: int = 3,
                progress: Callable[[str], None] = lambda _: None) -> list[VllmRow]:
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")

@@ -115,8 +115,9 @@ def add_parser(commands: Any) -> None:
     vllm = _add(which, "vllm", help="TTFT of a second vLLM instance: recompute vs tiered-cache (store "
                                          "server, disk, Redis) vs vLLM's ExampleConnector")
     vllm.add_argument("--doc-chars", type=int, default=3000, help="document characters in each prompt (default 3000)")
-    vllm.add_argument("--rounds", type=int, default=2,
-                      help="times each way's second instance runs, the ways taking turns (default 2)")
+    vllm.add_argument("--rounds", type=int, default=3,
+                      help="times each way's second instance runs, the ways taking turns (default 3: fewer "
+                           "requests a way than 9 cannot tell the ways apart on a shared machine)")
     subs.append(vllm)
     clus = _add(which, "cluster", help="shared-prefix workload on a Ray cluster: workers alone vs a shared "
                                             "store with round robin vs with the prefix router, vs recompute")
