@@ -917,8 +917,8 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         self._foreground.wait_idle(_YIELD_S)
 
     def _encode_politely(self, keys: list[bytes], pages: Any) -> list[tuple[bytes, bytes]]:
-        """(key, blob) of each page, each encoded once no request is in progress (or after
-        `_YIELD_S`): see `_encode_and_put` for why per page."""
+        """(key, blob) of each page, each encoded after `_step_aside`: see `_encode_and_put`
+        for why per page."""
         items = []
         for key, page in zip(keys, pages, strict=True):
             self._step_aside()

@@ -72,6 +72,15 @@ def _latencies(cache: TieredCache, requests: list[tuple[list[int], torch.Tensor]
     return times
 
 
+def _lower_tier(name: str, redis: Any, store: Any) -> dict[str, Any]:
+    """The CacheConfig settings that put configuration `name`'s tier under host RAM."""
+    if name == "redis":
+        return {"lower_tiers": ["redis"], "redis_url": redis.url, "redis_prefix": "bench-engine"}
+    if name == "remote":
+        return {"lower_tiers": ["remote"], "remote_addresses": [store.address]}
+    return {}
+
+
 def _p(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
@@ -97,7 +106,8 @@ def bench_engine(model: str = "smollm2-135m", pages: int = 32, requests: int = 1
     # The pool and host RAM hold two requests' pages each; default watermarks.
     base = {"pool_capacity": 2 * pages * spec.bytes_per_page, "host_capacity": 2 * pages * spec.bytes_per_page,
             "malloc_tuning": True, "device": device}
-    results: dict[str, tuple[list[float], int]] = {name: ([], 0) for name in below}
+    times: dict[str, list[float]] = {name: [] for name in below}
+    dropped = dict.fromkeys(below, 0)
     with tempfile.TemporaryDirectory() as tmp:
         redis = RedisServer(Path(tmp), maxmemory="1gb") if "redis" in below else None
         if redis is not None:
@@ -106,31 +116,26 @@ def bench_engine(model: str = "smollm2-135m", pages: int = 32, requests: int = 1
         try:
             if store is not None:
                 store.start()
+            configs = {name: CacheConfig(**base, **_lower_tier(name, redis, store)) for name in below}
             for round_ in range(1, rounds + 1):
-                for name in below:
-                    extra: dict[str, Any] = {}
-                    if name == "redis" and redis is not None:
-                        extra = {"lower_tiers": ["redis"], "redis_url": redis.url, "redis_prefix": "bench-engine"}
-                    elif name == "remote" and store is not None:
-                        extra = {"lower_tiers": ["remote"], "remote_addresses": [store.address]}
+                for name, config in configs.items():
                     turn = f" (round {round_}/{rounds})" if rounds > 1 else ""
                     print(f"{name}{turn}: {requests} requests of {pages} pages, each demoting as many, "
                           f"{gap_ms:g} ms idle between requests ...", file=sys.stderr, flush=True)
-                    cache = TieredCache(spec, CacheConfig(**base, **extra))
-                    times = _latencies(cache, reqs, warmup, gap_ms / 1e3)
-                    dropped = cache.stats().dropped_pages
+                    cache = TieredCache(spec, config)
+                    times[name] += _latencies(cache, reqs, warmup, gap_ms / 1e3)
+                    dropped[name] += cache.stats().dropped_pages
                     cache.close()
-                    results[name] = (results[name][0] + times, results[name][1] + dropped)
         finally:
             if store is not None:
                 store.stop()
             if redis is not None:
                 redis.stop()
-    baseline = _p(results[below[0]][0], 0.99) * 1e3
+    baseline = _p(times[below[0]], 0.99) * 1e3
     rows = []
-    for name, (times, dropped) in results.items():
-        rows.append(EngineRow(name, len(times), pages, statistics.median(times) * 1e3, _p(times, 0.99) * 1e3,
-                              max(times) * 1e3, dropped, baseline))
+    for name, t in times.items():
+        rows.append(EngineRow(name, len(t), pages, statistics.median(t) * 1e3, _p(t, 0.99) * 1e3, max(t) * 1e3,
+                              dropped[name], baseline))
     return rows
 
 
