@@ -53,6 +53,29 @@ def test_a_dead_server_means_fast_misses_not_errors_raised():
     assert tier.stats().errors >= 1
 
 
+def test_a_server_back_after_a_long_outage_is_used_again_within_two_seconds(tmp_path):
+    """gRPC's default reconnect backoff (1 s, x1.6 per attempt, up to 120 s) left a server that
+    was down 5.5 s unused for 2-4 s after it was back; the client's channel reconnects at most
+    1 s apart (client.RECONNECT_BACKOFF_MS)."""
+    items = make_items(4)
+    keys = [k for k, _ in items]
+    args = ["--disk", str(tmp_path / "store"), "--write-through"]
+    with StoreProcess(args) as store:
+        tier = RemoteTier([store.address], timeout_s=1.0, breaker=BreakerPolicy(cooldown_s=0.05, max_cooldown_s=0.3))
+        assert tier.put(items) == 4
+        address = store.address
+    killed = time.monotonic()
+    while time.monotonic() - killed < 5.5:  # calls all through the outage: the channel backs off
+        assert tier.get(keys) == [None] * 4
+        time.sleep(0.05)
+    with StoreProcess([*args, "--port", address.rsplit(":", 1)[1]]):
+        back = time.monotonic()
+        while tier.get(keys) != [blob for _, blob in items]:
+            assert time.monotonic() - back < 2.0, "the restarted server was not used within 2 s"
+            time.sleep(0.02)
+    tier.close()
+
+
 def test_server_killed_mid_stream_gives_verified_blobs_then_misses():
     items = large_items(200)
     keys = [k for k, _ in items]

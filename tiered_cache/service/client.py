@@ -84,9 +84,20 @@ def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
             ("grpc.http2.lookahead_bytes", 16 * 2**20)]
 
 
+# gRPC's own reconnect backoff starts at 1 s and grows 1.6x per failed attempt up to 120 s: a
+# server down for 6 s went unused for 3 s after it was back (a minute after a longer outage),
+# while the breaker (breaker.py) had long since let calls through to it. Reconnect at most 1 s
+# apart: one refused connection a second per client is nothing for a dead server.
+RECONNECT_BACKOFF_MS = (100, 1000)  # first and largest wait between connection attempts
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Client channel options: shared ones, and no transparent retries (the remote tier decides)."""
-    return [*message_options(max_message_bytes), ("grpc.enable_retries", 0)]
+    """Client channel options: shared ones, no transparent retries (the remote tier decides),
+    and a reconnect backoff short enough that a restarted server is used within a second."""
+    first, largest = RECONNECT_BACKOFF_MS
+    return [*message_options(max_message_bytes), ("grpc.enable_retries", 0),
+            ("grpc.initial_reconnect_backoff_ms", first), ("grpc.min_reconnect_backoff_ms", first),
+            ("grpc.max_reconnect_backoff_ms", largest)]
 
 
 class StoreClient:
