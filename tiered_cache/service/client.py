@@ -87,7 +87,9 @@ def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
 # gRPC's own reconnect backoff starts at 1 s and grows 1.6x per failed attempt up to 120 s: a
 # server down for 6 s went unused for 3 s after it was back (a minute after a longer outage),
 # while the breaker (breaker.py) had long since let calls through to it. Reconnect at most 1 s
-# apart: one refused connection a second per client is nothing for a dead server.
+# apart: one refused connection a second per client is nothing for a dead server. (Not
+# grpc.min_reconnect_backoff_ms: gRPC also takes it as the connect timeout, 20 s by default, and
+# 100 ms would fail a handshake with a busy server.)
 RECONNECT_BACKOFF_MS = (100, 1000)  # first and largest wait between connection attempts
 
 
@@ -96,8 +98,7 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     and a reconnect backoff short enough that a restarted server is used within a second."""
     first, largest = RECONNECT_BACKOFF_MS
     return [*message_options(max_message_bytes), ("grpc.enable_retries", 0),
-            ("grpc.initial_reconnect_backoff_ms", first), ("grpc.min_reconnect_backoff_ms", first),
-            ("grpc.max_reconnect_backoff_ms", largest)]
+            ("grpc.initial_reconnect_backoff_ms", first), ("grpc.max_reconnect_backoff_ms", largest)]
 
 
 class StoreClient:
