@@ -3,19 +3,21 @@ builds), each instance its own process sharing a real store server: a second ins
 the first one's document prefix with the same greedy answer, only full blocks are stored, and a
 dead store means recompute with the same answer.
 
-Each vLLM process costs 10-15 s to start here, so the instances that only store (A) and the
-plain-vLLM references run once per module and the tests share them; every test still starts
-its own reading instance (B), fresh, as a second serving instance would be."""
+Each instance is its own process, forked from one that imported vLLM once (forkserver.py: the
+import is 6-10 s of a fresh process's 14 here). The instances that only store (A) and the
+plain-vLLM references run once per module and the tests share them; every test still starts its
+own reading instance (B), fresh, as a second serving instance would be."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tiered_cache.integrations.vllm.forkserver import InstanceLauncher
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.process import StoreProcess
 
@@ -41,18 +43,24 @@ def model_folder() -> str:
     return str(cache_dir() / MODEL_DIR)
 
 
-def run_instance(model: str, *args: str) -> dict:
+@pytest.fixture(scope="module")
+def launcher(model_folder) -> Iterator[InstanceLauncher]:
+    """Imports vLLM once (6-10 s here) and forks each instance, a process of its own, from it."""
+    with InstanceLauncher(VLLM_PYTHON) as launcher:
+        yield launcher
+
+
+def run_instance(launcher: InstanceLauncher, model: str, *args: str) -> dict:
     """One vLLM engine in its own process (eager mode: it starts in seconds): its answers
     (`rows`) and what its block stores did (`stores`)."""
-    proc = subprocess.run([str(VLLM_PYTHON), "-m", "tiered_cache.integrations.vllm.instance", "--model", model,
-                           "--eager", "--max-tokens", "12", *args], capture_output=True, text=True, timeout=600)
+    proc = launcher.run(["--model", model, "--eager", "--max-tokens", "12", *args], timeout_s=600)
     if proc.returncode != 0:
         raise AssertionError(f"vLLM instance failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def instance(model: str, *args: str) -> list[dict]:
-    return run_instance(model, *args)["rows"]
+def instance(launcher: InstanceLauncher, model: str, *args: str) -> list[dict]:
+    return run_instance(launcher, model, *args)["rows"]
 
 
 def pages_held(store: StoreProcess) -> int:
@@ -63,11 +71,22 @@ def page_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != ".lock")
 
 
+def test_the_launcher_reports_a_failed_instance_and_kills_one_past_its_time(launcher, model_folder):
+    """Fork server faults, before the tests that rely on it: a failed child is an exit status and
+    its stderr; a child past its time is killed, and the next one runs."""
+    bad = launcher.run(["--model", model_folder, "--layer-groups"], timeout_s=60)
+    assert bad.returncode == 2 and "--layer-groups: expected one argument" in bad.stderr
+    with pytest.raises(TimeoutError, match="ran past 1 s and was killed"):
+        launcher.run(["--model", model_folder, "--eager", "-q", Q1], timeout_s=1)
+    again = launcher.run(["--model", model_folder, "--no-connector"], timeout_s=60)
+    assert again.returncode == 2 and "required: -q/--question" in again.stderr
+
+
 @pytest.fixture(scope="module")
-def references(model_folder) -> list[dict]:
+def references(launcher, model_folder) -> list[dict]:
     """Q2 about the first slice (the prompt a plain `-q Q2` asks), Q3 about the second, answered
     by plain vLLM with its own prefix cache off: each a full prefill."""
-    rows = instance(model_folder, "--no-connector", "--no-prefix-caching", *SLICES, "-q", Q2, "-q", Q3)
+    rows = instance(launcher, model_folder, "--no-connector", "--no-prefix-caching", *SLICES, "-q", Q2, "-q", Q3)
     assert [r["num_cached_tokens"] for r in rows] == [0, 0]
     return rows
 
@@ -79,16 +98,17 @@ def reference(references) -> dict:
 
 
 @pytest.fixture(scope="module")
-def store_after_a(model_folder):
+def store_after_a(launcher, model_folder):
     """A store server holding what instance A stored answering Q1 (6 layer groups: SmolLM2's 30
     layers as 6 pages a block, loaded layer by layer; "auto" on the CPU is whole blocks), and A's
     output and the pages the store held right after it."""
     with StoreProcess(["--no-disk"]) as store:
-        out = run_instance(model_folder, "--remote", store.address, *GROUPED, "-q", Q1)
+        out = run_instance(launcher, model_folder, "--remote", store.address, *GROUPED, "-q", Q1)
         yield store, out, pages_held(store)
 
 
-def test_a_second_instance_reuses_the_first_ones_prefix_through_the_store(model_folder, reference, store_after_a):
+def test_a_second_instance_reuses_the_first_ones_prefix_through_the_store(launcher, model_folder, reference,
+                                                                          store_after_a):
     """Loaded layer group by layer group (whole blocks before the forward, the default on the CPU:
     the store-killed test)."""
     store, out, held_after_a = store_after_a
@@ -96,7 +116,7 @@ def test_a_second_instance_reuses_the_first_ones_prefix_through_the_store(model_
     assert first["num_cached_tokens"] == 0 and pages_per_block == 6
     assert held_after_a == first["prompt_tokens"] // BLOCK * pages_per_block  # full prompt blocks only
     before = pages_held(store)
-    second = instance(model_folder, "--remote", store.address, *GROUPED, "-q", Q2)[0]
+    second = instance(launcher, model_folder, "--remote", store.address, *GROUPED, "-q", Q2)[0]
     assert pages_held(store) == before  # B had nothing new to store: its last, partial block is never saved
     shared = min(first["prompt_tokens"], second["prompt_tokens"] - 1) // BLOCK * BLOCK
     assert second["num_cached_tokens"] == shared > 0  # the document's blocks came from the store
@@ -120,34 +140,34 @@ def tuned_folder(model_folder, tmp_path_factory) -> str:
     return str(folder)
 
 
-def test_a_fine_tune_never_reads_its_base_models_blocks(tuned_folder, store_after_a):
+def test_a_fine_tune_never_reads_its_base_models_blocks(launcher, tuned_folder, store_after_a):
     store, out, held_after_a = store_after_a
     before = pages_held(store)
-    tuned = instance(tuned_folder, "--remote", store.address, *GROUPED, "-q", Q1)[0]
+    tuned = instance(launcher, tuned_folder, "--remote", store.address, *GROUPED, "-q", Q1)[0]
     assert tuned["prompt_tokens"] == out["rows"][0]["prompt_tokens"]  # the very prompt the base model stored
     assert tuned["num_cached_tokens"] == 0  # same prompt, same geometry, other weights: no block shared
     assert pages_held(store) == before + held_after_a  # its own blocks, beside the base's
 
 
-def test_a_dead_store_means_recompute_and_the_same_answer(model_folder, reference):
+def test_a_dead_store_means_recompute_and_the_same_answer(launcher, model_folder, reference):
     store = StoreProcess(["--no-disk"])
     store.start()
     address = store.address
     store.kill()
-    answer = instance(model_folder, "--remote", address, "-q", Q2)[0]
+    answer = instance(launcher, model_folder, "--remote", address, "-q", Q2)[0]
     assert answer["num_cached_tokens"] == 0 and answer["tokens"] == reference["tokens"]
 
 
-def test_the_store_killed_mid_run_means_recompute_and_the_same_answers(model_folder, references):
+def test_the_store_killed_mid_run_means_recompute_and_the_same_answers(launcher, model_folder, references):
     """Whole blocks before the forward (layer groups "auto" on the CPU). B's first answer reuses
     A's blocks; then the store is SIGKILLed; B's second answer (blocks A stored too) is computed
     instead, with the same tokens, and nothing hangs."""
     args = [*SLICES, "-q", Q2, "-q", Q3]
     with StoreProcess(["--no-disk"]) as store:
-        stored = run_instance(model_folder, "--remote", store.address, *args)
+        stored = run_instance(launcher, model_folder, "--remote", store.address, *args)
         assert stored["stores"][0]["layer_groups"] == 1
         assert store.proc is not None
-        first, second = instance(model_folder, "--remote", store.address, "--kill-after-first",
+        first, second = instance(launcher, model_folder, "--remote", store.address, "--kill-after-first",
                                  str(store.proc.pid), *args)
         assert store.proc.wait(timeout=10) == -9
     assert first["num_cached_tokens"] > 0 and second["num_cached_tokens"] == 0
@@ -155,25 +175,26 @@ def test_the_store_killed_mid_run_means_recompute_and_the_same_answers(model_fol
 
 
 @pytest.fixture(scope="module")
-def disk_after_a(model_folder, tmp_path_factory):
+def disk_after_a(launcher, model_folder, tmp_path_factory):
     """A disk tier named in a tiered-cache YAML (kv_connector_extra_config.config), written
     through by instance A answering Q1: (the YAML, the folder, A's answer)."""
     where = tmp_path_factory.mktemp("vllm-disk")
     config = where / "cache.yaml"
     config.write_text(f"lower_tiers: [disk]\ndisk_path: {where / 'blocks'}\nhost_capacity: 64MiB\n")
-    first = instance(model_folder, "--config", str(config), "-q", Q1)[0]
+    first = instance(launcher, model_folder, "--config", str(config), "-q", Q1)[0]
     return config, where / "blocks", first
 
 
-def test_tiers_from_a_yaml_file_named_in_the_extra_config(model_folder, reference, disk_after_a):
+def test_tiers_from_a_yaml_file_named_in_the_extra_config(launcher, model_folder, reference, disk_after_a):
     config, folder, first = disk_after_a
     assert len(page_files(folder)) >= first["prompt_tokens"] // BLOCK  # written through to the tier the file names
-    second = instance(model_folder, "--config", str(config), "-q", Q2)[0]
+    second = instance(launcher, model_folder, "--config", str(config), "-q", Q2)[0]
     assert second["num_cached_tokens"] > 0 and second["tokens"] == reference["tokens"]
 
 
-def test_blocks_corrupted_on_disk_after_the_lookup_are_recomputed_with_the_same_answer(model_folder, reference,
-                                                                                      disk_after_a, tmp_path):
+def test_blocks_corrupted_on_disk_after_the_lookup_are_recomputed_with_the_same_answer(launcher, model_folder,
+                                                                                      reference, disk_after_a,
+                                                                                      tmp_path):
     """A copy of A's disk tier, where half the pages have a flipped byte: the tier's index says
     every block is there. The load finds the checksums wrong, reports those blocks, and vLLM
     recomputes them (the connector sets kv_load_failure_policy to recompute: vLLM's default
@@ -186,6 +207,6 @@ def test_blocks_corrupted_on_disk_after_the_lookup_are_recomputed_with_the_same_
         data = bytearray(page.read_bytes())
         data[len(data) // 2] ^= 0xFF
         page.write_bytes(bytes(data))
-    out = run_instance(model_folder, "--disk", str(disk), "-q", Q2)
+    out = run_instance(launcher, model_folder, "--disk", str(disk), "-q", Q2)
     assert out["stores"][0]["load_failures"] > 0
     assert out["rows"][0]["tokens"] == reference["tokens"] and out["rows"][0]["text"] == reference["text"]

@@ -3,27 +3,29 @@ one asked, each way in one run: recompute (plain vLLM), our connector through a 
 (whole blocks, the default on the CPU, and layer by layer), disk and Redis, and vLLM's own
 `ExampleConnector` (disk).
 
-Each way: instance A (its own process) answers the questions, storing the blocks; instance B (a
-fresh process, cold vLLM prefix cache) answers them again with `max_tokens=1`, so its request
-latency is its TTFT. With several rounds, every way's B runs once a round, the ways taking turns,
-so a slow spell of a shared machine falls on all of them; the median over every B request is the
-figure (the mean is shown beside it). The RAM tier is per process, so its way is one process asking twice with
-vLLM's own prefix cache off. Each question is about another slice of the document, so vLLM's own prefix
-cache cannot help between them. Both run vLLM's CPU build in `.venv-vllm`, eager mode. Exact
-repeats, since `ExampleConnector` only finds a prompt it stored whole.
+Each way: instance A (its own process, forked from one that imported vLLM once) answers the
+questions, storing the blocks; instance B (a fresh process, cold vLLM prefix cache) answers them
+again with `max_tokens=1`, so its request latency is its TTFT. With several rounds, every way's
+B runs once a round, the ways taking turns, so a slow spell of a shared machine falls on all of
+them; the median over every B request is the figure (the mean is shown beside it). The RAM tier
+is per process, so its way is one process asking twice with vLLM's own prefix cache off. Each
+question is about another slice of the document, so vLLM's own prefix cache cannot help between
+them. Both run vLLM's CPU build in `.venv-vllm`, eager mode. Exact repeats, since
+`ExampleConnector` only finds a prompt it stored whole.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tiered_cache.integrations.vllm.forkserver import InstanceLauncher
 
 REPO = Path(__file__).resolve().parents[2]
 QUESTIONS = ["In what year was the lighthouse's lamp first lit?", "Who was the first keeper of the light?",
@@ -56,15 +58,15 @@ class VllmRow:
                 "answers_match_recompute": self.same_answers(recompute)}
 
 
-def _instance(python: Path, model: str, args: list[str], doc_chars: int) -> list[dict[str, Any]]:
-    cmd = [str(python), "-m", "tiered_cache.integrations.vllm.instance", "--model", model, "--eager", "--warmup",
-           "--max-tokens", "1", "--doc-chars", str(doc_chars), "--doc-per-question", *args]
+def _instance(launcher: InstanceLauncher, model: str, args: list[str], doc_chars: int) -> list[dict[str, Any]]:
+    argv = ["--model", model, "--eager", "--warmup", "--max-tokens", "1", "--doc-chars", str(doc_chars),
+            "--doc-per-question", *args]
     for q in QUESTIONS:
-        cmd += ["-q", q]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"vLLM instance failed ({proc.returncode}): {proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])["rows"]
+        argv += ["-q", q]
+    done = launcher.run(argv, timeout_s=900)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM instance failed ({done.returncode}): {done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["rows"]
 
 
 def _add_round(rows: dict[str, VllmRow], way: str, results: list[dict[str, Any]]) -> None:
@@ -89,7 +91,8 @@ def bench_vllm(doc_chars: int = 3000, rounds: int = 3,
     load_model()  # the safetensors folder vLLM loads
     model = str(cache_dir() / MODEL_DIR)
     rows: dict[str, VllmRow] = {}
-    with tempfile.TemporaryDirectory(prefix="tiered-cache-bench-vllm-") as tmp:
+    with (tempfile.TemporaryDirectory(prefix="tiered-cache-bench-vllm-") as tmp,
+          InstanceLauncher(python) as launcher):
         redis = RedisServer(Path(tmp), maxmemory="1gb")
         redis.start()
         try:
@@ -105,11 +108,11 @@ def bench_vllm(doc_chars: int = 3000, rounds: int = 3,
                 for way, args in ways:
                     if "--no-connector" not in args and "--repeat" not in args:
                         progress(f"{way}: instance A stores ...")
-                        _instance(python, model, args, doc_chars)
+                        _instance(launcher, model, args, doc_chars)
                 for round_ in range(1, rounds + 1):
                     for way, args in ways:
                         progress(f"round {round_}/{rounds}, {way}: instance B asks again ...")
-                        _add_round(rows, way, _instance(python, model, args, doc_chars))
+                        _add_round(rows, way, _instance(launcher, model, args, doc_chars))
         finally:
             redis.stop()
     return list(rows.values())
