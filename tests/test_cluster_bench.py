@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 def test_bench_cluster_compares_four_ways_in_one_run(ray_cluster, tmp_path):
     png = tmp_path / "cluster.png"
     out = run_cli("bench", "cluster", "--address", ray_cluster.address, "--docs", "2", "--questions", "3",
-                  "--max-new-tokens", "3", "--concurrency", "1", "--json", "--plot", str(png)).stdout
+                  "--max-new-tokens", "2", "--doc-chars", "600", "--concurrency", "1", "--json",
+                  "--plot", str(png)).stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {r["way"]: r for r in json.loads(out)}
     assert list(rows) == ["recompute", "alone", "shared_round_robin", "shared_prefix"]

@@ -109,8 +109,8 @@ def bench_cluster(address: str | None = None, workers: int = 2, shards: int = 1,
                   doc_chars: int = 1200, seed: int = 0,
                   progress: Callable[[str], None] = lambda _: None) -> list[WayResult]:
     """Run the four ways; returns [recompute, alone, shared_round_robin, shared_prefix]."""
-    if min(workers, shards, docs, questions) <= 0:
-        raise ValueError("workers, shards, docs and questions must be positive")
+    if min(workers, shards, docs, questions, doc_chars) <= 0:
+        raise ValueError("workers, shards, docs, questions and doc_chars must be positive")
     concurrency = concurrency or 2 * workers
     if address is None:
         ray.init(num_cpus=workers + shards + 1, namespace=NAMESPACE, include_dashboard=False,

@@ -128,6 +128,7 @@ def add_parser(commands: Any) -> None:
     clus.add_argument("--questions", type=int, default=8, help="questions per document (default 8)")
     clus.add_argument("--concurrency", type=int, help="requests in flight (default: 2 per worker)")
     clus.add_argument("--max-new-tokens", type=int, default=4, help="tokens generated per request (default 4)")
+    clus.add_argument("--doc-chars", type=int, default=1200, help="characters of each document (default 1200)")
     clus.add_argument("--seed", type=int, default=0, help="order of the requests (default 0)")
     subs.append(clus)
     load = _add(which, "load", help="N client processes in a serving-like mix against a store server (or, "
@@ -344,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         from workers.cluster_bench import bench_cluster, render
 
         results = bench_cluster(args.address, args.workers, args.shards, args.docs, args.questions,
-                                args.concurrency, args.max_new_tokens, seed=args.seed,
+                                args.concurrency, args.max_new_tokens, doc_chars=args.doc_chars, seed=args.seed,
                                 progress=lambda m: print(m, file=sys.stderr, flush=True))
         print(json.dumps([r.to_dict(results[0]) for r in results], indent=2) if args.json else render(results))
         if args.plot:
