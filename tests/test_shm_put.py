@@ -71,6 +71,23 @@ def test_a_put_larger_than_half_the_ring_is_split_and_a_page_too_large_for_it_go
         assert server_figures(store.address).shm_put_pages == 1
 
 
+def test_a_put_budget_bounds_the_whole_put_not_each_call_through_the_ring():
+    """400 pages through a 2 MiB ring are 134 PutOffered calls, each well inside 20 ms: a 20 ms
+    budget must end the put part-way (each call used to get the whole budget anew)."""
+    items = pages(400, seed=25)
+    with StoreProcess(["--no-disk", "--ram", "256MiB"]) as store, \
+            StoreClient(store.address, put_ring_bytes=2 * MIN_BYTES) as client:
+        client.put(items[:1])  # offers the ring
+        assert client.uses_shm_put
+        with pytest.raises(grpc.RpcError) as raised:
+            client.put(items, budget_s=0.02)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert 0 < server_figures(store.address).shm_put_pages < len(items)  # stopped part-way
+        reply = client.put(items)  # no budget: the rest is stored, what was stored is held
+        assert reply.stored + reply.already_held == len(items) and not reply.refused
+        assert stored(client, [k for k, _ in items]) == dict(items)
+
+
 def test_a_page_the_clients_ring_came_round_over_is_refused_as_lost_never_stored():
     items = pages(12, seed=25)
     with StoreProcess(["--no-disk"]) as store, StoreClient(store.address, put_ring_bytes=2 * MIN_BYTES) as client:

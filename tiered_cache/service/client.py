@@ -34,18 +34,29 @@ _MAX_OFFERED_PAGES = 4096  # pages per PutOffered request (about 200 KiB of mess
 _NO_SHM_PUT = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
 
 
-class StreamStalled(grpc.RpcError):
-    """No message moved on a stream for the progress deadline; the call was cancelled."""
-
-    def __init__(self, what: str, idle_s: float) -> None:
-        super().__init__(f"{what}: nothing moved for {idle_s:g} s (progress deadline)")
-        self.idle_s = idle_s
+class _DeadlineError(grpc.RpcError):
+    """A deadline of our own (not gRPC's) ended the call: read as DEADLINE_EXCEEDED."""
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.DEADLINE_EXCEEDED
 
     def details(self) -> str:
         return str(self)
+
+
+class StreamStalled(_DeadlineError):
+    """No message moved on a stream for the progress deadline; the call was cancelled."""
+
+    def __init__(self, what: str, idle_s: float) -> None:
+        super().__init__(f"{what}: nothing moved for {idle_s:g} s (progress deadline)")
+        self.idle_s = idle_s
+
+
+class BudgetSpent(_DeadlineError):
+    """A call's overall budget (`budget_s`) ran out between the RPCs it is made of."""
+
+    def __init__(self, what: str, budget_s: float) -> None:
+        super().__init__(f"{what}: its budget of {budget_s:g} s is spent")
 
 
 class ProgressDeadline:
@@ -223,18 +234,22 @@ class StoreClient:
         ring = self._offered_ring() if self.shm else None
         if ring is None:
             return self._put_bytes(items, fingerprint, timeout_s, budget_s)
+        ends = None if budget_s is None else time.monotonic() + budget_s  # `budget_s` bounds the whole put
         reply = pb.PutResponse()
         for chunk in _chunks(items, ring.capacity // 2, _MAX_OFFERED_PAGES):
             # One put through the ring at a time: two threads placing half a ring each would
             # lap each other's pages before the server read them (then sent twice).
+            if ends is not None and time.monotonic() >= ends:  # a call past its budget is not made
+                raise BudgetSpent(f"Put to {self.address}", budget_s or 0.0)
             with self._ring_put_lock:
-                self._merge(reply, self._put_through(ring, chunk, fingerprint, timeout_s, budget_s))
+                self._merge(reply, self._put_through(ring, chunk, fingerprint, timeout_s, ends))
         return reply
 
     def _put_through(self, ring: ShmRing, items: list[tuple[bytes, bytes]], fingerprint: bytes,
-                     timeout_s: float | None, budget_s: float | None) -> pb.PutResponse:
+                     timeout_s: float | None, ends: float | None) -> pb.PutResponse:
         """`items` placed in this client's offered ring and stored by one PutOffered call; pages
-        too large for the ring, and any the ring came round over first, go by Put as bytes."""
+        too large for the ring, and any the ring came round over first, go by Put as bytes.
+        `ends`: the whole put's end (monotonic), or None."""
         pages, rest = [], []
         for key, blob in items:
             try:
@@ -248,7 +263,7 @@ class StoreClient:
         request = pb.PutOfferedRequest(segment=ring.segment, fingerprint=fingerprint, pages=pages)
         # A unary call (no request-stream thread): the server copies at most half a ring
         # (`_chunks`), well inside the progress timeout, which serves as its deadline.
-        deadline = min(t for t in (budget_s, timeout_s or self.timeout_s) if t)
+        deadline = min(t for t in (_left(ends), timeout_s or self.timeout_s) if t)
         try:
             reply = self.stub.PutOffered(request, timeout=deadline, metadata=self.metadata)
         except grpc.RpcError as exc:
@@ -260,7 +275,7 @@ class StoreClient:
                     self._offered = False  # down, or restarted: offered again next time
             if not for_good:
                 raise
-            return self._put_bytes(items, fingerprint, timeout_s, budget_s)
+            return self._put_bytes(items, fingerprint, timeout_s, _left(ends))
         lost = Counter(r.key for r in reply.refused if r.reason == pb.SHM_LOST)
         if lost:
             self.shm_put_resent += sum(lost.values())
@@ -275,7 +290,7 @@ class StoreClient:
                     lost[key] -= 1
                     rest.append((key, blob))
         if rest:
-            self._merge(reply, self._put_bytes(rest, fingerprint, timeout_s, budget_s))
+            self._merge(reply, self._put_bytes(rest, fingerprint, timeout_s, _left(ends)))
         return reply
 
     @staticmethod
@@ -375,6 +390,13 @@ class StoreClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _left(ends: float | None) -> float | None:
+    """Seconds left until `ends` (monotonic), or None for no bound. Never 0, which the deadline
+    choices above read as no bound: past the end, a call gets a millisecond and fails with
+    DEADLINE_EXCEEDED."""
+    return None if ends is None else max(ends - time.monotonic(), 1e-3)
 
 
 def _put_item(message: bytes) -> bytes:
