@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tiered_cache.integrations.vllm.identity import checkpoint_identity, model_id_for, vllm_spec
-from tiered_cache.integrations.vllm.layout import gather_blocks, layout_of, scatter_blocks
+from tiered_cache.integrations.vllm.layout import gather_blocks, layout_of, scatter_blocks, stacked_view
 
 LAYERS, HEADS, DIM, BS, BLOCKS = 3, 2, 8, 4, 10
 
@@ -32,6 +32,29 @@ def test_blocks_round_trip_through_pages_in_either_layout(make, kind):
         pick = (lambda t, b: t[b]) if kind == "cpu" else (lambda t, b: t[:, b])
         assert torch.equal(pick(d, 1), pick(s, 7)) and torch.equal(pick(d, 5), pick(s, 2))
         assert not pick(d, 0).any()  # other blocks untouched
+
+
+def one_tensor(kind: str) -> list[torch.Tensor]:
+    """The layers as vLLM's CPU cache hands them out: slices of one allocation."""
+    shape = (BLOCKS, HEADS, BS, 2 * DIM) if kind == "cpu" else (2, BLOCKS, BS, HEADS, DIM)
+    return list(torch.zeros(LAYERS, *shape).unbind(0))
+
+
+@pytest.mark.parametrize(("make", "kind"), [(cpu_layers, "cpu"), (flash_layers, "flash")])
+def test_layers_sliced_from_one_tensor_take_one_copy_a_block_with_the_same_result(make, kind):
+    src = make()
+    pages = list(gather_blocks(src, [7, 2, 9], kind, DIM))
+    apart, together = [torch.zeros_like(t) for t in src], one_tensor(kind)
+    assert stacked_view(apart) is None and stacked_view(together) is not None
+    scatter_blocks(apart, [1, 5, 3], pages, kind, DIM)
+    scatter_blocks(together, [1, 5, 3], pages, kind, DIM)
+    assert all(torch.equal(a, t) for a, t in zip(apart, together, strict=True))
+    assert torch.equal(gather_blocks(together, [1, 5, 3], kind, DIM), torch.stack(pages))
+    # A group of layers (a slice of them) is stacked too; out of order or unevenly spaced is not.
+    assert stacked_view(together[1:]) is not None and stacked_view(together[:1]) is not None
+    assert stacked_view([together[0], together[2], together[1]]) is None
+    assert stacked_view([together[0], together[2]]) is not None  # evenly spaced: every other layer
+    assert stacked_view([together[0], together[1], together[0]]) is None
 
 
 def test_page_halves_are_k_then_v():

@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from tiered_cache.config import CacheConfig
 from tiered_cache.integrations.vllm.identity import model_id_for, vllm_spec
 from tiered_cache.integrations.vllm.layer_groups import group_size
-from tiered_cache.integrations.vllm.layout import gather_blocks, layout_of
+from tiered_cache.integrations.vllm.layout import gather_blocks, layout_of, stacked_view
 from tiered_cache.integrations.vllm.load_job import LoadJob
 from tiered_cache.integrations.vllm.store import BlockStore
 
@@ -200,6 +200,11 @@ class TieredCacheConnector(KVConnectorBase_V1):
                              f"{self.spec.num_layers}")
         self._kind = layout_of(self._layers[0], self.spec.num_kv_heads, self.spec.head_dim)
         self._group_of = {name: i // self.store.layers_per_page for i, name in enumerate(kv_caches)}
+        if _TIMING:
+            one = stacked_view(self._layers) is not None
+            print(f"[tiered-cache] {len(self._layers)} KV layers, {self._kind} layout, "
+                  f"{'slices of one tensor (one copy a block)' if one else 'apart (one copy a block and layer)'}",
+                  file=sys.stderr, flush=True)
         self.store.loads_here = True  # the scheduler here may start loads ahead (BlockStore.prefetch)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -39,10 +39,37 @@ def gather_blocks(layers: Sequence[torch.Tensor], block_ids: Sequence[int], kind
     return torch.stack(per_layer, dim=1).cpu()
 
 
+def stacked_view(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The layers as one (num_layers, *layer shape) view, when they are views of one storage
+    at evenly spaced offsets, alike in shape, strides and dtype (vLLM allocates its CPU cache as
+    one tensor and hands each layer a slice); None otherwise. Writing through it is writing
+    into the layers themselves."""
+    first = layers[0]
+    base = first.untyped_storage().data_ptr()
+    if any(t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype
+           or t.device != first.device or t.untyped_storage().data_ptr() != base for t in layers):
+        return None
+    step = layers[1].storage_offset() - first.storage_offset() if len(layers) > 1 else 0
+    if len(layers) > 1 and (step <= 0 or any(t.storage_offset() != first.storage_offset() + i * step
+                                             for i, t in enumerate(layers))):
+        return None
+    return first.as_strided((len(layers), *first.shape), (step, *first.stride()), first.storage_offset())
+
+
 def scatter_blocks(layers: Sequence[torch.Tensor], block_ids: Sequence[int], pages: Sequence[torch.Tensor],
                    kind: str, head_dim: int) -> None:
     """Write each page (layers, 2, kv_heads, block_size, head_dim) into its block of every layer,
-    straight from the page (no intermediate tensor)."""
+    straight from the page (no intermediate tensor). Where the layers are slices of one tensor
+    (`stacked_view`), one copy a block writes every layer: 6 copies instead of 180 for 6 blocks
+    of SmolLM2's 30 layers, whose Python and dispatch cost was half of a 35 MB load here."""
+    stacked = stacked_view(layers)
+    if stacked is not None:
+        for block, page in zip(block_ids, pages, strict=True):
+            if kind == "cpu":  # (L, heads, bs, 2d) -> (L, 2, heads, bs, d)
+                stacked[:, block].unflatten(-1, (2, head_dim)).permute(0, 3, 1, 2, 4).copy_(page)
+            else:  # (L, 2, bs, heads, d) <- (L, 2, heads, bs, d)
+                stacked[:, :, block].copy_(page.transpose(2, 3))
+        return
     for block, page in zip(block_ids, pages, strict=True):
         for i, layer in enumerate(layers):
             if kind == "cpu":
