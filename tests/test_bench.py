@@ -233,3 +233,5 @@ def test_bench_vllm_takes_the_median_over_rounds_and_needs_every_rounds_tokens_t
     assert "650 ms" in table and "2.60x" in table and "NO" in table and "2 rounds: median of 4" in table
     with pytest.raises(ValueError, match="rounds must be at least 1"):
         bench_vllm(rounds=0)
+    with pytest.raises(ValueError, match=r"shm must be 0 .* or at least 1MiB"):
+        bench_vllm(shm="512KiB")

@@ -77,10 +77,20 @@ def _add_round(rows: dict[str, VllmRow], way: str, results: list[dict[str, Any]]
     row.answers.append([r["tokens"] for r in results])
 
 
-def bench_vllm(doc_chars: int = 3000, rounds: int = 3,
+def bench_vllm(doc_chars: int = 3000, rounds: int = 3, shm: str | None = None,
                progress: Callable[[str], None] = lambda _: None) -> list[VllmRow]:
+    """`shm`: the store server's same-host Get ring (`serve --shm`; default the server's own). A
+    load reads pages in place only while they are in the ring's newer half; past it the server
+    copies them in again while instance B waits."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
+    server_args = ["--no-disk", "--ram", "1GiB"]
+    if shm is not None:
+        from tiered_cache.model.units import parse_size
+
+        if 0 < parse_size(shm) < 2**20:
+            raise ValueError(f"shm must be 0 (off: pages come as bytes over gRPC) or at least 1MiB, got {shm!r}")
+        server_args += ["--shm", shm]
     from tiered_cache.integrations.smollm2 import MODEL_DIR, cache_dir, load_model
     from tiered_cache.service.process import StoreProcess
     from tiered_cache.tiers.redis_process import RedisServer
@@ -96,7 +106,7 @@ def bench_vllm(doc_chars: int = 3000, rounds: int = 3,
         redis = RedisServer(Path(tmp), maxmemory="1gb")
         redis.start()
         try:
-            with StoreProcess(["--no-disk", "--ram", "1GiB"]) as store:
+            with StoreProcess(server_args) as store:
                 ways = [("recompute (plain vLLM)", ["--no-connector"]),
                         ("tiered-cache: RAM tier, same process", ["--repeat", "--no-prefix-caching"]),
                         ("tiered-cache: store server", ["--remote", store.address]),
