@@ -10,7 +10,6 @@ own reading instance (B), fresh, as a second serving instance would be."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,10 +52,7 @@ def launcher(model_folder) -> Iterator[InstanceLauncher]:
 def run_instance(launcher: InstanceLauncher, model: str, *args: str) -> dict:
     """One vLLM engine in its own process (eager mode: it starts in seconds): its answers
     (`rows`) and what its block stores did (`stores`)."""
-    proc = launcher.run(["--model", model, "--eager", "--max-tokens", "12", *args], timeout_s=600)
-    if proc.returncode != 0:
-        raise AssertionError(f"vLLM instance failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return launcher.run_json(["--model", model, "--eager", "--max-tokens", "12", *args], timeout_s=600)
 
 
 def instance(launcher: InstanceLauncher, model: str, *args: str) -> list[dict]:

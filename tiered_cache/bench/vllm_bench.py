@@ -16,7 +16,6 @@ them. Both run vLLM's CPU build in `.venv-vllm`, eager mode. Exact repeats, sinc
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -63,10 +62,7 @@ def _instance(launcher: InstanceLauncher, model: str, args: list[str], doc_chars
             "--doc-per-question", *args]
     for q in QUESTIONS:
         argv += ["-q", q]
-    done = launcher.run(argv, timeout_s=900)
-    if done.returncode != 0:
-        raise RuntimeError(f"vLLM instance failed ({done.returncode}): {done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["rows"]
+    return launcher.run_json(argv, timeout_s=900)["rows"]
 
 
 def _add_round(rows: dict[str, VllmRow], way: str, results: list[dict[str, Any]]) -> None:
@@ -87,8 +83,9 @@ def bench_vllm(doc_chars: int = 3000, rounds: int = 3, shm: str | None = None,
     server_args = ["--no-disk", "--ram", "1GiB"]
     if shm is not None:
         from tiered_cache.model.units import parse_size
+        from tiered_cache.service.shm_ring import MIN_BYTES
 
-        if 0 < parse_size(shm) < 2**20:
+        if 0 < parse_size(shm) < MIN_BYTES:
             raise ValueError(f"shm must be 0 (off: pages come as bytes over gRPC) or at least 1MiB, got {shm!r}")
         server_args += ["--shm", shm]
     from tiered_cache.integrations.smollm2 import MODEL_DIR, cache_dir, load_model

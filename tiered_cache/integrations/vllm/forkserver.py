@@ -7,8 +7,8 @@ connector and block stores, as a second serving instance would be: nothing but i
 is shared (the server creates no engine, no tokenizer and no thread before it forks).
 
     with InstanceLauncher(Path(".venv-vllm/bin/python")) as launcher:
-        done = launcher.run(["--model", folder, "-q", "..."], timeout_s=600)
-        done.returncode, done.stdout, done.stderr
+        done = launcher.run(["--model", folder, "-q", "..."], timeout_s=600)  # a CompletedProcess
+        answers = launcher.run_json(["--model", folder, "-q", "..."])  # its JSON line, or RuntimeError
 
 The protocol is one JSON line each way on the server's stdin and stdout: a request names the
 instance's arguments and the files its stdout and stderr go to; the server answers with the
@@ -26,18 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
-
-
-@dataclass
-class Finished:
-    """What one instance did: as `subprocess.CompletedProcess` has it."""
-
-    returncode: int
-    stdout: str
-    stderr: str
 
 
 class InstanceLauncher:
@@ -60,7 +50,7 @@ class InstanceLauncher:
             self.close()
             raise RuntimeError(f"the vLLM fork server did not start: {ready}")
 
-    def run(self, argv: list[str], timeout_s: float = 600.0) -> Finished:
+    def run(self, argv: list[str], timeout_s: float = 600.0) -> subprocess.CompletedProcess[str]:
         """Run `instance.main(argv)` in a fresh child; a child still running after `timeout_s` is
         killed and reported as `TimeoutError`."""
         self._runs += 1
@@ -77,7 +67,15 @@ class InstanceLauncher:
             self._answer(30.0)
             raise TimeoutError(f"a vLLM instance ran past {timeout_s:.0f} s and was killed: "
                                f"{err.read_text()[-3000:]}") from None
-        return Finished(done["returncode"], out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(argv, done["returncode"], out.read_text(), err.read_text())
+
+    def run_json(self, argv: list[str], timeout_s: float = 600.0) -> dict[str, Any]:
+        """The JSON line an instance prints last (`instance.py`); RuntimeError with the end of
+        its stderr when it fails."""
+        done = self.run(argv, timeout_s)
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM instance failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
 
     def _answer(self, timeout_s: float) -> dict[str, Any]:
         """The server's next line (raises TimeoutError after `timeout_s`, RuntimeError if it died).
