@@ -147,6 +147,7 @@ class StoreClient:
         self._offer_lock = threading.Lock()
         self._ring_put_lock = threading.Lock()
         self.shm_put_resent = 0  # pages the server found written over (or unmapped), sent again as bytes
+        self.ring_lookups = 0  # Lookups answered from the server's ring index, without an RPC
 
     def lookup(self, keys: list[bytes], timeout_s: float | None = None, ring: ShmReader | None = None
                ) -> pb.LookupResponse:
@@ -154,6 +155,18 @@ class StoreClient:
         held pages lie in the server's shared-memory ring (`shm_positions`, `shm_lengths`)."""
         request = pb.LookupRequest(keys=keys, shm_segment=ring.segment if ring is not None else b"")
         return self.stub.Lookup(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
+
+    def lookup_in_ring(self, keys: list[bytes]) -> pb.LookupResponse | None:
+        """A Lookup answered here, without an RPC, when every key lies findable in the server's
+        ring (its index, shm_ring.py): all held, with their positions. None when this client has
+        not mapped the ring, or any key is not there: ask the server (`lookup`)."""
+        reader = self.ring_reader
+        found = reader.find(keys) if reader is not None else None
+        if found is None:
+            return None
+        self.ring_lookups += 1
+        return pb.LookupResponse(leading=len(keys), tiers=[pb.TIER_RAM] * len(keys),
+                                 shm_positions=[p for p, _ in found], shm_lengths=[n for _, n in found])
 
     @property
     def ring_reader(self) -> ShmReader | None:

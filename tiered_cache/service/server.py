@@ -26,7 +26,7 @@ from tiered_cache.service.client import message_options
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.handlers import KVCacheService, ServerCounters, parse_put_item, parser
 from tiered_cache.service.shm_offers import OfferedSegments
-from tiered_cache.service.shm_ring import ShmRing
+from tiered_cache.service.shm_ring import BEAT_S, ShmRing
 from tiered_cache.service.store import BlobStore
 from tiered_cache.tiers.base import BlobTier
 from tiered_cache.tiers.memory import MemoryTier
@@ -93,7 +93,7 @@ class StoreServer:
         # Shared memory with same-host clients, both ways: the server's ring for Get, the clients'
         # own segments (offered) for Put. `shm_bytes=0` turns both off.
         shm = bool(config.shm_bytes) and hasattr(os, "memfd_create")
-        ring = ShmRing(config.shm_bytes) if shm else None
+        ring = ShmRing(config.shm_bytes, index=True) if shm else None
         self.service = KVCacheService(self.store, config, self.counters, self._io, self._meta, ring,
                                       OfferedSegments() if shm else None)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -155,9 +155,19 @@ class StoreServer:
             raise OSError(f"cannot listen on {address}")
         await server.start()
         self._server = server
+        if self.service.ring is not None:
+            self._beat()
         for name in ("", SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return port
+
+    def _beat(self) -> None:
+        """Stamp the ring's heartbeat from the event loop every BEAT_S: a client answers Lookups
+        from the ring's index only while the loop that serves it is alive (shm_ring.py)."""
+        ring = self.service.ring
+        if ring is not None and self._loop is not None:
+            ring.beat()
+            self._loop.call_later(BEAT_S, self._beat)
 
     def stop(self) -> int:
         """Stop taking calls, let in-flight streams finish (up to grace_s), flush RAM downward."""

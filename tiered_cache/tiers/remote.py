@@ -30,7 +30,7 @@ from tiered_cache.service.client import StoreClient
 from tiered_cache.service.framing import ReceivedBlob
 from tiered_cache.service.shm_ring import LookupRefs, ShmLease
 from tiered_cache.tiers.base import TierStats, leading_run
-from tiered_cache.tiers.breaker import BreakerPolicy, CircuitBreaker, breaker_states
+from tiered_cache.tiers.breaker import BreakerPolicy, BreakerState, CircuitBreaker, breaker_states
 from tiered_cache.tiers.codec import BlobError, check_fingerprint, verify_blob
 
 T = TypeVar("T")
@@ -56,6 +56,11 @@ class _Server:
     @property
     def available(self) -> bool:
         return self.breaker.available
+
+    @property
+    def closed(self) -> bool:
+        """Its breaker is closed: the last calls to it went through."""
+        return self.breaker.state is BreakerState.CLOSED
 
 
 @dataclass(frozen=True)
@@ -172,7 +177,17 @@ class RemoteTier:
     # --- interface -----------------------------------------------------------------------------
     def _lookup(self, server: _Server, keys: list[bytes]) -> Any:
         """The server's Lookup reply (None when it failed). A server on this host also says where
-        the held pages lie in its ring: remembered for the Get that usually follows."""
+        the held pages lie in its ring: remembered for the Get that usually follows. When every
+        key lies in its ring, the ring's index answers here without an RPC (a server whose
+        breaker is not closed is asked, so its health is still probed by real calls)."""
+        if server.closed and not self._closed and keys:
+            client = server.client
+            reply = client.lookup_in_ring(keys)
+            reader = client.ring_reader
+            if reply is not None and reader is not None:
+                self._lookup_refs.remember(reader, keys, reply.shm_positions, reply.shm_lengths)
+                return reply
+
         def ask(client: StoreClient) -> Any:
             reader = client.ring_reader
             reply = client.lookup(keys, ring=reader)
