@@ -216,21 +216,24 @@ def test_bench_vllm_takes_the_median_over_rounds_and_needs_every_rounds_tokens_t
 
     from tiered_cache.bench.vllm_bench import _add_round, bench_vllm, render
 
-    def results(latencies, tokens):
-        return [{"prompt_tokens": 800, "num_cached_tokens": c, "latency_s": t, "tokens": k}
-                for t, c, k in zip(latencies, (0, 0), tokens, strict=True)]
+    def results(latencies, tokens, hooks=(0.0, 0.0)):
+        return [{"prompt_tokens": 800, "num_cached_tokens": c, "latency_s": t, "tokens": k, "connector_s": h}
+                for t, c, k, h in zip(latencies, (0, 0), tokens, hooks, strict=True)]
 
     rows: dict = {}
     _add_round(rows, "recompute", results([0.5, 0.7], [[1], [2]]))
-    _add_round(rows, "ours", results([0.1, 0.3], [[1], [2]]))
+    _add_round(rows, "ours", results([0.1, 0.3], [[1], [2]], (0.004, 0.006)))
     _add_round(rows, "recompute", results([0.6, 0.9], [[1], [2]]))
-    _add_round(rows, "ours", results([0.2, 0.5], [[1], [3]]))  # a round that answered otherwise
+    _add_round(rows, "ours", results([0.2, 0.5], [[1], [3]], (0.010, 0.020)))  # a round that answered otherwise
     base, ours = rows["recompute"], rows["ours"]
     assert base.latencies_s == [0.5, 0.7, 0.6, 0.9] and base.ttft_s == pytest.approx(0.65)
     assert ours.ttft_s == pytest.approx(0.25) and ours.mean_s == pytest.approx(0.275)
+    assert base.hooks_s is None and ours.hooks_s == pytest.approx(0.008)  # median of the four requests
     assert base.same_answers(base) and not ours.same_answers(base)
     table = render([base, ours])
     assert "650 ms" in table and "2.60x" in table and "NO" in table and "2 rounds: median of 4" in table
+    assert "8.0 ms" in table and "in connector" in table
+    assert ours.to_dict(base)["connector_s"] == pytest.approx(0.008)
     with pytest.raises(ValueError, match="rounds must be at least 1"):
         bench_vllm(rounds=0)
     with pytest.raises(ValueError, match=r"shm must be 0 .* or at least 1MiB"):

@@ -99,3 +99,36 @@ def test_no_identity_is_an_error_not_a_guess(tmp_path):
     assert model_id_for("anything", None, explicit="mine") == "mine"
     with pytest.raises(FileNotFoundError, match="safetensors"):
         checkpoint_identity(tmp_path)
+
+
+def test_the_hook_timer_counts_time_in_a_classs_own_hooks_once_each():
+    import time
+
+    from tiered_cache.integrations.vllm.hook_timer import HookTimer
+
+    class Base:
+        def get_finished(self) -> str:  # inherited: left alone
+            return "base"
+
+    class Connector(Base):
+        def start_load_kv(self) -> None:
+            time.sleep(0.02)
+
+        def wait_for_save(self) -> None:
+            self.start_load_kv()  # a hook inside a hook: counted once, as the outer call
+
+        def unrelated(self) -> None:
+            time.sleep(0.02)
+
+    timer = HookTimer()
+    timer.install(Connector)
+    timer.install(Connector)  # twice: still one wrapper
+    c = Connector()
+    assert "get_finished" not in Connector.__dict__ and c.get_finished() == "base"
+    c.unrelated()
+    assert timer.take() == (0.0, 0)
+    c.start_load_kv()
+    c.wait_for_save()
+    seconds, calls = timer.take()
+    assert calls == 2 and 0.04 <= seconds < 1.0
+    assert timer.take() == (0.0, 0)

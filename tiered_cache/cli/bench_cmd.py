@@ -118,8 +118,9 @@ def add_parser(commands: Any) -> None:
     vllm.add_argument("--rounds", type=int, default=3,
                       help="times each way's second instance runs, the ways taking turns (default 3: fewer "
                            "requests a way than 9 cannot tell the ways apart on a shared machine)")
-    vllm.add_argument("--shm", help="the store server's same-host Get ring, e.g. 1GiB (default: serve's "
-                                    "256MiB; 0: off); pages are read in place while in its newer half")
+    vllm.add_argument("--shm", default="1GiB",
+                      help="the store server's same-host Get ring (default 1GiB, its RAM tier's size here; 0: "
+                           "off); pages are read in place while in its newer half")
     subs.append(vllm)
     clus = _add(which, "cluster", help="shared-prefix workload on a Ray cluster: workers alone vs a shared "
                                             "store with round robin vs with the prefix router, vs recompute")

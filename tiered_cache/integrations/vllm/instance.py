@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from tiered_cache.integrations.smollm2 import document
 
+    timer = None if args.no_connector else _time_hooks(args.connector)
+
     llm = LLM(model=args.model, dtype="float32", max_model_len=4096, seed=0,
               enable_prefix_caching=not args.no_prefix_caching,
               enforce_eager=args.eager,
@@ -96,11 +98,15 @@ def main(argv: list[str] | None = None) -> int:
         content = f"{document()[start:start + args.doc_chars]}\n\nQuestion: {question}\nAnswer in one sentence."
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                add_generation_prompt=True)
+        if timer is not None:
+            timer.take()
         started = time.perf_counter()
         out = llm.generate([prompt], greedy, use_tqdm=False)[0]
+        latency = time.perf_counter() - started
         rows.append({"question": question, "prompt_tokens": len(out.prompt_token_ids),
                      "num_cached_tokens": out.num_cached_tokens or 0, "tokens": list(out.outputs[0].token_ids),
-                     "text": out.outputs[0].text, "latency_s": time.perf_counter() - started})
+                     "text": out.outputs[0].text, "latency_s": latency,
+                     "connector_s": timer.take()[0] if timer is not None else 0.0})
         if args.kill_after_first and len(rows) == 1:
             os.kill(args.kill_after_first, signal.SIGKILL)
         if args.repeat and len(rows) == len(asked):
@@ -109,6 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     flushed = _flush_stores()
     print(json.dumps({"rows": rows, "flushed": flushed, "stores": _store_figures()}), flush=True)
     return 0
+
+
+def _time_hooks(connector: str) -> Any:
+    """A `HookTimer` on the connector class this instance uses (before the engine makes one)."""
+    from tiered_cache.integrations.vllm.hook_timer import HookTimer
+
+    if connector == "ExampleConnector":
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector as cls
+    else:
+        from tiered_cache.integrations.vllm.connector import TieredCacheConnector as cls
+    timer = HookTimer()
+    timer.install(cls)
+    return timer
 
 
 def _store_figures() -> list[dict[str, int]]:
