@@ -241,7 +241,8 @@ class ShmReader:
             self._map.close()
             raise ValueError(f"{path} is not the segment the server named")
         self.segment = segment
-        self.capacity, self.slots = struct.unpack_from("<QQ", self._map, _CAPACITY)
+        self.capacity = struct.unpack_from("<Q", self._map, _CAPACITY)[0]
+        self.slots = struct.unpack_from("<Q", self._map, _SLOTS)[0]
         if HEADER + self.capacity + self.slots * SLOT_BYTES != size:
             self._map.close()
             raise ValueError(f"{path}: its header's ring and index do not add up to {size} bytes")
