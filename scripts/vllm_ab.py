@@ -17,6 +17,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -62,7 +63,16 @@ def main() -> int:
         return launcher, store
 
     with tempfile.TemporaryDirectory() as tmp:
+        # `python -m` puts the working directory first on sys.path, ahead of PYTHONPATH: from a
+        # checkout's root both sides would run that checkout's code.
+        os.chdir(tmp)
         (new_l, new_s), (base_l, base_s) = side(None), side(str(args.base.resolve()))
+        check = "import tiered_cache, sys; sys.stdout.write(tiered_cache.__file__)"
+        for name, path in (("this checkout", REPO), ("base", args.base.resolve())):
+            env = dict(os.environ, PYTHONPATH=str(path)) if path != REPO else os.environ
+            found = subprocess.run([str(python), "-c", check], env=env, capture_output=True, text=True).stdout
+            if not found.startswith(str(path)):
+                raise SystemExit(f"{name} imports tiered_cache from {found}, not from {path}")
         ways = {"base": (base_l, ["--remote", base_s.address]), "new": (new_l, ["--remote", new_s.address]),
                 "example": (new_l, ["--connector", "ExampleConnector", "--disk", f"{tmp}/ex"])}
         ttft: dict[str, list[list[float]]] = {w: [] for w in ways}
