@@ -81,7 +81,10 @@ def _add_round(rows: dict[str, VllmRow], way: str, results: list[dict[str, Any]]
     row.answers.append([r["tokens"] for r in results])
 
 
-def bench_vllm(doc_chars: int = 3000, rounds: int = 3, shm: str | None = "1GiB",
+BENCH_SHM = "1GiB"  # the store server's ring here: its RAM tier's size (bench_vllm says why)
+
+
+def bench_vllm(doc_chars: int = 3000, rounds: int = 3, shm: str | None = BENCH_SHM,
                progress: Callable[[str], None] = lambda _: None) -> list[VllmRow]:
     """`shm`: the store server's same-host Get ring (`serve --shm`; None: the server's default).
     A load reads pages in place only while they are in the ring's newer half; past it the server

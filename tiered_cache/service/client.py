@@ -156,12 +156,11 @@ class StoreClient:
         request = pb.LookupRequest(keys=keys, shm_segment=ring.segment if ring is not None else b"")
         return self.stub.Lookup(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
 
-    def lookup_in_ring(self, keys: list[bytes]) -> pb.LookupResponse | None:
+    def lookup_in_ring(self, keys: list[bytes], ring: ShmReader) -> pb.LookupResponse | None:
         """A Lookup answered here, without an RPC, when every key lies findable in the server's
-        ring (its index, shm_ring.py): all held, with their positions. None when this client has
-        not mapped the ring, or any key is not there: ask the server (`lookup`)."""
-        reader = self.ring_reader
-        found = reader.find(keys) if reader is not None else None
+        ring (`ring_reader`; its index, shm_ring.py): all held, with their positions. None when
+        any key is not there: ask the server (`lookup`)."""
+        found = ring.find(keys)
         if found is None:
             return None
         self.ring_lookups += 1

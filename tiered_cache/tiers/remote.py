@@ -180,22 +180,15 @@ class RemoteTier:
         the held pages lie in its ring: remembered for the Get that usually follows. When every
         key lies in its ring, the ring's index answers here without an RPC (a server whose
         breaker is not closed is asked, so its health is still probed by real calls)."""
-        if server.closed and not self._closed and keys:
-            client = server.client
-            reply = client.lookup_in_ring(keys)
-            reader = client.ring_reader
-            if reply is not None and reader is not None:
-                self._lookup_refs.remember(reader, keys, reply.shm_positions, reply.shm_lengths)
-                return reply
-
-        def ask(client: StoreClient) -> Any:
-            reader = client.ring_reader
-            reply = client.lookup(keys, ring=reader)
-            if reader is not None and reply.shm_lengths:
-                self._lookup_refs.remember(reader, keys, reply.shm_positions, reply.shm_lengths)
-            return reply
-
-        return self._call(server, ask, None)
+        reader = server.client.ring_reader
+        reply = None
+        if reader is not None and server.closed and not self._closed and keys:
+            reply = server.client.lookup_in_ring(keys, reader)
+        if reply is None:
+            reply = self._call(server, lambda client: client.lookup(keys, ring=reader), None)
+        if reply is not None and reader is not None and reply.shm_lengths:
+            self._lookup_refs.remember(reader, keys, reply.shm_positions, reply.shm_lengths)
+        return reply
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         out = [False] * len(keys)
