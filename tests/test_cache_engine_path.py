@@ -242,10 +242,10 @@ def test_a_page_from_below_is_copied_twice_on_its_way_to_the_pool(monkeypatch):
     c.host.delete(list(c.host.index))
     c.flush()
     copies: list[str] = []
-    import tiered_cache.cache as cache_module
+    import tiered_cache.promotion as promotion
 
-    real_decode, real_scatter, real_host_put = cache_module.decode_page, c.pool.scatter, c.host.put
-    monkeypatch.setattr(cache_module, "decode_page", lambda *a, **k: (copies.append("decode"), real_decode(*a, **k))[1])
+    real_decode, real_scatter, real_host_put = promotion.decode_page, c.pool.scatter, c.host.put
+    monkeypatch.setattr(promotion, "decode_page", lambda *a, **k: (copies.append("decode"), real_decode(*a, **k))[1])
     monkeypatch.setattr(c.pool, "scatter", lambda *a, **k: (copies.append("scatter"), real_scatter(*a, **k))[1])
     monkeypatch.setattr(c.host, "put", lambda *a, **k: (copies.append("host"), real_host_put(*a, **k))[1])
     h = c.match(tokens)

@@ -25,8 +25,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -39,26 +38,24 @@ from tiered_cache.demotion import BACKGROUND_NICE, BackgroundQueue, Foreground
 from tiered_cache.device.pool import PagePool, check_tensor
 from tiered_cache.errors import IntegrityError, PoolExhaustedError
 from tiered_cache.forking import ForkOps
-from tiered_cache.handle import HOST, CacheHandle, Prefetch
+from tiered_cache.handle import HOST, CacheHandle
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.index.radix import RadixTree
 from tiered_cache.index.radix_node import EvictedNode, RadixNode, Tier
 from tiered_cache.index.tokens import as_token_array
 from tiered_cache.model.spec import DType, KVSpec
+from tiered_cache.promotion import Fetched, Promoter
 from tiered_cache.spare_output import SpareOutput
-from tiered_cache.staging import StagingBuffers
 from tiered_cache.swapping import SwapOps
 from tiered_cache.tiers.base import BlobTier, TierStats
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.codec import BlobError, decode_page, encode_page
+from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.factory import build_lower_tiers
 from tiered_cache.tiers.host import HostTier
 from tiered_cache.tiers.memtune import tune_malloc
 from tiered_cache.tree_view import PageTokens, decode_previews, snapshot
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
-_NOWHERE = -2  # in a plan being built: no tier found the page (HOST is -1, lower tiers >= 0)
-_MAX_REPLANS = 3  # times one fetch looks again for pages that moved down while it ran
 _DEMOTION_BATCH = 64  # pages the background demoter moves per pass of the lock
 # Bytes the lower-tier writer encodes and puts between looks for a quiet moment: a request that
 # arrives mid-chunk shares the cores with it for at most ~1-2 ms (8 pages of 360 KiB, 2.9 MiB,
@@ -78,15 +75,6 @@ def _request_path(method: _F) -> _F:
         with self._foreground:
             return method(self, *args, **kwargs)
     return wrapper  # type: ignore[return-value]
-
-
-@dataclass
-class Fetched:
-    """Pages brought up from below into a leased staging buffer: the first `n` are valid."""
-
-    buffer: torch.Tensor
-    n: int
-    tiers: list[str]  # the tier that supplied each of the n pages
 
 
 class TieredCache(ForkOps, SwapOps, CompactionOps):
@@ -126,7 +114,6 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         self._keyers: dict[str, PageKeyer] = {}
         self._device = TierStats("device", capacity_bytes=self.pool.num_pages * spec.bytes_per_page)
         self._unused_slots = 0
-        self._staging = StagingBuffers(spec, pin=self.pool.kv.device.type == "cuda")
         self._demoter = BackgroundQueue("demoter", capacity=max(2, self.config.demotion_queue))
         self._writer = BackgroundQueue("lower-writer", capacity=self.config.demotion_queue, nice=BACKGROUND_NICE)
         # Set while no demotion is queued or running: the lower-tier writer waits for it, since
@@ -136,9 +123,9 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         # Pages host RAM dropped that are queued for the tiers below: still served from here
         # until the put is done, so write-behind never opens a window of misses.
         self._in_flight: dict[bytes, torch.Tensor] = {}
-        self._prefetch_slots = threading.BoundedSemaphore(self.config.max_prefetches)
-        self._prefetcher: ThreadPoolExecutor | None = None
-        self._prefetch_declined = 0
+        self.promoter = Promoter(spec, self.pool, self.host, self.chain, self._lock, self._in_flight, self.moves,
+                                 self.config)
+        self._staging = self.promoter.staging  # leased by demotion and swaps too
         self._pages_dropped = 0  # pages whose write below was dropped (write-behind full)
         self._foreground = Foreground()  # requests in progress: background steps wait for a gap
         # get() without out= on a CPU pool: one output tensor faulted in ahead (spare_output.py).
@@ -228,7 +215,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             self._await_keys(keys)
             on_device = self.tree.match_prefix(keys, ns).num_pages
             in_host = [k in self.host.index or k in self._in_flight for k in keys[on_device:]]
-        return (on_device + len(self._plan(keys[on_device:], in_host))) * self.spec.page_size
+        return (on_device + len(self.promoter.plan(keys[on_device:], in_host))) * self.spec.page_size
 
     @_request_path
     def get(self, tokens: Any, namespace: str | None = None,
@@ -277,7 +264,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             self.tree.lock(result.node)
             in_host = [k in self.host.index or k in self._in_flight for k in keys[result.num_pages:]]
         try:
-            plan = self._plan(keys[result.num_pages:], in_host)
+            plan = self.promoter.plan(keys[result.num_pages:], in_host)
         except BaseException:
             with self._lock:
                 self.tree.unlock(result.node)
@@ -303,22 +290,10 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             wanted, plan = handle.keys[start:handle.available_pages], handle.plan[:handle.available_pages - start]
             if not wanted:
                 return False
-            if not self._prefetch_slots.acquire(blocking=False):
-                self._prefetch_declined += 1
-                return False
-            if self._prefetcher is None:
-                self._prefetcher = ThreadPoolExecutor(self.config.prefetch_workers,
-                                                      thread_name_prefix="tiered-cache-prefetch")
-            cancel = threading.Event()
-
-            def job() -> Fetched:
-                try:
-                    return self._fetch(wanted, plan, cancel)
-                finally:
-                    self._prefetch_slots.release()
-
-            handle.prefetch = Prefetch(self._prefetcher.submit(job), cancel)
-        return True
+            if all(where == HOST for where in plan):
+                return False  # `load` copies host RAM slots straight into the pool: nothing to stage
+            handle.prefetch = self.promoter.prefetch(wanted, plan)
+        return handle.prefetch is not None
 
     @_request_path
     def load(self, handle: CacheHandle) -> np.ndarray:
@@ -350,11 +325,11 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             if self._fetch_metrics is not None:
                 self._fetch_metrics.prefetch_wait.observe(time.perf_counter() - waited)
         if fetched is None:
-            fetched = self._fetch(wanted, plan)
+            fetched = self.promoter.fetch(wanted, plan)
         try:
             return self._install(handle, start, fetched)
         finally:
-            self._staging.give_back(fetched.buffer)
+            self.promoter.give_back(fetched)
 
     @_request_path
     def allocate(self, handle: CacheHandle, num_tokens: int) -> np.ndarray:
@@ -476,7 +451,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             pending, handle.prefetch = handle.prefetch, None
         if pending is not None:
             pending.cancel.set()
-            pending.future.add_done_callback(self._return_prefetch_buffer)
+            self.promoter.give_back_when_done(pending.future)
 
     def evict(self, num_pages: int | None = None) -> int:
         """Move up to `num_pages` unlocked device pages (all when None) down to host RAM, least
@@ -550,7 +525,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             tiers.append(replace(tier, corrupt=tier.corrupt + self.moves.refused[tier.name]))
         queues = [self._demoter.figures(), self._writer.figures()]
         return CacheStats(tiers, pool, self.spec.page_size, nodes, size.evictable, size.protected, queues,
-                          self._prefetch_declined, self.chain.skipped_puts,
+                          self.promoter.declined, self.chain.skipped_puts,
                           self._pages_dropped)
 
     def prefix_tree(self, max_nodes: int = 500, decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
@@ -573,8 +548,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         self._demoter.close()  # runs what is queued first (it may queue writes below)
         self._writer.close()
         self._closed = True
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        self.promoter.close()
         if self._spare is not None:
             self._spare.close()
         if self.metrics is not None:
@@ -643,7 +617,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         n = len(pages)
         try:
             if n:
-                self.pool.scatter(pages, fetched.buffer[:n])  # the pages are ours until adopted
+                self.promoter.staged_to_pool(fetched, pages)  # the pages are ours until adopted
         except BaseException:
             with self._lock:
                 self.pool.free(pages)
@@ -666,7 +640,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
                 return None
             pages = self.pool.allocate(len(wanted))
             slots = self.host.leading_slots(wanted)
-            self.pool.scatter_rows(pages, self.host.slab, slots)
+            self.promoter.host_to_pool(slots, pages)
             return self._adopt_loaded(handle, start, pages, ["host"] * len(pages))
 
     def _adopt_loaded(self, handle: CacheHandle, start: int, pages: np.ndarray, tiers: list[str]) -> np.ndarray:
@@ -727,18 +701,31 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         self._device.evictions += len(keys)
 
     def _copy_to_host(self, keys: list[bytes], pages: np.ndarray) -> None:
+        """Copy the pages host RAM lacks straight into host RAM slots (lock held)."""
         missing = [i for i, k in enumerate(keys) if k not in self.host.index]
         if not missing:
             return
-        buffer = self._staging.lease(len(missing))
-        try:
-            staged = buffer[:len(missing)]
-            self.pool.gather(pages[missing], out=staged)
-            stored = self.host.put([keys[i] for i in missing], staged)
-        finally:
-            self._staging.give_back(buffer)
-        self.moves.demotions["host"] += stored
+        chosen = [keys[i] for i in missing]
+        new, slots, overflow = self.host.reserve(chosen)
+        spill = self._pages_to_slots(pages[missing], new, slots, overflow)
+        self.host.fill([chosen[i] for i in new], slots)
+        if spill is not None:
+            self._host_evicted([chosen[i] for i in overflow], spill)
+        self.moves.demotions["host"] += len(new)
         self._device.bytes_out += len(missing) * self.spec.bytes_per_page
+
+    def _pages_to_slots(self, pages: np.ndarray, new: list[int], slots: np.ndarray,
+                        overflow: list[int]) -> torch.Tensor | None:
+        """Copy device `pages[new]` into reserved host `slots` (one DMA per run of slots on CUDA, no
+        staging), and return a host copy of `pages[overflow]` (no room in host RAM) for below."""
+        if new:
+            self.host.before_write()
+            self.promoter.copier.from_pool(pages[new], self.host.slab, slots)
+        if not overflow:
+            return None
+        with torch.inference_mode(False):
+            return self.pool.gather(pages[overflow], out=torch.empty(self.spec.staging_shape(len(overflow)),
+                                                                     dtype=self.pool.kv.dtype))
 
     def _maybe_demote(self) -> None:
         """Above the high watermark, have the background demoter bring the pool down to the low one."""
@@ -770,17 +757,11 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
                     self._demoting_keys.update(keys)
                     chosen = [keys[i] for i in missing]
                     new, slots, overflow = self.host.reserve(chosen)  # host slots now ours too
-                buffer = self._staging.lease(len(missing))
                 spill = None
                 try:
-                    staged = buffer[:len(missing)]
                     # The copies need no lock: no one else can reach these pages (out of the tree,
                     # not free) or these slots (allocated, not indexed).
-                    if missing:
-                        self.pool.gather(pages[missing], out=staged)
-                    if new:
-                        self.host.copy_in(slots, staged if len(new) == len(missing) else staged[torch.tensor(new)])
-                    spill = staged[torch.tensor(overflow)].clone() if overflow else None  # no room in host RAM
+                    spill = self._pages_to_slots(pages[missing], new, slots, overflow)
                 finally:
                     with self._lock:
                         self.host.fill([chosen[i] for i in new], slots)
@@ -793,7 +774,6 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
                         self._demoting -= len(pages)
                         self._demoting_keys.difference_update(keys)
                         self._demoted.notify_all()
-                    self._staging.give_back(buffer)
         finally:
             self._demoter_quiet.set()
 
@@ -844,7 +824,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             return
         chosen = pages if len(todo) == len(keys) else pages[torch.tensor(todo)]
         chosen_keys = [keys[i] for i in todo]
-        if self._writer.submit(self._write_below, chosen_keys, chosen, False):
+        if self._writer.submit(self._write_below, chosen_keys, chosen):
             for key, page in zip(chosen_keys, chosen, strict=True):
                 self._in_flight[key] = page
         else:
@@ -859,7 +839,9 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
 
     def _write_through(self, ns: str, keys: list[bytes], num_new: int) -> None:
         """Background: copy the last `num_new` pages of `keys` to host RAM, then queue them below.
-        Pages evicted meanwhile were copied to host RAM by the eviction: they are read from there."""
+        Pages evicted meanwhile were copied to host RAM by the eviction: they are read from there.
+        The device -> host copy runs outside the lock (the node is locked so its pages stay, the
+        slots are reserved so no one else uses them): a request never waits behind it."""
         first = len(keys) - num_new
         self._foreground.wait_idle(_YIELD_S)
         with self._lock:
@@ -867,30 +849,48 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
                 return
             match = self.tree.match_prefix(keys, ns)
             on_device = max(first, match.num_pages)
-            buffer = self._staging.lease(num_new)
-            try:
-                take = on_device - first
-                if take:
-                    staged = buffer[:take]
-                    self.pool.gather(match.values[first:on_device], out=staged)
-                    self.host.put(keys[first:on_device], staged)
-                n_host, _ = self.host.get(keys[on_device:], out=buffer[take:num_new])
-                total = take + n_host
-                copy = buffer[:total].clone() if self.chain.tiers and total else None
-            finally:
-                self._staging.give_back(buffer)
-        if copy is not None:
-            self._writer.submit(self._write_below, keys[first:first + total], copy, True)
-
-    def _write_below(self, keys: list[bytes], pages: torch.Tensor, every_tier: bool) -> None:
-        """Background: encode pages and put them into the first lower tier (all, for write-through)."""
+            chosen = [k for k in keys[first:on_device] if k not in self.host.index]
+            positions = [first + i for i, k in enumerate(keys[first:on_device]) if k not in self.host.index]
+            pages = match.values[positions] if positions else _NO_PAGES
+            self.tree.lock(match.node)
+            new, slots, overflow = self.host.reserve(chosen)
+        spill = None
         try:
-            self._encode_and_put(keys, pages, len(self.chain.tiers) if every_tier else 1)
+            spill = self._pages_to_slots(pages, new, slots, overflow)
         finally:
-            if not every_tier:
-                with self._lock:
-                    for key in keys:
-                        self._in_flight.pop(key, None)
+            with self._lock:
+                self.tree.unlock(match.node)
+                self.host.fill([chosen[i] for i in new], slots)
+                self.moves.demotions["host"] += len(new)
+                if spill is not None:
+                    self._host_evicted([chosen[i] for i in overflow], spill)
+                in_host = self.host.contains_prefix(keys[first:])
+        if self.chain.tiers and in_host:
+            self._writer.submit(self._write_host_below, keys[first:first + in_host])
+
+    def _write_host_below(self, keys: list[bytes]) -> None:
+        """Background (write-through): put pages host RAM holds into every lower tier, a chunk at
+        a time, each copied out of host RAM under the lock only for that chunk."""
+        step = max(1, _WRITE_CHUNK_BYTES // self.spec.bytes_per_page)
+        for start in range(0, len(keys), step):
+            self._step_aside()
+            with self._lock:
+                if self._closed:
+                    return
+                found, pages = self.host.copy_out(keys[start:start + step])
+            items = self._encode_politely(found, pages)
+            for index in range(len(self.chain.tiers)):
+                self._step_aside()
+                self.chain.put(items, index, demotion=True)
+
+    def _write_below(self, keys: list[bytes], pages: torch.Tensor) -> None:
+        """Background: encode pages host RAM dropped and put them into the first lower tier."""
+        try:
+            self._encode_and_put(keys, pages, 1)
+        finally:
+            with self._lock:
+                for key in keys:
+                    self._in_flight.pop(key, None)
 
     def _encode_and_put(self, keys: list[bytes], pages: Any, num_tiers: int) -> None:
         """Encode pages and put them into the first `num_tiers` lower tiers, a chunk at a time,
@@ -925,100 +925,8 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             items.append((key, self._encode(page, key)))
         return items
 
-    def _plan(self, keys: list[bytes], in_host: list[bool]) -> list[int]:
-        """Where each page of the leading run of `keys` found below the device lives: HOST, or
-        the index of the lower tier to fetch it from. Each lower tier is asked at most once."""
-        plan: list[int] = [HOST if held else _NOWHERE for held in in_host]
-        ask = [i for i, p in enumerate(plan) if p == _NOWHERE]
-        if ask and self.chain.tiers:
-            where = self.chain.locate([keys[i] for i in ask])
-            for i, w in zip(ask, where, strict=True):
-                if w is not None:
-                    plan[i] = w
-        first_miss = next((i for i, p in enumerate(plan) if p == _NOWHERE), len(plan))
-        return plan[:first_miss]
-
-    def _fetch(self, keys: list[bytes], plan: list[int], cancel: threading.Event | None = None) -> Fetched:
-        """Copy the leading pages of `keys` into a leased staging buffer, page-first: host RAM
-        pages under the lock (memory), lower-tier blobs fetched (one batched call per tier) and
-        decoded outside it. A page that left host RAM since `match` (demoted meanwhile) is looked
-        for below once; the fetch stops at the first page that no longer arrives intact."""
-        buffer = self._staging.lease(len(keys))
-        raw = buffer.view(torch.uint8).reshape(buffer.shape[0], -1).numpy()
-        plan = list(plan)
-        blobs = self._fetch_blobs(keys, plan, 0)
-        tiers: list[str] = []
-        pos, replans = 0, 0
-        while pos < len(keys) and not (cancel is not None and cancel.is_set()):
-            if plan[pos] == HOST:
-                end = pos
-                while end < len(keys) and plan[end] == HOST:
-                    end += 1
-                with self._lock:
-                    n = self._copy_from_host(keys[pos:end], buffer[pos:end])
-                tiers += ["host"] * n
-                pos += n
-                arrived = pos == end
-            else:
-                index = plan[pos]
-                arrived = self._decode_into(index, keys[pos], blobs.get(pos), raw[pos])
-                if arrived:
-                    tiers.append(self.chain.tiers[index].name)
-                    pos += 1
-            if not arrived:
-                # The page moved since `match` (background demotion goes on while we read): look
-                # for the rest below again, a bounded number of times; then the prefix ends here.
-                if replans == _MAX_REPLANS or not self.chain.tiers:
-                    break
-                replans += 1
-                where = self.chain.locate(keys[pos:], leading=True)
-                cut = next((i for i, w in enumerate(where) if w is None), len(where))
-                keys, plan = keys[:pos + cut], plan[:pos] + [w for w in where[:cut] if w is not None]
-                blobs.update(self._fetch_blobs(keys, plan, pos))
-        return Fetched(buffer, pos, tiers)
-
-    def _fetch_blobs(self, keys: list[bytes], plan: list[int], start: int) -> dict[int, bytes | None]:
-        """Blobs of the planned lower-tier pages at positions >= `start` (one call per tier)."""
-        below = [i for i in range(start, len(keys)) if plan[i] != HOST]
-        if not below:
-            return {}
-        got = self.chain.fetch([keys[i] for i in below], [plan[i] for i in below])
-        return dict(zip(below, got, strict=True))
-
-    def _copy_from_host(self, keys: list[bytes], out: torch.Tensor) -> int:
-        """Copy the leading run of `keys` held in host RAM or queued for below into `out` (lock held)."""
-        n = 0
-        while n < len(keys):
-            if keys[n] in self._in_flight:
-                out[n].copy_(self._in_flight[keys[n]])
-                n += 1
-                continue
-            run, _ = self.host.get(keys[n:], out=out[n:])
-            if not run:
-                break
-            n += run
-        return n
-
-    def _return_prefetch_buffer(self, future: Any) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self._staging.give_back(future.result().buffer)
-
     def _encode(self, page: torch.Tensor, key: bytes) -> bytes:
         return encode_page(page, self.spec, key, self.config.codec, self.config.codec_min_saving)
-
-    def _decode_into(self, index: int, key: bytes, blob: bytes | None, out: np.ndarray) -> bool:
-        """Decode `blob` into `out` (one page's bytes); a bad blob is counted, deleted, and False."""
-        if blob is None:
-            return False
-        try:
-            # NOTE: a BlobTier verifies the checksum of every blob it returns (DESIGN.md §7).
-            decode_page(blob, self.spec, key, out=out, check_crc=False)
-        except BlobError:
-            with self._lock:
-                self.moves.refused[self.chain.tiers[index].name] += 1
-            self.chain.delete([key], index)
-            return False
-        return True
 
     # --- small helpers ---------------------------------------------------------------------------
     def _ns(self, namespace: str | None) -> str:

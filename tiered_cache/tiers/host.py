@@ -135,9 +135,13 @@ class HostTier:
     def copy_in(self, slots: np.ndarray, pages: torch.Tensor) -> None:
         """Write page-first `pages` into reserved `slots`."""
         if len(slots):
-            if self.pretouch is not None:
-                self.pretouch.before_write()
+            self.before_write()
             _copy_into_slots(self.slab, slots, pages)
+
+    def before_write(self) -> None:
+        """Call before writing into reserved slots of `slab` directly (e.g. a device copy)."""
+        if self.pretouch is not None:
+            self.pretouch.before_write()
 
     def fill(self, keys: Sequence[bytes], slots: np.ndarray) -> None:
         """Index reserved `slots`, now written, under `keys`. A key stored meanwhile by another
