@@ -31,26 +31,46 @@ def pools(spec, num_pages=40):
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.model_id)
 def test_kernels_match_torch_bit_for_bit(spec):
+    """Every kernel writes the bytes torch's reference ops write, and only its target pages: the
+    reference pool mirrors every allocation and every call, so after each step the two pools are
+    byte-identical, and a copy leaves every page outside its targets as it was."""
     cuda, reference = pools(spec)
     for pool in (cuda, reference):
         pool.kv.view(torch.uint8).fill_(0xAB)  # poison: every byte must be written
     n = 7 * spec.page_size + 3  # a partly filled last page
     num = spec.pages_for_tokens(n)
-    pages_c, pages_r = cuda.allocate(num), reference.allocate(num)
+
+    def allocate(count):
+        pages_c, pages_r = cuda.allocate(count), reference.allocate(count)
+        assert (pages_c == pages_r).all()  # the same allocator state: the same page ids
+        return pages_c[::-1].copy()  # out of order, so the kernels' indexing is what moves the bytes
+
+    def same_bytes():
+        torch.cuda.synchronize()
+        return torch.equal(cuda.kv.view(torch.uint8), reference.kv.view(torch.uint8))
+
+    pages = allocate(num)
     kv = torch.randn(spec.kv_shape(n), device="cuda").to(spec.dtype.torch)
-    cuda.store(cuda.slots(pages_c, n), kv)
-    reference.store(reference.slots(pages_r, n), kv)
-    assert torch.equal(cuda.kv.view(torch.uint8), reference.kv.view(torch.uint8))
-    staged = cuda.gather(pages_c)
-    assert torch.equal(staged.view(torch.uint8), reference.gather(pages_r).view(torch.uint8))
-    target_c = cuda.allocate(num)
-    cuda.scatter(target_c, staged)
-    assert torch.equal(cuda.read_tokens(target_c, n), kv)
-    copies_c, copies_r = cuda.allocate(num), reference.allocate(num)  # copy-on-write's page copy
-    cuda.copy_pages(pages_c, copies_c)
-    reference.copy_pages(pages_r, copies_r)
-    assert torch.equal(cuda.read_tokens(copies_c, n), kv)
-    assert torch.equal(cuda.kv.view(torch.uint8), reference.kv.view(torch.uint8))
+    cuda.store(cuda.slots(pages, n), kv)
+    reference.store(reference.slots(pages, n), kv)
+    assert same_bytes()
+    staged = cuda.gather(pages)
+    assert torch.equal(staged.view(torch.uint8), reference.gather(pages).view(torch.uint8))
+    target = allocate(num)
+    cuda.scatter(target, staged)
+    reference.scatter(target, staged)
+    assert same_bytes()
+    assert torch.equal(cuda.read_tokens(target, n), kv)
+    copies = allocate(num)  # copy-on-write's page copy
+    before = cuda.kv.clone()
+    cuda.copy_pages(pages, copies)
+    reference.copy_pages(pages, copies)
+    assert torch.equal(cuda.read_tokens(copies, n), kv)
+    assert same_bytes()
+    untouched = torch.ones(cuda.num_pages, dtype=torch.bool)
+    untouched[torch.from_numpy(copies)] = False
+    untouched = untouched.cuda()
+    assert torch.equal(cuda.kv[:, :, untouched].view(torch.uint8), before[:, :, untouched].view(torch.uint8))
 
 
 def test_gather_into_a_device_tensor_makes_no_temporary_copy():
@@ -123,3 +143,32 @@ def test_layer_by_layer_load_back():
     pool.free(targets)  # synchronize() unpinned them: free at once
     assert pool.allocator.num_pending == 0
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("spec", [SPECS[0], SPECS[1]], ids=lambda s: s.model_id)
+def test_host_copier_moves_pinned_rows_into_pages_and_back_on_the_copy_stream(spec):
+    """The CUDA path of `HostCopier` (DMA per run of rows into a chunk buffer, scatter kernel;
+    gather kernel, DMA per run back) gives the bytes the CPU path gives, across chunk boundaries,
+    and writes no page or row outside its targets."""
+    from tiered_cache.device.host_copy import HostCopier
+
+    pool = PagePool(spec, 40, "cuda")
+    pool.kv.view(torch.uint8).fill_(0xAB)
+    copier = HostCopier(pool, chunk_bytes=5 * spec.bytes_per_page)
+    slab = torch.randn(spec.staging_shape(24)).to(spec.dtype.torch).pin_memory()
+    rows = [3, 4, 5, 9, 10, 0, 1, 2, 20, 19, 18, 7]
+    pages = pool.allocate(len(rows) + 4)[2:2 + len(rows)][::-1].copy()
+    before = pool.kv.clone()
+    copier.to_pool(slab, rows, pages)
+    for row, page in zip(rows, pages, strict=True):
+        assert torch.equal(pool.gather([page])[0].cpu(), slab[row])
+    others = torch.ones(pool.num_pages, dtype=torch.bool)
+    others[torch.from_numpy(pages)] = False
+    others = others.cuda()
+    assert torch.equal(pool.kv[:, :, others].view(torch.uint8), before[:, :, others].view(torch.uint8))
+    back = torch.zeros_like(slab).pin_memory()
+    dest = [(r * 7) % 24 for r in rows]
+    copier.from_pool(pages, back, dest)
+    for src, dst in zip(rows, dest, strict=True):
+        assert torch.equal(back[dst], slab[src])
+    assert not back[[r for r in range(24) if r not in dest]].any()

@@ -78,8 +78,17 @@ class _StreamHandle:
         return 0, self.handle
 
 
+_KERNELS = ("store_kv", "gather_pages", "scatter_pages", "copy_pages")
+
+
 class CupyPageOps:
     name = "cupy"
+
+    def warm_up(self) -> None:
+        """Compile (or load from CuPy's cache) and load every kernel now, so the first request that
+        moves pages does not pay for NVRTC and module loading (hundreds of ms on a fresh machine)."""
+        for name in _KERNELS:
+            _kernel(name)
 
     def store(self, pool: Any, layout: Layout, page_size: int, slots: Any, kv: Any) -> None:
         layers, _, tokens, heads, dim = kv.shape

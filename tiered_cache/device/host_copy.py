@@ -13,12 +13,15 @@ The chunk buffer (`chunk_bytes`, default 64 MiB) bounds the device memory this n
 consumer's stream waits on an event recorded after the last kernel, and the call returns only
 when the copy is done, because the caller's slab rows are guaranteed to stay put only until then.
 
-On the CPU the pool is memory too: rows move into pages with one strided copy per run of
-consecutive rows and pages (no intermediate buffer), and pages into rows with one gather per run.
+On a CPU pool the pool is memory too: rows move into pages with one strided copy per run of
+consecutive rows and pages, with no intermediate buffer. `chunked=True` there runs the CUDA
+path's chunking on the CPU (a chunk buffer in memory, no streams), so its logic is tested
+without a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -34,9 +37,10 @@ DEFAULT_CHUNK_BYTES = 64 * 2**20
 class HostCopier:
     """Copies page-first host rows into pool pages (`to_pool`) and back (`from_pool`)."""
 
-    def __init__(self, pool: PagePool, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(self, pool: PagePool, chunk_bytes: int = DEFAULT_CHUNK_BYTES, chunked: bool | None = None) -> None:
         self.pool = pool
         self.cuda = pool.device.type == "cuda"
+        self.chunked = self.cuda if chunked is None else chunked
         self.chunk_pages = max(1, chunk_bytes // pool.spec.bytes_per_page)
         self._stream: Any = None
         self._buffer: torch.Tensor | None = None
@@ -44,56 +48,57 @@ class HostCopier:
         # while waiting for anything but the copy itself.
         self._busy = threading.Lock()
 
-    def to_pool(self, source: torch.Tensor, rows: np.ndarray, pages: np.ndarray) -> None:
-        """pool page `pages[i]` = `source[rows[i]]` for page-first `source` in host memory (pinned
-        on CUDA for the DMA to run asynchronously at full speed)."""
-        rows, pages = _as_index(rows), _as_index(pages)
-        if not self.cuda or source.device.type != "cpu":
-            self.pool.scatter_rows(pages, source, rows)
-            return
-        with self._busy:
-            stream, buffer = self._setup()
-            stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # earlier readers of these pages
-            with torch.cuda.stream(stream):
-                for start, end in _chunks(len(rows), self.chunk_pages):
-                    for i, row, count in _runs(rows[start:end]):
-                        buffer[i:i + count].copy_(source[row:row + count], non_blocking=True)
-                    self.pool.scatter(pages[start:end], buffer[:end - start])
-            self._finish(stream)
-
-    def from_pool(self, pages: np.ndarray, dest: torch.Tensor, rows: np.ndarray) -> None:
-        """`dest[rows[i]]` = pool page `pages[i]`, for page-first `dest` (e.g. the host slab)."""
+    def to_pool(self, source: torch.Tensor, rows: Any, pages: Any) -> None:
+        """pool page `pages[i]` = `source[rows[i]]` for page-first `source` (host memory: pinned on
+        CUDA, for the DMA to run asynchronously at full speed)."""
         rows, pages = _as_index(rows), _as_index(pages)
         if not len(rows):
             return
-        if not self.cuda or dest.device.type != "cpu":
+        if not self.chunked or source.device != torch.device("cpu"):
+            self.pool.scatter_rows(pages, source, rows)
+            return
+        with self._busy, self._copy_stream() as buffer:
+            for start, end in _chunks(len(rows), self.chunk_pages):
+                for i, row, count in _runs(rows[start:end]):
+                    buffer[i:i + count].copy_(source[row:row + count], non_blocking=True)
+                self.pool.scatter(pages[start:end], buffer[:end - start])
+
+    def from_pool(self, pages: Any, dest: torch.Tensor, rows: Any) -> None:
+        """`dest[rows[i]]` = pool page `pages[i]`, for page-first `dest` in host memory (the slab)."""
+        rows, pages = _as_index(rows), _as_index(pages)
+        if not len(rows):
+            return
+        if not self.chunked or dest.device != torch.device("cpu"):
             for i, row, count in _runs(rows):
                 self.pool.gather(pages[i:i + count], out=dest[row:row + count])
             return
-        with self._busy:
-            stream, buffer = self._setup()
-            stream.wait_stream(torch.cuda.current_stream(self.pool.device))  # KV the model is still writing
-            with torch.cuda.stream(stream):
-                for start, end in _chunks(len(rows), self.chunk_pages):
-                    self.pool.gather(pages[start:end], out=buffer[:end - start])
-                    for i, row, count in _runs(rows[start:end]):
-                        dest[row:row + count].copy_(buffer[i:i + count], non_blocking=True)
-            self._finish(stream)
+        with self._busy, self._copy_stream() as buffer:
+            for start, end in _chunks(len(rows), self.chunk_pages):
+                self.pool.gather(pages[start:end], out=buffer[:end - start])
+                for i, row, count in _runs(rows[start:end]):
+                    dest[row:row + count].copy_(buffer[i:i + count], non_blocking=True)
 
-    def _setup(self) -> tuple[Any, torch.Tensor]:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.pool.device)
+    @contextlib.contextmanager
+    def _copy_stream(self) -> Iterator[torch.Tensor]:
+        """The chunk buffer, with the work inside on the copy stream (CUDA). The copy stream first
+        waits for the caller's stream (KV the model is still writing, earlier readers of the pages);
+        afterwards the caller's stream waits for the copies, and so does the host: the caller's
+        slab rows may be reused once it lets go of them."""
+        if self._buffer is None:
             with torch.inference_mode(False):
                 self._buffer = torch.empty(self.pool.spec.staging_shape(self.chunk_pages), dtype=self.pool.kv.dtype,
                                            device=self.pool.device)
-        assert self._buffer is not None
-        return self._stream, self._buffer
-
-    def _finish(self, stream: Any) -> None:
-        """The consumer's stream waits for the copies, and so does the caller: its rows (host RAM
-        slots) may be reused once it lets go of them."""
-        event = stream.record_event()
-        torch.cuda.current_stream(self.pool.device).wait_event(event)
+        if not self.cuda:
+            yield self._buffer
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.pool.device)
+        caller = torch.cuda.current_stream(self.pool.device)
+        self._stream.wait_stream(caller)
+        with torch.cuda.stream(self._stream):
+            yield self._buffer
+        event = self._stream.record_event()
+        caller.wait_event(event)
         event.synchronize()
 
 

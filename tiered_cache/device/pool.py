@@ -53,6 +53,9 @@ class PagePool:
         # The device the pool really lives on: "cuda" becomes "cuda:0", so `out.device == self.device`
         # holds for a tensor on the same GPU (a bare "cuda" compared unequal and doubled every gather).
         self.device = self.kv.device
+        warm_up = getattr(self.ops, "warm_up", None)
+        if warm_up is not None:
+            warm_up()  # kernels compiled now, not on the first request that needs one
 
     @classmethod
     def with_capacity(cls, spec: KVSpec, capacity: str | int, device: str | torch.device = "cpu",
