@@ -630,15 +630,28 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
     def _load_from_host(self, handle: CacheHandle, start: int, wanted: list[bytes]) -> np.ndarray | None:
         """All of `wanted` in host RAM: copy its slots straight into new device pages, one copy
         instead of two through a staging buffer. The lock is held from finding the slots to the
-        end of the copy, so they cannot be evicted or reused meanwhile. None (nothing done) when
-        host RAM does not hold them all, or the device has no free page for each: evicting here
-        would demote pages into host RAM, which could push out the very pages being loaded.
-        `load` then takes the staged path (copied out of host RAM before anything is evicted)."""
+        end of the copy, so they cannot be evicted or reused meanwhile. When the device is short
+        of free pages, cold device pages are demoted first (into host RAM, or below where it is
+        full), with the pages being loaded held out of host RAM eviction's reach meanwhile. None
+        (nothing done) when host RAM lacks a page or the device cannot make room: `load` then
+        takes the staged path."""
+        n = len(wanted)
         with self._lock:
             self._check_live(handle)
-            if self.host.contains_prefix(wanted) < len(wanted) or self.pool.num_free < len(wanted):
+            if self.host.contains_prefix(wanted) < n:
                 return None
-            pages = self.pool.allocate(len(wanted))
+            shortfall = n - self.pool.num_free
+            if shortfall > 0:
+                if self.tree.size_info().evictable < shortfall:
+                    return None
+                held = self.host.hold(wanted)  # out of eviction's reach while cold pages come down
+                try:
+                    self._demote_now(self.tree.evict(shortfall))
+                finally:
+                    self.host.unhold(held)
+                if self.pool.num_free < n:
+                    return None
+            pages = self.pool.allocate(n)
             slots = self.host.leading_slots(wanted)
             self.promoter.host_to_pool(slots, pages)
             return self._adopt_loaded(handle, start, pages, ["host"] * len(pages))

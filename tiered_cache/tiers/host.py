@@ -74,6 +74,16 @@ class HostTier:
         self._stats.bytes_out += n * self.spec.bytes_per_page
         return n, out[:n]
 
+    def hold(self, keys: Sequence[bytes]) -> list[tuple[bytes, int]]:
+        """Take held `keys` out of the index, their slots kept allocated, so no eviction can reach
+        them (the caller holds its lock until `unhold`, so no reader misses them meanwhile)."""
+        return [(key, self.index.pop(key)) for key in keys if key in self.index]
+
+    def unhold(self, held: list[tuple[bytes, int]]) -> None:
+        """Put `hold`'s keys back, most recently used."""
+        for key, slot in held:
+            self.index[key] = slot
+
     def copy_out(self, keys: Sequence[bytes]) -> tuple[list[bytes], torch.Tensor]:
         """A copy of the pages of those `keys` held here (any of them, not only a leading run),
         without touching recency or counters: background work, not a read on behalf of a request."""

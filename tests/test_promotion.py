@@ -1,0 +1,93 @@
+"""The promotion path (tiered_cache/promotion.py) as an engine drives it: a prefix in host RAM
+goes straight from its slots into device pages, also into a full pool, and nothing is staged."""
+
+from __future__ import annotations
+
+import torch
+from kv_oracle import token_kv
+
+from tiered_cache.cache import TieredCache
+from tiered_cache.config import CacheConfig
+from tiered_cache.model.spec import DType, KVSpec
+from tiered_cache.tiers.memory import MemoryTier
+
+SPEC = KVSpec("promotion-test", 2, 2, 8, dtype=DType.FP32, page_size=4)
+PAGE = SPEC.bytes_per_page
+
+
+def make(pool_pages: int, host_pages: int, lower=None, **cfg) -> TieredCache:
+    config = CacheConfig(pool_capacity=pool_pages * PAGE, host_capacity=host_pages * PAGE, malloc_tuning=False,
+                         high_watermark=1.0, low_watermark=0.5, **cfg)
+    return TieredCache(SPEC, config, lower=lower)
+
+
+def count_staged(cache: TieredCache, monkeypatch) -> list[int]:
+    """Calls of the staged path (a fetch into a staging buffer): the host path should need none."""
+    calls: list[int] = []
+    real = cache.promoter.fetch
+    monkeypatch.setattr(cache.promoter, "fetch",
+                        lambda keys, *a, **k: (calls.append(len(keys)), real(keys, *a, **k))[1])
+    return calls
+
+
+def test_a_host_hit_is_copied_straight_into_the_pool_and_prefetch_stages_nothing(monkeypatch):
+    c = make(pool_pages=16, host_pages=16)
+    tokens = list(range(32))  # 8 pages
+    c.put(tokens, token_kv(SPEC, tokens))
+    c.evict()
+    staged = count_staged(c, monkeypatch)
+    h = c.match(tokens)
+    assert h.available_pages == 8 and h.num_device_pages == 0
+    assert c.prefetch(h) is False  # nothing to stage: load copies the slots straight in
+    pages = c.load(h)
+    assert len(pages) == 8 and h.sources["host"] == 8 and staged == []
+    assert torch.equal(c.pool.read_tokens(pages, 32), token_kv(SPEC, tokens))
+    c.release(h)
+    c.check_integrity()
+    c.close()
+
+
+def test_a_host_hit_into_a_full_pool_demotes_cold_pages_first_and_keeps_the_wanted_ones(monkeypatch):
+    # The pool holds 8 pages, all taken by a colder prefix; host RAM holds 14: the 6 wanted pages
+    # plus room for the 8 cold ones demoted to make way (a whole node goes), none pushed out.
+    c = make(pool_pages=8, host_pages=14)
+    wanted, cold = list(range(24)), list(range(1000, 1032))
+    c.put(wanted, token_kv(SPEC, wanted))
+    c.evict()  # 6 wanted pages now only in host RAM
+    assert c.put(cold, token_kv(SPEC, cold)) == 32  # the pool is full
+    assert c.pool.num_free == 0
+    staged = count_staged(c, monkeypatch)
+    h = c.match(wanted)
+    pages = c.load(h)
+    assert len(pages) == 6 and h.sources["host"] == 6 and staged == []
+    assert torch.equal(c.pool.read_tokens(pages, 24), token_kv(SPEC, wanted))
+    c.release(h)
+    # the cold pages that made way are in host RAM, intact
+    assert c.lookup(cold) == 32
+    n, kv = c.get(cold)
+    assert n == 32 and torch.equal(kv, token_kv(SPEC, cold))
+    c.check_integrity()
+    c.close()
+
+
+def test_a_host_hit_into_a_full_pool_and_a_full_host_ram_still_loads_and_sends_the_cold_pages_below(monkeypatch):
+    # Host RAM of 6 holds exactly the wanted pages: the cold pages demoted to make room on the
+    # device cannot push them out; they go below instead, where they are found again.
+    below = MemoryTier(1 << 20)
+    c = make(pool_pages=8, host_pages=6, lower=[below])
+    wanted, cold = list(range(24)), list(range(1000, 1032))
+    c.put(wanted, token_kv(SPEC, wanted))
+    c.evict()
+    c.put(cold, token_kv(SPEC, cold))
+    staged = count_staged(c, monkeypatch)
+    h = c.match(wanted)
+    pages = c.load(h)
+    assert len(pages) == 6 and h.sources["host"] == 6 and staged == []
+    assert torch.equal(c.pool.read_tokens(pages, 24), token_kv(SPEC, wanted))
+    c.release(h)
+    c.flush()
+    assert c.lookup(cold) == 32
+    n, kv = c.get(cold)
+    assert n == 32 and torch.equal(kv, token_kv(SPEC, cold))
+    c.check_integrity()
+    c.close()
