@@ -57,11 +57,12 @@ class HostCopier:
         if not self.chunked or source.device != torch.device("cpu"):
             self.pool.scatter_rows(pages, source, rows)
             return
+        index = self._device_index(pages)
         with self._busy, self._copy_stream() as buffer:
             for start, end in _chunks(len(rows), self.chunk_pages):
                 for i, row, count in _runs(rows[start:end]):
                     buffer[i:i + count].copy_(source[row:row + count], non_blocking=True)
-                self.pool.scatter(pages[start:end], buffer[:end - start])
+                self.pool.ops.scatter(self.pool.kv, index[start:end], buffer[:end - start])
 
     def from_pool(self, pages: Any, dest: torch.Tensor, rows: Any) -> None:
         """`dest[rows[i]]` = pool page `pages[i]`, for page-first `dest` in host memory (the slab)."""
@@ -72,11 +73,19 @@ class HostCopier:
             for i, row, count in _runs(rows):
                 self.pool.gather(pages[i:i + count], out=dest[row:row + count])
             return
+        index = self._device_index(pages)
         with self._busy, self._copy_stream() as buffer:
             for start, end in _chunks(len(rows), self.chunk_pages):
-                self.pool.gather(pages[start:end], out=buffer[:end - start])
+                self.pool.ops.gather(self.pool.kv, index[start:end], buffer[:end - start])
                 for i, row, count in _runs(rows[start:end]):
                     dest[row:row + count].copy_(buffer[i:i + count], non_blocking=True)
+
+    def _device_index(self, pages: np.ndarray) -> torch.Tensor:
+        """`pages`, checked (allocated, each once) and on the pool's device, once per transfer: the
+        chunks then index slices of it, so no chunk waits on a small pageable upload of its own
+        (which would stall the host until the copy stream drained, between every two chunks)."""
+        self.pool.check_pages(pages)
+        return torch.from_numpy(pages).to(self.pool.device)
 
     @contextlib.contextmanager
     def _copy_stream(self) -> Iterator[torch.Tensor]:

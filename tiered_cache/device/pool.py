@@ -281,6 +281,11 @@ class PagePool:
                 target.copy_(buffer)
 
     # --- checks ------------------------------------------------------------------------------------
+    def check_pages(self, pages: Any) -> np.ndarray:
+        """`pages` as an int64 array, each allocated and appearing once (PageStateError otherwise):
+        for callers that drive `ops` directly on slices of one checked batch."""
+        return self._pages(pages)
+
     def _pages(self, pages: Any) -> np.ndarray:
         arr = as_page_array(pages, self.num_pages)
         if has_duplicates(arr):
