@@ -47,6 +47,8 @@ class HostCopier:
         # One transfer at a time uses the chunk buffer (they share one link anyway). Never held
         # while waiting for anything but the copy itself.
         self._busy = threading.Lock()
+        if self.cuda and self.chunked:
+            self._copy_stream_ready()  # made now: the first request that loads pays nothing for it
 
     def to_pool(self, source: torch.Tensor, rows: Any, pages: Any) -> None:
         """pool page `pages[i]` = `source[rows[i]]` for page-first `source` (host memory: pinned on
@@ -93,15 +95,11 @@ class HostCopier:
         waits for the caller's stream (KV the model is still writing, earlier readers of the pages);
         afterwards the caller's stream waits for the copies, and so does the host: the caller's
         slab rows may be reused once it lets go of them."""
-        if self._buffer is None:
-            with torch.inference_mode(False):
-                self._buffer = torch.empty(self.pool.spec.staging_shape(self.chunk_pages), dtype=self.pool.kv.dtype,
-                                           device=self.pool.device)
+        self._copy_stream_ready()
+        assert self._buffer is not None
         if not self.cuda:
             yield self._buffer
             return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.pool.device)
         caller = torch.cuda.current_stream(self.pool.device)
         self._stream.wait_stream(caller)
         with torch.cuda.stream(self._stream):
@@ -109,6 +107,15 @@ class HostCopier:
         event = self._stream.record_event()
         caller.wait_event(event)
         event.synchronize()
+
+
+    def _copy_stream_ready(self) -> None:
+        if self._buffer is None:
+            with torch.inference_mode(False):
+                self._buffer = torch.empty(self.pool.spec.staging_shape(self.chunk_pages), dtype=self.pool.kv.dtype,
+                                           device=self.pool.device)
+        if self.cuda and self._stream is None:
+            self._stream = torch.cuda.Stream(self.pool.device)
 
 
 def _as_index(values: Any) -> np.ndarray:
