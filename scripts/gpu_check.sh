@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU path in one go, on a machine with CUDA, CuPy and torch (the device tool's H100/H200):
 # compile every kernel for sm_90, run the `gpu` tests and the pool/cache tests with CUDA present,
-# then `bench kernels`, the kernel variants (scripts/kernel_variants.py) and `bench engine
-# --device cuda` beside `--device cpu`.
+# then `bench kernels`, the kernel variants (scripts/kernel_variants.py), `bench engine
+# --device cuda` beside `--device cpu`, and `bench gpu` (TTFT on the Llama-3.1-8B shape with random
+# weights at 2k/8k/32k tokens, then the Llama-3-70B shape cut to the layers that fit, at 8k).
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (logs land in OUTDIR, default ./gpu-check)
 # Packages the machine lacks may sit as wheels in .whl/ (see docs/PERFORMANCE.md, "GPU path").
 set -uo pipefail
@@ -39,4 +40,6 @@ step kernel_variants.txt python3 scripts/kernel_variants.py
 for device in cuda cpu; do
     step bench_engine.txt cli bench engine --device "$device" --below none --requests 200
 done
+step bench_gpu.txt cli bench gpu --model llama-3.1-8b
+step bench_gpu.txt cli bench gpu --model llama-3-70b --tokens 8192 --rounds 2
 exit $status

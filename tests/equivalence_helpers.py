@@ -12,15 +12,19 @@ from tiered_cache.model.spec import KVSpec
 
 def cache_with_prefix_in(tier: str, spec: KVSpec, tmp: Path, store_address: str | None = None,
                          codec: str = "raw") -> TieredCache:
-    """A cache whose pages, once cached and then pushed down, will be found in `tier`."""
+    """A cache whose pages, once cached and then pushed down, will be found in `tier` and loaded:
+    reuse="always", since these tests check that a hit changes nothing but the time, and a tiny
+    model recomputes a few pages about as fast as a store sends them (whether a hit pays is the
+    reuse policy's call, tested in test_reuse.py)."""
     if tier == "remote":
         cfg = CacheConfig(pool_capacity="32MiB", host_capacity="32MiB", lower_tiers=["remote"],
-                          remote_addresses=[store_address], write_policy="write_through", codec=codec)
+                          remote_addresses=[store_address], write_policy="write_through", codec=codec,
+                          reuse="always")
     elif tier == "disk":
         cfg = CacheConfig(pool_capacity="32MiB", host_capacity="32MiB", lower_tiers=["disk"],
-                          disk_path=str(tmp / "disk"), write_policy="write_through", codec=codec)
+                          disk_path=str(tmp / "disk"), write_policy="write_through", codec=codec, reuse="always")
     else:
-        cfg = CacheConfig(pool_capacity="32MiB", host_capacity="32MiB", codec=codec)
+        cfg = CacheConfig(pool_capacity="32MiB", host_capacity="32MiB", codec=codec, reuse="always")
     return TieredCache(spec, cfg)
 
 

@@ -232,28 +232,44 @@ def test_prefetch_then_load_serves_the_same_bytes_and_release_cancels():
     c.close()
 
 
-def test_a_page_from_below_is_copied_twice_on_its_way_to_the_pool(monkeypatch):
+def test_a_page_from_below_is_copied_once_into_a_cpu_pool_and_twice_after_a_prefetch(monkeypatch):
+    # A load decodes each page straight into its own device page (the pool is memory on the CPU);
+    # a prefetch, whose device pages do not exist yet, decodes into staging and scatters once.
+    # Nothing is put into host RAM on the way up either way.
     below = MemoryTier(1 << 20)
     c = make(pool_pages=8, host_pages=2, lower=[below], write_policy="write_through")
     tokens = list(range(16))
     c.put(tokens, token_kv(SPEC, tokens))
     c.flush()
-    c.evict()
-    c.host.delete(list(c.host.index))
-    c.flush()
+    pool_bytes = c.pool.kv.view(torch.uint8).numpy()
     copies: list[str] = []
-    import tiered_cache.promotion as promotion
+    import tiered_cache.tiers.chain as chain_module
 
-    real_decode, real_scatter, real_host_put = promotion.decode_page, c.pool.scatter, c.host.put
-    monkeypatch.setattr(promotion, "decode_page", lambda *a, **k: (copies.append("decode"), real_decode(*a, **k))[1])
+    real_decode, real_scatter, real_host_put = chain_module.decode_into, c.pool.scatter, c.host.put
+
+    def decode(blob, spec, key, dest, **kwargs):
+        copies.append("decode into pool" if np.shares_memory(dest, pool_bytes) else "decode into staging")
+        return real_decode(blob, spec, key, dest, **kwargs)
+
+    monkeypatch.setattr(chain_module, "decode_into", decode)
     monkeypatch.setattr(c.pool, "scatter", lambda *a, **k: (copies.append("scatter"), real_scatter(*a, **k))[1])
     monkeypatch.setattr(c.host, "put", lambda *a, **k: (copies.append("host"), real_host_put(*a, **k))[1])
-    h = c.match(tokens)
-    pages = c.load(h)
-    assert len(pages) == 4
-    assert copies.count("decode") == 4 and copies.count("scatter") == 1 and "host" not in copies
-    assert torch.equal(c.pool.read_tokens(pages, 16), token_kv(SPEC, tokens))
-    c.release(h)
+    expected = {False: ["decode into pool"] * 4, True: ["decode into staging"] * 4 + ["scatter"]}
+    for prefetch in (False, True):
+        c.evict()
+        c.host.delete(list(c.host.index))
+        c.flush()
+        copies.clear()
+        h = c.match(tokens)
+        assert h.plan == [0] * 4  # every page below, none in host RAM
+        if prefetch:
+            assert c.prefetch(h)
+        pages = c.load(h)
+        assert len(pages) == 4 and h.sources[below.name] == 4
+        assert copies == expected[prefetch], prefetch
+        assert torch.equal(c.pool.read_tokens(pages, 16), token_kv(SPEC, tokens))
+        c.release(h)
+        c.check_integrity()
     c.close()
 
 

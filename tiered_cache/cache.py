@@ -4,9 +4,11 @@ Device pool (indexed by the radix tree) -> host RAM (decoded pages) -> a `TierCh
 tiers (disk, Redis, remote stores). The request path does only what the request needs:
 
 - `match` walks the tree and asks the tiers below once (host RAM, then each lower tier at most
-  once) how far the prefix continues; `prefetch` starts bringing those pages up in the background
-  and `load` waits only for what has not arrived. A page from below is copied twice: decoded (or
-  copied from host RAM) into reused staging memory, then scattered into its device page.
+  once) how far the prefix continues (under `reuse: faster`, only as far as loading beats
+  recomputing); `prefetch` starts bringing those pages up in the background and `load` waits
+  only for what has not arrived. The load path is `promotion.py`: host RAM slots go straight into
+  device pages; a page from below lands in its device page (CPU pool) or in pinned staging, then
+  one DMA (CUDA).
 - `commit` inserts only pages whose every token was written (`write` / `mark_written`).
 - Demotion is write-behind: above `high_watermark` a background thread moves cold pages device ->
   host until `low_watermark`; host RAM evictions are encoded and put below by another background
@@ -126,6 +128,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         self.promoter = Promoter(spec, self.pool, self.host, self.chain, self._lock, self._in_flight, self.moves,
                                  self.config)
         self._staging = self.promoter.staging  # leased by demotion and swaps too
+        self.reuse = self.promoter.reuse  # the reuse policy's estimates (promotion.py, reuse.py)
         self._pages_dropped = 0  # pages whose write below was dropped (write-behind full)
         self._foreground = Foreground()  # requests in progress: background steps wait for a gap
         # get() without out= on a CPU pool: one output tensor faulted in ahead (spare_output.py).
@@ -155,7 +158,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
 
         registry = registry_of(build)
         self._fetch_metrics = FetchMetrics(registry)
-        self.chain.on_fetch = self._fetch_metrics.fetched
+        self.chain.observe_fetches(self._fetch_metrics.fetched)
         c = self.config
         routes = {"/tree": lambda: json.dumps(self.prefix_tree()).encode()}  # for `tiered-cache tree --url`
         self.metrics = MetricsServer(registry, c.metrics_host, c.metrics_port or 0, c.metrics_token, routes)
@@ -208,14 +211,16 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
 
     @_request_path
     def lookup(self, tokens: Any, namespace: str | None = None) -> int:
-        """How many leading tokens are cached in any tier (whole pages; nothing is moved)."""
+        """How many leading tokens `match` would give: cached in any tier and, under the FASTER
+        reuse policy, worth loading (whole pages; nothing is moved or counted)."""
         ns = self._ns(namespace)
         keys = self._keyer(ns).keys(as_token_array(tokens))
         with self._lock:
             self._await_keys(keys)
             on_device = self.tree.match_prefix(keys, ns).num_pages
             in_host = [k in self.host.index or k in self._in_flight for k in keys[on_device:]]
-        return (on_device + len(self.promoter.plan(keys[on_device:], in_host))) * self.spec.page_size
+        plan = self.promoter.plan(keys[on_device:], in_host)
+        return (on_device + self.promoter.reuse_cut(plan)) * self.spec.page_size
 
     @_request_path
     def get(self, tokens: Any, namespace: str | None = None,
@@ -250,12 +255,15 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
     def match(self, tokens: Any, namespace: str | None = None) -> CacheHandle:
         """Find the cached prefix and lock its device pages. Pages found only below the device
         (host RAM, lower tiers: each asked once) are counted in `available_pages` and planned for
-        `prefetch` / `load`."""
+        `prefetch` / `load`: under the FASTER reuse policy only the leading ones that arrive sooner
+        than the engine would compute them (the rest are counted in `stats().reuse`)."""
         ns = self._ns(namespace)
         toks = as_token_array(tokens)
-        return self._match_keys(ns, self._keyer(ns).keys(toks), toks)
+        return self._match_keys(ns, self._keyer(ns).keys(toks), toks, reuse_policy=True)
 
-    def _match_keys(self, ns: str, keys: list[bytes], toks: Any) -> CacheHandle:
+    def _match_keys(self, ns: str, keys: list[bytes], toks: Any, reuse_policy: bool = False) -> CacheHandle:
+        """`match` on computed keys. `reuse_policy`: cut the plan where loading stops paying; off
+        for callers that need the whole prefix back (`swap_in`: the request's own pages follow it)."""
         with self._lock:
             self._check_open()
             self._await_keys(keys)
@@ -269,12 +277,25 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             with self._lock:
                 self.tree.unlock(result.node)
             raise
+        if reuse_policy:
+            plan = self.promoter.worth_loading(keys[result.num_pages:], plan)
         handle = CacheHandle(self, ns, self.spec.page_size, keys, result.node, result.values,
                              result.num_pages + len(plan), plan, tokens=toks)
         handle.sources["device"] = result.num_pages
         with self._lock:
             self._live.add(handle)
         return handle
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Tell the reuse policy that the engine prefilled `num_tokens` tokens in `seconds` (the
+        forward of the uncached part alone, not the load; on CUDA after a synchronize). The
+        FASTER policy plans with this rate unless `CacheConfig.prefill_tokens_per_s` fixes one.
+        Raises ValueError for a negative count or time."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be a non-negative integer, got {num_tokens!r}")
+        if not seconds >= 0:
+            raise ValueError(f"seconds must be a non-negative number, got {seconds!r}")
+        self.reuse.observe_prefill(int(num_tokens), float(seconds))
 
     @_request_path
     def prefetch(self, handle: CacheHandle) -> bool:
@@ -324,12 +345,25 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
                 fetched = None
             if self._fetch_metrics is not None:
                 self._fetch_metrics.prefetch_wait.observe(time.perf_counter() - waited)
+        if fetched is None and self.promoter.fills_pool and HOST not in plan:
+            # A CPU pool, every page below host RAM: device pages first, then each page lands
+            # straight in its own (one copy, no staging); only as many are fetched as fit. (With
+            # pages in host RAM, allocating first could evict them before they are copied: the
+            # staged path copies them out first.)
+            return self._install(handle, start, len(wanted),
+                                 lambda pages: self.promoter.fetch(wanted[:len(pages)], plan[:len(pages)], pages=pages))
         if fetched is None:
             fetched = self.promoter.fetch(wanted, plan)
+        staged = fetched
+
+        def from_staging(pages: np.ndarray) -> Fetched:
+            self.promoter.staged_to_pool(staged, pages)
+            return staged
+
         try:
-            return self._install(handle, start, fetched)
+            return self._install(handle, start, staged.n, from_staging)
         finally:
-            self.promoter.give_back(fetched)
+            self.promoter.give_back(staged)
 
     @_request_path
     def allocate(self, handle: CacheHandle, num_tokens: int) -> np.ndarray:
@@ -497,17 +531,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         chunk at a time after a quiet moment, as every write below does."""
         with self._lock:
             held = list(self.host.index)
-        keys = [k for k in held if moved(k)]  # hashing outside the lock
-        step = max(1, _WRITE_CHUNK_BYTES // self.spec.bytes_per_page)
-        for start in range(0, len(keys), step):
-            self._step_aside()
-            with self._lock:
-                if self._closed:
-                    return
-                found, pages = self.host.copy_out(keys[start:start + step])
-            items = self._encode_politely(found, pages)
-            self._step_aside()
-            self.chain.put(items, index, demotion=True)
+        self._write_host_below([k for k in held if moved(k)], [index])  # hashing outside the lock
 
     # --- statistics ------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -526,7 +550,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         queues = [self._demoter.figures(), self._writer.figures()]
         return CacheStats(tiers, pool, self.spec.page_size, nodes, size.evictable, size.protected, queues,
                           self.promoter.declined, self.chain.skipped_puts,
-                          self._pages_dropped)
+                          self._pages_dropped, self.reuse.figures())
 
     def prefix_tree(self, max_nodes: int = 500, decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
         """The radix tree of prefixes as plain data (tree_view.py), for `tiered-cache tree`; with
@@ -538,7 +562,9 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
 
         with self._lock:
             view = snapshot(self.tree, self.spec.page_size, self._page_tokens, where, max_nodes)
-        view["tiers"] = {t.name: t.pages for t in self.stats().tiers}
+        stats = self.stats()
+        view["tiers"] = {t.name: t.pages for t in stats.tiers}
+        view["reuse"] = stats.reuse.to_dict() if stats.reuse is not None else None
         return decode_previews(view, decode) if decode is not None else view
 
     def close(self) -> None:
@@ -608,24 +634,28 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         self.tree.unlock(handle.node)
         handle.node = node
 
-    def _install(self, handle: CacheHandle, start: int, fetched: Fetched) -> np.ndarray:
-        """Put fetched pages into device pages (as many as fit) and into the tree."""
+    def _install(self, handle: CacheHandle, start: int, num_pages: int,
+                 fill: Callable[[np.ndarray], Fetched]) -> np.ndarray:
+        """Allocate up to `num_pages` device pages (as many as fit), have `fill` bring the
+        prefix's next pages into them, and put the leading ones that arrived into the tree; the
+        rest are freed. The pages are ours until adopted: `fill` runs without the lock."""
         with self._lock:
             self._check_live(handle)
-            pages = self._allocate_fitting(fetched.n)
+            pages = self._allocate_fitting(num_pages)
             self._loose += len(pages)
-        n = len(pages)
         try:
-            if n:
-                self.promoter.staged_to_pool(fetched, pages)  # the pages are ours until adopted
+            filled = fill(pages) if len(pages) else None
         except BaseException:
             with self._lock:
                 self.pool.free(pages)
-                self._loose -= n
+                self._loose -= len(pages)
             raise
+        n = min(filled.n, len(pages)) if filled is not None else 0
         with self._lock:
-            self._loose -= n
-            return self._adopt_loaded(handle, start, pages, fetched.tiers[:n])
+            self._loose -= len(pages)
+            if n < len(pages):
+                self.pool.free(pages[n:])  # from the first page that did not arrive: never adopted
+            return self._adopt_loaded(handle, start, pages[:n], filled.tiers[:n] if filled is not None else [])
 
     def _load_from_host(self, handle: CacheHandle, start: int, wanted: list[bytes]) -> np.ndarray | None:
         """All of `wanted` in host RAM: copy its slots straight into new device pages, one copy
@@ -879,11 +909,11 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
                     self._host_evicted([chosen[i] for i in overflow], spill)
                 in_host = self.host.contains_prefix(keys[first:])
         if self.chain.tiers and in_host:
-            self._writer.submit(self._write_host_below, keys[first:first + in_host])
+            self._writer.submit(self._write_host_below, keys[first:first + in_host], range(len(self.chain.tiers)))
 
-    def _write_host_below(self, keys: list[bytes]) -> None:
-        """Background (write-through): put pages host RAM holds into every lower tier, a chunk at
-        a time, each copied out of host RAM under the lock only for that chunk."""
+    def _write_host_below(self, keys: list[bytes], tiers: Sequence[int]) -> None:
+        """Background: put the pages of `keys` host RAM holds into lower `tiers`, a chunk at a time
+        after a quiet moment, each chunk copied out of host RAM under the lock only for that chunk."""
         step = max(1, _WRITE_CHUNK_BYTES // self.spec.bytes_per_page)
         for start in range(0, len(keys), step):
             self._step_aside()
@@ -892,7 +922,7 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
                     return
                 found, pages = self.host.copy_out(keys[start:start + step])
             items = self._encode_politely(found, pages)
-            for index in range(len(self.chain.tiers)):
+            for index in tiers:
                 self._step_aside()
                 self.chain.put(items, index, demotion=True)
 

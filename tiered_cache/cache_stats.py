@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from tiered_cache.demotion import QueueFigures
+from tiered_cache.reuse import ReuseFigures
 from tiered_cache.tiers.base import TierStats
 
 
@@ -55,6 +56,7 @@ class CacheStats:
     prefetch_declined: int = 0  # prefetches not started because max_prefetches were in flight
     skipped_puts: int = 0  # lower-tier puts avoided: the tier was known to hold the page
     dropped_pages: int = 0  # pages whose write below was dropped: the write-behind was full
+    reuse: ReuseFigures | None = None  # load and prefill rate estimates, pages left to recompute
 
     def queue(self, name: str) -> QueueFigures:
         return next(q for q in self.queues if q.name == name)
@@ -85,4 +87,5 @@ class CacheStats:
             "prefetch_declined": self.prefetch_declined,
             "skipped_puts": self.skipped_puts,
             "dropped_pages": self.dropped_pages,
+            "reuse": self.reuse.to_dict() if self.reuse is not None else None,
         }

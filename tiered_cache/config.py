@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from tiered_cache.index.radix_node import EvictionPolicy
 from tiered_cache.model.units import parse_size
+from tiered_cache.reuse import ReusePolicy
 from tiered_cache.service.auth import check_token
 from tiered_cache.tiers.codec import Codec
 
@@ -79,6 +80,13 @@ class CacheConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     metrics_token: str | None = None  # scrapes must send `authorization: Bearer TOKEN`
+    # Reuse policy (reuse.py): FASTER loads only the leading cached pages that arrive sooner than
+    # the engine would recompute them, judged by moving estimates of each tier's load rate and of
+    # the prefill rate; ALWAYS loads every page found. `prefill_tokens_per_s` fixes the prefill
+    # rate; None learns it from the engine (`TieredCache.observe_prefill`), and until it is known
+    # everything is loaded.
+    reuse: ReusePolicy = ReusePolicy.FASTER
+    prefill_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -104,6 +112,9 @@ class CacheConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535 or None, got {self.metrics_port}")
+        if self.prefill_tokens_per_s is not None and not (0 < self.prefill_tokens_per_s < float("inf")):
+            raise ValueError(f"prefill_tokens_per_s must be a positive number of tokens per second or None "
+                             f"(learned), got {self.prefill_tokens_per_s}")
 
     def replace(self, **changes: Any) -> CacheConfig:
         return dataclasses.replace(self, **changes)
@@ -204,6 +215,8 @@ def _coerce(name: str, value: Any) -> Any:
             return _choice(WritePolicy, value)
         if name == "eviction_policy":
             return _choice(EvictionPolicy, value)
+        if name == "reuse":
+            return _choice(ReusePolicy, value.strip().lower() if isinstance(value, str) else value)
         if name in {"disk_fsync", "malloc_tuning", "spare_output"}:
             if isinstance(value, bool):
                 return value
@@ -213,7 +226,7 @@ def _coerce(name: str, value: Any) -> Any:
             return text in _TRUE
         if name in {"codec_min_saving", "redis_timeout_s", "remote_timeout_s", "high_watermark", "low_watermark"}:
             return _number(value)
-        if name == "remote_budget_s":
+        if name in {"remote_budget_s", "prefill_tokens_per_s"}:
             return None if value is None or str(value).strip().lower() in {"", "none"} else _number(value)
         if name == "metrics_port" and (value is None or str(value).strip().lower() in {"", "none"}):
             return None

@@ -6,11 +6,20 @@ The load (promotion) path of `TieredCache`, in one place:
   each lower tier at most once.
 - `prefetch`: start a `fetch` in the background (bounded: `max_prefetches` in flight, the rest
   declined and counted, `load` then fetches inline).
-- `fetch`: copy the pages into a leased page-first staging buffer: host RAM pages under the
-  cache's lock (memory), lower-tier blobs fetched (one batched call per tier) and decoded
-  outside it; a page that moved meanwhile is looked for again, a bounded number of times.
+- `fetch`: bring the pages into their destinations: on a CPU pool, when none is in host RAM, the
+  device pages the cache allocated for them (`fills_pool`), else (CUDA; a prefetch, whose pages
+  are not allocated yet; host RAM pages, copied out before the allocation could evict them) a
+  leased page-first staging buffer, pinned on CUDA. Host RAM pages are copied under the
+  cache's lock (memory); lower-tier pages go straight from the tier into their destinations
+  outside it (`TierChain.fetch_into`: no blob in between, each page verified where it lands).
+  A page that moved meanwhile is looked for again, a bounded number of times.
 - `host_to_pool`: host RAM slots straight into device pages, one DMA per run of slots on CUDA
   (`device/host_copy.py`), with no staging copy.
+
+Copies from a tier below to the pool: one on a CPU pool (the tier's read lands in the page:
+a file read, a socket read, a copy out of a store server's ring), two through staging on CUDA
+or after a prefetch (that read, then one DMA or copy into the pool). Nothing is put into host
+RAM on the way up.
 
 Who owns what: the cache allocates device pages and hands them to the tree (it owns the
 ledger); the promoter only fills pages it is given and staging buffers it leased.
@@ -18,9 +27,10 @@ ledger); the promoter only fills pages it is given and staging buffers it leased
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -34,23 +44,27 @@ from tiered_cache.device.host_copy import HostCopier
 from tiered_cache.device.pool import PagePool
 from tiered_cache.handle import HOST, Prefetch
 from tiered_cache.model.spec import KVSpec
+from tiered_cache.reuse import ReuseEstimates
 from tiered_cache.staging import StagingBuffers
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.codec import BlobError, decode_page
+from tiered_cache.tiers.codec import PageDest
 from tiered_cache.tiers.host import HostTier
 
 _NOWHERE = -2  # in a plan being built: no tier found the page (HOST is -1, lower tiers >= 0)
+# Reuse policy: a lower tier skipped as slower than recompute is re-measured (a background fetch of
+# up to _PROBE_PAGES of the pages skipped) once its estimate is this old.
+REUSE_REMEASURE_S = 30.0
+_PROBE_PAGES = 8
 _MAX_REPLANS = 3  # times one fetch looks again for pages that moved down while it ran
 
-# Called after each load of pages into the pool from a tier with (tier name, bytes, seconds).
-LoadObserver = Callable[[str, int, float], None]
 
 
 @dataclass
 class Fetched:
-    """Pages brought up from below into a leased staging buffer: the first `n` are valid."""
+    """Pages brought up from below, the first `n` valid: in a leased staging `buffer`, or (None)
+    straight in the device pages the fetch was given."""
 
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None
     n: int
     tiers: list[str]  # the tier that supplied each of the n pages
 
@@ -67,8 +81,21 @@ class Promoter:
         self.moves = moves
         self.staging = StagingBuffers(spec, pin=pool.kv.device.type == "cuda")
         self.copier = HostCopier(pool)
+        # On a CPU pool, pages from below land straight in their device pages: the pool is memory
+        # too, and staging would be a second pass over every byte. Its bytes as
+        # (K/V, layer, page, bytes): one page's blocks, in page-first order, are `_pool_dest`.
+        self.fills_pool = pool.kv.device.type == "cpu"
+        self._pool_bytes: np.ndarray | None = None
+        if self.fills_pool:
+            with torch.inference_mode(False):
+                self._pool_bytes = pool.kv.view(torch.uint8).reshape(2, spec.num_layers, pool.num_pages, -1).numpy()
         self.declined = 0  # prefetches not started because max_prefetches were in flight
-        self.on_load: LoadObserver | None = None
+        # Reuse policy (reuse.py): `worth_loading` keeps only the leading pages that arrive sooner
+        # than the engine would compute them. Load-rate samples: this promoter's loads (host RAM ->
+        # pool, a whole fetch from one tier) and every batched fetch below (also inside mixed
+        # fetches); prefill samples from the engine (`TieredCache.observe_prefill`).
+        self.reuse = ReuseEstimates(config.reuse, config.prefill_tokens_per_s)
+        self.chain.observe_fetches(self.reuse.observe_fetch)
         self._lock = lock  # the cache's: guards host RAM metadata and `in_flight`
         self._in_flight = in_flight  # pages on their way below, still served from memory
         self._workers = config.prefetch_workers
@@ -88,6 +115,42 @@ class Promoter:
                     plan[i] = w
         first_miss = next((i for i, p in enumerate(plan) if p == _NOWHERE), len(plan))
         return plan[:first_miss]
+
+    def worth_loading(self, keys: Sequence[bytes], plan: list[int]) -> list[int]:
+        """The leading part of `plan` (for `keys`) worth loading under the reuse policy: the pages
+        cut off are counted per tier, and a lower tier among them whose estimate is stale is
+        re-measured in the background."""
+        keep = self.reuse_cut(plan)
+        if keep < len(plan):  # the rest arrives later than the engine would compute it
+            self.reuse.count_skipped([self._tier_name(where) for where in plan[keep:]])
+            self._probe_skipped(list(keys[keep:len(plan)]), plan[keep:])
+        return plan[:keep]
+
+    def reuse_cut(self, plan: list[int]) -> int:
+        """How many leading pages of `plan` to load under the reuse policy (reuse.py)."""
+        names = {where: self._tier_name(where) for where in set(plan)}
+        return self.reuse.cut(plan, names, self.spec.bytes_per_page, self.spec.page_size)
+
+    def _tier_name(self, where: int) -> str:
+        return self.host.name if where == HOST else self.chain.tiers[where].name
+
+    def _probe_skipped(self, keys: list[bytes], plan: list[int]) -> None:
+        """Re-measure lower tiers skipped as slow whose estimate is `REUSE_REMEASURE_S` old: a
+        skipped tier is never fetched from, so nothing else would ever update it (a first fetch
+        slowed by connecting, a link that recovered). A few of the skipped pages are fetched in the
+        background and thrown away; the fetch observers take the sample. Host RAM is not probed:
+        its copies run at memory speed, which does not drift the way a network does."""
+        for index in sorted(set(plan) - {HOST}):
+            tier = self.chain.tiers[index].name
+            if not self.reuse.due_for_probe(tier, REUSE_REMEASURE_S):
+                continue
+            chosen = [k for k, where in zip(keys, plan, strict=True) if where == index][:_PROBE_PAGES]
+
+            def probe(chosen: list[bytes] = chosen, index: int = index) -> None:
+                with contextlib.suppress(Exception):  # a tier closed meanwhile: nothing to learn
+                    self.chain.fetch(chosen, [index] * len(chosen))
+
+            threading.Thread(target=probe, name=f"tiered-cache-probe-{tier}", daemon=True).start()
 
     # --- moving them up -------------------------------------------------------------------------
     def host_to_pool(self, slots: np.ndarray, pages: np.ndarray) -> None:
@@ -119,16 +182,27 @@ class Promoter:
 
         return Prefetch(self._executor.submit(job), cancel)
 
-    def fetch(self, keys: list[bytes], plan: list[int], cancel: threading.Event | None = None) -> Fetched:
-        """Copy the leading pages of `keys` into a leased staging buffer, page-first: host RAM
-        pages under the lock (memory), lower-tier blobs fetched (one batched call per tier) and
-        decoded outside it. A page that left host RAM since `match` (demoted meanwhile) is looked
-        for below once; the fetch stops at the first page that no longer arrives intact."""
+    def fetch(self, keys: list[bytes], plan: list[int], cancel: threading.Event | None = None,
+              pages: np.ndarray | None = None) -> Fetched:
+        """Bring the leading pages of `keys` (located by `plan`) up, page-first: into device
+        `pages` (one per key) when given, for a plan with no page in host RAM on a CPU pool
+        (`fills_pool`; the caller owns the pages until it adopts them), else into a leased staging
+        buffer. Host RAM pages are copied under the lock (memory), lower-tier pages go straight
+        into their destinations outside it (one batched call per tier, each page verified where
+        it lands). A page that left host RAM since `match` (demoted meanwhile) is looked for below
+        again; the fetch stops at the first page that no longer arrives intact."""
         started = time.perf_counter()
-        buffer = self.staging.lease(len(keys))
-        raw = buffer.view(torch.uint8).reshape(buffer.shape[0], -1).numpy()
+        buffer: torch.Tensor | None = None
+        if pages is not None:
+            assert self.fills_pool and len(pages) >= len(keys) and HOST not in plan, \
+                "fetch into device pages: a CPU pool, one page per key, none from host RAM"
+            dests: list[PageDest] = [self._pool_dest(int(page)) for page in pages[:len(keys)]]
+        else:
+            buffer = self.staging.lease(len(keys))
+            raw = buffer.view(torch.uint8).reshape(buffer.shape[0], -1).numpy()
+            dests = [raw[i] for i in range(len(keys))]
         plan = list(plan)
-        blobs = self._fetch_blobs(keys, plan, 0)
+        arrived = self._fetch_below(keys, plan, 0, dests)
         tiers: list[str] = []
         pos, replans = 0, 0
         while pos < len(keys) and not (cancel is not None and cancel.is_set()):
@@ -136,34 +210,37 @@ class Promoter:
                 end = pos
                 while end < len(keys) and plan[end] == HOST:
                     end += 1
+                assert buffer is not None
                 with self._lock:
                     n = self._copy_from_host(keys[pos:end], buffer[pos:end])
                 tiers += ["host"] * n
                 pos += n
-                arrived = pos == end
+                landed = pos == end
             else:
-                index = plan[pos]
-                arrived = self._decode_into(index, keys[pos], blobs.get(pos), raw[pos])
-                if arrived:
-                    tiers.append(self.chain.tiers[index].name)
+                landed = arrived.get(pos, False)
+                if landed:
+                    tiers.append(self.chain.tiers[plan[pos]].name)
                     pos += 1
-            if not arrived:
-                # The page moved since `match` (background demotion goes on while we read): look
-                # for the rest below again, a bounded number of times; then the prefix ends here.
+            if not landed:
+                # The page moved since `match` (background demotion goes on while we read), or
+                # its tier no longer holds it intact: look for the rest below again, a bounded
+                # number of times; then the prefix ends here.
                 if replans == _MAX_REPLANS or not self.chain.tiers:
                     break
                 replans += 1
                 where = self.chain.locate(keys[pos:], leading=True)
                 cut = next((i for i, w in enumerate(where) if w is None), len(where))
                 keys, plan = keys[:pos + cut], plan[:pos] + [w for w in where[:cut] if w is not None]
-                blobs.update(self._fetch_blobs(keys, plan, pos))
+                arrived.update(self._fetch_below(keys, plan, pos, dests))
         if tiers and len(set(tiers)) == 1:  # a rate per tier: mixed fetches tell none
             self._observe(tiers[0], len(tiers), time.perf_counter() - started)
         return Fetched(buffer, pos, tiers)
 
     def give_back(self, fetched: Fetched) -> None:
-        """The staging buffer of a fetch whose pages are in place (or dropped)."""
-        self.staging.give_back(fetched.buffer)
+        """The staging buffer of a fetch whose pages are in place (or dropped); none for a fetch
+        into device pages."""
+        if fetched.buffer is not None:
+            self.staging.give_back(fetched.buffer)
 
     def give_back_when_done(self, future: Future[Any]) -> None:
         """A prefetch nobody will load: its buffer returns once it ends."""
@@ -178,12 +255,20 @@ class Promoter:
             self._executor.shutdown(wait=True, cancel_futures=True)
 
     # --- internals ------------------------------------------------------------------------------
-    def _fetch_blobs(self, keys: list[bytes], plan: list[int], start: int) -> dict[int, bytes | None]:
-        """Blobs of the planned lower-tier pages at positions >= `start` (one call per tier)."""
+    def _pool_dest(self, page: int) -> PageDest:
+        """Device page `page` of a CPU pool as a page destination (codec.py): its (layers, 2,
+        bytes) blocks, strided in the layer-first pool, in page-first order."""
+        assert self._pool_bytes is not None
+        return self._pool_bytes[:, :, page].transpose(1, 0, 2)
+
+    def _fetch_below(self, keys: list[bytes], plan: list[int], start: int, dests: list[PageDest]) -> dict[int, bool]:
+        """Bring the planned lower-tier pages at positions >= `start` into their destinations (one
+        call per tier); whether each arrived, by position."""
         below = [i for i in range(start, len(keys)) if plan[i] != HOST]
         if not below:
             return {}
-        got = self.chain.fetch([keys[i] for i in below], [plan[i] for i in below])
+        got = self.chain.fetch_into([keys[i] for i in below], [plan[i] for i in below], [dests[i] for i in below],
+                                    self.spec)
         return dict(zip(below, got, strict=True))
 
     def _copy_from_host(self, keys: list[bytes], out: torch.Tensor) -> int:
@@ -200,20 +285,6 @@ class Promoter:
             n += run
         return n
 
-    def _decode_into(self, index: int, key: bytes, blob: bytes | None, out: np.ndarray) -> bool:
-        """Decode `blob` into `out` (one page's bytes); a bad blob is counted, deleted, and False."""
-        if blob is None:
-            return False
-        try:
-            # NOTE: a BlobTier verifies the checksum of every blob it returns (DESIGN.md §7).
-            decode_page(blob, self.spec, key, out=out, check_crc=False)
-        except BlobError:
-            with self._lock:
-                self.moves.refused[self.chain.tiers[index].name] += 1
-            self.chain.delete([key], index)
-            return False
-        return True
-
     def _observe(self, tier: str, num_pages: int, seconds: float) -> None:
-        if self.on_load is not None and num_pages:
-            self.on_load(tier, num_pages * self.spec.bytes_per_page, seconds)
+        if num_pages:
+            self.reuse.observe_load(tier, num_pages * self.spec.bytes_per_page, seconds)

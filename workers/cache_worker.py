@@ -67,7 +67,7 @@ class CacheWorker:
                                          name="tiered-cache-ring-watch")
         self._watcher.start()
         self.metrics = RayMetrics(name, self._metric_families).start()
-        self.cache.chain.on_fetch = self.metrics.fetched
+        self.cache.chain.observe_fetches(self.metrics.fetched)
 
     # --- ring -------------------------------------------------------------------------------------
     def _refresh_ring(self) -> None:

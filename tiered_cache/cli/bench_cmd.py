@@ -170,6 +170,18 @@ def add_parser(commands: Any) -> None:
     load.add_argument("--plot", "--png", dest="png", metavar="FILE",
                       help="also write a PNG of latency and server memory over time here (--png: the old name)")
     subs.append(load)
+    gpu = _add(which, "gpu", help="TTFT on a real-shape model with random weights (bf16 on CUDA), recomputed vs "
+                                  "reused from each tier, each load beside a same-run pinned copy")
+    from tiered_cache.bench.gpu_args import add_arguments as add_gpu_arguments
+
+    add_gpu_arguments(gpu)
+    subs.append(gpu)
+    promote = _add(which, "promote", help="a prefix loaded into the pool through TieredCache from host RAM, disk, "
+                                          "Redis and a store server, each beside the tier's raw read; evict vs memcpy")
+    from tiered_cache.bench.promote_bench import add_arguments as add_promote_arguments
+
+    add_promote_arguments(promote)
+    subs.append(promote)
     for sub in subs:
         sub.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
         if sub.prog.rsplit(" ", 1)[-1] in _PLOTS:
@@ -360,6 +372,14 @@ def run(args: argparse.Namespace) -> int:
         from tiered_cache.bench.load_bench import run_load_bench
 
         return run_load_bench(args)
+    if args.bench == "gpu":
+        from tiered_cache.bench.gpu_bench import run_gpu_bench
+
+        return run_gpu_bench(args)
+    if args.bench == "promote":
+        from tiered_cache.bench.promote_bench import run_promote_bench
+
+        return run_promote_bench(args)
     if args.bench == "codec":
         from tiered_cache.bench.codec_bench import run_codec_bench
 

@@ -22,6 +22,7 @@ def _row(actor: str, node: str, tier: dict[str, Any]) -> list[str]:
 
 def render_cluster(figures: dict[str, Any]) -> str:
     from tiered_cache.cli.cluster_cmd import node_label
+    from tiered_cache.cli.tree_render import reuse_line
     from workers.cluster import tiers_of
 
     rows, notes = [], []
@@ -32,6 +33,8 @@ def render_cluster(figures: dict[str, Any]) -> str:
         label = f"{actor['kind']} {actor['name']}"
         for tier in tiers_of(actor):
             rows.append(_row(label, node_label(actor), tier))
+        if reuse := reuse_line(actor.get("cache", {}).get("reuse")):
+            notes.append(f"{actor['name']}: {reuse}")
     for name, tier in figures["totals"].items():
         rows.append(_row("cluster total", "", {"name": name, **tier}))
     workers = sum(a["kind"] == "worker" and "error" not in a for a in figures["actors"])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiered_cache.model.units import format_binary
+
 PREVIEW_CHARS = 36
 
 
@@ -38,6 +40,23 @@ def _line(node: dict[str, Any]) -> str:
             f"{_preview(node)}")
 
 
+def reuse_line(reuse: dict[str, Any] | None) -> str:
+    """One line on the reuse policy (`ReuseFigures.to_dict()`): what it plans with and what it
+    skipped. Empty without figures (an older cache)."""
+    if not reuse:
+        return ""
+    prefill = reuse.get("prefill_tokens_per_s")
+    said = (f"prefill {prefill:,.0f} tokens/s ({'set' if reuse.get('prefill_configured') else 'measured'})"
+            if prefill else "prefill rate not known yet: everything found is loaded")
+    rates = ", ".join(f"{tier} {format_binary(r['bytes_per_s'])}/s"
+                      + (f" + {1e3 * r['latency_s']:.1f} ms" if r["latency_s"] >= 5e-5 else "")
+                      for tier, r in reuse.get("load_rates", {}).items())
+    skipped = reuse.get("skipped_pages", {})
+    left = (f"{sum(skipped.values()):,} pages left to recompute ("
+            + ", ".join(f"{t} {n:,}" for t, n in skipped.items()) + ")") if skipped else "no page skipped"
+    return f"reuse {reuse['policy']}: {said}; load {rates or 'not measured yet'}; {left}"
+
+
 def render_tree(view: dict[str, Any], title: str = "") -> str:
     lines = [title] if title else []
     tiers = view.get("tiers", {})
@@ -59,4 +78,6 @@ def render_tree(view: dict[str, Any], title: str = "") -> str:
         lines.append(f"(only the largest branches shown: the tree has {view['nodes']:,} nodes; raise --max-nodes)")
     if below:
         lines.append(f"pages per tier (the tree holds the device's; host RAM and below hold pages by key): {below}")
+    if reuse := reuse_line(view.get("reuse")):
+        lines.append(reuse)
     return "\n".join(lines)

@@ -100,7 +100,16 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
                 _trim_sources(sources, reused)
         device = getattr(model, "device", None)  # inputs go where the weights are (a GPU worker)
         keyword = cache_keyword(model)
-        out = model(torch.tensor([ids[reused:]], device=device), use_cache=True, **{keyword: past})
+        inputs = torch.tensor([ids[reused:]], device=device)
+        on_cuda = inputs.device.type == "cuda"
+        if on_cuda:  # the load's copies may still run: they are not prefill
+            torch.cuda.synchronize(inputs.device)
+        forward_started = time.perf_counter()
+        out = model(inputs, use_cache=True, **{keyword: past})
+        if on_cuda:
+            torch.cuda.synchronize(inputs.device)
+        if cache is not None:  # the reuse policy weighs loads against this rate
+            cache.observe_prefill(len(ids) - reused, time.perf_counter() - forward_started)
         logits = out.logits[0, -1].float()
         next_token = int(logits.argmax())
         ttft = time.perf_counter() - start

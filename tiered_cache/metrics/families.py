@@ -67,8 +67,9 @@ def _single(name: str, kind: str, doc: str, value: float) -> Metric:
 
 
 def cache_families(stats: Any) -> list[Metric]:
-    """The engine-side cache's own figures (a `CacheStats`): the device pool, the radix tree and
-    the background queues (the write-behind demoter and the lower-tier writer)."""
+    """The engine-side cache's own figures (a `CacheStats`): the device pool, the radix tree,
+    the background queues (the write-behind demoter and the lower-tier writer) and the reuse
+    policy's estimates and skipped pages."""
     pool = stats.pool
     pages = GaugeMetricFamily(PREFIX + "pool_pages", "Device pool pages by state", labels=["state"])
     pages.add_metric(["used"], pool.used_pages)
@@ -78,7 +79,7 @@ def cache_families(stats: Any) -> list[Metric]:
     for q in stats.queues:
         depth.add_metric([q.name], q.depth)
         dropped.add_metric([q.name], q.dropped)
-    return [pages, depth, dropped, *(_single(*row) for row in (
+    return [pages, depth, dropped, *reuse_families(stats.reuse), *(_single(*row) for row in (
         ("pool_utilisation_ratio", "gauge", "Used device pool pages over all", pool.utilisation),
         ("pool_unused_slots", "gauge", "Token slots allocated in used pages but holding no token", pool.unused_slots),
         ("pool_fragmentation_ratio", "gauge", "Unused token slots over all slots of the pages in use",
@@ -97,6 +98,31 @@ def cache_families(stats: Any) -> list[Metric]:
         ("dropped_pages", "counter", "Pages whose write below was dropped: the write-behind was full",
          stats.dropped_pages),
     ))]
+
+
+def reuse_families(reuse: Any) -> list[Metric]:
+    """The reuse policy's figures (a `ReuseFigures`, or None): pages skipped as slower to load
+    than to recompute, by tier; each tier's estimated load rate and per-call latency; the prefill
+    rate planned with (absent until known)."""
+    if reuse is None:
+        return []
+    skipped = CounterMetricFamily(PREFIX + "reuse_skipped_pages", "Cached pages left for the engine to recompute: "
+                                  "loading them was estimated slower (reuse policy)", labels=["tier"])
+    for tier, n in reuse.skipped_pages.items():
+        skipped.add_metric([tier], n)
+    rate = GaugeMetricFamily(PREFIX + "reuse_load_rate_bytes_per_second", "Estimated rate of loading pages from "
+                             "a tier into the device pool", labels=["tier"])
+    latency = GaugeMetricFamily(PREFIX + "reuse_load_latency_seconds", "Estimated fixed cost of one load from a "
+                                "tier", labels=["tier"])
+    for tier, fit in reuse.load_rates.items():
+        rate.add_metric([tier], fit.per_s)
+        latency.add_metric([tier], fit.latency_s)
+    out = [skipped, rate, latency]
+    if reuse.prefill_tokens_per_s is not None:
+        out.append(_single("reuse_prefill_rate_tokens_per_second", "gauge",
+                           "Prefill rate the reuse policy plans with (configured or measured)",
+                           reuse.prefill_tokens_per_s))
+    return out
 
 
 def server_families(counters: Any, streams_open: int, shm_pages: int = 0, shm_pages_reused: int = 0) -> list[Metric]:

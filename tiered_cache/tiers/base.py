@@ -52,7 +52,13 @@ class TierStats:
 class BlobTier(Protocol):
     """A tier below host RAM: stores page blobs (codec.py) by page key. All calls are batched,
     never raise for a tier that is down or slow (they report misses and count errors), and
-    never return a blob that fails `codec.verify_blob` for the key asked."""
+    never return a blob that fails `codec.verify_blob` for the key asked.
+
+    A tier may also offer `get_into(keys, dests, spec) -> list[int]`: each key's page of `spec`,
+    verified, written straight into its destination (codec.py: a staging row, or a CPU pool's
+    page), with the stored blob's size for each that arrived and 0 for a miss; a refused blob is
+    counted as corrupt and deleted where the tier can. `TierChain.fetch_into` uses it where it
+    exists (disk, Redis, remote) and decodes `get`'s blobs otherwise."""
 
     name: str
 

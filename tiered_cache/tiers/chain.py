@@ -1,4 +1,5 @@
 """`TierChain`: blob tiers in order, fastest first, as one store with put / locate / fetch / demote.
+`fetch_into` brings pages up into their destinations (codec.py) instead of as blobs.
 
 Used below host RAM by `TieredCache` and, with a RAM blob tier in front, by the store server's
 `BlobStore`. Torch-free (the store server never imports torch).
@@ -26,8 +27,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tiered_cache.tiers.base import BlobTier, EvictCallback, TierStats
+from tiered_cache.tiers.codec import BlobError, PageDest, decode_into
 
 if TYPE_CHECKING:
+    from tiered_cache.model.spec import KVSpec
     from tiered_cache.service.shm_ring import ShmLease
 
 _DEFAULT_MAX_KNOWN = 1 << 20  # keys whose residency is remembered (~100 B each)
@@ -39,8 +42,10 @@ class TierChain:
         self.promotions: Counter[str] = Counter()  # blobs read from a tier to be copied up
         self.demotions: Counter[str] = Counter()  # blobs written into a tier from the one above
         self.skipped_puts = 0  # puts avoided because the tier was known to hold the key
-        # Called after each batched fetch from a tier with (tier name, seconds, bytes): metrics.
-        self.on_fetch: Callable[[str, float, int], None] | None = None
+        self.refused: Counter[str] = Counter()  # verified blobs `fetch_into` found were no page it asked for
+        # Called after each batched fetch from a tier with (tier name, seconds, bytes): metrics and
+        # the reuse policy's load-rate estimates both listen (`observe_fetches`).
+        self._fetch_observers: list[Callable[[str, float, int], None]] = []
         # Tiers that are safe to call from several threads (a Redis client pool, gRPC channels)
         # get no lock: a lookup must not queue behind another thread's multi-MiB put.
         self._tier_locks = [contextlib.nullcontext() if getattr(tier, "thread_safe", False) else threading.RLock()
@@ -54,6 +59,11 @@ class TierChain:
 
     def __len__(self) -> int:
         return len(self.tiers)
+
+    def observe_fetches(self, observer: Callable[[str, float, int], None]) -> None:
+        """Call `observer(tier name, seconds, bytes)` after each batched fetch from a tier (on the
+        fetching thread; it must be quick and must not raise)."""
+        self._fetch_observers.append(observer)
 
     # --- residency -------------------------------------------------------------------------------
     def known_in(self, key: bytes, index: int) -> bool:
@@ -132,8 +142,10 @@ class TierChain:
             with self._tier_locks[index]:
                 lends = lease is not None and getattr(tier, "lends_views", False)
                 blobs = tier.get(wanted, lease=lease) if lends else tier.get(wanted)
-            if self.on_fetch is not None:
-                self.on_fetch(tier.name, time.perf_counter() - started, sum(len(b) for b in blobs if b is not None))
+            if self._fetch_observers:
+                seconds, nbytes = time.perf_counter() - started, sum(len(b) for b in blobs if b is not None)
+                for observe in self._fetch_observers:
+                    observe(tier.name, seconds, nbytes)
             for i, blob in zip(positions, blobs, strict=True):
                 out[i] = blob
             self._mark([k for k, b in zip(wanted, blobs, strict=True) if b is None], index, False)
@@ -142,6 +154,59 @@ class TierChain:
             if promote and index > 0 and hits:
                 self.put(hits, 0)
         return out
+
+    def fetch_into(self, keys: Sequence[bytes], where: Sequence[int | None], dests: Sequence[PageDest],
+                   spec: KVSpec) -> list[bool]:
+        """Each key's page of `spec`, verified, decoded into `dests[i]` (a page destination,
+        codec.py) from the tier `where` names, one batched call per tier; returns which arrived.
+        A tier with `get_into` (which returns each arrived blob's size, 0 for a miss) writes the
+        pages into their destinations itself, with no blob in between; other tiers' blobs are
+        decoded here. A key a tier turned out not to hold is
+        forgotten; a blob refused (corrupt, or not a page of `spec`) is a miss, counted in that
+        tier's `corrupt` and deleted there. A destination whose page did not arrive holds anything."""
+        arrived = [False] * len(keys)
+        for index, tier in enumerate(self.tiers):
+            positions = [i for i, w in enumerate(where) if w == index]
+            if not positions:
+                continue
+            wanted, targets = [keys[i] for i in positions], [dests[i] for i in positions]
+            started = time.perf_counter()
+            get_into = getattr(tier, "get_into", None)
+            if get_into is not None:
+                with self._tier_locks[index]:
+                    got = get_into(wanted, targets, spec)
+            else:
+                got = self._decoded_into(index, wanted, targets, spec)
+            if self._fetch_observers:
+                seconds, nbytes = time.perf_counter() - started, sum(got)  # blob bytes, as `fetch` counts
+                for observe in self._fetch_observers:
+                    observe(tier.name, seconds, nbytes)
+            for i, size in zip(positions, got, strict=True):
+                arrived[i] = size > 0
+            self._mark([k for k, size in zip(wanted, got, strict=True) if not size], index, False)
+            self._count(self.promotions, tier.name, sum(1 for size in got if size))
+        return arrived
+
+    def _decoded_into(self, index: int, keys: list[bytes], dests: list[PageDest], spec: KVSpec) -> list[int]:
+        """`fetch_into` for a tier without `get_into`: its verified blobs, decoded here (outside
+        its lock). A blob that is no page of `spec` is refused: counted and deleted."""
+        with self._tier_locks[index]:
+            blobs = self.tiers[index].get(keys)
+        got = [0] * len(keys)
+        refused = []
+        for i, (key, blob, dest) in enumerate(zip(keys, blobs, dests, strict=True)):
+            if blob is None:
+                continue
+            try:
+                # NOTE: a BlobTier verifies the checksum of every blob it returns (base.py).
+                decode_into(blob, spec, key, dest, check_crc=False)
+                got[i] = len(blob)
+            except BlobError:
+                refused.append(key)
+        if refused:
+            self._count(self.refused, self.tiers[index].name, len(refused))
+            self.delete(refused, index)
+        return got
 
     def put(self, items: Sequence[tuple[bytes, bytes]], index: int = 0, demotion: bool = False) -> int:
         """Store (key, blob) pairs in tier `index`, skipping keys it is known to hold. Returns how
@@ -196,7 +261,8 @@ class TierChain:
             own = tier.stats()
             with self._meta:
                 out.append(replace(own, promotions=self.promotions[tier.name],
-                                   demotions=self.demotions[tier.name]))
+                                   demotions=self.demotions[tier.name],
+                                   corrupt=own.corrupt + self.refused[tier.name]))
         return out
 
     def close(self) -> None:

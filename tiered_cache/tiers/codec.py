@@ -26,6 +26,7 @@ or another model. A blob of another version (v1 included) is a `BlobError`, so a
 from __future__ import annotations
 
 import enum
+import itertools
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -267,8 +268,19 @@ def read_header(blob: Any, check_crc: bool = True) -> BlobHeader:
     """Parse and sanity-check a blob's header and (unless told it was just checked) its checksum.
     Raises BlobError."""
     view = memoryview(blob).cast("B")
-    if len(view) < _HEADER.size + _CRC.size:
-        raise BlobError(f"blob truncated: {len(view)} bytes is shorter than a header")
+    header = _parse_header(view, len(view))
+    # The whole blob, trailer included, checksums to the residue iff the trailer is the CRC of the
+    # rest: no slice, so a bytes blob is read in place (and without the GIL from 1 MiB).
+    if check_crc and blob_checksum(blob if isinstance(blob, bytes) else view) != _CRC_RESIDUE:
+        raise BlobError("blob checksum mismatch: the bytes were corrupted")
+    return header
+
+
+def _parse_header(view: memoryview, blob_len: int) -> BlobHeader:
+    """The header at the start of `view` (at least the header's bytes) of a blob `blob_len` bytes
+    long, its fields sanity-checked (not the checksum). Raises BlobError."""
+    if len(view) < _HEADER.size or blob_len < _HEADER.size + _CRC.size:
+        raise BlobError(f"blob truncated: {min(len(view), blob_len)} bytes is shorter than a header")
     magic, version, codec_id, dtype_id, ndim, fp, key, tokens, _, raw_len, payload_len = \
         _HEADER.unpack_from(view)
     if magic != MAGIC:
@@ -279,12 +291,8 @@ def read_header(blob: Any, check_crc: bool = True) -> BlobHeader:
         raise BlobError(f"unknown codec id {codec_id} or dtype id {dtype_id}", BlobFault.UNKNOWN_CODEC)
     offset = _HEADER.size + 4 * ndim
     expected_len = offset + payload_len + _CRC.size
-    if len(view) != expected_len:
-        raise BlobError(f"blob is {len(view)} bytes, its header says {expected_len} (truncated or padded)")
-    # The whole blob, trailer included, checksums to the residue iff the trailer is the CRC of the
-    # rest: no slice, so a bytes blob is read in place (and without the GIL from 1 MiB).
-    if check_crc and blob_checksum(blob if isinstance(blob, bytes) else view) != _CRC_RESIDUE:
-        raise BlobError("blob checksum mismatch: the bytes were corrupted")
+    if blob_len != expected_len or len(view) < offset:
+        raise BlobError(f"blob is {blob_len} bytes, its header says {expected_len} (truncated or padded)")
     shape = struct.unpack_from(f"<{ndim}I", view, _HEADER.size)
     return BlobHeader(_BY_WIRE_ID[codec_id], _DTYPES[dtype_id], bytes(fp), bytes(key), tokens, raw_len,
                       tuple(shape), offset, payload_len)
@@ -327,15 +335,20 @@ def check_fingerprint(header: BlobHeader, fingerprint: bytes, model: str = "") -
 def _checked_payload(blob: Any, spec: KVSpec, key: bytes, check_crc: bool) -> tuple[BlobHeader, memoryview]:
     """The header and payload of a blob that is the page `key` of `spec`; BlobError otherwise."""
     header = verify_blob(blob, key, check_crc)
+    _check_page(header, spec)
+    payload = memoryview(blob).cast("B")[header.payload_offset:header.payload_offset + header.payload_len]
+    return header, payload
+
+
+def _check_page(header: BlobHeader, spec: KVSpec) -> None:
+    """Raise BlobError unless the blob holds a page of `spec`: model, shape, dtype, lengths."""
     check_fingerprint(header, bytes.fromhex(spec.fingerprint), spec.model_id)
     expected_shape = spec.staging_shape(1)[1:]
     if header.shape != expected_shape or header.dtype is not spec.dtype or header.raw_len != spec.bytes_per_page:
         raise BlobError(f"blob page is {header.shape} {header.dtype.value}, expected {expected_shape} "
                         f"{spec.dtype.value}", BlobFault.WRONG_SHAPE)
-    payload = memoryview(blob).cast("B")[header.payload_offset:header.payload_offset + header.payload_len]
     if header.codec is Codec.RAW and header.payload_len != header.raw_len:
         raise BlobError(f"raw payload is {header.payload_len} bytes, expected {header.raw_len}")
-    return header, payload
 
 
 def page_view(blob: Any, spec: KVSpec, key: bytes, check_crc: bool = True) -> np.ndarray:
@@ -378,3 +391,72 @@ def decode_page(blob: Any, spec: KVSpec, key: bytes, out: np.ndarray | None = No
         else:
             out[:] = flat
     return out
+
+
+# --- straight into a destination --------------------------------------------------------------------
+# A page's destination is a uint8 numpy array holding its bytes in page-first order (the C order
+# of its axes), with any strides: a row of a staging buffer is contiguous; on a CPU pool a page's
+# (layers, 2, bytes) blocks lie strided inside the layer-first pool itself. Tiers with `get_into`
+# write verified pages there without a blob per page in between: each fresh blob costs a copy,
+# and fresh memory first-touch faults (0.2-0.7 GiB/s here, FACTS.md).
+PageDest = np.ndarray
+
+
+def raw_header_size(spec: KVSpec) -> int:
+    """Bytes before the payload in a blob of a page of `spec`."""
+    return _HEADER.size + 4 * len(spec.staging_shape(1)[1:])
+
+
+def raw_blob_size(spec: KVSpec) -> int:
+    """Bytes of a raw-coded blob of a page of `spec`: a stored blob of another size is compressed
+    (or not a page of `spec` at all)."""
+    return raw_header_size(spec) + spec.bytes_per_page + _CRC.size
+
+
+def contiguous_dest(dest: PageDest) -> np.ndarray | None:
+    """A flat view of a contiguous destination, writable in place (a file or socket read can land
+    in it), or None for a strided one."""
+    return dest.reshape(-1) if dest.flags.c_contiguous else None
+
+
+def dest_parts(dest: PageDest) -> list[memoryview] | None:
+    """The contiguous runs of a destination in page order (one for a contiguous array): what a
+    read that scatters (`socket.recvmsg_into`) fills. None when its last axis is strided."""
+    if dest.flags.c_contiguous:
+        return [memoryview(dest.reshape(-1))]
+    if dest.ndim == 0 or dest.strides[-1] != 1:
+        return None
+    return [memoryview(dest[index]) for index in itertools.product(*map(range, dest.shape[:-1]))]
+
+
+def check_raw_pieces(header: Any, payload: Any, trailer: Any, spec: KVSpec, key: bytes) -> None:
+    """Raise BlobError unless `header` + `payload` + `trailer`, a blob read in pieces (its payload
+    straight into a destination: one buffer, or a list of them, e.g. `dest_parts`), are an intact
+    raw blob of page `key` of `spec`. The checksum is computed over the pieces where they lie."""
+    view = memoryview(header).cast("B")
+    data = [memoryview(part).cast("B") for part in (payload if isinstance(payload, list) else [payload])]
+    found = _parse_header(view, len(view) + sum(len(part) for part in data) + len(trailer))
+    if found.key != key:
+        raise BlobError(f"blob holds page {found.key.hex()[:16]}…, asked for {key.hex()[:16]}…", BlobFault.WRONG_KEY)
+    _check_page(found, spec)
+    if found.codec is not Codec.RAW or found.payload_offset != len(view):
+        raise BlobError(f"blob is {found.codec.value} with its payload at {found.payload_offset}, read as a raw "
+                        f"page at {len(view)}")
+    if blob_checksum(view, *data, trailer) != _CRC_RESIDUE:
+        raise BlobError("blob checksum mismatch: the bytes were corrupted")
+
+
+def decode_into(blob: Any, spec: KVSpec, key: bytes, dest: PageDest, check_crc: bool = True) -> None:
+    """Decode page `key` of `spec` from `blob` into `dest` (a destination, above): one copy for a
+    raw blob, however `dest` is strided. Raises BlobError, after which `dest` holds anything."""
+    if dest.size != spec.bytes_per_page or dest.dtype != np.uint8:
+        raise ValueError(f"a page of {spec.model_id} needs {spec.bytes_per_page:,} uint8, got a destination of "
+                         f"{dest.size:,} {dest.dtype}")
+    flat = contiguous_dest(dest)
+    if flat is not None:
+        decode_page(blob, spec, key, out=flat, check_crc=check_crc)
+        return
+    header, payload = _checked_payload(blob, spec, key, check_crc)
+    if header.codec is not Codec.RAW:  # a compressed page decodes contiguously first; rare (raw is the default)
+        payload = memoryview(decode_page(blob, spec, key, check_crc=False))
+    np.copyto(dest, np.frombuffer(payload, dtype=np.uint8).reshape(dest.shape))

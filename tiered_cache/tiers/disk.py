@@ -16,21 +16,49 @@ write that still fails is counted in `errors` and dropped, leaving no partial fi
 
 from __future__ import annotations
 
+import enum
 import errno
 import os
+import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from tiered_cache.model.spec import KVSpec
 from tiered_cache.model.units import parse_size
 from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
-from tiered_cache.tiers.codec import HEADER_BYTES, BlobError, expected_blob_size, verify_blob
+from tiered_cache.tiers.codec import (
+    HEADER_BYTES,
+    BlobError,
+    PageDest,
+    check_raw_pieces,
+    contiguous_dest,
+    decode_into,
+    expected_blob_size,
+    raw_blob_size,
+    raw_header_size,
+    verify_blob,
+)
 from tiered_cache.tiers.folder_lock import LOCK_NAME, FolderLock
 from tiered_cache.tiers.private import make_private_folder, open_private
 
 _TMP_SUFFIX = ".tmp"
 _FULL = (errno.ENOSPC, errno.EDQUOT)  # the filesystem (or the user's quota) is full
+# `get_into` reads pages on this many threads once a call moves this many bytes: a read (the
+# kernel's copy) and a checksum (crc32c) both let the GIL go, so two pages go at once on two cores.
+_READ_THREADS = 2
+_THREADED_BYTES = 4 << 20
+
+
+class _Read(enum.Enum):
+    """What reading one page file into its destination found."""
+
+    ARRIVED = "arrived"
+    MISSING = "missing"  # the file is gone (deleted behind the index's back)
+    CORRUPT = "corrupt"  # truncated, padded, another page, or a checksum mismatch
+    ERROR = "error"  # the read failed (I/O error, permissions)
 
 
 class DiskTier:
@@ -50,11 +78,17 @@ class DiskTier:
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recent first
         self.used = 0
         self._stats = TierStats(self.name, capacity_bytes=self.capacity)
+        self._readers: ThreadPoolExecutor | None = None  # get_into's, started on first use
+        self._scratch = threading.local()  # a reused blob-sized buffer per reading thread
         try:
             self._rebuild()
         except BaseException:
             self._lock.release()
             raise
+
+    def file_of(self, key: bytes) -> Path:
+        """The file that holds (or would hold) `key`'s blob: for tools that read it raw (benches)."""
+        return self._path(key)
 
     def _path(self, key: bytes) -> Path:
         # One flat folder: a batch then needs a single folder fsync to make its renames durable
@@ -110,6 +144,84 @@ class DiskTier:
         self._stats.record_reads(out)
         return out
 
+    def get_into(self, keys: Sequence[bytes], dests: Sequence[PageDest], spec: KVSpec) -> list[int]:
+        """Read each key's page of `spec`, verified, into `dests[i]` (codec.py's destinations),
+        no blob per page in between (`_read_into`), two pages at a time for a large call. Returns
+        the stored size of each blob whose page arrived, 0 for a miss; a file that is corrupt (or
+        not a page of `spec`) is a miss, counted and deleted, and its destination holds anything."""
+        jobs = [i for i, key in enumerate(keys) if key in self.index]
+        sizes = {i: self.index[keys[i]] for i in jobs}
+
+        def read(i: int) -> _Read:
+            return self._read_into(keys[i], sizes[i], dests[i], spec)
+
+        if len(jobs) > 1 and sum(sizes.values()) >= _THREADED_BYTES:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="disk-tier-read")
+            found = list(self._readers.map(read, jobs))
+        else:
+            found = [read(i) for i in jobs]
+        arrived = [0] * len(keys)
+        for i, what in zip(jobs, found, strict=True):
+            key = keys[i]
+            if what is _Read.ARRIVED:
+                arrived[i] = sizes[i]
+                self.index.move_to_end(key)
+                self._stats.bytes_out += sizes[i]
+            elif what is _Read.MISSING:
+                self._forget(key)
+            elif what is _Read.CORRUPT:
+                self._stats.corrupt += 1
+                self._drop(key)
+            else:
+                self._stats.errors += 1
+        self._stats.hits += sum(1 for n in arrived if n)
+        self._stats.misses += sum(1 for n in arrived if not n)
+        return arrived
+
+    def _read_into(self, key: bytes, size: int, dest: PageDest, spec: KVSpec) -> _Read:
+        """One page file into `dest` (on a reader thread: touches no index or counter).
+
+        A raw blob into a contiguous destination (a staging row): header, payload and trailer
+        read apart by one `os.preadv`, the payload straight into `dest`, the checksum computed
+        where the bytes lie. Anything else (a page's strided blocks in a CPU pool, a compressed
+        blob): the file into this thread's reused buffer, which stays in cache, checked there,
+        then one copy or decode into `dest` (a preadv scattered straight over a pool page's 64
+        blocks measured 1.1-1.3x slower than this here)."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return _Read.MISSING
+        except OSError:
+            return _Read.ERROR
+        try:
+            flat = contiguous_dest(dest)
+            if size == raw_blob_size(spec) and flat is not None:
+                header, trailer = bytearray(raw_header_size(spec)), bytearray(4)
+                # One byte past the blob: a padded file reads it, and is refused as a whole read would be.
+                got = os.preadv(fd, [header, flat, trailer, bytearray(1)], 0)
+                if got != size:
+                    raise BlobError(f"page file holds {got} bytes, expected {size}")
+                check_raw_pieces(header, flat, trailer, spec, key)
+            else:
+                scratch = self._scratch_for(size + 1)
+                got = os.preadv(fd, [scratch[:size + 1]], 0)
+                decode_into(scratch[:got], spec, key, dest)
+            return _Read.ARRIVED
+        except BlobError:
+            return _Read.CORRUPT
+        except OSError:
+            return _Read.ERROR
+        finally:
+            os.close(fd)
+
+    def _scratch_for(self, nbytes: int) -> memoryview:
+        """This thread's reused buffer, at least `nbytes` long (kept, so it is touched once)."""
+        buffer = getattr(self._scratch, "buffer", None)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = self._scratch.buffer = memoryview(bytearray(nbytes))
+        return buffer
+
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         stored = 0
         pending = sum(len(blob) for _, blob in items)  # bytes of the batch from this blob on
@@ -146,6 +258,9 @@ class DiskTier:
     def close(self) -> None:
         """Give up the folder (idempotent): another tier may own it now. Its files stay for the
         next owner; this tier must not be used after."""
+        if self._readers is not None:
+            self._readers.shutdown(wait=True)
+            self._readers = None
         self._lock.release()
 
     # --- files -----------------------------------------------------------------------------------

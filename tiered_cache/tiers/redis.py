@@ -23,16 +23,30 @@ Nothing raises into the request path.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote
 
 from tiered_cache.tiers.base import TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, CircuitBreaker, breaker_states
-from tiered_cache.tiers.codec import BlobError, verify_blob
+from tiered_cache.tiers.codec import (
+    BlobError,
+    PageDest,
+    check_raw_pieces,
+    decode_into,
+    dest_parts,
+    raw_blob_size,
+    raw_header_size,
+    verify_blob,
+)
+from tiered_cache.tiers.resp_reader import ReplyReader
+
+if TYPE_CHECKING:
+    from tiered_cache.model.spec import KVSpec
 
 _INFO_MAX_AGE_S = 1.0  # stats() asks Redis (INFO, DBSIZE) at most once a second
 
@@ -45,6 +59,23 @@ CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> 
 _FANOUT_THREADS = 7
 _GET_PARTS = 4  # a large get is fetched in this many MGETs, each checked while the next arrives
 _MIN_GET_PART = 8  # keys; a get of fewer is one MGET, checked on the caller's thread
+# get_into asks for about this many bytes per MGET, the next MGET sent before this one's reply is
+# read: Redis writes a reply only once its whole command has run, and one MGET of 256 values of
+# 1 MiB ran at half the speed of MGETs of 16 MiB (docs/PERFORMANCE.md, issue 33 item 3).
+MGET_INTO_BYTES = 16 << 20
+
+
+class _NoSocket(Exception):
+    """A redis-py connection without the socket `get_into` reads replies from."""
+
+
+def _intact(check: Callable[[], None]) -> bool:
+    """Whether `check` passes (it raises BlobError for a blob that must not be used)."""
+    try:
+        check()
+    except BlobError:
+        return False
+    return True
 
 
 def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]] | None:
@@ -129,9 +160,14 @@ class RedisTier:
         self._checks: ThreadPoolExecutor | None = None  # checks a part of a get while the next arrives
         self._stats = TierStats(self.name)
         self._info_at = -_INFO_MAX_AGE_S  # when stats() last asked the servers
+        self._scratch = threading.local()  # get_into's reused blob buffer, one per calling thread
 
     def _k(self, key: bytes) -> bytes:
         return self.prefix + key.hex().encode()
+
+    def name_of(self, key: bytes) -> bytes:
+        """The Redis key `key`'s blob is stored under: for tools that read it raw (benches)."""
+        return self._k(key)
 
     @property
     def available(self) -> bool:
@@ -310,6 +346,110 @@ class RedisTier:
             self._stats.corrupt += len(corrupt)
             self.delete(corrupt)
         return out
+
+    def get_into(self, keys: Sequence[bytes], dests: Sequence[PageDest], spec: KVSpec) -> list[int]:
+        """Write each key's page of `spec`, verified, into `dests[i]` (codec.py's destinations);
+        returns the stored size of each blob whose page arrived, 0 for a miss. From one Redis
+        server the MGET replies are read off the socket straight into the destinations
+        (`resp_reader.py`: no blob per page, no fresh memory), each page checked where it lands;
+        from a cluster, the blobs of `get` are decoded. A blob that is corrupt, or no page of
+        `spec`, is a miss: counted and deleted."""
+        if self._single is None:
+            return self._decoded_into(keys, dests, spec)
+        corrupt: list[bytes] = []
+        try:
+            got = self._on(self._single, lambda client: self._mget_into(client, keys, dests, spec, corrupt), None)
+        except _NoSocket:  # a redis-py that keeps its socket elsewhere: its blobs, decoded here
+            return self._decoded_into(keys, dests, spec)
+        arrived = got if got is not None else [0] * len(keys)
+        self._stats.hits += sum(1 for n in arrived if n)
+        self._stats.misses += sum(1 for n in arrived if not n)
+        self._stats.bytes_out += sum(arrived)
+        if corrupt:
+            self._stats.corrupt += len(corrupt)
+            self.delete(corrupt)
+        return arrived
+
+    def _mget_into(self, client: Any, keys: Sequence[bytes], dests: Sequence[PageDest], spec: KVSpec,
+                   corrupt: list[bytes]) -> list[int]:
+        """`get_into` on one server: MGETs of ~`MGET_INTO_BYTES`, one ahead, read by hand on a
+        connection of the client's pool. Raises what the socket raises (the caller's `_on` counts
+        it); a connection left mid-reply is closed, never given back dirty."""
+        names = [self._k(k) for k in keys]
+        arrived = [0] * len(keys)
+        step = max(1, MGET_INTO_BYTES // raw_blob_size(spec))
+        pool = client.connection_pool
+        conn = pool.get_connection()  # connected, with nothing pending (the pool checks)
+        sock = getattr(conn, "_sock", None)  # where redis-py (8.x) keeps the connection's socket
+        if not isinstance(sock, socket.socket):  # (an ssl.SSLSocket is one too)
+            pool.release(conn)
+            raise _NoSocket
+        clean = False
+        try:
+            reader = ReplyReader(sock)
+            conn.send_command("MGET", *names[:step])
+            for start in range(0, len(keys), step):
+                if start + step < len(keys):  # Redis builds the next reply while this one is read
+                    conn.send_command("MGET", *names[start + step:start + 2 * step])
+                part = range(start, min(start + step, len(keys)))
+                if reader.array_len() != len(part):
+                    raise ConnectionError("Redis answered an MGET with another number of values than asked")
+                for i in part:
+                    length = reader.bulk_len()
+                    if length is None:
+                        continue
+                    if self._land(reader, length, keys[i], dests[i], spec):
+                        arrived[i] = length
+                    else:
+                        corrupt.append(keys[i])
+            clean = True
+            return arrived
+        finally:
+            if not clean:
+                conn.disconnect()
+            pool.release(conn)
+
+    def _land(self, reader: ReplyReader, length: int, key: bytes, dest: PageDest, spec: KVSpec) -> bool:
+        """Read the next value (`length` bytes) into `dest` and check it there; False if refused.
+        A raw blob: header, payload and trailer read apart, the payload straight into `dest`
+        (a page's strided blocks in a CPU pool too: one `recvmsg_into` scatters over them), its
+        checksum computed where the bytes landed. A compressed blob, or strided blocks over TLS:
+        into this thread's reused buffer, checked and decoded from there. Checked here, not on a
+        helper thread: Redis needs the other core (a helper measured 0.84x of MGET, this 0.96x)."""
+        parts = dest_parts(dest) if length == raw_blob_size(spec) else None
+        if parts is not None and (reader.scatters or len(parts) == 1):
+            header, trailer = bytearray(raw_header_size(spec)), bytearray(4)
+            reader.read_into_all([header, *parts, trailer])
+            reader.end_bulk()
+            return _intact(lambda: check_raw_pieces(header, parts, trailer, spec, key))
+        blob = self._scratch_for(length)[:length]
+        reader.read_into(blob)
+        reader.end_bulk()
+        return _intact(lambda: decode_into(blob, spec, key, dest))
+
+    def _scratch_for(self, nbytes: int) -> memoryview:
+        """This thread's reused buffer, at least `nbytes` long (kept: touched once, then in cache)."""
+        buffer = getattr(self._scratch, "buffer", None)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = self._scratch.buffer = memoryview(bytearray(nbytes))
+        return buffer
+
+    def _decoded_into(self, keys: Sequence[bytes], dests: Sequence[PageDest], spec: KVSpec) -> list[int]:
+        """`get_into` over a cluster: `get`'s verified blobs, decoded here."""
+        arrived = [0] * len(keys)
+        refused = []
+        for i, blob in enumerate(self.get(keys)):
+            if blob is None:
+                continue
+            try:
+                decode_into(blob, spec, keys[i], dests[i], check_crc=False)  # `get` checked it
+                arrived[i] = len(blob)
+            except BlobError:
+                refused.append(keys[i])
+        if refused:
+            self._stats.corrupt += len(refused)
+            self.delete(refused)
+        return arrived
 
     @staticmethod
     def _check(keys: Sequence[bytes], out: list[bytes | None], positions: range) -> list[bytes]:

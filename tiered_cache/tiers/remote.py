@@ -17,21 +17,25 @@ keys into misses, never into errors.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.framing import ReceivedBlob
-from tiered_cache.service.shm_ring import LookupRefs, ShmLease
+from tiered_cache.service.shm_ring import LookupRefs, ShmLease, ShmReader
 from tiered_cache.tiers.base import TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, BreakerState, CircuitBreaker, breaker_states
-from tiered_cache.tiers.codec import BlobError, check_fingerprint, verify_blob
+from tiered_cache.tiers.codec import BlobError, PageDest, check_fingerprint, decode_into, verify_blob
+
+if TYPE_CHECKING:
+    from tiered_cache.model.spec import KVSpec
 
 T = TypeVar("T")
 _MAX_FANOUT = 16  # threads asking servers in parallel (created only as calls need them)
@@ -69,6 +73,35 @@ class _Ring:
 
     addresses: tuple[str, ...]
     servers: tuple[_Server, ...]
+
+
+class _Landed(enum.Enum):
+    """What became of one page `get_into` received."""
+
+    ARRIVED = "arrived"
+    LOST = "lost"  # a page lent from a ring the server came round over while it was read: ask again
+    CORRUPT = "corrupt"
+
+
+class _LentPages(ShmLease):
+    """A lease that also tells, page by page, whether a lent page is still intact: `get_into`
+    checks each page right after copying it, so a long fetch (the ring comes round many times
+    over a few GiB) loses only pages it really read too late."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._where: dict[bytes, tuple[ShmReader, int, int]] = {}
+
+    def add(self, key: bytes, reader: ShmReader, position: int, length: int) -> None:
+        super().add(key, reader, position, length)
+        self._where[key] = (reader, position, length)
+
+    def lent(self, key: bytes) -> bool:
+        return key in self._where
+
+    def intact(self, key: bytes) -> bool:
+        reader, position, length = self._where[key]
+        return reader.intact(position, length)
 
 
 class RemoteTier:
@@ -274,6 +307,96 @@ class RemoteTier:
                     out[i] = blob
         self._stats.record_reads(out)
         return out
+
+    def get_into(self, keys: Sequence[bytes], dests: Sequence[PageDest], spec: KVSpec) -> list[int]:
+        """Write each key's page of `spec`, verified, into `dests[i]` (codec.py's destinations);
+        returns the size of each blob whose page arrived, 0 for a miss. Pages of a server on this
+        host are lent as views into its ring (those a recent Lookup placed there without a Get at
+        all) and each is checked and copied into its destination as it arrives, on the checker
+        threads while the stream flows: one copy per page and no fresh memory, where `get` makes
+        a blob of each. A page the ring came round over before it was copied is asked again as
+        bytes; a page refused is a miss, counted (a client never deletes from a shared store)."""
+        positions_of: dict[bytes, list[int]] = {}
+        for i, key in enumerate(keys):
+            positions_of.setdefault(key, []).append(i)
+        lease = _LentPages()
+        sizes: dict[bytes, int] = {}  # each page's blob, as received
+
+        def land(key: bytes, data: Any, lent: bool) -> _Landed:
+            """Verify `data` where it lies (a ring view when `lent`: no copy) and decode it into
+            the key's destinations; a lent page is checked intact after the copy (shm_ring.py)."""
+            first, *others = positions_of[key]
+            sizes[key] = len(data)
+            try:
+                decode_into(data, spec, key, dests[first])
+                for other in others:  # a key asked twice: every position gets it
+                    decode_into(data, spec, key, dests[other], check_crc=False)
+            except BlobError:
+                return _Landed.LOST if lent and not lease.intact(key) else _Landed.CORRUPT
+            if lent and not lease.intact(key):  # after every copy: the bytes copied are the bytes checked
+                return _Landed.LOST
+            return _Landed.ARRIVED
+
+        landing: list[tuple[bytes, Future[_Landed]]] = []
+        if not self._closed:
+            for key, (reader, position, length) in self._lookup_refs.take(list(positions_of)).items():
+                try:
+                    view = reader.view(position, length)
+                except ValueError:  # that map was closed meanwhile (the client closed)
+                    view = None
+                if view is not None:
+                    lease.add(key, reader, position, length)
+                    landing.append((key, self._checker.submit(land, key, view, True)))
+            self.pages_from_lookup += len(landing)
+        have = {key for key, _ in landing}
+        outcomes = self._stream_into([k for k in positions_of if k not in have], land, lease)
+        outcomes.update({key: check.result() for key, check in landing})
+        lost = [key for key, what in outcomes.items() if what is _Landed.LOST]
+        if lost:  # as bytes this time: nothing lent, so nothing to lose
+            outcomes.update(self._stream_into(lost, land, None))
+        arrived = [0] * len(keys)
+        for key, what in outcomes.items():
+            if what is _Landed.ARRIVED:
+                for i in positions_of[key]:
+                    arrived[i] = sizes[key]
+        self._stats.hits += sum(1 for n in arrived if n)
+        self._stats.misses += sum(1 for n in arrived if not n)
+        self._stats.bytes_out += sum(arrived)
+        self._stats.corrupt += sum(what is _Landed.CORRUPT for what in outcomes.values())
+        return arrived
+
+    def _stream_into(self, keys: list[bytes], land: Callable[[bytes, Any, bool], _Landed],
+                     lease: _LentPages | None) -> dict[bytes, _Landed]:
+        """Get `keys` (distinct) from the servers owning them, in parallel, each page handed to
+        `land` on the checker threads as it arrives (with whether it is lent from a ring, through
+        `lease`); what became of each page received."""
+        if not keys:
+            return {}
+        ring = self._ring
+
+        def fetch(index: int, positions: list[int]) -> list[tuple[bytes, Future[_Landed]]]:
+            asked = [keys[i] for i in positions]
+            pending = set(asked)
+            checks: list[tuple[bytes, Future[_Landed]]] = []
+
+            def arrived(item: ReceivedBlob) -> None:  # on the stream's event loop: hand it over
+                if item.key in pending:
+                    pending.discard(item.key)
+                    lent = lease is not None and lease.lent(item.key)  # added before this call when lent
+                    checks.append((item.key, self._checker.submit(land, item.key, item.blob, lent)))
+
+            def stream(client: StoreClient) -> None:
+                # Pages received before a stream breaks stay usable: each is checked on its own.
+                result = client.get_all(asked, self.fingerprint, budget_s=self.budget_s, on_blob=arrived,
+                                        lease=lease)
+                if result.error is not None:
+                    raise result.error
+
+            self._call(ring.servers[index], stream, None)
+            return checks
+
+        streamed = self._each_server(self._by_server(ring, keys), fetch).values()
+        return {key: check.result() for checks in streamed for key, check in checks}
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         ring = self._ring

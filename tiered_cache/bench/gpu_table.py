@@ -1,0 +1,64 @@
+"""The table of `tiered-cache bench gpu` (columns: docs/PERFORMANCE.md, "bench gpu")."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from tiered_cache.bench.gpu_rows import GpuRow
+
+HEADERS = ["tokens", "row", "TTFT p50", "min-max", "max/p50", "first", "speed-up", "reused from", "load", "load GB/s",
+           "limit GB/s", "load/limit", "max|dlogit|", "greedy"]
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
+
+
+def _reused(row: GpuRow) -> str:
+    if row.tier is None:
+        return "-"
+    if all(r == row.tokens for r in row.reused_tokens) and all(s == {row.tier: row.tokens} for s in row.sources):
+        return f"{row.tokens:,} {row.tier}"
+    return "UNEXPECTED (see below)"
+
+
+def _greedy(row: GpuRow) -> str:
+    if row.greedy_agrees is None:
+        return "reference"
+    return "same" if row.greedy_agrees else f"flipped (top-2 gap {row.margin:.3g})"
+
+
+def _cells(row: GpuRow) -> list[str]:
+    load = row.load_gbps
+    moves = bool(row.load_s) and load is not None
+    return [
+        f"{row.tokens:,}", row.row, f"{_ms(row.p50_s)} ms", f"{_ms(min(row.ttft_s))}-{_ms(max(row.ttft_s))} ms",
+        f"{max(row.ttft_s) / row.p50_s:.2f}", f"{_ms(row.first_s)} ms" if row.first_s is not None else "-",
+        f"{row.speedup:.2f}x" if row.speedup else "-", _reused(row),
+        f"{_ms(statistics.median(row.load_s))} ms" if row.load_s else "-",
+        f"{load:.2f}" if moves else ("no copy" if row.load_s else "-"),
+        f"{row.limit_gbps:.2f}" if moves and row.limit_gbps else "-",
+        f"{row.ratio:.2f}x" if moves and row.ratio else "-",
+        f"{row.max_abs_diff:.3g}" if row.max_abs_diff is not None else "-", _greedy(row),
+    ]
+
+
+def render(setup: dict[str, Any], rows: list[GpuRow]) -> str:
+    from tiered_cache.cli.table import render_table
+    from tiered_cache.model.units import format_binary
+
+    layers = f"{setup['layers']} of {setup['total_layers']} layers"
+    limit = next((r.limit_name for r in rows if r.limit_name), "copy")
+    head = (f"{setup['model']}, random weights ({layers}), {setup['dtype']} on {setup['device']}; KV "
+            f"{format_binary(setup['bytes_per_token'])}/token in pages of {setup['page_size']} tokens; prompt = prefix "
+            f"+ {setup['suffix_tokens']} tokens; per row 1 unmeasured round (its TTFT: first), then "
+            f"{setup['rounds']} from the same state.\nload = match + prefetch + load within that TTFT; "
+            f"limit = {limit} of the same bytes, fastest of "
+            f"{max(3, setup['rounds'])}; speed-up = recompute TTFT p50 / row TTFT p50; max|dlogit| = first-token "
+            f"logits vs recompute's.")
+    table = render_table([_cells(r) for r in rows], HEADERS, align_right=(0, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12))
+    odd = [f"!! {r.row} at {r.tokens:,}: reused {r.reused_tokens} tokens from {r.sources}, expected {r.tokens:,} "
+           f"from {r.tier} every round" for r in rows if r.tier is not None and _reused(r).startswith("UNEXPECTED")]
+    return "\n".join([head, table, *odd])

@@ -1,0 +1,228 @@
+"""Reuse policy: load a cached prefix only as far as it arrives sooner than the engine computes it.
+
+On a GPU prefill is fast (an H200 prefills 8k tokens of an 8B model in ~0.29 s), so pages from a
+slow tier (a store server at 1 GB/s, Redis over a slow link) can make time to first token worse
+than recomputing them. The cache keeps moving estimates of what each tier costs and of the
+engine's prefill rate, and `pages_to_load` cuts the plan where loading stops paying.
+
+The cost model, for the pages past the device prefix, in order (`plan[i]`: HOST or a lower tier):
+
+    load(k)      = sum(page_bytes / rate(plan[i]) for i < k) + sum(latency(t) for each tier t in plan[:k])
+    recompute(k) = k * page_tokens / prefill_rate
+    saved(k)     = recompute(k) - load(k)
+
+Only a prefix cut is possible: attention needs the prefix contiguous, so pages after the cut are
+recomputed whatever tier holds them, and the engine computes everything after the loaded prefix
+anyway. `pages_to_load` returns the k in 0..len(plan) with the largest `saved(k)` (the largest k
+on ties; `saved(0)` is 0). A fast host RAM run before a slow store run keeps the host pages; a
+few slow pages between fast ones are loaded when the fast ones after them pay for them.
+
+The estimates: `RateEstimator` fits `seconds = latency + amount / rate` to recent samples, each
+sample weighing (1 - alpha) less per newer one. A latency is fitted only when the samples differ
+enough in size to tell it from the rate (gRPC and Redis calls pay ~0.4 ms or more per call, which
+makes a one-page fetch look ~10x slower per byte than a big one); otherwise it is 0 and the rate
+is total amount over total seconds. Prefill samples are fitted the same way, and only the rate
+(the slope: seconds per extra token) is used, since the engine pays a forward's fixed cost for
+the suffix anyway.
+
+Until an estimate exists nothing is skipped: with no prefill rate every page is loaded, and a
+tier never measured is taken as free, so it is loaded and measured.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+_ALPHA = 0.25  # weight of the newest sample: about the last 4-8 samples count
+_MIN_SPREAD = 0.1  # samples' size spread (std / mean) needed before a latency is fitted
+
+
+class ReusePolicy(enum.Enum):
+    FASTER = "faster"  # load only the leading pages that arrive sooner than they would be recomputed
+    ALWAYS = "always"  # load every page any tier holds
+
+
+@dataclass(frozen=True)
+class Rate:
+    """A fitted cost: `latency_s` per call plus `amount / per_s` (bytes or tokens)."""
+
+    per_s: float
+    latency_s: float = 0.0
+
+    def seconds(self, amount: float) -> float:
+        return self.latency_s + amount / self.per_s
+
+
+class RateEstimator:
+    """A moving fit of `seconds = latency + amount / rate` over (amount, seconds) samples, newer
+    ones weighing more (exponentially). Not thread-safe: `ReuseEstimates` locks around it."""
+
+    def __init__(self, alpha: float = _ALPHA) -> None:
+        assert 0 < alpha <= 1
+        self.alpha = alpha
+        self.samples = 0
+        self.last_at: float | None = None  # time.monotonic() of the newest sample
+        # Exponentially weighted sums: weight, x, y, x*x, x*y.
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, amount: float, seconds: float) -> None:
+        """One observation: `amount` (bytes, tokens) took `seconds`. Empty or instant ones are
+        ignored (they say nothing about a rate)."""
+        if not (amount > 0 and seconds > 0 and math.isfinite(amount) and math.isfinite(seconds)):
+            return
+        keep = 1.0 - self.alpha
+        self._w = self._w * keep + 1.0
+        self._x = self._x * keep + amount
+        self._y = self._y * keep + seconds
+        self._xx = self._xx * keep + amount * amount
+        self._xy = self._xy * keep + amount * seconds
+        self.samples += 1
+        self.last_at = time.monotonic()
+
+    def estimate(self) -> Rate | None:
+        """The current fit, or None before any sample."""
+        if not self.samples:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        vx = self._xx / self._w - mx * mx
+        cov = self._xy / self._w - mx * my
+        if vx > (_MIN_SPREAD * mx) ** 2 and cov > 0:
+            slope = cov / vx
+            latency = my - slope * mx
+            if latency >= 0:
+                return Rate(1.0 / slope, latency)
+        # Samples of one size (or a fit with a negative latency, which noise gives): no latency.
+        return Rate(mx / my)
+
+
+@dataclass(frozen=True)
+class ReuseFigures:
+    """What the reuse policy knows and did, for `stats()`: estimates and pages skipped."""
+
+    policy: str
+    prefill_tokens_per_s: float | None  # the rate planning uses (configured, else measured)
+    prefill_configured: bool  # True: from CacheConfig.prefill_tokens_per_s, never learned
+    load_rates: dict[str, Rate] = field(default_factory=dict)  # tier -> fitted load cost
+    skipped_pages: dict[str, int] = field(default_factory=dict)  # tier -> pages left to recompute
+
+    @property
+    def total_skipped(self) -> int:
+        return sum(self.skipped_pages.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "prefill_tokens_per_s": self.prefill_tokens_per_s,
+                "prefill_configured": self.prefill_configured,
+                "load_rates": {t: {"bytes_per_s": r.per_s, "latency_s": r.latency_s}
+                               for t, r in self.load_rates.items()},
+                "skipped_pages": dict(self.skipped_pages)}
+
+
+class ReuseEstimates:
+    """The estimates one cache plans with: a load rate per tier (bytes/s, by tier name) and the
+    engine's prefill rate (tokens/s). Thread-safe: samples arrive from prefetch threads."""
+
+    def __init__(self, policy: ReusePolicy = ReusePolicy.FASTER, prefill_tokens_per_s: float | None = None) -> None:
+        self.policy = policy
+        self._configured_prefill = prefill_tokens_per_s
+        self._lock = threading.Lock()
+        self._loads: dict[str, RateEstimator] = {}
+        self._prefill = RateEstimator()
+        self._skipped: Counter[str] = Counter()
+        self._probed: dict[str, float] = {}  # tier -> when a re-measuring probe last started
+
+    # --- samples ---------------------------------------------------------------------------------
+    def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A load into the pool (`Promoter`'s loads: host RAM -> pool, or a whole fetch from one tier)."""
+        with self._lock:
+            self._loads.setdefault(tier, RateEstimator()).add(nbytes, seconds)
+
+    def observe_fetch(self, tier: str, seconds: float, nbytes: int) -> None:
+        """A batched get from a lower tier (a `TierChain` fetch observer: argument order as there)."""
+        self.observe_load(tier, nbytes, seconds)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        with self._lock:
+            self._prefill.add(num_tokens, seconds)
+
+    # --- estimates -------------------------------------------------------------------------------
+    def load_rate(self, tier: str) -> Rate | None:
+        with self._lock:
+            estimator = self._loads.get(tier)
+            return estimator.estimate() if estimator is not None else None
+
+    def prefill_rate(self) -> float | None:
+        """Tokens per second of prefill: the configured figure, else the measured one, else None."""
+        if self._configured_prefill is not None:
+            return self._configured_prefill
+        with self._lock:
+            fit = self._prefill.estimate()
+        return fit.per_s if fit is not None else None
+
+    def cut(self, plan: Sequence[int], names: Mapping[int, str], page_bytes: int, page_tokens: int) -> int:
+        """How many leading pages of `plan` to load under this policy (`names`: plan entry -> tier
+        name). ALWAYS: all of them."""
+        if self.policy is ReusePolicy.ALWAYS:
+            return len(plan)
+        rates = {where: self.load_rate(name) for where, name in names.items()}
+        return pages_to_load(plan, rates, page_bytes, page_tokens, self.prefill_rate())
+
+    def count_skipped(self, tiers: Sequence[str]) -> None:
+        """Pages (by the tier that held each) left for the engine to recompute."""
+        with self._lock:
+            self._skipped.update(tiers)
+
+    def due_for_probe(self, tier: str, after_s: float) -> bool:
+        """Whether the skipped `tier`'s estimate is older than `after_s` and no probe started in
+        that time: a tier judged slow is never loaded, so nothing else would ever re-measure it
+        (a slow first fetch, a link that recovered). Marks the probe as started."""
+        now = time.monotonic()
+        with self._lock:
+            estimator = self._loads.get(tier)
+            measured = estimator.last_at if estimator is not None and estimator.last_at is not None else 0.0
+            last = max(measured, self._probed.get(tier, 0.0))
+            if now - last < after_s:
+                return False
+            self._probed[tier] = now
+            return True
+
+    def figures(self) -> ReuseFigures:
+        prefill = self.prefill_rate()
+        with self._lock:
+            rates = {t: fit for t, e in self._loads.items() if (fit := e.estimate()) is not None}
+            skipped = dict(self._skipped)
+        return ReuseFigures(self.policy.value, prefill, self._configured_prefill is not None, rates, skipped)
+
+
+def pages_to_load(plan: Sequence[int], rates: Mapping[int, Rate | None], page_bytes: int, page_tokens: int,
+                  prefill_tokens_per_s: float | None) -> int:
+    """How many leading pages of `plan` to load: the cut that saves the most time (module doc).
+
+    `plan[i]` says where page i lives (HOST or a lower tier index, as in `CacheHandle.plan`);
+    `rates` maps those entries to a fitted load cost in bytes (missing or None: not measured
+    yet, taken as free so the tier gets loaded and measured). With no prefill rate, everything
+    is loaded. Pure: no clock, no state.
+    """
+    if prefill_tokens_per_s is None or not plan:
+        return len(plan)
+    assert prefill_tokens_per_s > 0 and page_bytes > 0 and page_tokens > 0
+    compute_page = page_tokens / prefill_tokens_per_s
+    best, best_saved, spent = 0, 0.0, 0.0
+    used: set[int] = set()
+    for i, where in enumerate(plan):
+        rate = rates.get(where)
+        if rate is not None:
+            spent += page_bytes / rate.per_s
+            if where not in used:  # one batched call per tier: its latency is paid once
+                used.add(where)
+                spent += rate.latency_s
+        saved = (i + 1) * compute_page - spent
+        if saved >= best_saved:
+            best, best_saved = i + 1, saved
+    return best
