@@ -315,3 +315,18 @@ def test_redis_get_into_without_a_socket_to_read_decodes_blobs_instead(redis_ser
     assert_pages(dests, tier.get_into(keys_for(N), dests, SPEC), [True] * N)
     assert tier.stats().errors == 0 and tier.get(keys_for(1)) == [items(1)[0][1]]
     tier.close()
+
+
+@pytest.mark.parametrize("reply", [b"*x\r\n", b"*-5\r\n", b"+OK\r\n"])
+def test_a_garbled_mget_reply_is_a_connection_error_never_a_value_error(reply):
+    # A ValueError would escape the tier's error handling into `load`; a ReplyError is a
+    # ConnectionError, which the tier counts and turns into misses.
+    import socket
+
+    from tiered_cache.tiers.resp_reader import ReplyError, ReplyReader
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(reply)
+        with pytest.raises(ReplyError):
+            ReplyReader(ours).array_len()

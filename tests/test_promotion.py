@@ -3,6 +3,7 @@ goes straight from its slots into device pages, also into a full pool, and nothi
 
 from __future__ import annotations
 
+import pytest
 import torch
 from kv_oracle import token_kv
 
@@ -90,4 +91,44 @@ def test_a_host_hit_into_a_full_pool_and_a_full_host_ram_still_loads_and_sends_t
     n, kv = c.get(cold)
     assert n == 32 and torch.equal(kv, token_kv(SPEC, cold))
     c.check_integrity()
+    c.close()
+
+
+def test_a_copy_into_host_ram_that_fails_indexes_no_slot_and_leaks_nothing(monkeypatch):
+    # Host RAM keeps no checksum: a slot whose copy never happened must never be served as KV.
+    # (A device copy that raises, e.g. out of device memory, cannot be caused on purpose here.)
+    c = make(pool_pages=8, host_pages=8)
+    tokens = list(range(16))
+    c.put(tokens, token_kv(SPEC, tokens))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the copy failed")
+
+    monkeypatch.setattr(c.promoter.copier, "from_pool", broken)
+    with pytest.raises(RuntimeError, match="the copy failed"):
+        c.evict()
+    assert len(c.host.index) == 0 and c.host.slots.num_free == c.host.num_slots
+    assert c.lookup(tokens) == 0  # a miss, never the unwritten slots
+    c.check_integrity()
+    monkeypatch.undo()
+    c.put(tokens, token_kv(SPEC, tokens))  # and the cache still works
+    c.evict()
+    n, kv = c.get(tokens)
+    assert n == 16 and torch.equal(kv, token_kv(SPEC, tokens))
+    c.close()
+
+
+def test_pages_held_out_of_host_ram_and_stored_again_meanwhile_keep_one_slot():
+    c = make(pool_pages=8, host_pages=8)
+    tokens = list(range(16))
+    c.put(tokens, token_kv(SPEC, tokens))
+    c.evict()
+    keys = list(c.host.index)
+    held = c.host.hold(keys)
+    assert not c.host.index
+    c.host.put(keys, c.host.slab[torch.tensor([slot for _, slot in held])].clone())  # the same pages again
+    c.host.unhold(held)
+    assert len(c.host.index) == 4 and c.host.slots.num_free == c.host.num_slots - 4  # the spare slots freed
+    n, kv = c.get(tokens)
+    assert n == 16 and torch.equal(kv, token_kv(SPEC, tokens))
     c.close()

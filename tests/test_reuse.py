@@ -76,6 +76,17 @@ def test_prefill_rate_is_the_configured_one_else_the_measured_slope():
     assert fixed.prefill_rate() == 5000.0 and fixed.figures().prefill_configured
 
 
+def test_suffixes_of_similar_length_give_tokens_over_seconds_not_a_noisy_slope():
+    # On a GPU the forwards of 40-70 token suffixes cost the same ~20 ms: a slope fitted across
+    # them is noise (it came out at millions of tokens/s and cut even host RAM); tokens over
+    # seconds errs towards loading.
+    measured = ReuseEstimates()
+    for tokens, wobble in ((50, 0), (60, 5e-6), (40, 2e-6), (70, 4e-6), (55, 1e-6)):
+        measured.observe_prefill(tokens, 0.020 + wobble)
+    assert measured.prefill_rate() == pytest.approx(55 / 0.020, rel=0.05)
+    assert cut([HOST] * 512, {HOST: Rate(20e9)}, measured.prefill_rate()) == 512
+
+
 # --- the cut ---------------------------------------------------------------------------------------
 def cut(plan, rates, prefill=PREFILL):
     return pages_to_load(plan, rates, PAGE_BYTES, PAGE_TOKENS, prefill)

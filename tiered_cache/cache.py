@@ -739,9 +739,11 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             return
         keys = [k for node in evicted for k in node.keys]
         pages = np.concatenate([node.values for node in evicted])
-        self._copy_to_host(keys, pages)
-        self.pool.free(pages)
-        self._device.evictions += len(keys)
+        try:
+            self._copy_to_host(keys, pages)
+        finally:  # out of the tree either way: a failed copy loses those pages, never leaks them
+            self.pool.free(pages)
+            self._device.evictions += len(keys)
 
     def _copy_to_host(self, keys: list[bytes], pages: np.ndarray) -> None:
         """Copy the pages host RAM lacks straight into host RAM slots (lock held)."""
@@ -750,25 +752,39 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             return
         chosen = [keys[i] for i in missing]
         new, slots, overflow = self.host.reserve(chosen)
-        spill = self._pages_to_slots(pages[missing], new, slots, overflow)
-        self.host.fill([chosen[i] for i in new], slots)
+        spill, copied = None, False
+        try:
+            spill = self._pages_to_slots(pages[missing], new, slots, overflow)
+            copied = True
+        finally:
+            self._fill_or_free(chosen, new, slots, copied)
         if spill is not None:
             self._host_evicted([chosen[i] for i in overflow], spill)
-        self.moves.demotions["host"] += len(new)
         self._device.bytes_out += len(missing) * self.spec.bytes_per_page
 
     def _pages_to_slots(self, pages: np.ndarray, new: list[int], slots: np.ndarray,
-                        overflow: list[int]) -> torch.Tensor | None:
+                        overflow: list[int], background: bool = False) -> torch.Tensor | None:
         """Copy device `pages[new]` into reserved host `slots` (one DMA per run of slots on CUDA, no
-        staging), and return a host copy of `pages[overflow]` (no room in host RAM) for below."""
+        staging), and return a host copy of `pages[overflow]` (no room in host RAM) for below.
+        `background`: a request's copy waits behind one chunk of this one, not all of it."""
         if new:
             self.host.before_write()
-            self.promoter.copier.from_pool(pages[new], self.host.slab, slots)
+            self.promoter.copier.from_pool(pages[new], self.host.slab, slots, background=background)
         if not overflow:
             return None
         with torch.inference_mode(False):
             return self.pool.gather(pages[overflow], out=torch.empty(self.spec.staging_shape(len(overflow)),
                                                                      dtype=self.pool.kv.dtype))
+
+    def _fill_or_free(self, keys: list[bytes], new: list[int], slots: np.ndarray, copied: bool) -> None:
+        """Reserved host slots after a copy into them (lock held): indexed under their keys when the
+        copy finished, else freed. Host RAM has no checksum: a slot the copy never wrote must never
+        be read as KV."""
+        if copied:
+            self.host.fill([keys[i] for i in new], slots)
+            self.moves.demotions["host"] += len(new)
+        else:
+            self.host.slots.free(slots)
 
     def _maybe_demote(self) -> None:
         """Above the high watermark, have the background demoter bring the pool down to the low one."""
@@ -800,17 +816,17 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
                     self._demoting_keys.update(keys)
                     chosen = [keys[i] for i in missing]
                     new, slots, overflow = self.host.reserve(chosen)  # host slots now ours too
-                spill = None
+                spill, copied = None, False
                 try:
                     # The copies need no lock: no one else can reach these pages (out of the tree,
                     # not free) or these slots (allocated, not indexed).
-                    spill = self._pages_to_slots(pages[missing], new, slots, overflow)
+                    spill = self._pages_to_slots(pages[missing], new, slots, overflow, background=True)
+                    copied = True
                 finally:
                     with self._lock:
-                        self.host.fill([chosen[i] for i in new], slots)
+                        self._fill_or_free(chosen, new, slots, copied)
                         if overflow and spill is not None:
                             self._host_evicted([chosen[i] for i in overflow], spill)
-                        self.moves.demotions["host"] += len(new)
                         self._device.bytes_out += len(missing) * self.spec.bytes_per_page
                         self.pool.free(pages)
                         self._device.evictions += len(keys)
@@ -895,16 +911,16 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             chosen = [k for k in keys[first:on_device] if k not in self.host.index]
             positions = [first + i for i, k in enumerate(keys[first:on_device]) if k not in self.host.index]
             pages = match.values[positions] if positions else _NO_PAGES
-            self.tree.lock(match.node)
             new, slots, overflow = self.host.reserve(chosen)
-        spill = None
+            self.tree.lock(match.node)
+        spill, copied = None, False
         try:
-            spill = self._pages_to_slots(pages, new, slots, overflow)
+            spill = self._pages_to_slots(pages, new, slots, overflow, background=True)
+            copied = True
         finally:
             with self._lock:
                 self.tree.unlock(match.node)
-                self.host.fill([chosen[i] for i in new], slots)
-                self.moves.demotions["host"] += len(new)
+                self._fill_or_free(chosen, new, slots, copied)
                 if spill is not None:
                     self._host_evicted([chosen[i] for i in overflow], spill)
                 in_host = self.host.contains_prefix(keys[first:])

@@ -42,6 +42,11 @@ from typing import Any
 
 _ALPHA = 0.25  # weight of the newest sample: about the last 4-8 samples count
 _MIN_SPREAD = 0.1  # samples' size spread (std / mean) needed before a latency is fitted
+# Prefill samples are suffixes, often of a similar few dozen tokens whose forwards cost the same
+# on a GPU: a slope fitted across them is noise and can claim millions of tokens/s (which would
+# skip even host RAM). Below this spread of sizes (std, tokens) the rate is tokens over seconds,
+# which errs towards loading.
+_PREFILL_MIN_SPREAD_TOKENS = 512.0
 
 
 class ReusePolicy(enum.Enum):
@@ -86,14 +91,16 @@ class RateEstimator:
         self.samples += 1
         self.last_at = time.monotonic()
 
-    def estimate(self) -> Rate | None:
-        """The current fit, or None before any sample."""
+    def estimate(self, min_spread: float = 0.0) -> Rate | None:
+        """The current fit, or None before any sample. A latency (and the rate as the slope) is
+        fitted only when the samples' sizes spread by more than `_MIN_SPREAD` of their mean and
+        by more than `min_spread` (std, in the samples' unit)."""
         if not self.samples:
             return None
         mx, my = self._x / self._w, self._y / self._w
         vx = self._xx / self._w - mx * mx
         cov = self._xy / self._w - mx * my
-        if vx > (_MIN_SPREAD * mx) ** 2 and cov > 0:
+        if vx > max(_MIN_SPREAD * mx, min_spread) ** 2 and cov > 0:
             slope = cov / vx
             latency = my - slope * mx
             if latency >= 0:
@@ -162,7 +169,7 @@ class ReuseEstimates:
         if self._configured_prefill is not None:
             return self._configured_prefill
         with self._lock:
-            fit = self._prefill.estimate()
+            fit = self._prefill.estimate(min_spread=_PREFILL_MIN_SPREAD_TOKENS)
         return fit.per_s if fit is not None else None
 
     def cut(self, plan: Sequence[int], names: Mapping[int, str], page_bytes: int, page_tokens: int) -> int:

@@ -9,9 +9,13 @@ a page cannot cross as one contiguous copy. On CUDA the layout change is done wh
 and the reverse for demotion (gather kernel into the chunk buffer, then one DMA per run of rows
 into the slab). The DMA moves every byte once at PCIe speed; the kernel touches it again in HBM,
 about 40x faster, so the load runs close to a plain pinned host -> device copy of the same bytes.
-The chunk buffer (`chunk_bytes`, default 64 MiB) bounds the device memory this needs. The
-consumer's stream waits on an event recorded after the last kernel, and the call returns only
-when the copy is done, because the caller's slab rows are guaranteed to stay put only until then.
+The chunk buffer (`chunk_bytes`, default 64 MiB) bounds the device memory this needs; each chunk
+is queued under a small lock, so transfers of several threads interleave chunk by chunk on the
+one stream, and a background transfer (`background=True`: demotion, write-through) waits for each
+chunk before queueing the next, so a request's load queues behind one chunk, not a whole
+transfer. The consumer's stream waits on an event recorded after the last kernel, and the call
+returns only when the copy is done (also when it raised), because the caller's slab rows are
+guaranteed to stay put, and its pages allocated, only until then.
 
 On a CPU pool the pool is memory too: rows move into pages with one strided copy per run of
 consecutive rows and pages, with no intermediate buffer. `chunked=True` there runs the CUDA
@@ -21,9 +25,8 @@ without a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -50,9 +53,10 @@ class HostCopier:
         if self.cuda and self.chunked:
             self._copy_stream_ready()  # made now: the first request that loads pays nothing for it
 
-    def to_pool(self, source: torch.Tensor, rows: Any, pages: Any) -> None:
+    def to_pool(self, source: torch.Tensor, rows: Any, pages: Any, background: bool = False) -> None:
         """pool page `pages[i]` = `source[rows[i]]` for page-first `source` (host memory: pinned on
-        CUDA, for the DMA to run asynchronously at full speed)."""
+        CUDA, for the DMA to run asynchronously at full speed). `background`: wait for each chunk
+        before queueing the next, so a request's copy queues behind one chunk, not a transfer."""
         rows, pages = _as_index(rows), _as_index(pages)
         if not len(rows):
             return
@@ -60,14 +64,17 @@ class HostCopier:
             self.pool.scatter_rows(pages, source, rows)
             return
         index = self._device_index(pages)
-        with self._busy, self._copy_stream() as buffer:
-            for start, end in _chunks(len(rows), self.chunk_pages):
-                for i, row, count in _runs(rows[start:end]):
-                    buffer[i:i + count].copy_(source[row:row + count], non_blocking=True)
-                self.pool.ops.scatter(self.pool.kv, index[start:end], buffer[:end - start])
 
-    def from_pool(self, pages: Any, dest: torch.Tensor, rows: Any) -> None:
-        """`dest[rows[i]]` = pool page `pages[i]`, for page-first `dest` in host memory (the slab)."""
+        def chunk(buffer: torch.Tensor, start: int, end: int) -> None:
+            for i, row, count in _runs(rows[start:end]):
+                buffer[i:i + count].copy_(source[row:row + count], non_blocking=True)
+            self.pool.ops.scatter(self.pool.kv, index[start:end], buffer[:end - start])
+
+        self._transfer(len(rows), chunk, background)
+
+    def from_pool(self, pages: Any, dest: torch.Tensor, rows: Any, background: bool = False) -> None:
+        """`dest[rows[i]]` = pool page `pages[i]`, for page-first `dest` in host memory (the slab).
+        `background` as for `to_pool`."""
         rows, pages = _as_index(rows), _as_index(pages)
         if not len(rows):
             return
@@ -76,11 +83,13 @@ class HostCopier:
                 self.pool.gather(pages[i:i + count], out=dest[row:row + count])
             return
         index = self._device_index(pages)
-        with self._busy, self._copy_stream() as buffer:
-            for start, end in _chunks(len(rows), self.chunk_pages):
-                self.pool.ops.gather(self.pool.kv, index[start:end], buffer[:end - start])
-                for i, row, count in _runs(rows[start:end]):
-                    dest[row:row + count].copy_(buffer[i:i + count], non_blocking=True)
+
+        def chunk(buffer: torch.Tensor, start: int, end: int) -> None:
+            self.pool.ops.gather(self.pool.kv, index[start:end], buffer[:end - start])
+            for i, row, count in _runs(rows[start:end]):
+                dest[row:row + count].copy_(buffer[i:i + count], non_blocking=True)
+
+        self._transfer(len(rows), chunk, background)
 
     def _device_index(self, pages: np.ndarray) -> torch.Tensor:
         """`pages`, checked (allocated, each once) and on the pool's device, once per transfer: the
@@ -89,25 +98,33 @@ class HostCopier:
         self.pool.check_pages(pages)
         return torch.from_numpy(pages).to(self.pool.device)
 
-    @contextlib.contextmanager
-    def _copy_stream(self) -> Iterator[torch.Tensor]:
-        """The chunk buffer, with the work inside on the copy stream (CUDA). The copy stream first
-        waits for the caller's stream (KV the model is still writing, earlier readers of the pages);
-        afterwards the caller's stream waits for the copies, and so does the host: the caller's
-        slab rows may be reused once it lets go of them."""
+    def _transfer(self, n: int, chunk: Callable[[torch.Tensor, int, int], None], background: bool) -> None:
+        """Run `chunk(buffer, start, end)` over `n` pages, each chunk queued on the copy stream under
+        `_busy` (the buffer is reused by the next chunk, whoever's: the stream keeps them in order).
+        The copy stream first waits for the caller's stream (KV the model is still writing, earlier
+        readers of the pages); at the end, also when a chunk raised, the caller's stream waits for
+        the copies and so does the host: the caller may reuse its rows or free its pages after."""
         self._copy_stream_ready()
-        assert self._buffer is not None
+        buffer = self._buffer
+        assert buffer is not None
         if not self.cuda:
-            yield self._buffer
+            for start, end in _chunks(n, self.chunk_pages):
+                with self._busy:
+                    chunk(buffer, start, end)
             return
-        caller = torch.cuda.current_stream(self.pool.device)
-        self._stream.wait_stream(caller)
-        with torch.cuda.stream(self._stream):
-            yield self._buffer
-        event = self._stream.record_event()
-        caller.wait_event(event)
-        event.synchronize()
-
+        stream, caller = self._stream, torch.cuda.current_stream(self.pool.device)
+        stream.wait_stream(caller)
+        try:
+            for start, end in _chunks(n, self.chunk_pages):
+                with self._busy, torch.cuda.stream(stream):
+                    chunk(buffer, start, end)
+                    done = stream.record_event() if background else None
+                if done is not None:
+                    done.synchronize()  # a request's chunks queue behind this one only
+        finally:
+            event = stream.record_event()
+            caller.wait_event(event)
+            event.synchronize()
 
     def _copy_stream_ready(self) -> None:
         if self._buffer is None:

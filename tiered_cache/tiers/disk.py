@@ -23,7 +23,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from tiered_cache.model.spec import KVSpec
@@ -158,7 +158,9 @@ class DiskTier:
         if len(jobs) > 1 and sum(sizes.values()) >= _THREADED_BYTES:
             if self._readers is None:
                 self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="disk-tier-read")
-            found = list(self._readers.map(read, jobs))
+            reads = [self._readers.submit(read, i) for i in jobs]
+            wait(reads)  # every read done before any error surfaces: none writes into a page freed after
+            found = [r.result() for r in reads]
         else:
             found = [read(i) for i in jobs]
         arrived = [0] * len(keys)

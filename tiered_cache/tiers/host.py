@@ -80,9 +80,17 @@ class HostTier:
         return [(key, self.index.pop(key)) for key in keys if key in self.index]
 
     def unhold(self, held: list[tuple[bytes, int]]) -> None:
-        """Put `hold`'s keys back, most recently used."""
+        """Put `hold`'s keys back, most recently used. A key stored again meanwhile (the same
+        content, under its own slot) keeps that slot; the held one is freed."""
+        duplicates = []
         for key, slot in held:
-            self.index[key] = slot
+            if key in self.index:
+                duplicates.append(slot)
+                self.index.move_to_end(key)
+            else:
+                self.index[key] = slot
+        if duplicates:
+            self.slots.free(np.array(duplicates, dtype=np.int64))
 
     def copy_out(self, keys: Sequence[bytes]) -> tuple[list[bytes], torch.Tensor]:
         """A copy of the pages of those `keys` held here (any of them, not only a leading run),

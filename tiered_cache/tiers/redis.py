@@ -390,7 +390,8 @@ class RedisTier:
             conn.send_command("MGET", *names[:step])
             for start in range(0, len(keys), step):
                 if start + step < len(keys):  # Redis builds the next reply while this one is read
-                    conn.send_command("MGET", *names[start + step:start + 2 * step])
+                    # No health check here: its PING's reply would be read in place of this MGET's.
+                    conn.send_command("MGET", *names[start + step:start + 2 * step], check_health=False)
                 part = range(start, min(start + step, len(keys)))
                 if reader.array_len() != len(part):
                     raise ConnectionError("Redis answered an MGET with another number of values than asked")

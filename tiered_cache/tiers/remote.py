@@ -21,7 +21,7 @@ import enum
 import hashlib
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -337,6 +337,15 @@ class RemoteTier:
                 return _Landed.LOST
             return _Landed.ARRIVED
 
+        submitted: list[Future[_Landed]] = []  # every page handed to a checker thread
+        try:
+            return self._get_into(positions_of, land, lease, submitted, sizes, len(keys))
+        finally:  # all landed (or failed) before the caller may free or reuse the destinations,
+            wait(submitted)  # also when a stream raised midway
+
+    def _get_into(self, positions_of: dict[bytes, list[int]], land: Callable[[bytes, Any, bool], _Landed],
+                  lease: _LentPages, submitted: list[Future[_Landed]], sizes: dict[bytes, int],
+                  num_keys: int) -> list[int]:
         landing: list[tuple[bytes, Future[_Landed]]] = []
         if not self._closed:
             for key, (reader, position, length) in self._lookup_refs.take(list(positions_of)).items():
@@ -347,14 +356,15 @@ class RemoteTier:
                 if view is not None:
                     lease.add(key, reader, position, length)
                     landing.append((key, self._checker.submit(land, key, view, True)))
+                    submitted.append(landing[-1][1])
             self.pages_from_lookup += len(landing)
         have = {key for key, _ in landing}
-        outcomes = self._stream_into([k for k in positions_of if k not in have], land, lease)
+        outcomes = self._stream_into([k for k in positions_of if k not in have], land, lease, submitted)
         outcomes.update({key: check.result() for key, check in landing})
         lost = [key for key, what in outcomes.items() if what is _Landed.LOST]
         if lost:  # as bytes this time: nothing lent, so nothing to lose
-            outcomes.update(self._stream_into(lost, land, None))
-        arrived = [0] * len(keys)
+            outcomes.update(self._stream_into(lost, land, None, submitted))
+        arrived = [0] * num_keys
         for key, what in outcomes.items():
             if what is _Landed.ARRIVED:
                 for i in positions_of[key]:
@@ -366,7 +376,7 @@ class RemoteTier:
         return arrived
 
     def _stream_into(self, keys: list[bytes], land: Callable[[bytes, Any, bool], _Landed],
-                     lease: _LentPages | None) -> dict[bytes, _Landed]:
+                     lease: _LentPages | None, submitted: list[Future[_Landed]]) -> dict[bytes, _Landed]:
         """Get `keys` (distinct) from the servers owning them, in parallel, each page handed to
         `land` on the checker threads as it arrives (with whether it is lent from a ring, through
         `lease`); what became of each page received."""
@@ -384,6 +394,7 @@ class RemoteTier:
                     pending.discard(item.key)
                     lent = lease is not None and lease.lent(item.key)  # added before this call when lent
                     checks.append((item.key, self._checker.submit(land, item.key, item.blob, lent)))
+                    submitted.append(checks[-1][1])
 
             def stream(client: StoreClient) -> None:
                 # Pages received before a stream breaks stay usable: each is checked on its own.

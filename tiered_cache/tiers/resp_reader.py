@@ -39,7 +39,7 @@ class ReplyReader:
         line = self._line()
         if line[:1] != b"*":
             raise self._unexpected(line, "an array")
-        return int(line[1:])
+        return _count(line)
 
     def bulk_len(self) -> int | None:
         """The length of the bulk string that comes next (`$N`), or None for a null (`$-1`,
@@ -49,7 +49,7 @@ class ReplyReader:
             return None
         if line[:1] != b"$":
             raise self._unexpected(line, "a bulk string")
-        return int(line[1:])
+        return _count(line)
 
     def read_into(self, target: Any) -> None:
         """Fill `target` (any writable buffer) with the next len(target) bytes."""
@@ -128,3 +128,15 @@ class ReplyReader:
         if line[:1] == b"-":
             return ReplyError(f"Redis answered an error: {line[1:].decode(errors='replace')}")
         return ReplyError(f"expected {wanted} in the reply, got {line[:40]!r}")
+
+
+def _count(line: bytes) -> int:
+    """The number after a reply's type byte (`*N`, `$N`); ReplyError (a connection error, so the
+    tier counts it as one and never raises into the request path) for anything else."""
+    try:
+        count = int(line[1:])
+    except ValueError:
+        raise ReplyError(f"Redis sent {bytes(line[:40])!r} where a length was due") from None
+    if count < -1:
+        raise ReplyError(f"Redis sent a negative length {count}")
+    return count
