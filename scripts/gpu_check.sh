@@ -5,7 +5,11 @@
 # --device cuda` beside `--device cpu`, and `bench gpu` (TTFT on the Llama-3.1-8B shape with random
 # weights at 2k/8k/32k tokens, then the Llama-3-70B shape cut to the layers that fit, at 8k).
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (logs land in OUTDIR, default ./gpu-check)
-# Packages the machine lacks may sit as wheels in .whl/ (see docs/PERFORMANCE.md, "GPU path").
+# Packages the machine lacks may sit as wheels in .whl/ (see docs/PERFORMANCE.md, "GPU path"), made
+# here with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# manylinux2014_x86_64 -d .whl grpcio==1.85.3 protobuf==7.36.2 lz4 google-crc32c crc32c redis
+# hiredis grpcio-health-checking` and, for the Redis rows, `mkdir .whl/redis; cp $(which
+# redis-server) /lib/x86_64-linux-gnu/{liblzf.so.1,libjemalloc.so.2,libatomic.so.1} .whl/redis/`.
 set -uo pipefail
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -14,6 +18,11 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     export PYTHONPATH=/tmp/site:$PWD
 else
     export PYTHONPATH=$PWD
+fi
+# A redis-server carried beside the wheels (its binary and the libraries the device image lacks:
+# liblzf, libjemalloc, libatomic) gives `bench gpu` its Redis row.
+if [ -x .whl/redis/redis-server ]; then
+    export PATH=$PWD/.whl/redis:$PATH LD_LIBRARY_PATH=$PWD/.whl/redis${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 export PYTHONUNBUFFERED=1
 cli() { python3 -m tiered_cache.cli.main "$@"; }
