@@ -61,7 +61,9 @@ def layers_that_fit(config: dict[str, Any], free_bytes: int, longest_tokens: int
     per_layer_params = replace(hf, num_layers=2).num_params - replace(hf, num_layers=1).num_params
     other_params = hf.num_params - hf.num_layers * per_layer_params  # embeddings, lm_head, final norm
     kv_per_layer = spec.bytes_for_tokens(longest_tokens) // hf.num_layers
-    logits = longest_tokens * hf.vocab_size * dtype_bytes  # a prefill's logits for every position
+    # A prefill's logits for every position: `generate` keeps only the last (`logits_to_keep=1`)
+    # where the model takes it, but a model that does not would spend this much.
+    logits = longest_tokens * hf.vocab_size * dtype_bytes
     activations = longest_tokens * (4 * hf.intermediate_size + 8 * hf.hidden_size) * dtype_bytes
     room = free_bytes - RESERVE_BYTES - int(RESERVE_SHARE * free_bytes) - other_params * dtype_bytes \
         - logits - activations
