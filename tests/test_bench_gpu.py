@@ -105,3 +105,14 @@ def test_a_model_is_cut_to_the_layers_that_fit():
 def test_bad_tokens_are_refused_before_anything_is_built():
     result = run_cli("bench", "gpu", "--model", "tiny", "--device", "cpu", "--tokens", "100", check=False)
     assert result.returncode != 0 and "multiples of the page size (16)" in result.stderr
+
+
+def test_the_host_row_times_the_demotion_that_put_the_prefix_there_beside_a_copy_back(bench):
+    page = bench["setup"]["bytes_per_page"]
+    for row in bench["rows"]:
+        if row["row"] != "host":
+            assert row["evict_bytes"] == 0 and row["evict_s"] == []
+            continue
+        # every page of the prefix was copied device -> host RAM in each measured round
+        assert row["evict_bytes"] == row["tokens"] // 16 * page and len(row["evict_s"]) == 2
+        assert min(row["evict_s"]) > 0 and row["evict_limit_s"] > 0 and row["evict_GBps"] > 0

@@ -69,8 +69,14 @@ def measure_length(model: Any, spec: KVSpec, n: int, rows: tuple[str, ...], roun
             fill_tier(spec, settings.replace(**servers.lower_settings(row, n)), prefix, kv)
         del kv
         for row in (r for r in rows if r in ("device", "host")):
-            out.append(measure_reuse(model, UpperSource(row, upper), TIER_OF[row], prompt, n, rounds, recompute,
-                                     reference, device, progress))
+            source = UpperSource(row, upper)
+            out.append(measure_reuse(model, source, TIER_OF[row], prompt, n, rounds, recompute, reference, device,
+                                     progress))
+            if source.evictions:  # the first reset was the unmeasured round's
+                measured = source.evictions[1:]
+                out[-1].evict_bytes = max(nbytes for nbytes, _ in measured)
+                out[-1].evict_s = [seconds for _, seconds in measured]
+                out[-1].evict_limit_s = copy_limit(out[-1].evict_bytes, device, max(3, rounds), to_device=False)[1]
     for row in lower:
         source = LowerSource(row, spec, settings.replace(**servers.lower_settings(row, n)))
         try:

@@ -45,6 +45,11 @@ class GpuRow:
     margin: float | None = None  # recompute's gap between its top two logits
     recompute_s: float | None = None  # median recompute TTFT at this length
     first_s: float | None = None  # the unmeasured first round's TTFT: what a cold process pays once
+    # `host` only: the demotion that put the prefix there each round (device -> host RAM, every
+    # page copied), beside a pinned device -> host copy of the same bytes
+    evict_s: list[float] = field(default_factory=list)
+    evict_bytes: int = 0
+    evict_limit_s: float | None = None
 
     @property
     def p50_s(self) -> float:
@@ -60,6 +65,14 @@ class GpuRow:
         return moved / statistics.median(self.load_s) / 1e9 if moved and self.load_s else None
 
     @property
+    def evict_gbps(self) -> float | None:
+        return self.evict_bytes / statistics.median(self.evict_s) / 1e9 if self.evict_s and self.evict_bytes else None
+
+    @property
+    def evict_limit_gbps(self) -> float | None:
+        return self.evict_bytes / self.evict_limit_s / 1e9 if self.evict_limit_s and self.evict_bytes else None
+
+    @property
     def limit_gbps(self) -> float | None:
         return self.limit_bytes / self.limit_s / 1e9 if self.limit_s else None
 
@@ -72,7 +85,7 @@ class GpuRow:
         out = asdict(self)
         out.update(ttft_p50_s=self.p50_s, ttft_min_s=min(self.ttft_s), ttft_max_s=max(self.ttft_s),
                    speedup=self.speedup, load_GBps=self.load_gbps, limit_GBps=self.limit_gbps,
-                   load_over_limit=self.ratio)
+                   load_over_limit=self.ratio, evict_GBps=self.evict_gbps, evict_limit_GBps=self.evict_limit_gbps)
         return out
 
 
@@ -81,15 +94,18 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def copy_limit(nbytes: int, device: str, repeat: int = 3) -> tuple[str, float]:
+def copy_limit(nbytes: int, device: str, repeat: int = 3, to_device: bool = True) -> tuple[str, float]:
     """(what was copied, fastest seconds of `repeat`) for the physical limit of moving `nbytes`
-    into the pool: on CUDA a pinned host -> device copy, in 256 MiB pieces into one device buffer
-    (the link's rate from 256 MiB up is flat, and GPU memory belongs to the model); on the CPU a
-    memcpy between two preallocated tensors, written once first so no page fault is timed."""
+    into the pool (`to_device`; else out of it): on CUDA a pinned host -> device (device -> host)
+    copy, in 256 MiB pieces into one device buffer (the link's rate from 256 MiB up is flat, and
+    GPU memory belongs to the model); on the CPU a memcpy between two preallocated tensors,
+    written once first so no page fault is timed."""
     cuda = torch.device(device).type == "cuda"
     size = min(nbytes, _CHUNK) if cuda else nbytes
     src = torch.empty(size, dtype=torch.uint8, pin_memory=cuda).fill_(1)
     dst = torch.zeros(size, dtype=torch.uint8, device=device)
+    if not to_device:
+        src, dst = dst, src
     best = float("inf")
     for _ in range(repeat):
         synchronize(device)
@@ -99,7 +115,8 @@ def copy_limit(nbytes: int, device: str, repeat: int = 3) -> tuple[str, float]:
             dst[:n].copy_(src[:n], non_blocking=cuda)
         synchronize(device)
         best = min(best, time.perf_counter() - start)
-    return ("pinned host->device copy" if cuda else "memcpy"), best
+    direction = "host->device" if to_device else "device->host"
+    return (f"pinned {direction} copy" if cuda else "memcpy"), best
 
 
 class TimedLoad:

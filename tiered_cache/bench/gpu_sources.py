@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import shutil
 import tempfile
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from tiered_cache.bench.gpu_rows import synchronize
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import KVSpec
@@ -146,8 +148,16 @@ class UpperSource:
     def __init__(self, row: str, cache: TieredCache) -> None:
         self.row = row
         self.cache = cache
+        self.evictions: list[tuple[int, float]] = []  # (bytes, seconds) of each `host` reset's demotion
 
     def reset(self) -> None:
+        """`host`: the prefix's copies in host RAM dropped, then its device pages demoted there
+        (`evict`), timed: the demotion path device -> host RAM, every page copied."""
         self.cache.flush()
         if self.row == "host":
-            self.cache.evict()
+            self.cache.host.delete(list(self.cache.host.index))
+            synchronize(self.cache.pool.device)
+            started = time.perf_counter()
+            moved = self.cache.evict()
+            synchronize(self.cache.pool.device)
+            self.evictions.append((moved * self.cache.spec.bytes_per_page, time.perf_counter() - started))

@@ -59,6 +59,10 @@ def render(setup: dict[str, Any], rows: list[GpuRow]) -> str:
             f"{max(3, setup['rounds'])}; speed-up = recompute TTFT p50 / row TTFT p50; max|dlogit| = first-token "
             f"logits vs recompute's.")
     table = render_table([_cells(r) for r in rows], HEADERS, align_right=(0, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12))
+    demotions = [f"demotion at {r.tokens:,} tokens (evict: device -> host RAM, every page copied): "
+                 f"{r.evict_gbps:.2f} GB/s, {'pinned device->host copy' if 'pinned' in limit else 'memcpy'} "
+                 f"{r.evict_limit_gbps:.2f} GB/s, {r.evict_gbps / r.evict_limit_gbps:.2f}x"
+                 for r in rows if r.evict_gbps and r.evict_limit_gbps]
     odd = [f"!! {r.row} at {r.tokens:,}: reused {r.reused_tokens} tokens from {r.sources}, expected {r.tokens:,} "
            f"from {r.tier} every round" for r in rows if r.tier is not None and _reused(r).startswith("UNEXPECTED")]
-    return "\n".join([head, table, *odd])
+    return "\n".join([head, table, *demotions, *odd])
