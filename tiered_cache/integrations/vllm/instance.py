@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                      "connector_s": timer.take()[0] if timer is not None else 0.0})
         if args.kill_after_first and len(rows) == 1:
             os.kill(args.kill_after_first, signal.SIGKILL)
+            _wait_dead(args.kill_after_first)
         if args.repeat and len(rows) == len(asked):
             _flush_stores()  # the first pass's saves are written before the second pass asks
     rows = rows[len(asked):] if args.repeat else rows
@@ -148,3 +149,20 @@ def _flush_stores() -> bool:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _wait_dead(pid: int, timeout_s: float = 10.0) -> None:
+    """Until `pid` has exited (a zombie or gone: its files closed, its mappings dropped), at most
+    `timeout_s`. SIGKILL only asks: on a busy machine the process can run on for a while, and the
+    fault test means "the store is dead" for the next request, not "dying"."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                state = stat.read().rsplit(b")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            return
+        if state in (b"Z", b"X"):
+            return
+        time.sleep(0.005)
+
