@@ -36,7 +36,7 @@ fmt: $(STAMP)
 
 # Every benchmark, each beside its same-run baseline (about 10 minutes on 2 cores).
 bench: $(STAMP)
-	for b in keys radix tensor engine host disk redis codec remote ttft int8 load; do $(BIN)/tiered-cache bench $$b || exit 1; done
+	for b in keys radix tensor engine host disk redis codec remote promote ttft int8 load; do $(BIN)/tiered-cache bench $$b || exit 1; done
 
 # Every CUDA source must compile for sm_90, so a syntax error cannot land (skipped without nvcc).
 check-kernels:
