@@ -856,22 +856,12 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
         kept = slots[todo]
         views = [self.host.slab[int(slot)] for slot in kept]
         chosen = [keys[i] for i in todo]
-        if not self._writer.submit(self._write_retained, chosen, views, kept):
+        if not self._writer.submit(self._write_below, chosen, views, kept):
             self._pages_dropped += len(todo)
             return _NO_PAGES
         for key, view in zip(chosen, views, strict=True):
             self._in_flight[key] = view
         return kept
-
-    def _write_retained(self, keys: list[bytes], pages: list[torch.Tensor], slots: np.ndarray) -> None:
-        """Background: encode pages still held in host slots, put them below, give the slots back."""
-        try:
-            self._encode_and_put(keys, pages, 1)
-        finally:
-            with self._lock:
-                for key in keys:
-                    self._in_flight.pop(key, None)
-                self.host.release(slots)
 
     def _host_evicted(self, keys: list[bytes], pages: torch.Tensor) -> None:
         """Pages that did not fit in host RAM at all (a copy): queue them for the tiers below, unless
@@ -942,14 +932,18 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
                 self._step_aside()
                 self.chain.put(items, index, demotion=True)
 
-    def _write_below(self, keys: list[bytes], pages: torch.Tensor) -> None:
-        """Background: encode pages host RAM dropped and put them into the first lower tier."""
+    def _write_below(self, keys: list[bytes], pages: Any, slots: np.ndarray | None = None) -> None:
+        """Background: encode pages host RAM dropped and put them into the first lower tier; they
+        stop being served from memory then, and `slots` (pages still held in host slots, when
+        `retain` kept them) are given back."""
         try:
             self._encode_and_put(keys, pages, 1)
         finally:
             with self._lock:
                 for key in keys:
                     self._in_flight.pop(key, None)
+                if slots is not None:
+                    self.host.release(slots)
 
     def _encode_and_put(self, keys: list[bytes], pages: Any, num_tiers: int) -> None:
         """Encode pages and put them into the first `num_tiers` lower tiers, a chunk at a time,
