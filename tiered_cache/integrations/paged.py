@@ -29,7 +29,7 @@ import torch
 
 from tiered_cache.cache import TieredCache
 from tiered_cache.handle import CacheHandle
-from tiered_cache.integrations.transformers import cache_keyword
+from tiered_cache.integrations.transformers import cache_keyword, last_logits_only
 from tiered_cache.model.spec import Layout
 
 
@@ -103,7 +103,7 @@ class PagedSequence:
         try:
             cache_arg = {cache_keyword(self.model): self.hf_cache}
             out = self.model(torch.tensor([list(token_ids)], device=device), position_ids=positions, use_cache=True,
-                             output_attentions=needs_scores, **cache_arg)
+                             output_attentions=needs_scores, **cache_arg, **last_logits_only(self.model))
         finally:
             self._read = self._write = self._rotation = None
         cache.mark_written(handle, n)
