@@ -48,50 +48,39 @@ def test_a_host_hit_is_copied_straight_into_the_pool_and_prefetch_stages_nothing
     c.close()
 
 
-def test_a_host_hit_into_a_full_pool_demotes_cold_pages_first_and_keeps_the_wanted_ones(monkeypatch):
-    # The pool holds 8 pages, all taken by a colder prefix; host RAM holds 14: the 6 wanted pages
-    # plus room for the 8 cold ones demoted to make way (a whole node goes), none pushed out.
-    c = make(pool_pages=8, host_pages=14)
-    wanted, cold = list(range(24)), list(range(1000, 1032))
-    c.put(wanted, token_kv(SPEC, wanted))
-    c.evict()  # 6 wanted pages now only in host RAM
-    assert c.put(cold, token_kv(SPEC, cold)) == 32  # the pool is full
-    assert c.pool.num_free == 0
+WANTED, COLD = list(range(24)), list(range(1000, 1032))  # 6 pages, then 8 that fill the pool
+
+
+def load_wanted_into_a_full_pool(c: TieredCache, monkeypatch) -> None:
+    """WANTED only in host RAM, COLD filling the pool: loading WANTED goes straight from host RAM
+    (nothing staged), every byte right; then COLD, which made way, is still found intact."""
+    c.put(WANTED, token_kv(SPEC, WANTED))
+    c.evict()  # the wanted pages now only in host RAM
+    assert c.put(COLD, token_kv(SPEC, COLD)) == 32 and c.pool.num_free == 0
     staged = count_staged(c, monkeypatch)
-    h = c.match(wanted)
+    h = c.match(WANTED)
     pages = c.load(h)
     assert len(pages) == 6 and h.sources["host"] == 6 and staged == []
-    assert torch.equal(c.pool.read_tokens(pages, 24), token_kv(SPEC, wanted))
+    assert torch.equal(c.pool.read_tokens(pages, 24), token_kv(SPEC, WANTED))
     c.release(h)
-    # the cold pages that made way are in host RAM, intact
-    assert c.lookup(cold) == 32
-    n, kv = c.get(cold)
-    assert n == 32 and torch.equal(kv, token_kv(SPEC, cold))
+    c.flush()
+    assert c.lookup(COLD) == 32
+    n, kv = c.get(COLD)
+    assert n == 32 and torch.equal(kv, token_kv(SPEC, COLD))
     c.check_integrity()
     c.close()
+
+
+def test_a_host_hit_into_a_full_pool_demotes_cold_pages_first_and_keeps_the_wanted_ones(monkeypatch):
+    # Host RAM holds 14: the 6 wanted pages plus room for the 8 cold ones demoted to make way (a
+    # whole node goes), none pushed out; the cold pages are then in host RAM.
+    load_wanted_into_a_full_pool(make(pool_pages=8, host_pages=14), monkeypatch)
 
 
 def test_a_host_hit_into_a_full_pool_and_a_full_host_ram_still_loads_and_sends_the_cold_pages_below(monkeypatch):
     # Host RAM of 6 holds exactly the wanted pages: the cold pages demoted to make room on the
     # device cannot push them out; they go below instead, where they are found again.
-    below = MemoryTier(1 << 20)
-    c = make(pool_pages=8, host_pages=6, lower=[below])
-    wanted, cold = list(range(24)), list(range(1000, 1032))
-    c.put(wanted, token_kv(SPEC, wanted))
-    c.evict()
-    c.put(cold, token_kv(SPEC, cold))
-    staged = count_staged(c, monkeypatch)
-    h = c.match(wanted)
-    pages = c.load(h)
-    assert len(pages) == 6 and h.sources["host"] == 6 and staged == []
-    assert torch.equal(c.pool.read_tokens(pages, 24), token_kv(SPEC, wanted))
-    c.release(h)
-    c.flush()
-    assert c.lookup(cold) == 32
-    n, kv = c.get(cold)
-    assert n == 32 and torch.equal(kv, token_kv(SPEC, cold))
-    c.check_integrity()
-    c.close()
+    load_wanted_into_a_full_pool(make(pool_pages=8, host_pages=6, lower=[MemoryTier(1 << 20)]), monkeypatch)
 
 
 def test_a_copy_into_host_ram_that_fails_indexes_no_slot_and_leaks_nothing(monkeypatch):
