@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_cache.device.pool import PagePool
+from tiered_cache.device.pool import PagePool, consecutive_runs
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
@@ -66,7 +66,7 @@ class HostCopier:
         index = self._device_index(pages)
 
         def chunk(buffer: torch.Tensor, start: int, end: int) -> None:
-            for i, row, count in _runs(rows[start:end]):
+            for i, row, count in consecutive_runs(rows[start:end]):
                 buffer[i:i + count].copy_(source[row:row + count], non_blocking=True)
             self.pool.ops.scatter(self.pool.kv, index[start:end], buffer[:end - start])
 
@@ -79,14 +79,14 @@ class HostCopier:
         if not len(rows):
             return
         if not self.chunked or dest.device != torch.device("cpu"):
-            for i, row, count in _runs(rows):
+            for i, row, count in consecutive_runs(rows):
                 self.pool.gather(pages[i:i + count], out=dest[row:row + count])
             return
         index = self._device_index(pages)
 
         def chunk(buffer: torch.Tensor, start: int, end: int) -> None:
             self.pool.ops.gather(self.pool.kv, index[start:end], buffer[:end - start])
-            for i, row, count in _runs(rows[start:end]):
+            for i, row, count in consecutive_runs(rows[start:end]):
                 dest[row:row + count].copy_(buffer[i:i + count], non_blocking=True)
 
         self._transfer(len(rows), chunk, background)
@@ -142,12 +142,3 @@ def _as_index(values: Any) -> np.ndarray:
 def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
     for start in range(0, n, size):
         yield start, min(start + size, n)
-
-
-def _runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
-    """(index into `rows`, first row, length) of each run of consecutive row numbers."""
-    if not rows.size:
-        return []
-    starts = np.r_[0, np.flatnonzero(np.diff(rows) != 1) + 1]
-    ends = np.r_[starts[1:], rows.size]
-    return [(int(s), int(rows[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]

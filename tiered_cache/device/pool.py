@@ -194,7 +194,7 @@ class PagePool:
         """Page-first `staging` (n, layers, 2, *inner) <-> `pages` of the pool, one strided copy
         per run of consecutive pages: (2, layers, count, *inner) on both sides."""
         order = (2, 1, 0, *range(3, staging.dim()))
-        for i, page, count in _runs(pages):
+        for i, page, count in consecutive_runs(pages):
             _copy(self.kv[:, :, page:page + count], staging[i:i + count].permute(order), to_pool)
 
     def copy_pages(self, src: Any, dst: Any) -> None:
@@ -249,7 +249,7 @@ class PagePool:
         full, rem = divmod(tokens.shape[2], ps)
         whole = tokens[:, :, :full * ps].unflatten(2, (full, ps))  # (2, L, pages, ps, H, D)
         if _count_runs(heads[:full]) <= _MAX_RUN_COPIES:
-            for i, page, count in _runs(heads[:full]):
+            for i, page, count in consecutive_runs(heads[:full]):
                 _copy(self._page_view(page, count), whole[:, :, i:i + count], to_pool)
         else:
             self._move_indexed(heads[:full], whole, to_pool)
@@ -350,8 +350,9 @@ def _count_runs(pages: np.ndarray) -> int:
     return int(pages.size > 0) + int(np.count_nonzero(np.diff(pages) != 1))
 
 
-def _runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
-    """(index into `pages`, first page, length) of each run of consecutive page numbers."""
+def consecutive_runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
+    """(index into `pages`, first number, length) of each run of consecutive numbers (pages, or
+    host RAM slots): each run moves as one copy."""
     if not pages.size:
         return []
     starts = np.r_[0, np.flatnonzero(np.diff(pages) != 1) + 1]
