@@ -142,10 +142,7 @@ class TierChain:
             with self._tier_locks[index]:
                 lends = lease is not None and getattr(tier, "lends_views", False)
                 blobs = tier.get(wanted, lease=lease) if lends else tier.get(wanted)
-            if self._fetch_observers:
-                seconds, nbytes = time.perf_counter() - started, sum(len(b) for b in blobs if b is not None)
-                for observe in self._fetch_observers:
-                    observe(tier.name, seconds, nbytes)
+            self._fetched(tier.name, started, sum(len(b) for b in blobs if b is not None))
             for i, blob in zip(positions, blobs, strict=True):
                 out[i] = blob
             self._mark([k for k, b in zip(wanted, blobs, strict=True) if b is None], index, False)
@@ -177,15 +174,18 @@ class TierChain:
                     got = get_into(wanted, targets, spec)
             else:
                 got = self._decoded_into(index, wanted, targets, spec)
-            if self._fetch_observers:
-                seconds, nbytes = time.perf_counter() - started, sum(got)  # blob bytes, as `fetch` counts
-                for observe in self._fetch_observers:
-                    observe(tier.name, seconds, nbytes)
+            self._fetched(tier.name, started, sum(got))  # blob bytes, as `fetch` counts
             for i, size in zip(positions, got, strict=True):
                 arrived[i] = size > 0
             self._mark([k for k, size in zip(wanted, got, strict=True) if not size], index, False)
             self._count(self.promotions, tier.name, sum(1 for size in got if size))
         return arrived
+
+    def _fetched(self, tier: str, started: float, nbytes: int) -> None:
+        """Tell the fetch observers that a batched fetch from `tier` begun at `started` brought `nbytes`."""
+        seconds = time.perf_counter() - started
+        for observe in self._fetch_observers:
+            observe(tier, seconds, nbytes)
 
     def _decoded_into(self, index: int, keys: list[bytes], dests: list[PageDest], spec: KVSpec) -> list[int]:
         """`fetch_into` for a tier without `get_into`: its verified blobs, decoded here (outside
