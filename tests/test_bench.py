@@ -236,5 +236,5 @@ def test_bench_vllm_takes_the_median_over_rounds_and_needs_every_rounds_tokens_t
     assert ours.to_dict(base)["connector_s"] == pytest.approx(0.008)
     with pytest.raises(ValueError, match="rounds must be at least 1"):
         bench_vllm(rounds=0)
-    with pytest.raises(ValueError, match=r"shm must be 0 .* or at least 1MiB"):
+    with pytest.raises(ValueError, match=r"shm must be on or off"):
         bench_vllm(shm="512KiB")

@@ -192,7 +192,7 @@ def test_redis_get_into_from_a_dead_server_is_misses_and_an_error(tmp_path):
 def test_remote_get_into_is_byte_exact_and_refuses_foreign_pages(shm, kind):
     good = items()
     keys = [k for k, _ in good]
-    args = ["--no-disk", "--ram", "64MiB"] + ([] if shm else ["--shm", "0"])
+    args = ["--no-disk", "--ram", "64MiB"] + ([] if shm else ["--shm", "off"])
     with StoreProcess(args) as store:
         tier = RemoteTier([store.address])  # no fingerprint: the server passes any model's pages on
         tier.warm()  # maps the server's ring, where it offers one
@@ -210,8 +210,8 @@ def test_remote_get_into_is_byte_exact_and_refuses_foreign_pages(shm, kind):
 
 
 class _Overwritten:
-    """A same-host ring whose pages are written over right after they are read (as a server that
-    came round its ring while the client copied would): `intact` says no once a view was taken."""
+    """A same-host arena whose pages are written over right after they are read (as a server that
+    wrote over them while the client copied would): `intact` says no once a view was taken."""
 
     def __init__(self, blobs: dict[int, bytes]) -> None:
         self.blobs, self.taken = blobs, set()
@@ -224,10 +224,10 @@ class _Overwritten:
         return position not in self.taken
 
 
-def test_remote_get_into_asks_again_for_pages_the_ring_lost_while_they_were_copied():
+def test_remote_get_into_asks_again_for_pages_the_arena_lost_while_they_were_copied():
     good = items()
     keys = [k for k, _ in good]
-    with StoreProcess(["--no-disk", "--ram", "64MiB", "--shm", "0"]) as store:
+    with StoreProcess(["--no-disk", "--ram", "64MiB", "--shm", "off"]) as store:
         tier = RemoteTier([store.address])
         tier.put(good)
         ring = _Overwritten({i: blob for i, (_, blob) in enumerate(good)})

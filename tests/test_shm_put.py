@@ -12,11 +12,13 @@ import sys
 import grpc
 import pytest
 
-from tests.test_shm_transport import pages
+from tests.test_arena_transport import pages
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.process import StoreProcess
-from tiered_cache.service.shm_offers import OfferedSegments
-from tiered_cache.service.shm_ring import MIN_BYTES, PUT_RING, ShmRing, host_identity
+from tiered_cache.shm.arena import Arena
+from tiered_cache.shm.host import host_identity
+from tiered_cache.shm.offers import OfferedSegments
+from tiered_cache.shm.put_ring import MIN_BYTES, PUT_RING, PutRing
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.v1 import cache_pb2 as pb
 
@@ -164,18 +166,18 @@ def test_a_restarted_server_gets_the_pages_as_bytes_then_the_ring_is_offered_aga
 
 def test_with_shared_memory_off_a_put_carries_bytes():
     items = pages(3, seed=31)
-    with StoreProcess(["--no-disk", "--shm", "0"]) as store, StoreClient(store.address) as client:
+    with StoreProcess(["--no-disk", "--shm", "off"]) as store, StoreClient(store.address) as client:
         assert client.put(items).stored == 3 and not client.uses_shm_put
         assert client._put_ring is None  # not even made: the server said it shares no memory
         assert server_figures(store.address).shm_put_pages == 0
         reply = client.stub.Offer(pb.OfferRequest(path="/proc/1/fd/0", size=MIN_BYTES, segment=b"x" * 16,
                                                   host=host_identity()), timeout=5)
-        assert not reply.accepted and "--shm 0" in reply.reason
+        assert not reply.accepted and "--shm off" in reply.reason
 
 
 def test_the_server_maps_only_a_same_host_clients_put_ring(tmp_path):
-    ring = ShmRing(MIN_BYTES, name=PUT_RING)
-    get_ring = ShmRing(MIN_BYTES)  # a memfd, but not a Put ring
+    ring = PutRing(MIN_BYTES)
+    get_ring = Arena(MIN_BYTES)  # a sealed memfd, but not a put ring
     plain = tmp_path / "plain"
     plain.write_bytes(bytes(MIN_BYTES))
     fd = os.open(plain, os.O_RDONLY)
@@ -189,7 +191,7 @@ def test_the_server_maps_only_a_same_host_clients_put_ring(tmp_path):
             "other host": offers.offer(ring.path, ring.size, ring.segment, "someone-else", local),
             "not /proc": offers.offer(str(plain), ring.size, ring.segment, here, local),
             "a file": offers.offer(f"/proc/{os.getpid()}/fd/{fd}", MIN_BYTES, ring.segment, here, local),
-            "a Get ring": offers.offer(get_ring.path, get_ring.size, get_ring.segment, here, local),
+            "an arena": offers.offer(get_ring.path, get_ring.size, get_ring.id, here, local),
             "wrong id": offers.offer(ring.path, ring.size, os.urandom(16), here, local),
             "wrong size": offers.offer(ring.path, ring.size + 4096, ring.segment, here, local),
             "huge": offers.offer(ring.path, 2**41, ring.segment, here, local),
@@ -247,7 +249,7 @@ def test_a_page_read_by_lookup_ref_must_be_of_the_tiers_model():
     would filter it on the server; read in place after a Lookup it is refused by the tier."""
     import torch
 
-    from tests.test_shm_transport import SPEC
+    from tests.test_arena_transport import SPEC
     from tiered_cache.tiers.codec import encode_page
 
     ours = pages(2, seed=39)
@@ -267,7 +269,7 @@ def test_a_page_read_by_lookup_ref_must_be_of_the_tiers_model():
 
 
 def test_segments_of_exited_clients_are_unmapped_and_the_count_is_bounded():
-    code = ("import sys; from tests.test_shm_transport import pages; from tiered_cache.service.client import "
+    code = ("import sys; from tests.test_arena_transport import pages; from tiered_cache.service.client import "
             "StoreClient; c = StoreClient(sys.argv[1]); assert c.put(pages(1, seed=32)).stored <= 1; "
             "assert c.uses_shm_put")
     with StoreProcess(["--no-disk"]) as store, StoreClient(store.address) as client:

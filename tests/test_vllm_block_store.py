@@ -166,19 +166,19 @@ def test_a_load_that_outlives_its_wait_is_failed_and_never_copied_in():
         assert not any(layer.any() for layer in dst)  # nothing copied in after the wait gave up
 
 
-def test_pages_lent_from_the_ring_and_written_over_before_the_check_are_fetched_again():
-    """A same-host store server with a 2 MiB ring lends the pages as views into it. Between the
-    fetch and the check, another client's Put comes round the ring over them (for real): the job
-    sees it, fetches those pages again as copies, and vLLM's KV ends with exactly the saved
-    blocks, none failed."""
+def test_pages_lent_from_the_arena_and_written_over_before_the_check_are_fetched_again(tmp_path):
+    """A same-host store server with a 2 MiB arena (no lease) lends the pages as views into it.
+    Between the fetch and the check, another client's Put comes round the arena over them (for
+    real; they go to the disk tier): the job sees it, fetches those pages again as copies, and
+    vLLM's KV ends with exactly the saved blocks, none failed."""
     from tiered_cache.index.keys import PageKeyer
     from tiered_cache.model.spec import KVSpec
     from tiered_cache.tiers.codec import encode_page
 
     big = KVSpec("ring-filler", 4, 2, 64, page_size=64, dtype="fp32")  # 256 KiB pages
-    filler_keys = PageKeyer(big, "filler").keys(list(range(big.page_size * 10)))
-    filler = [(k, encode_page(torch.randn(big.staging_shape(1)[1:]), big, k, "raw")) for k in filler_keys]
-    with StoreProcess(["--no-disk", "--shm", "2MiB"]) as server:
+    fillers = [[(k, encode_page(torch.randn(big.staging_shape(1)[1:]), big, k, "raw"))
+                for k in PageKeyer(big, f"filler-{i}").keys(list(range(big.page_size * 10)))] for i in range(3)]
+    with StoreProcess(["--disk", str(tmp_path), "--ram", "2MiB", "--arena-lease", "0"]) as server:
         writer = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
         src = vllm_layers()
         keys = writer.keys(list(range(3 * BS)), "")
@@ -192,7 +192,7 @@ def test_pages_lent_from_the_ring_and_written_over_before_the_check_are_fetched_
         def load_then_fill(block_keys, group=0, lease=None):
             pages = load(block_keys, group, lease)
             if lease is not None and len(lease):
-                other.put(filler)  # placed in the ring at Put time: over the lent pages
+                other.put(fillers.pop())  # new pages (a page held already is not placed again): over the lent ones
             return pages
 
         reader.load = load_then_fill

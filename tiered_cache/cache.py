@@ -311,8 +311,8 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
             wanted, plan = handle.keys[start:handle.available_pages], handle.plan[:handle.available_pages - start]
             if not wanted:
                 return False
-            if all(where == HOST for where in plan):
-                return False  # `load` copies host RAM slots straight into the pool: nothing to stage
+            if all(where == HOST for where in plan) or self.promoter.in_arenas(plan):
+                return False  # `load` copies these straight into the pool: nothing to stage
             handle.prefetch = self.promoter.prefetch(wanted, plan)
         return handle.prefetch is not None
 
@@ -345,11 +345,12 @@ class TieredCache(ForkOps, SwapOps, CompactionOps):
                 fetched = None
             if self._fetch_metrics is not None:
                 self._fetch_metrics.prefetch_wait.observe(time.perf_counter() - waited)
-        if fetched is None and self.promoter.fills_pool and HOST not in plan:
-            # A CPU pool, every page below host RAM: device pages first, then each page lands
-            # straight in its own (one copy, no staging); only as many are fetched as fit. (With
-            # pages in host RAM, allocating first could evict them before they are copied: the
-            # staged path copies them out first.)
+        if fetched is None and HOST not in plan and (self.promoter.fills_pool or self.promoter.from_arenas(plan)):
+            # Every page below host RAM, and a CPU pool (or, on CUDA, pages in same-host store
+            # arenas): device pages first, then each page lands straight in its own (one copy or
+            # one DMA, no staging); only as many are fetched as fit. (With pages in host RAM,
+            # allocating first could evict them before they are copied: the staged path copies
+            # them out first.)
             return self._install(handle, start, len(wanted),
                                  lambda pages: self.promoter.fetch(wanted[:len(pages)], plan[:len(pages)], pages=pages))
         if fetched is None:

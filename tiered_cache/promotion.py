@@ -15,11 +15,14 @@ The load (promotion) path of `TieredCache`, in one place:
   A page that moved meanwhile is looked for again, a bounded number of times.
 - `host_to_pool`: host RAM slots straight into device pages, one DMA per run of slots on CUDA
   (`device/host_copy.py`), with no staging copy.
+- On CUDA, pages in a same-host store server's arena (shm/arena.py) go straight from there into
+  device pages, one DMA per run of adjacent blobs (`device/arena_copy.py`), checked on CPU
+  threads meanwhile (`from_arenas`, `fetch(pages=)`).
 
 Copies from a tier below to the pool: one on a CPU pool (the tier's read lands in the page:
-a file read, a socket read, a copy out of a store server's ring), two through staging on CUDA
-or after a prefetch (that read, then one DMA or copy into the pool). Nothing is put into host
-RAM on the way up.
+a file read, a socket read, a copy out of a same-host store server's arena), one DMA on CUDA
+from such an arena, two through staging on CUDA otherwise or after a prefetch (that read, then
+one DMA or copy into the pool). Nothing is put into host RAM on the way up.
 
 Who owns what: the cache allocates device pages and hands them to the tree (it owns the
 ledger); the promoter only fills pages it is given and staging buffers it leased.
@@ -40,6 +43,7 @@ import torch
 
 from tiered_cache.cache_stats import Movements
 from tiered_cache.config import CacheConfig
+from tiered_cache.device.arena_copy import ArenaCopier
 from tiered_cache.device.host_copy import HostCopier
 from tiered_cache.device.pool import PagePool
 from tiered_cache.handle import HOST, Prefetch
@@ -81,6 +85,7 @@ class Promoter:
         self.moves = moves
         self.staging = StagingBuffers(spec, pin=pool.kv.device.type == "cuda")
         self.copier = HostCopier(pool)
+        self.arena_copier: ArenaCopier | None = None  # on CUDA, made when a same-host store is first used
         # On a CPU pool, pages from below land straight in their device pages: the pool is memory
         # too, and staging would be a second pass over every byte. Its bytes as
         # (K/V, layer, page, bytes): one page's blocks, in page-first order, are `_pool_dest`.
@@ -186,16 +191,19 @@ class Promoter:
               pages: np.ndarray | None = None) -> Fetched:
         """Bring the leading pages of `keys` (located by `plan`) up, page-first: into device
         `pages` (one per key) when given, for a plan with no page in host RAM on a CPU pool
-        (`fills_pool`; the caller owns the pages until it adopts them), else into a leased staging
-        buffer. Host RAM pages are copied under the lock (memory), lower-tier pages go straight
-        into their destinations outside it (one batched call per tier, each page verified where
-        it lands). A page that left host RAM since `match` (demoted meanwhile) is looked for below
-        again; the fetch stops at the first page that no longer arrives intact."""
+        (`fills_pool`) or, on CUDA, one whose pages lie in same-host arenas (`from_arenas`; the
+        caller owns the pages until it adopts them), else into a leased staging buffer. Host RAM
+        pages are copied under the lock (memory), lower-tier pages go straight into their
+        destinations outside it (one batched call per tier, each page verified where it lands).
+        A page that left host RAM since `match` (demoted meanwhile) is looked for below again;
+        the fetch stops at the first page that no longer arrives intact."""
         started = time.perf_counter()
         buffer: torch.Tensor | None = None
+        if pages is not None and not self.fills_pool:
+            return self._fetch_from_arena(keys, plan, pages, started)
         if pages is not None:
-            assert self.fills_pool and len(pages) >= len(keys) and HOST not in plan, \
-                "fetch into device pages: a CPU pool, one page per key, none from host RAM"
+            assert len(pages) >= len(keys) and HOST not in plan, \
+                "fetch into device pages: one page per key, none from host RAM"
             dests: list[PageDest] = [self._pool_dest(int(page)) for page in pages[:len(keys)]]
         else:
             buffer = self.staging.lease(len(keys))
@@ -236,6 +244,37 @@ class Promoter:
             self._observe(tiers[0], len(tiers), time.perf_counter() - started)
         return Fetched(buffer, pos, tiers)
 
+    def in_arenas(self, plan: Sequence[int]) -> bool:
+        """Whether these planned pages are read in place in same-host store servers' arenas: the
+        leading page's tier keeps pages in arenas of servers on this host (`arena_pages`), and
+        nothing is planned from host RAM. A load then copies (CPU pool) or DMAs (CUDA) them
+        straight into its device pages; a prefetch into staging would only add a copy."""
+        if not plan or HOST in plan:
+            return False
+        tier = self.chain.tiers[plan[0]]
+        return bool(getattr(tier, "arena_pages", None)) and tier.same_host
+
+    def from_arenas(self, plan: Sequence[int]) -> bool:
+        """Whether a CUDA load of these planned pages DMAs them from same-host arenas straight
+        into its device pages (`fetch(pages=)`)."""
+        return not self.fills_pool and self.in_arenas(plan)
+
+    def _fetch_from_arena(self, keys: list[bytes], plan: list[int], pages: np.ndarray, started: float) -> Fetched:
+        """The leading pages that lie in one tier's same-host arenas, DMA'd from there into
+        `pages` (device/arena_copy.py: checked on CPU threads meanwhile, intact after). The prefix
+        ends at the first page not there or not intact: the engine computes the rest."""
+        if self.arena_copier is None:
+            self.arena_copier = ArenaCopier(self.pool)
+        index = plan[0]
+        tier = self.chain.tiers[index]
+        n = next((i for i, w in enumerate(plan) if w != index), len(plan))
+        where = tier.arena_pages(keys[:n])
+        lead = next((i for i, ref in enumerate(where) if ref is None or not self.arena_copier.usable(ref[0])), n)
+        arrived = self.arena_copier.to_pool(keys[:lead], where[:lead], pages[:lead])
+        tier.record_arena_reads(arrived, n - arrived, arrived * self.spec.bytes_per_page)
+        self._observe(tier.name, arrived, time.perf_counter() - started)
+        return Fetched(None, arrived, [tier.name] * arrived)
+
     def give_back(self, fetched: Fetched) -> None:
         """The staging buffer of a fetch whose pages are in place (or dropped); none for a fetch
         into device pages."""
@@ -253,6 +292,8 @@ class Promoter:
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.arena_copier is not None:
+            self.arena_copier.close()
 
     # --- internals ------------------------------------------------------------------------------
     def _pool_dest(self, page: int) -> PageDest:

@@ -58,8 +58,8 @@ class Servers:
 
     @classmethod
     def start(cls, rows: tuple[str, ...], kv_bytes: int) -> Servers:
-        """Start what `rows` need; the store keeps `kv_bytes` and more in RAM, and its ring holds
-        twice that (a page is read in place only while it lies in the ring's newer half)."""
+        """Start what `rows` need; the store keeps `kv_bytes` and more in RAM (its arena, which
+        same-host instances read in place)."""
         from tiered_cache.service.process import StoreProcess
 
         stack = ExitStack()
@@ -69,10 +69,10 @@ class Servers:
         try:
             if "store" in rows:
                 servers.store = stack.enter_context(StoreProcess(
-                    ["--no-disk", "--ram", ram, "--shm", f"{2 * kv_bytes + 64 * 2**20}B"])).address
+                    ["--no-disk", "--ram", ram])).address
             if "store-noshm" in rows:
                 servers.store_noshm = stack.enter_context(StoreProcess(
-                    ["--no-disk", "--ram", ram, "--shm", "0"])).address
+                    ["--no-disk", "--ram", ram, "--shm", "off"])).address
             if "redis" in rows:
                 from tiered_cache.tiers.redis_process import RedisServer
 

@@ -12,7 +12,8 @@ page cache warm for both sides. The baselines:
 - disk: reading each page file into its own row of a touched buffer (`os.readv`), in order;
 - Redis: redis-py + hiredis MGETs of the same keys, as many keys a call as the tier asks
   (`MGET_INTO_BYTES`; one MGET of every key ran at about half that speed here), values kept;
-- store server: the remote tier's own verified `get` of the same keys.
+- a store server on this host (its pages read in place in its arena): a memcpy of the same
+  bytes, as for host RAM.
 """
 
 from __future__ import annotations
@@ -223,7 +224,8 @@ def _redis_row(prefix: Prefix, rounds: int, url: str | None) -> PromoteRow:
 
 
 def _remote_row(prefix: Prefix, rounds: int) -> PromoteRow:
-    from tiered_cache.bench.timing import returned_bytes
+    import torch
+
     from tiered_cache.service.process import StoreProcess
     from tiered_cache.tiers.remote import RemoteTier
 
@@ -234,12 +236,14 @@ def _remote_row(prefix: Prefix, rounds: int) -> PromoteRow:
         tier.warm()
         if tier.put(blobs) != len(blobs):
             raise RuntimeError(f"the store server at {store.address} stored only some of the {len(blobs)} pages")
-        return _lower_row(prefix, tier, rounds, "store server -> pool (match + load)",
-                          "the remote tier's own get (verified)", lambda: returned_bytes(tier.get(prefix.keys)))
+        src, dst = torch.ones(prefix.nbytes, dtype=torch.uint8), torch.zeros(prefix.nbytes, dtype=torch.uint8)
+        dst.copy_(src)  # both touched
+        return _lower_row(prefix, tier, rounds, "same-host store server -> pool (match + prefetch + load)",
+                          "memcpy (torch copy_), same bytes", lambda: dst.copy_(src).numel(), prefetch=True)
 
 
 def _lower_row(prefix: Prefix, tier: BlobTier, rounds: int, path: str, baseline_name: str,
-               baseline: Callable[[], int]) -> PromoteRow:
+               baseline: Callable[[], int], prefetch: bool = False) -> PromoteRow:
     """The prefix loaded from `tier` (alone below host RAM) beside `baseline`, alternating which
     runs first; before each load, the pool and host RAM are emptied of it."""
     cache = _cache(prefix, [tier])
@@ -250,11 +254,11 @@ def _lower_row(prefix: Prefix, tier: BlobTier, rounds: int, path: str, baseline_
         for r in range(rounds + 1):  # round 0 warms up
             _only_below(cache, prefix)
             if r % 2:  # the load first in odd rounds, the baseline first in even ones
-                seconds, pages = _clock(lambda: _load(cache, prefix))
+                seconds, pages = _clock(lambda: _load(cache, prefix, prefetch))
                 seconds_base, got = _clock(baseline)
             else:
                 seconds_base, got = _clock(baseline)
-                seconds, pages = _clock(lambda: _load(cache, prefix))
+                seconds, pages = _clock(lambda: _load(cache, prefix, prefetch))
             if r:
                 ours.append(seconds)
                 base.append(seconds_base)
@@ -283,9 +287,11 @@ def _cache(prefix: Prefix, lower: list[BlobTier]) -> TieredCache:
     return cache
 
 
-def _load(cache: TieredCache, prefix: Prefix) -> np.ndarray:
+def _load(cache: TieredCache, prefix: Prefix, prefetch: bool = False) -> np.ndarray:
     handle = cache.match(prefix.tokens)
     try:
+        if prefetch:
+            cache.prefetch(handle)
         return cache.load(handle)
     finally:
         cache.release(handle)

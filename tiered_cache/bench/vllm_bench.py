@@ -81,25 +81,16 @@ def _add_round(rows: dict[str, VllmRow], way: str, results: list[dict[str, Any]]
     row.answers.append([r["tokens"] for r in results])
 
 
-BENCH_SHM = "1GiB"  # the store server's ring here: its RAM tier's size (bench_vllm says why)
-
-
-def bench_vllm(doc_chars: int = 3000, rounds: int = 3, shm: str | None = BENCH_SHM,
+def bench_vllm(doc_chars: int = 3000, rounds: int = 3, shm: str | None = None,
                progress: Callable[[str], None] = lambda _: None) -> list[VllmRow]:
-    """`shm`: the store server's same-host Get ring (`serve --shm`; None: the server's default).
-    A load reads pages in place only while they are in the ring's newer half; past it the server
-    copies them in again while instance B waits. Two of the ways share the server and re-read
-    ~200 MB a round, so the default ring is the size of the server's RAM tier here (1GiB): a
-    deployment sizes it for the prefixes its instances read again (README, "A shared store")."""
+    """`shm`: whether the store server's RAM tier is a shared-memory arena that instance B reads
+    in place (`serve --shm on|off`; None: the server's default, on)."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     server_args = ["--no-disk", "--ram", "1GiB"]
     if shm is not None:
-        from tiered_cache.model.units import parse_size
-        from tiered_cache.service.shm_ring import MIN_BYTES
-
-        if 0 < parse_size(shm) < MIN_BYTES:
-            raise ValueError(f"shm must be 0 (off: pages come as bytes over gRPC) or at least 1MiB, got {shm!r}")
+        if str(shm).lower() not in ("on", "off"):
+            raise ValueError(f"shm must be on or off (the arena is the store's RAM tier), got {shm!r}")
         server_args += ["--shm", shm]
     from tiered_cache.integrations.smollm2 import MODEL_DIR, cache_dir, load_model
     from tiered_cache.service.process import StoreProcess

@@ -118,8 +118,8 @@ def add_parser(commands: Any) -> None:
     vllm.add_argument("--rounds", type=int, default=3,
                       help="times each way's second instance runs, the ways taking turns (default 3: fewer "
                            "requests a way than 9 cannot tell the ways apart on a shared machine)")
-    vllm.add_argument("--shm", help="the store server's same-host Get ring (default 1GiB, its RAM tier's size "
-                                    "here; 0: off); pages are read in place while in its newer half")
+    vllm.add_argument("--shm", metavar="on|off", help="the store server's RAM tier as a shared-memory arena "
+                                                      "instance B reads in place (default on)")
     subs.append(vllm)
     clus = _add(which, "cluster", help="shared-prefix workload on a Ray cluster: workers alone vs a shared "
                                             "store with round robin vs with the prefix router, vs recompute")
@@ -349,10 +349,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([r.to_dict() for r in rows], indent=2) if args.json else render(rows))
         return 0
     if args.bench == "vllm":
-        from tiered_cache.bench.vllm_bench import BENCH_SHM, bench_vllm
+        from tiered_cache.bench.vllm_bench import bench_vllm
         from tiered_cache.bench.vllm_bench import render as render_vllm
 
-        rows = bench_vllm(args.doc_chars, args.rounds, args.shm or BENCH_SHM,
+        rows = bench_vllm(args.doc_chars, args.rounds, args.shm,
                           progress=lambda m: print(m, file=sys.stderr, flush=True))
         print(json.dumps([r.to_dict(rows[0]) for r in rows], indent=2) if args.json else render_vllm(rows))
         return 0

@@ -29,9 +29,11 @@ def add_parser(commands: Any) -> None:
                    help="Get/Put streams at once; past it calls fail fast with RESOURCE_EXHAUSTED (default 64)")
     p.add_argument("--stream-idle", dest="stream_idle_s", type=float,
                    help="seconds a stream may make no progress before it is ended (default 30)")
-    p.add_argument("--shm", dest="shm_bytes",
-                   help="shared-memory ring for Get from clients on this host (same user), e.g. 512MiB; "
-                        "0 turns it off (default 256MiB)")
+    p.add_argument("--shm", dest="shm", metavar="on|off",
+                   help="keep the RAM tier in shared memory that clients on this host (same user) read in place, "
+                        "with no copy by the server (default on; off: every page goes over gRPC)")
+    p.add_argument("--arena-lease", dest="arena_lease_s", type=float, metavar="SECONDS",
+                   help="how long a page handed to a same-host client is not written over (default 2)")
     p.add_argument("--write-through", action="store_true", default=None,
                    help="copy new pages below RAM at once (default: on eviction and at shutdown)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics "
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in
                  ("host", "port", "token", "tls_cert", "tls_key", "ram_capacity", "disk_path", "disk_capacity",
                   "redis_url", "max_page_bytes", "write_through", "workers", "max_streams", "stream_idle_s",
-                  "metrics_port", "metrics_host", "shm_bytes")}
+                  "metrics_port", "metrics_host", "shm", "arena_lease_s")}
     overrides["token"] = token_from(args.token, dict(os.environ))
     if args.no_disk:
         overrides["disk_path"] = ""

@@ -6,9 +6,9 @@ event loop. Measured here on 256 × 1 MiB pages from a store server: 0.92 GiB/s 
 client, 1.34 with aio (medians of 6 alternating runs). One event loop thread per process serves
 every `AioFetcher`; each fetcher owns an aio channel bound to that loop.
 
-With `reader` (the server's shared-memory ring, mapped: shm_ring.py) pages come as references
-and are copied out of the ring, or with a `ShmLease` lent as views into it; a page the ring
-wrapped over before it was read is asked again as bytes.
+With `reader` (the server's arena, mapped: shm/arena_map.py) pages come as refs into it and are
+copied out, or with `ArenaViews` lent as views into it; a page the arena wrote over before it was
+read is asked again as bytes.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from typing import Any
 import grpc
 
 from tiered_cache.service.framing import ReceivedBlob, parse_page_blob
-from tiered_cache.service.shm_ring import ShmLease, ShmReader
 from tiered_cache.service.streams import ProgressWatch
+from tiered_cache.shm.arena_map import ArenaMap, ArenaViews
 from tiered_cache.v1 import cache_pb2 as pb
 
 _GET = "/tiered_cache.v1.KVCache/Get"
@@ -60,9 +60,9 @@ class AioFetcher:
         self.metadata = metadata
         self._stalled = stalled
         self._loop = _Loop.get()
-        self.reader: ShmReader | None = None  # the server's ring, when it is on this host
+        self.reader: ArenaMap | None = None  # the server's arena, when it is on this host
         self.stale = False  # the server no longer takes `reader`'s segment (it restarted): attach again
-        self.overruns = 0  # pages the ring wrapped over before they were copied out (asked again as bytes)
+        self.overruns = 0  # pages the arena wrote over before they were copied out (asked again as bytes)
         creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes()) if tls_ca else None
         self._channel, self._get = self._on_loop(self._open(address, options, creds))
 
@@ -78,15 +78,15 @@ class AioFetcher:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def get_all(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
-                on_blob: Callable[[ReceivedBlob], None] | None = None, lease: ShmLease | None = None) -> FetchResult:
+                on_blob: Callable[[ReceivedBlob], None] | None = None, lease: ArenaViews | None = None) -> FetchResult:
         """Every blob the server streams for `keys`. The stream fails when nothing arrives for
         `idle_s` (progress deadline) or, when set, past `budget_s`. `on_blob` runs on the loop's
         thread as each blob arrives (e.g. to start its checksum elsewhere): keep it short. With
-        `lease`, ring pages are views recorded in it, not copies (see `ShmLease`)."""
+        `lease`, arena pages are views recorded in it, not copies (see `ArenaViews`)."""
         return self._on_loop(self._get_all(keys, fingerprint, idle_s, budget_s, on_blob, lease))
 
     async def _get_all(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
-                       on_blob: Callable[[ReceivedBlob], None] | None, lease: ShmLease | None) -> FetchResult:
+                       on_blob: Callable[[ReceivedBlob], None] | None, lease: ArenaViews | None) -> FetchResult:
         blobs: list[ReceivedBlob] = []
         lost, error = await self._stream(keys, fingerprint, idle_s, budget_s, on_blob, self.reader, blobs, lease)
         if lost and error is None:
@@ -95,9 +95,9 @@ class AioFetcher:
         return FetchResult(blobs, error)
 
     async def _stream(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
-                      on_blob: Callable[[ReceivedBlob], None] | None, reader: ShmReader | None,
-                      blobs: list[ReceivedBlob], lease: ShmLease | None) -> tuple[list[bytes], grpc.RpcError | None]:
-        """One Get stream into `blobs`: the keys whose pages the ring lost, and the error that
+                      on_blob: Callable[[ReceivedBlob], None] | None, reader: ArenaMap | None,
+                      blobs: list[ReceivedBlob], lease: ArenaViews | None) -> tuple[list[bytes], grpc.RpcError | None]:
+        """One Get stream into `blobs`: the keys whose pages the arena wrote over, and the error that
         ended the stream (None when it completed)."""
         request = pb.GetRequest(keys=keys, fingerprint=fingerprint, shm_segment=reader.segment if reader else b"")
         call = self._get(request, timeout=budget_s, metadata=self.metadata)
@@ -117,7 +117,7 @@ class AioFetcher:
                         lease.add(item.key, reader, *item.shm)
                     item.blob, item.shm = data, None
                 elif reader is not None and 0 < len(item.blob) <= reader.max_page:
-                    self.stale = True  # a page the ring would take came as bytes: not our segment
+                    self.stale = True  # a page the arena would take came as bytes: not our arena
                 blobs.append(item)
                 if on_blob is not None:
                     on_blob(item)

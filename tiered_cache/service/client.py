@@ -23,7 +23,9 @@ from tiered_cache.service.aio_fetch import AioFetcher, FetchResult
 from tiered_cache.service.auth import check_token
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.framing import ReceivedBlob, page_blob_message, parse_page_blob
-from tiered_cache.service.shm_ring import PUT_RING, ShmLease, ShmReader, ShmRing, host_identity
+from tiered_cache.shm.arena_map import ArenaMap, ArenaViews
+from tiered_cache.shm.host import host_identity
+from tiered_cache.shm.put_ring import PutRing
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
 
@@ -116,8 +118,8 @@ class StoreClient:
     def __init__(self, address: str, token: str | None = None, tls_ca: str | None = None,
                  timeout_s: float = 5.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE, shm: bool = True,
                  put_ring_bytes: int = PUT_RING_BYTES) -> None:
-        """`shm`: on the server's host, take bulk Gets through its shared-memory ring and send
-        Puts through a ring of this client's own (`put_ring_bytes`, mapped by the server)."""
+        """`shm`: on the server's host, read pages in place in its arena (shm/arena.py) and send
+        Puts through a put ring of this client's own (`put_ring_bytes`, mapped by the server)."""
         self.address = address
         self.shm = shm
         self.timeout_s = timeout_s
@@ -142,34 +144,22 @@ class StoreClient:
         self._fetcher_lock = threading.Lock()
         # Same-host Put: this client's own ring, which the server maps once offered (put()).
         self.put_ring_bytes = put_ring_bytes
-        self._put_ring: ShmRing | None = None
+        self._put_ring: PutRing | None = None
         self._offered = self._offer_refused = False
         self._offer_lock = threading.Lock()
         self._ring_put_lock = threading.Lock()
         self.shm_put_resent = 0  # pages the server found written over (or unmapped), sent again as bytes
-        self.ring_lookups = 0  # Lookups answered from the server's ring index, without an RPC
 
-    def lookup(self, keys: list[bytes], timeout_s: float | None = None, ring: ShmReader | None = None
+    def lookup(self, keys: list[bytes], timeout_s: float | None = None, arena: ArenaMap | None = None
                ) -> pb.LookupResponse:
-        """Which keys the server holds. With `ring` (`ring_reader`), the reply also says where
-        held pages lie in the server's shared-memory ring (`shm_positions`, `shm_lengths`)."""
-        request = pb.LookupRequest(keys=keys, shm_segment=ring.segment if ring is not None else b"")
+        """Which keys the server holds. With `arena` (`arena_map`), the reply also says where the
+        pages in its arena lie (`shm_positions`, `shm_lengths`), each leased for a short while."""
+        request = pb.LookupRequest(keys=keys, shm_segment=arena.id if arena is not None else b"")
         return self.stub.Lookup(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
 
-    def lookup_in_ring(self, keys: list[bytes], ring: ShmReader) -> pb.LookupResponse | None:
-        """A Lookup answered here, without an RPC, when every key lies findable in the server's
-        ring (`ring_reader`; its index, shm_ring.py): all held, with their positions. None when
-        any key is not there: ask the server (`lookup`)."""
-        found = ring.find(keys)
-        if found is None:
-            return None
-        self.ring_lookups += 1
-        return pb.LookupResponse(leading=len(keys), tiers=[pb.TIER_RAM] * len(keys),
-                                 shm_positions=[p for p, _ in found], shm_lengths=[n for _, n in found])
-
     @property
-    def ring_reader(self) -> ShmReader | None:
-        """The server's ring as mapped here (after a first bulk Get found it on this host), or None."""
+    def arena_map(self) -> ArenaMap | None:
+        """The server's arena as mapped here (after a first bulk Get found it on this host), or None."""
         fetcher = self._fetcher
         return fetcher.reader if fetcher is not None and not fetcher.stale else None
 
@@ -193,17 +183,17 @@ class StoreClient:
 
     def get_all(self, keys: list[bytes], fingerprint: bytes = b"", timeout_s: float | None = None,
                 budget_s: float | None = None, on_blob: Callable[[ReceivedBlob], None] | None = None,
-                lease: ShmLease | None = None) -> FetchResult:
+                lease: ArenaViews | None = None) -> FetchResult:
         """Like `get`, but the whole stream at once, read on an aio channel (faster for bulk
         fetches: see aio_fetch.py); the error that ended it, if any, is returned, not raised.
-        With `lease`, pages that come through the server's ring are lent as views into it (see
-        `ShmLease`: check `lease.lost()` after copying them)."""
+        With `lease`, pages that come as refs into the server's arena are lent as views into it (see
+        `ArenaViews`: check `lease.lost()` after copying them)."""
         with self._fetcher_lock:
             if self._fetcher is None:
                 self._fetcher = AioFetcher(self.address, self._options, self._tls_ca, self.metadata, StreamStalled)
                 if self.shm:
                     self._fetcher.reader = self.attach()
-            elif self._fetcher.stale:  # the server restarted: its ring is another segment
+            elif self._fetcher.stale:  # the server restarted: its arena is another segment
                 self._fetcher.stale = False
                 # Not closed here: a Get on another thread may still be reading it (it unmaps
                 # when the last reference goes).
@@ -212,16 +202,16 @@ class StoreClient:
 
     @property
     def shm_overruns(self) -> int:
-        """Pages the server's ring wrapped over before this client copied them (asked again as bytes)."""
+        """Pages the server's arena wrote over before this client copied them (asked again as bytes)."""
         return self._fetcher.overruns if self._fetcher is not None else 0
 
     @property
     def uses_shm(self) -> bool:
         return self._fetcher is not None and self._fetcher.reader is not None
 
-    def attach(self) -> ShmReader | None:
-        """The server's shared-memory ring, mapped read-only, when the server offers one and runs
-        on this host as this user; None otherwise (Get then moves bytes, as to any other host)."""
+    def attach(self) -> ArenaMap | None:
+        """The server's arena, mapped read-only, when the server keeps one and runs on this host
+        as this user; None otherwise (Get then moves bytes, as to any other host)."""
         try:
             reply = self.stub.Attach(pb.AttachRequest(), timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError:
@@ -229,7 +219,7 @@ class StoreClient:
         if not reply.path or not reply.host or reply.host != host_identity():
             return None
         try:
-            return ShmReader(reply.path, reply.size, reply.segment)
+            return ArenaMap(reply.path, reply.size, reply.segment)
         except (OSError, ValueError):
             return None  # another container, another user, or the pid is not the server's any more
 
@@ -239,7 +229,7 @@ class StoreClient:
         takes no page for `timeout_s` (or does not answer that long after the last).
 
         To a server on this host (same user) the pages go through a ring of this client's own
-        that the server maps (`Offer`, shm_offers.py): a `PutOffered` call names where each page
+        that the server maps (`Offer`, shm/offers.py): a `PutOffered` call names where each page
         lies instead of carrying it, at most half the ring per call, so the ring does not come
         round over pages the server has yet to read; any it did come round over are sent again
         as bytes by Put. The ack counts every page either way."""
@@ -257,7 +247,7 @@ class StoreClient:
                 self._merge(reply, self._put_through(ring, chunk, fingerprint, timeout_s, ends))
         return reply
 
-    def _put_through(self, ring: ShmRing, items: list[tuple[bytes, bytes]], fingerprint: bytes,
+    def _put_through(self, ring: PutRing, items: list[tuple[bytes, bytes]], fingerprint: bytes,
                      timeout_s: float | None, ends: float | None) -> pb.PutResponse:
         """`items` placed in this client's offered ring and stored by one PutOffered call; pages
         too large for the ring, and any the ring came round over first, go by Put as bytes.
@@ -311,7 +301,7 @@ class StoreClient:
         into.already_held += reply.already_held
         into.refused.extend(reply.refused)
 
-    def _offered_ring(self) -> ShmRing | None:
+    def _offered_ring(self) -> PutRing | None:
         """This client's Put ring once the server (on this host) maps it; None where it cannot
         (another host, `--shm 0`, another user, an older server): Put then carries bytes."""
         with self._offer_lock:
@@ -323,7 +313,7 @@ class StoreClient:
                     if not reply.host or reply.host != host_identity():  # elsewhere, or shm off
                         self._offer_refused = True
                         return None
-                    self._put_ring = ShmRing(self.put_ring_bytes, name=PUT_RING)
+                    self._put_ring = PutRing(self.put_ring_bytes)
                 ring = self._put_ring
                 answer = self.stub.Offer(pb.OfferRequest(path=ring.path, size=ring.size, segment=ring.segment,
                                                          host=host_identity()),

@@ -16,8 +16,9 @@ _FRAMING = 64 * 1024  # protobuf framing around a page blob, with room to spare
 MIN_CAPACITY = 2**20  # a tier smaller than this is a unit forgotten (`--ram 10` is 10 bytes), not a choice
 DEFAULT_DISK = "default"  # <$TIERED_CACHE_DIR or ~/.cache/tiered-cache>/store
 _INTS = ("port", "max_keys", "workers", "max_streams", "metrics_port")
-_FLOATS = ("stream_idle_s", "grace_s")
-_SIZES = ("ram_capacity", "disk_capacity", "max_page_bytes", "stream_buffer_bytes", "shm_bytes")
+_FLOATS = ("stream_idle_s", "grace_s", "arena_lease_s")
+_SIZES = ("ram_capacity", "disk_capacity", "max_page_bytes", "stream_buffer_bytes")
+_ON = {"on": True, "1": True, "true": True, "yes": True, "off": False, "0": False, "false": False, "no": False}
 
 
 def default_store_folder() -> str:
@@ -42,6 +43,11 @@ def _coerce(name: str, value: Any) -> Any:
             return float(value)
         if name == "write_through" and not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {value!r}")
+        if name == "shm" and not isinstance(value, bool):
+            if str(value).strip().lower() not in _ON:
+                raise ValueError(f"expected on or off, got {value!r} (the arena is the RAM tier: size it with "
+                                 f"ram_capacity, --ram)")
+            return _ON[str(value).strip().lower()]
     except (TypeError, ValueError) as exc:
         message = str(exc) if "expected" in str(exc) or "size" in str(exc) else f"expected a number, got {value!r}"
         raise ValueError(f"bad value for {name}: {message}") from None
@@ -70,8 +76,11 @@ class ServerConfig:
     write_through: bool = False  # copy new blobs to the tier below RAM at once
     metrics_port: int | None = None  # serve Prometheus metrics at http://metrics_host:PORT/metrics
     metrics_host: str = "127.0.0.1"  # (with the token, when one is set)
-    # Get for clients on this host through a shared-memory ring of this size (0: off); see shm_ring.py.
-    shm_bytes: int = 256 * 2**20
+    # The RAM tier as a shared-memory arena that clients on this host read in place (shm/arena.py);
+    # off: a private RAM tier, and every page goes over gRPC.
+    shm: bool = True
+    # How long a page handed to a same-host client by ref is not written over (shm/arena.py).
+    arena_lease_s: float = 2.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -93,8 +102,8 @@ class ServerConfig:
         for name in ("workers", "max_streams"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.shm_bytes and self.shm_bytes < 2**20:
-            raise ValueError(f"shm_bytes of {self.shm_bytes} is below the ring's 1MiB minimum (0 turns it off)")
+        if not float(self.arena_lease_s) >= 0:
+            raise ValueError(f"arena_lease_s must be 0 or more seconds, got {self.arena_lease_s}")
         if not float(self.stream_idle_s) > 0:
             raise ValueError(f"stream_idle_s must be positive, got {self.stream_idle_s}")
         check_token(self.token, "token")

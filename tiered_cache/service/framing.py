@@ -19,7 +19,7 @@ def page_blob_message(key: bytes, blob: bytes, fingerprint: bytes = b"") -> byte
 
 def page_ref_message(key: bytes, position: int, length: int) -> bytes:
     """A serialized `PageBlob{key, shm_position, shm_length}`: where the page lies in the
-    server's shared-memory ring (shm_ring.py), instead of its bytes."""
+    server's arena (shm/arena.py), instead of its bytes."""
     return b"".join([b"\x0a", _varint(len(key)), key, b"\x20", _varint(position), b"\x28", _varint(length)])
 
 

@@ -26,10 +26,11 @@ from tiered_cache import __version__
 from tiered_cache.index.keys import KEY_BYTES
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.framing import page_blob_message, page_ref_message, parse_page_blob
-from tiered_cache.service.shm_offers import OfferedSegments
-from tiered_cache.service.shm_ring import ShmRing, host_identity
 from tiered_cache.service.store import BlobStore
 from tiered_cache.service.streams import BatchSizer, ProgressWatch, Stalled, StreamSlots
+from tiered_cache.shm.arena import ArenaTier, Ref
+from tiered_cache.shm.host import host_identity
+from tiered_cache.shm.offers import OfferedSegments
 from tiered_cache.tiers.base import TierStats
 from tiered_cache.tiers.codec import BlobError, BlobFault, check_fingerprint, read_header, verify_blob
 from tiered_cache.v1 import cache_pb2 as pb
@@ -76,30 +77,22 @@ class ServerCounters:
         self.started = time.monotonic()
         self.requests = self.rejected = self.unauthenticated = self.refused_blobs = self.stalled_streams = 0
         self.shm_put_pages = 0  # Put pages read from clients' offered segments
+        self.shm_pages = 0  # pages handed to same-host clients as refs into the arena (Lookup or Get)
+        self.shm_pages_reused = 0  # of which already in the arena: handed out with no copy at all
 
 
 class KVCacheService:
     def __init__(self, store: BlobStore, config: ServerConfig, counters: ServerCounters,
-                 io: Executor, meta: Executor, ring: ShmRing | None = None,
+                 io: Executor, meta: Executor, arena: ArenaTier | None = None,
                  offers: OfferedSegments | None = None) -> None:
         self.store = store
         self.config = config
         self.counters = counters
         self.slots = StreamSlots(config.max_streams)
-        self.ring = ring  # same-host Get through shared memory, when on
+        self.arena = arena  # the RAM tier in shared memory, when on: same-host clients read it in place
         self.offers = offers  # same-host Put through clients' segments, when on
         self._io = io
         self._meta = meta
-
-    @property
-    def shm_pages(self) -> int:
-        """Get pages handed over through the shared-memory ring."""
-        return self.ring.pages if self.ring is not None else 0
-
-    @property
-    def shm_pages_reused(self) -> int:
-        """Of those, pages already in the ring: sent by position without a copy."""
-        return self.ring.reused if self.ring is not None else 0
 
     # --- helpers -------------------------------------------------------------------------------
     async def _run(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
@@ -139,22 +132,31 @@ class KVCacheService:
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         self.counters.requests += 1
         keys = await self._check_keys(request, context)
-        ring = self.ring if self.ring is not None and request.shm_segment == self.ring.segment else None
-        where, refs = await self._run(self._meta, self._locate, keys, ring)
+        arena = self._arena_for(request)
+        where, refs = await self._run(self._meta, self._locate, keys, arena)
+        handed = sum(ref is not None for ref in refs)
+        self.counters.shm_pages += handed
+        self.counters.shm_pages_reused += handed
         tiers = [_TIERS.get(w, pb.TIER_RAM) if w else pb.TIER_NONE for w in where]
         leading = next((i for i, w in enumerate(where) if w is None), len(where))
         return pb.LookupResponse(leading=leading, tiers=tiers, shm_positions=[r[0] if r else 0 for r in refs],
                                  shm_lengths=[r[1] if r else 0 for r in refs])
 
-    def _locate(self, keys: list[bytes], ring: ShmRing | None) -> tuple[list[str | None], list[tuple[int, int] | None]]:
-        """Where each key is held, and (for a client that mapped `ring`) where the held ones lie
-        in the ring; no refs without a ring."""
+    def _arena_for(self, request: Any) -> ArenaTier | None:
+        """The arena, when the request names it (a client on this host that mapped it)."""
+        arena = self.arena
+        return arena if arena is not None and request.shm_segment == arena.id else None
+
+    def _locate(self, keys: list[bytes], arena: ArenaTier | None) -> tuple[list[str | None], list[Ref | None]]:
+        """Where each key is held, and (for a client that mapped `arena`) where those in the
+        arena lie, leased for the read that usually follows; no refs without an arena. Pages held
+        below are not brought up here: a Lookup stays cheap, the Get brings them."""
         where = self.store.locate(keys)
-        if ring is None:
+        if arena is None:
             return where, []
-        held = [i for i, w in enumerate(where) if w]
-        refs: list[tuple[int, int] | None] = [None] * len(keys)
-        for i, ref in zip(held, ring.find([keys[i] for i in held]), strict=True):
+        in_ram = [i for i, w in enumerate(where) if w == arena.name]
+        refs: list[Ref | None] = [None] * len(keys)
+        for i, ref in zip(in_ram, arena.refs([keys[i] for i in in_ram], count_misses=False), strict=True):
             refs[i] = ref
         return where, refs
 
@@ -164,11 +166,11 @@ class KVCacheService:
         fingerprint = bytes(request.fingerprint)
         if fingerprint and len(fingerprint) != KEY_BYTES:
             await self._reject(context, f"fingerprint is {len(fingerprint)} bytes; expected 32 raw bytes")
-        ring = self.ring if self.ring is not None and request.shm_segment == self.ring.segment else None
+        arena = self._arena_for(request)
         await self.slots.acquire(context)
         watch = ProgressWatch(self.config.stream_idle_s, "the client read nothing")
         try:
-            await self._stream_blobs(keys, fingerprint, context, watch, ring)
+            await self._stream_blobs(keys, fingerprint, context, watch, arena)
         except asyncio.CancelledError:
             if watch.stalled:
                 self._count_stalled(context, watch.error())
@@ -178,11 +180,11 @@ class KVCacheService:
             self.slots.release()
 
     async def _stream_blobs(self, keys: list[bytes], fingerprint: bytes, context: grpc.aio.ServicerContext,
-                            watch: ProgressWatch, ring: ShmRing | None) -> None:
+                            watch: ProgressWatch, arena: ArenaTier | None) -> None:
         """Read the next batch from the store while the current one is sent: at most two batches
         of about `stream_buffer_bytes` each are held per stream. A write waits while the client
         is not reading (HTTP/2 flow control); the watch ends the stream when that lasts. With
-        `ring`, pages go through the shared-memory ring (a reference each) where they fit."""
+        `arena`, pages go as refs into it (no copy), those held below brought into it first."""
         sizer = BatchSizer(self.config.stream_buffer_bytes)
         start = 0
 
@@ -192,12 +194,14 @@ class KVCacheService:
                 return None
             chunk = keys[start:start + sizer.count]
             start += len(chunk)
-            return asyncio.ensure_future(self._run(self._io, self._read_batch, chunk, fingerprint, sizer, ring))
+            return asyncio.ensure_future(self._run(self._io, self._read_batch, chunk, fingerprint, sizer, arena))
 
         pending = next_batch()
         try:
             while pending is not None:
-                messages = await pending
+                messages, handed, reused = await pending
+                self.counters.shm_pages += handed
+                self.counters.shm_pages_reused += reused
                 pending = next_batch()
                 for message in messages:
                     await context.write(message)
@@ -207,30 +211,39 @@ class KVCacheService:
                 pending.cancel()
 
     def _read_batch(self, chunk: list[bytes], fingerprint: bytes, sizer: BatchSizer,
-                    ring: ShmRing | None) -> list[bytes]:
-        """The Get messages of one batch (on the io pool: framing and ring copies off the loop)."""
+                    arena: ArenaTier | None) -> tuple[list[bytes], int, int]:
+        """The Get messages of one batch (on the io pool: reads and framing off the loop), with
+        how many pages went as refs into the arena and how many of those were there already."""
+        if arena is None:
+            refs: list[Ref | None] = [None] * len(chunk)
+            blobs, reused = self.store.get(chunk), 0
+        else:
+            refs, blobs, reused = self.store.arena_refs(chunk)
         messages = []
-        for key, blob in zip(chunk, self.store.get(chunk), strict=True):
-            if blob is None or (fingerprint and not _fingerprint_ok(blob, fingerprint)):
-                continue
-            sizer.see(len(blob))
-            where = ring.place(blob, key) if ring is not None else None
-            messages.append(page_ref_message(key, *where) if where else page_blob_message(key, blob))
-        return messages
+        for key, ref, blob in zip(chunk, refs, blobs, strict=True):
+            if ref is not None:
+                if fingerprint and not arena.matches(ref, lambda blob: _fingerprint_ok(blob, fingerprint)):
+                    continue
+                sizer.see(ref[1])
+                messages.append(page_ref_message(key, *ref))
+            elif blob is not None and not (fingerprint and not _fingerprint_ok(blob, fingerprint)):
+                sizer.see(len(blob))
+                messages.append(page_blob_message(key, blob))
+        return messages, sum(ref is not None for ref in refs), reused
 
     async def Attach(self, request: Any, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
-        """Where a client on this host finds the shared-memory ring (empty when it is off)."""
+        """Where a client on this host finds the arena (empty when shared memory is off)."""
         await self._take_unary(request, context)
-        ring = self.ring
-        if ring is None:
-            return pb.AttachResponse()
-        return pb.AttachResponse(path=ring.path, size=ring.size, segment=ring.segment, host=host_identity())
+        arena = self.arena
+        if arena is None:
+            return pb.AttachResponse(host=host_identity() if self.offers is not None else "")
+        return pb.AttachResponse(path=arena.path, size=arena.size, segment=arena.id, host=host_identity())
 
     async def Offer(self, request: Any, context: grpc.aio.ServicerContext) -> pb.OfferResponse:
-        """Map a same-host client's own segment for its Puts (shm_offers.py says what is accepted)."""
+        """Map a same-host client's own segment for its Puts (shm/offers.py says what is accepted)."""
         await self._take_unary(request, context)
         if self.offers is None:
-            return pb.OfferResponse(accepted=False, reason="shared memory is off on this server (serve --shm 0)")
+            return pb.OfferResponse(accepted=False, reason="shared memory is off on this server (serve --shm off)")
         reason = await self._run(self._meta, self.offers.offer, request.path, request.size, bytes(request.segment),
                                  request.host, context.peer())
         return pb.OfferResponse(accepted=not reason, reason=reason)
@@ -290,7 +303,7 @@ class KVCacheService:
                                 rejected_requests=c.rejected, unauthenticated=c.unauthenticated,
                                 refused_blobs=c.refused_blobs, active_streams=self.slots.active,
                                 refused_streams=self.slots.refused, stalled_streams=c.stalled_streams,
-                                shm_pages=self.shm_pages, shm_pages_reused=self.shm_pages_reused,
+                                shm_pages=c.shm_pages, shm_pages_reused=c.shm_pages_reused,
                                 shm_put_pages=c.shm_put_pages,
                                 shm_offers=len(self.offers) if self.offers is not None else 0)
         tiers = [pb.TierStats(**{k: v for k, v in s.to_dict().items() if k not in _NOT_IN_PROTO})
@@ -315,7 +328,7 @@ class KVCacheService:
         self.counters.refused_blobs += len(refused)
 
     async def PutOffered(self, request: Any, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        """Store pages that lie in the caller's offered segment (shm_offers.py): copied out and
+        """Store pages that lie in the caller's offered segment (shm/offers.py): copied out and
         verified on the io pool like any Put's blobs, a batch of about `stream_buffer_bytes` at a
         time (so a request naming the same GiB over and over holds no more than a Put stream)."""
         self.counters.requests += 1
@@ -366,7 +379,7 @@ class KVCacheService:
                                   message=f"blob is {page.length:,} bytes; this server takes at most {limit:,}"))
                 continue
             if offers is None:
-                data, why = None, "shared memory is off on this server (serve --shm 0); send bytes by Put"
+                data, why = None, "shared memory is off on this server (serve --shm off); send bytes by Put"
             else:
                 data, why = offers.read(segment, page.position, page.length)
             if data is None:
@@ -392,10 +405,6 @@ class KVCacheService:
             else:
                 refused.append(refusal)
         stored, held = self.store.put(good) if good else (0, 0)
-        ring = self.ring
-        if ring is not None:
-            for key, blob in good:  # into the ring now: a same-host Get then sends it without a copy
-                ring.place(blob, key, sent=False)
         return refused, stored, held
 
     def _validate(self, key: bytes, blob: bytes | memoryview, fingerprint: bytes) -> pb.Refusal | None:

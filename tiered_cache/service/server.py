@@ -25,9 +25,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tiered_cache.service.client import message_options
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.handlers import KVCacheService, ServerCounters, parse_put_item, parser
-from tiered_cache.service.shm_offers import OfferedSegments
-from tiered_cache.service.shm_ring import BEAT_S, ShmRing
 from tiered_cache.service.store import BlobStore
+from tiered_cache.shm.arena import ArenaTier
+from tiered_cache.shm.offers import OfferedSegments
 from tiered_cache.tiers.base import BlobTier
 from tiered_cache.tiers.memory import MemoryTier
 from tiered_cache.v1 import cache_pb2 as pb
@@ -76,7 +76,14 @@ def build_store(config: ServerConfig) -> BlobStore:
         from tiered_cache.tiers.redis import RedisTier
 
         lower.append(RedisTier(config.redis_url, config.redis_prefix))
-    return BlobStore(MemoryTier(config.ram_capacity), lower, config.write_through)
+    ram = (ArenaTier(config.ram_capacity, lease_s=config.arena_lease_s) if shared_memory(config)
+           else MemoryTier(config.ram_capacity))
+    return BlobStore(ram, lower, config.write_through)
+
+
+def shared_memory(config: ServerConfig) -> bool:
+    """Whether the server shares memory with same-host clients (Linux memfds)."""
+    return config.shm and hasattr(os, "memfd_create")
 
 
 class StoreServer:
@@ -90,12 +97,11 @@ class StoreServer:
         self.port = 0
         self._io = ThreadPoolExecutor(config.workers, thread_name_prefix="tiered-cache-store-io")
         self._meta = ThreadPoolExecutor(_META_THREADS, thread_name_prefix="tiered-cache-store-meta")
-        # Shared memory with same-host clients, both ways: the server's ring for Get, the clients'
-        # own segments (offered) for Put. `shm_bytes=0` turns both off.
-        shm = bool(config.shm_bytes) and hasattr(os, "memfd_create")
-        ring = ShmRing(config.shm_bytes, index=True) if shm else None
-        self.service = KVCacheService(self.store, config, self.counters, self._io, self._meta, ring,
-                                      OfferedSegments() if shm else None)
+        # Shared memory with same-host clients, both ways: the arena (the RAM tier) for Get, the
+        # clients' own put rings (offered) for Put. `shm=False` turns both off.
+        arena = self.store.ram if isinstance(self.store.ram, ArenaTier) else None
+        self.service = KVCacheService(self.store, config, self.counters, self._io, self._meta, arena,
+                                      OfferedSegments() if shared_memory(config) else None)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
@@ -128,8 +134,8 @@ class StoreServer:
         def build() -> list[Any]:
             service = self.service
             return [*tier_families(self.store.stats()),
-                    *server_families(self.counters, service.slots.active, service.shm_pages,
-                                     service.shm_pages_reused)]
+                    *server_families(self.counters, service.slots.active, self.counters.shm_pages,
+                                     self.counters.shm_pages_reused)]
 
         config = self.config
         return MetricsServer(registry_of(build), config.metrics_host, config.metrics_port or 0, config.token)
@@ -155,19 +161,9 @@ class StoreServer:
             raise OSError(f"cannot listen on {address}")
         await server.start()
         self._server = server
-        if self.service.ring is not None:
-            self._beat()
         for name in ("", SERVICE):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return port
-
-    def _beat(self) -> None:
-        """Stamp the ring's heartbeat from the event loop every BEAT_S: a client answers Lookups
-        from the ring's index only while the loop that serves it is alive (shm_ring.py)."""
-        ring = self.service.ring
-        if ring is not None and self._loop is not None:
-            ring.beat()
-            self._loop.call_later(BEAT_S, self._beat)
 
     def stop(self) -> int:
         """Stop taking calls, let in-flight streams finish (up to grace_s), flush RAM downward."""
@@ -179,9 +175,6 @@ class StoreServer:
         self._stop_loop()
         self._io.shutdown(wait=True)
         self._meta.shutdown(wait=True)
-        ring, self.service.ring = self.service.ring, None
-        if ring is not None:
-            ring.close()
         offers, self.service.offers = self.service.offers, None
         if offers is not None:
             offers.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from tiered_cache.shm.arena import ArenaTier, Ref
 from tiered_cache.tiers.base import BlobTier, TierStats
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.memory import ENTRY_OVERHEAD_BYTES, MemoryTier
@@ -20,7 +21,8 @@ _FETCH_ROUNDS = 3  # a key that moved tier between locate and fetch (an eviction
 
 
 class BlobStore:
-    def __init__(self, ram: MemoryTier, lower: Sequence[BlobTier] = (), write_through: bool = False) -> None:
+    def __init__(self, ram: MemoryTier | ArenaTier, lower: Sequence[BlobTier] = (),
+                 write_through: bool = False) -> None:
         self.ram = ram
         self.lower = list(lower)
         self.write_through = write_through
@@ -53,6 +55,27 @@ class BlobStore:
             todo = retry
         return out
 
+    def arena_refs(self, keys: Sequence[bytes]) -> tuple[list[Ref | None], list[bytes | None], int]:
+        """For a same-host Get: where each key's blob lies in the arena (`ram` is an `ArenaTier`),
+        blobs held below brought up into it first; a blob that cannot go in (too large, the arena's
+        oldest blob leased) comes back as bytes instead. Returns (refs, blobs, how many refs were
+        in the arena already: handed out with no copy at all)."""
+        arena = self.ram
+        assert isinstance(arena, ArenaTier), "arena_refs needs the RAM tier in shared memory"
+        refs = arena.refs(keys, count_misses=False)
+        already = sum(ref is not None for ref in refs)
+        blobs: list[bytes | None] = [None] * len(keys)
+        missing = [i for i, ref in enumerate(refs) if ref is None]
+        if missing:
+            asked = [keys[i] for i in missing]
+            fetched = self.get(asked)  # from below, promoted into the arena
+            for i, ref, blob in zip(missing, arena.refs(asked, count_misses=False), fetched, strict=True):
+                if ref is not None:
+                    refs[i] = ref
+                else:
+                    blobs[i] = blob
+        return refs, blobs, already
+
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> tuple[int, int]:
         """Store verified (key, blob) pairs: (new pages stored, pages already held). Every item is
         one or the other: a key repeated within `items` counts once as stored, then as held."""
@@ -70,7 +93,9 @@ class BlobStore:
 
     def fits(self, size: int) -> bool:
         """Whether a blob of `size` bytes has a tier to go to (RAM, or any tier below it)."""
-        return size + ENTRY_OVERHEAD_BYTES <= self.ram.capacity or bool(self.lower)
+        ram = self.ram
+        largest = ram.max_blob if isinstance(ram, ArenaTier) else ram.capacity - ENTRY_OVERHEAD_BYTES
+        return size <= largest or bool(self.lower)
 
     def flush(self) -> int:
         """Copy every RAM blob that the next tier lacks into it (graceful shutdown); returns how many."""

@@ -31,7 +31,7 @@ from tiered_cache.tiers.codec import BlobError, PageDest, decode_into
 
 if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec
-    from tiered_cache.service.shm_ring import ShmLease
+    from tiered_cache.shm.arena_map import ArenaViews
 
 _DEFAULT_MAX_KNOWN = 1 << 20  # keys whose residency is remembered (~100 B each)
 
@@ -123,11 +123,11 @@ class TierChain:
         return where
 
     def fetch(self, keys: Sequence[bytes], where: Sequence[int | None] | None = None,
-              promote: bool = False, lease: ShmLease | None = None) -> list[bytes | None]:
+              promote: bool = False, lease: ArenaViews | None = None) -> list[bytes | None]:
         """The verified blob of each key from the tier `where` names (`locate` when not given),
         one batched `get` per tier. A key a tier turned out not to hold is None and forgotten.
         With `promote`, blobs found below the first tier are copied into it. With `lease` (a
-        `ShmLease`), tiers that can lend pages instead of copying them do (`lends_views`): the
+        `ArenaViews`), tiers that can lend pages instead of copying them do (`lends_views`): the
         caller copies them out, then drops those `lease.lost()` names."""
         if lease is not None and promote:
             raise ValueError("fetch cannot promote lent pages (they are views, good only for a while)")

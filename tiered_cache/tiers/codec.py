@@ -351,6 +351,14 @@ def _check_page(header: BlobHeader, spec: KVSpec) -> None:
         raise BlobError(f"raw payload is {header.payload_len} bytes, expected {header.raw_len}")
 
 
+def verify_raw_blob(blob: Any, spec: KVSpec, key: bytes) -> None:
+    """Raise BlobError unless `blob` is an intact raw blob of page `key` of `spec` (header and
+    checksum, read where it lies): a page a copier may take straight from the payload's bytes."""
+    header, _ = _checked_payload(blob, spec, key, check_crc=True)
+    if header.codec is not Codec.RAW:
+        raise BlobError(f"blob is {header.codec.value}, not raw: it must be decoded")
+
+
 def page_view(blob: Any, spec: KVSpec, key: bytes, check_crc: bool = True) -> np.ndarray:
     """The page's bytes (flat uint8), as `decode_page` gives them, but a read-only view into `blob`
     when it is stored raw: no copy, for a caller that copies the page somewhere itself."""
@@ -452,11 +460,21 @@ def decode_into(blob: Any, spec: KVSpec, key: bytes, dest: PageDest, check_crc: 
     if dest.size != spec.bytes_per_page or dest.dtype != np.uint8:
         raise ValueError(f"a page of {spec.model_id} needs {spec.bytes_per_page:,} uint8, got a destination of "
                          f"{dest.size:,} {dest.dtype}")
+    # A raw page is copied first and checksummed after, page by page: the checksum then reads the
+    # blob while the copy left it in cache, instead of a second pass over memory (the caller owns
+    # `dest` until this returns, and whoever else could change `blob` meanwhile, e.g. the arena's
+    # writer, is checked for by its caller after it).
+    header, payload = _checked_payload(blob, spec, key, check_crc=False)
+    if header.codec is Codec.RAW:
+        np.copyto(dest, np.frombuffer(payload, dtype=np.uint8).reshape(dest.shape))
+        if check_crc:
+            read_header(blob)
+        return
+    if check_crc:
+        read_header(blob)
     flat = contiguous_dest(dest)
     if flat is not None:
-        decode_page(blob, spec, key, out=flat, check_crc=check_crc)
+        decode_page(blob, spec, key, out=flat, check_crc=False)
         return
-    header, payload = _checked_payload(blob, spec, key, check_crc)
-    if header.codec is not Codec.RAW:  # a compressed page decodes contiguously first; rare (raw is the default)
-        payload = memoryview(decode_page(blob, spec, key, check_crc=False))
-    np.copyto(dest, np.frombuffer(payload, dtype=np.uint8).reshape(dest.shape))
+    page = decode_page(blob, spec, key, check_crc=False)  # a compressed page decodes contiguously first
+    np.copyto(dest, page.reshape(dest.shape))

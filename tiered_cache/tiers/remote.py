@@ -29,7 +29,7 @@ import grpc
 
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.framing import ReceivedBlob
-from tiered_cache.service.shm_ring import LookupRefs, ShmLease, ShmReader
+from tiered_cache.shm.arena_map import ArenaMap, ArenaRef, ArenaViews, LookupRefs
 from tiered_cache.tiers.base import TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, BreakerState, CircuitBreaker, breaker_states
 from tiered_cache.tiers.codec import BlobError, PageDest, check_fingerprint, decode_into, verify_blob
@@ -79,20 +79,20 @@ class _Landed(enum.Enum):
     """What became of one page `get_into` received."""
 
     ARRIVED = "arrived"
-    LOST = "lost"  # a page lent from a ring the server came round over while it was read: ask again
+    LOST = "lost"  # a page lent from an arena the server wrote over while it was read: ask again
     CORRUPT = "corrupt"
 
 
-class _LentPages(ShmLease):
+class _LentPages(ArenaViews):
     """A lease that also tells, page by page, whether a lent page is still intact: `get_into`
-    checks each page right after copying it, so a long fetch (the ring comes round many times
+    checks each page right after copying it, so a long fetch (the arena comes round many times
     over a few GiB) loses only pages it really read too late."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._where: dict[bytes, tuple[ShmReader, int, int]] = {}
+        self._where: dict[bytes, tuple[ArenaMap, int, int]] = {}
 
-    def add(self, key: bytes, reader: ShmReader, position: int, length: int) -> None:
+    def add(self, key: bytes, reader: ArenaMap, position: int, length: int) -> None:
         super().add(key, reader, position, length)
         self._where[key] = (reader, position, length)
 
@@ -107,25 +107,27 @@ class _LentPages(ShmLease):
 class RemoteTier:
     name = "remote"
     thread_safe = True  # gRPC channels serve every thread; each call keeps its own state
-    lends_views = True  # `get(keys, lease=)`: same-host pages as views into the server's ring
+    lends_views = True  # `get(keys, lease=)`: same-host pages as views into the server's arena
 
     def __init__(self, addresses: Sequence[str], token: str | None = None, tls_ca: str | None = None,
                  timeout_s: float = 5.0, fingerprint: bytes = b"", breaker: BreakerPolicy | None = None,
-                 budget_s: float | None = None, allow_empty: bool = False) -> None:
+                 budget_s: float | None = None, allow_empty: bool = False, shm: bool = True) -> None:
         """`allow_empty`: start with no server (every call a miss) until `set_addresses` names some,
-        as a cluster worker does before its shard directory answers."""
+        as a cluster worker does before its shard directory answers. `shm`: read a same-host
+        server's pages in place in its arena (off: every page comes over gRPC as bytes)."""
         if not addresses and not allow_empty:
             raise ValueError("the remote tier needs at least one store server address (HOST:PORT)")
         self.budget_s = budget_s  # overall bound of one get or put stream; None: progress only
         self.fingerprint = fingerprint  # when set, servers skip and refuse blobs of other models
         self._client_args = (token, tls_ca, timeout_s)
+        self._shm = shm
         self._policy = breaker or BreakerPolicy()
         self._ring_lock = threading.Lock()
         self._ring = _Ring((), ())
         self._stats = TierStats(self.name)
         # Checksums release the GIL (crc32c): two threads check a 35 MB prefix in half the time.
         self._checker = ThreadPoolExecutor(max_workers=2, thread_name_prefix="remote-tier-crc")
-        self._lookup_refs = LookupRefs()  # same-host ring positions from Lookups, for the Gets after
+        self._lookup_refs = LookupRefs()  # same-host arena refs from Lookups, for the fetches after
         self.pages_from_lookup = 0  # pages read where a Lookup said they lay (no Get)
         # The caller's thread asks one server itself; these threads ask the others.
         self._fanout = ThreadPoolExecutor(max_workers=_MAX_FANOUT, thread_name_prefix="remote-tier")
@@ -151,7 +153,8 @@ class RemoteTier:
                 return False
             kept = dict(zip(old.addresses, old.servers, strict=True))
             token, tls_ca, timeout_s = self._client_args
-            servers = tuple(kept.pop(a, None) or _Server(StoreClient(a, token, tls_ca, timeout_s), self._policy, a)
+            servers = tuple(kept.pop(a, None) or _Server(StoreClient(a, token, tls_ca, timeout_s, shm=self._shm),
+                                                         self._policy, a)
                             for a in wanted)
             self._ring = _Ring(wanted, servers)
         for server in kept.values():
@@ -210,17 +213,12 @@ class RemoteTier:
     # --- interface -----------------------------------------------------------------------------
     def _lookup(self, server: _Server, keys: list[bytes]) -> Any:
         """The server's Lookup reply (None when it failed). A server on this host also says where
-        the held pages lie in its ring: remembered for the Get that usually follows. When every
-        key lies in its ring, the ring's index answers here without an RPC (a server whose
-        breaker is not closed is asked, so its health is still probed by real calls)."""
-        reader = server.client.ring_reader
-        reply = None
-        if reader is not None and server.closed and not self._closed and keys:
-            reply = server.client.lookup_in_ring(keys, reader)
-        if reply is None:
-            reply = self._call(server, lambda client: client.lookup(keys, ring=reader), None)
-        if reply is not None and reader is not None and reply.shm_lengths:
-            self._lookup_refs.remember(reader, keys, reply.shm_positions, reply.shm_lengths)
+        the pages in its arena lie: remembered for the fetch that usually follows, which then
+        reads them in place with no Get."""
+        arena = server.client.arena_map
+        reply = self._call(server, lambda client: client.lookup(keys, arena=arena), None)
+        if reply is not None and arena is not None and reply.shm_lengths:
+            self._lookup_refs.remember(arena, keys, reply.shm_positions, reply.shm_lengths)
         return reply
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -244,15 +242,15 @@ class RemoteTier:
             return reply.leading if reply is not None else 0
         return leading_run(self.contains(keys))
 
-    def _from_lookup_refs(self, keys: Sequence[bytes], lease: ShmLease | None
+    def _from_lookup_refs(self, keys: Sequence[bytes], lease: ArenaViews | None
                           ) -> list[tuple[bytes, Future[bytes | None]]]:
-        """Pages a recent Lookup placed in a same-host server's ring, read there without a Get
+        """Pages a recent Lookup found in a same-host server's arena, read there without a Get
         (lent as views with `lease`, else copied out) and checked on the checker threads. A ref
-        the ring has come round over since is skipped: the caller Gets that page."""
+        the arena has written over since is skipped: the caller Gets that page."""
         checks: list[tuple[bytes, Future[bytes | None]]] = []
         if self._closed:
             return checks
-        for key, (reader, position, length) in self._lookup_refs.take(keys).items():
+        for key, (reader, position, length) in self._take_refs(keys).items():
             try:
                 data = reader.view(position, length) if lease is not None else reader.read(position, length)
             except ValueError:  # that map was closed meanwhile (the client closed)
@@ -265,10 +263,64 @@ class RemoteTier:
         self.pages_from_lookup += len(checks)
         return checks
 
-    def get(self, keys: Sequence[bytes], lease: ShmLease | None = None) -> list[bytes | None]:
+    def _take_refs(self, keys: Sequence[bytes]) -> dict[bytes, ArenaRef]:
+        """Where `keys` lie in same-host servers' arenas: refs a recent Lookup left (each taken
+        once), and for the others one Lookup per same-host server now. One unary call answers a
+        whole prefix, where a Get would stream a message per page; pages it does not place (held
+        below RAM, or not at all) are left to the Get."""
+        refs = self._lookup_refs.take(keys)
+        ring = self._ring
+        missing = [key for key in keys if key not in refs]
+        if missing:
+            groups = {i: p for i, p in self._by_server(ring, missing).items()
+                      if ring.servers[i].client.arena_map is not None}
+            if groups:
+                self._each_server(groups, lambda i, p: self._lookup(ring.servers[i], [missing[j] for j in p]))
+                refs.update(self._lookup_refs.take(missing))
+        return refs
+
+    @property
+    def same_host(self) -> bool:
+        """Every server runs on this host and its arena is mapped here (after a first bulk Get or
+        `warm`): pages can be read where they lie (`arena_pages`)."""
+        servers = self._ring.servers
+        return bool(servers) and all(server.client.arena_map is not None for server in servers)
+
+    def arena_pages(self, keys: Sequence[bytes]) -> list[ArenaRef | None]:
+        """Where each key's page lies in a same-host server's arena, or None: refs a Lookup left,
+        a Lookup now, and for the rest a Get that first brings them into the arena (from the
+        server's disk or Redis) and answers with refs. Nothing is copied or verified here: the
+        caller copies each page from where it lies, checks it, and asks `ArenaMap.intact` after."""
+        refs = self._take_refs(keys)
+        missing = [key for key in dict.fromkeys(keys) if key not in refs]
+        ring = self._ring
+        groups = {i: p for i, p in self._by_server(ring, missing).items() if ring.servers[i].client.arena_map}
+        if groups and not self._closed:
+            views = ArenaViews()
+
+            def bring(index: int, positions: list[int]) -> None:
+                def stream(client: StoreClient) -> None:
+                    result = client.get_all([missing[i] for i in positions], self.fingerprint,
+                                            budget_s=self.budget_s, lease=views)
+                    if result.error is not None:
+                        raise result.error
+                self._call(ring.servers[index], stream, None)
+
+            self._each_server(groups, bring)
+            for key, arena, position, length in views.pages():
+                refs.setdefault(key, (arena, position, length))
+        return [refs.get(key) for key in keys]
+
+    def record_arena_reads(self, arrived: int, missed: int, nbytes: int) -> None:
+        """Count pages a caller read from arenas itself (`arena_pages`)."""
+        self._stats.hits += arrived
+        self._stats.misses += missed
+        self._stats.bytes_out += nbytes
+
+    def get(self, keys: Sequence[bytes], lease: ArenaViews | None = None) -> list[bytes | None]:
         """Each key's verified blob or None. A key asked twice is answered at every position.
-        With `lease`, a page from a server on this host may be a view into its ring, good only
-        until `lease.lost()` names it (`ShmLease`): copy it before asking."""
+        With `lease`, a page from a server on this host may be a view into its arena, good only
+        until `lease.lost()` names it (`ArenaViews`): copy it before asking."""
         out: list[bytes | None] = [None] * len(keys)
         positions_of: dict[bytes, list[int]] = {}
         for i, key in enumerate(keys):
@@ -311,10 +363,10 @@ class RemoteTier:
     def get_into(self, keys: Sequence[bytes], dests: Sequence[PageDest], spec: KVSpec) -> list[int]:
         """Write each key's page of `spec`, verified, into `dests[i]` (codec.py's destinations);
         returns the size of each blob whose page arrived, 0 for a miss. Pages of a server on this
-        host are lent as views into its ring (those a recent Lookup placed there without a Get at
+        host are lent as views into its arena (those a recent Lookup found there, without a Get at
         all) and each is checked and copied into its destination as it arrives, on the checker
         threads while the stream flows: one copy per page and no fresh memory, where `get` makes
-        a blob of each. A page the ring came round over before it was copied is asked again as
+        a blob of each. A page the arena wrote over before it was copied is asked again as
         bytes; a page refused is a miss, counted (a client never deletes from a shared store)."""
         positions_of: dict[bytes, list[int]] = {}
         for i, key in enumerate(keys):
@@ -323,8 +375,8 @@ class RemoteTier:
         sizes: dict[bytes, int] = {}  # each page's blob, as received
 
         def land(key: bytes, data: Any, lent: bool) -> _Landed:
-            """Verify `data` where it lies (a ring view when `lent`: no copy) and decode it into
-            the key's destinations; a lent page is checked intact after the copy (shm_ring.py)."""
+            """Verify `data` where it lies (an arena view when `lent`: no copy) and decode it into
+            the key's destinations; a lent page is checked intact after the copy (shm/arena.py)."""
             first, *others = positions_of[key]
             sizes[key] = len(data)
             try:
@@ -348,7 +400,7 @@ class RemoteTier:
                   num_keys: int) -> list[int]:
         landing: list[tuple[bytes, Future[_Landed]]] = []
         if not self._closed:
-            for key, (reader, position, length) in self._lookup_refs.take(list(positions_of)).items():
+            for key, (reader, position, length) in self._take_refs(list(positions_of)).items():
                 try:
                     view = reader.view(position, length)
                 except ValueError:  # that map was closed meanwhile (the client closed)
@@ -378,7 +430,7 @@ class RemoteTier:
     def _stream_into(self, keys: list[bytes], land: Callable[[bytes, Any, bool], _Landed],
                      lease: _LentPages | None, submitted: list[Future[_Landed]]) -> dict[bytes, _Landed]:
         """Get `keys` (distinct) from the servers owning them, in parallel, each page handed to
-        `land` on the checker threads as it arrives (with whether it is lent from a ring, through
+        `land` on the checker threads as it arrives (with whether it is lent from an arena, through
         `lease`); what became of each page received."""
         if not keys:
             return {}
@@ -445,7 +497,7 @@ class RemoteTier:
         self._checker.shutdown(wait=False)
         self._fanout.shutdown(wait=False)
 
-    def _verified(self, key: bytes, blob: bytes, lease: ShmLease | None = None) -> bytes | None:
+    def _verified(self, key: bytes, blob: bytes, lease: ArenaViews | None = None) -> bytes | None:
         try:
             header = verify_blob(blob, key)
             if self.fingerprint:  # as the server's filter does for a Get (a page read by ref had none)

@@ -23,7 +23,7 @@ import torch
 
 from tiered_cache.integrations.vllm.layout import scatter_blocks
 from tiered_cache.integrations.vllm.store import BlockStore
-from tiered_cache.service.shm_ring import ShmLease
+from tiered_cache.shm.arena_map import ArenaViews
 
 log = logging.getLogger(__name__)
 WAIT_S = 120.0  # the tiers' own deadlines end a stuck fetch long before this
@@ -75,7 +75,7 @@ class LoadJob:
             # Pages from a store server on this host come as views into its ring (no copy out):
             # copied into vLLM's KV, then checked; any the ring came round over are fetched again
             # as copies before the group is signalled, so no layer ever attends to them.
-            lease, pages = ShmLease(), None
+            lease, pages = ArenaViews(), None
             if prefetched is not None:
                 try:
                     pages, lease = prefetched[0].result()[group], prefetched[1]
@@ -98,7 +98,7 @@ class LoadJob:
                       "written over and fetched again)", file=sys.stderr, flush=True)
 
     def _copy_in(self, layers: list[torch.Tensor], keys: list[bytes], block_ids: list[int], group: int,
-                 lease: ShmLease | None, pages: list[torch.Tensor | None] | None = None) -> tuple[set[int], set[int]]:
+                 lease: ArenaViews | None, pages: list[torch.Tensor | None] | None = None) -> tuple[set[int], set[int]]:
         """Fetch group `group` of these blocks (unless prefetched: `pages`) and copy it into
         vLLM's KV. Returns the block ids copied in and those missing or refused."""
         if not keys:

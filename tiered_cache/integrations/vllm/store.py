@@ -28,7 +28,7 @@ from tiered_cache.demotion import BACKGROUND_NICE, BackgroundQueue
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.integrations.vllm.layer_groups import group_keys
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service.shm_ring import ShmLease
+from tiered_cache.shm.arena_map import ArenaViews
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.codec import BlobError, encode_page, page_view
 from tiered_cache.tiers.factory import build_lower_tiers
@@ -69,7 +69,7 @@ class BlockStore:
         # Loads started when the scheduler found the blocks, taken by the worker's load job: set
         # once a worker registers its KV in this process (scheduler and worker share the store).
         self.loads_here = False
-        self._prefetches: OrderedDict[tuple[bytes, ...], tuple[Future[list[Pages]], ShmLease]] = OrderedDict()
+        self._prefetches: OrderedDict[tuple[bytes, ...], tuple[Future[list[Pages]], ArenaViews]] = OrderedDict()
         self._prefetcher: ThreadPoolExecutor | None = None
         self.prefetches_taken = 0
 
@@ -118,13 +118,13 @@ class BlockStore:
         last = len(self.chain.tiers) - 1
         return all(self.chain.known_in(k, last) for k in self._all_page_keys([block_key]))
 
-    def load(self, block_keys: Sequence[bytes], group: int = 0, lease: ShmLease | None = None
+    def load(self, block_keys: Sequence[bytes], group: int = 0, lease: ArenaViews | None = None
              ) -> list[torch.Tensor | None]:
         """Layer group `group` of each block: a page (layers_per_page, 2, heads, block_size, dim),
         or None when it is missing or refused on decode (the caller must not use that block). A
         raw page is a view into its blob: no copy. With `lease`, a page from a store server on
         this host may be a view into its ring: copy it, then drop the blocks whose page keys
-        `lease.lost()` names (`ShmLease`)."""
+        `lease.lost()` names (`ArenaViews`)."""
         shape = self.spec.staging_shape(1)[1:]
         keys = self.page_keys(block_keys, group)
         out: list[torch.Tensor | None] = []
@@ -147,7 +147,7 @@ class BlockStore:
         """Start loading every layer group of these blocks in the background, for the load job
         that follows in this process (`take_prefetch`): the fetch overlaps what the engine does
         between scheduling a request and its forward. Pages from a same-host store server are
-        lent (`ShmLease`): the job checks them after copying, as for its own fetches. Only where a
+        lent (`ArenaViews`): the job checks them after copying, as for its own fetches. Only where a
         worker registered its KV here, and for whole blocks (loaded group by group, the first
         group must not wait for the last); False when not started."""
         key = tuple(block_keys)
@@ -158,16 +158,16 @@ class BlockStore:
                 return True
             if self._prefetcher is None:
                 self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-block-prefetch")
-            lease = ShmLease()
+            lease = ArenaViews()
             self._prefetches[key] = (self._prefetcher.submit(self._load_groups, list(key), lease), lease)
             while len(self._prefetches) > _MAX_PREFETCHES:
                 self._prefetches.popitem(last=False)
         return True
 
-    def _load_groups(self, block_keys: list[bytes], lease: ShmLease) -> list[Pages]:
+    def _load_groups(self, block_keys: list[bytes], lease: ArenaViews) -> list[Pages]:
         return [self.load(block_keys, group, lease) for group in range(self.num_groups)]
 
-    def take_prefetch(self, block_keys: Sequence[bytes]) -> tuple[Future[list[Pages]], ShmLease] | None:
+    def take_prefetch(self, block_keys: Sequence[bytes]) -> tuple[Future[list[Pages]], ArenaViews] | None:
         """The background load `prefetch` started for exactly these blocks, if any (taken once)."""
         with self._lock:
             found = self._prefetches.pop(tuple(block_keys), None)

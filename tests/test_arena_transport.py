@@ -1,21 +1,17 @@
-"""Same-host Get through the store server's shared-memory ring (service/shm_ring.py), against real
-server processes: the same bytes as over gRPC, a ring wrapped over a page costs a second ask (never
-wrong bytes), a restarted server is attached again, and clients elsewhere or with the ring off
-move bytes."""
+"""Same-host Get from the store server's arena (shm/arena.py), against real server processes: the
+same bytes as over gRPC with no copy by the server, a page written over before it was read costs a
+second ask (never wrong bytes), a restarted server is attached again, and clients elsewhere or with
+shared memory off move bytes."""
 
 from __future__ import annotations
-
-import os
-
-import pytest
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.service import client as client_module
 from tiered_cache.service.client import StoreClient
-from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.process import StoreProcess
-from tiered_cache.service.shm_ring import HEADER, MAX_REMEMBERED, ShmLease, ShmReader, ShmRing
+from tiered_cache.shm.arena import Arena
+from tiered_cache.shm.arena_map import ArenaMap, ArenaViews, LookupRefs
 from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.remote import RemoteTier
 
@@ -39,7 +35,7 @@ def shm_reused(address: str) -> int:
     return StoreClient(address).stats().server.shm_pages_reused
 
 
-def test_a_same_host_get_comes_through_the_ring_with_the_bytes_put():
+def test_a_same_host_get_reads_the_arena_in_place_with_the_bytes_put_and_no_server_copy():
     items = pages(12)
     keys = [k for k, _ in items]
     with StoreProcess(["--no-disk"]) as store:
@@ -49,14 +45,14 @@ def test_a_same_host_get_comes_through_the_ring_with_the_bytes_put():
             for _ in range(3):
                 assert tier.get(keys) == [b for _, b in items]
             assert tier.servers[0].client.uses_shm
-            assert shm_pages(store.address) == 3 * len(items)
+            assert shm_pages(store.address) == shm_reused(store.address) == 3 * len(items)
         finally:
             tier.close()
 
 
-def test_with_the_ring_off_the_same_get_moves_bytes():
+def test_with_shared_memory_off_the_same_get_moves_bytes():
     items = pages(4, seed=1)
-    with StoreProcess(["--no-disk", "--shm", "0"]) as store:
+    with StoreProcess(["--no-disk", "--shm", "off"]) as store:
         tier = RemoteTier([store.address])
         try:
             tier.put(items)
@@ -66,24 +62,30 @@ def test_with_the_ring_off_the_same_get_moves_bytes():
             tier.close()
 
 
-def test_a_ring_wrapped_over_pages_before_they_are_read_costs_a_second_ask_not_wrong_bytes():
-    """A 2 MiB ring and one Get of 12 pages of 256 KiB, 11 placed in one batch: the ring wraps over
-    the first ones before the client reads them. Those are asked again as bytes."""
-    items = pages(12, seed=2)
-    with StoreProcess(["--no-disk", "--shm", "2MiB"]) as store:
-        client = StoreClient(store.address)
+def test_pages_written_over_before_they_are_read_cost_a_second_ask_not_wrong_bytes():
+    """A 2 MiB arena with no lease, 4 pages handed out by ref in one Get; before the client reads
+    them, other pages are put over them (by another client). Those are asked again."""
+    items, others = pages(4, seed=2), pages(8, seed=22)
+    with StoreProcess(["--no-disk", "--ram", "2MiB", "--arena-lease", "0"]) as store:
+        client, other = StoreClient(store.address), StoreClient(store.address)
         try:
             client.put(items)
-            result = client.get_all([k for k, _ in items])
-            assert result.error is None
-            got = {r.key: bytes(r.blob) for r in result.blobs}
-            assert got == dict(items)
-            assert client.uses_shm and client.shm_overruns > 0
+            client.get_all([])  # maps the arena
+            reply = client.lookup([k for k, _ in items], arena=client.arena_map)
+            assert all(reply.shm_lengths)
+            other.put(others)  # over the refs just handed out
+            arena = client.arena_map
+            assert not any(arena.intact(p, n) for p, n in zip(reply.shm_positions, reply.shm_lengths, strict=True))
+            result = client.get_all([k for k, _ in items])  # those still held, read again by ref
+            assert result.error is None and result.blobs
+            assert all(bytes(r.blob) == dict(items)[r.key] for r in result.blobs)
+            assert client.uses_shm
         finally:
             client.close()
+            other.close()
 
 
-def test_a_restarted_server_is_attached_again_and_never_read_through_the_old_ring(tmp_path):
+def test_a_restarted_server_is_attached_again_and_never_read_through_the_old_arena(tmp_path):
     items = pages(6, seed=3)
     keys = [k for k, _ in items]
     store = StoreProcess(["--disk", str(tmp_path)])
@@ -97,7 +99,7 @@ def test_a_restarted_server_is_attached_again_and_never_read_through_the_old_rin
         store.stop()  # flushes RAM to disk: the restarted server has every page
         store = StoreProcess(["--disk", str(tmp_path), "--port", port])
         store.start()
-        for _ in range(2):  # the first answer comes as bytes (old segment), then the new ring is used
+        for _ in range(2):  # the first answer comes as bytes (old arena), then the new one is used
             result = client.get_all(keys)
             assert result.error is None and {r.key: bytes(r.blob) for r in result.blobs} == dict(items)
         assert client.uses_shm and client._fetcher.reader.segment != old_segment
@@ -121,50 +123,7 @@ def test_a_client_on_another_host_moves_bytes(monkeypatch):
             client.close()
 
 
-def test_the_ring_refuses_what_it_cannot_hold_and_readers_see_only_intact_pages():
-    ring = ShmRing(2**20)
-    try:
-        assert ring.place(b"") is None and ring.place(bytes(ring.max_page + 1)) is None
-        reader = ShmReader(ring.path, ring.size, ring.segment)
-        first = ring.place(b"a" * ring.max_page)
-        assert first is not None and reader.read(*first) == b"a" * ring.max_page
-        later = [ring.place(bytes([i]) * ring.max_page) for i in range(4)]  # a lap: over `first`
-        assert reader.read(*first) is None
-        assert reader.read(*later[-1]) == bytes([3]) * ring.max_page
-        assert reader.read(later[-1][0] + ring.capacity, 10) is None  # a position not written yet
-        with pytest.raises(ValueError, match="not the segment"):
-            ShmReader(ring.path, ring.size, os.urandom(16))
-        reader.close()
-    finally:
-        ring.close()
-    assert HEADER == 64
-
-
-def test_a_ring_below_its_minimum_is_refused_by_name():
-    with pytest.raises(ValueError, match="shm_bytes"):
-        ServerConfig(shm_bytes="64KiB", disk_path="")
-    assert ServerConfig(shm_bytes=0, disk_path="").shm_bytes == 0
-
-
-def test_a_page_already_in_the_ring_is_sent_again_by_position_until_half_a_lap_passes():
-    ring = ShmRing(2**20)
-    try:
-        reader = ShmReader(ring.path, ring.size, ring.segment)
-        page = bytes(range(256)) * 800  # 200 KiB: about a fifth of the ring
-        first = ring.place(page, b"k" * 32, sent=False)  # as at Put time: not counted as sent
-        assert first is not None and ring.pages == 0
-        assert ring.place(page, b"k" * 32) == first and (ring.pages, ring.reused) == (1, 1)
-        assert ring.place(page[:-1], b"k" * 32) != first  # another length: never taken for it
-        assert ring.place(page, b"j" * 32) != first  # another key: copied
-        later = ring.place(page, b"k" * 32)  # `first` is now more than half a lap back: copied again
-        assert later is not None and later[0] > first[0] and ring.reused == 1
-        assert reader.read(*later) == page
-        reader.close()
-    finally:
-        ring.close()
-
-
-def test_pages_put_are_in_the_ring_and_a_get_sends_them_without_a_copy():
+def test_pages_put_are_in_the_arena_and_a_get_hands_them_out_without_a_copy():
     items = pages(8, seed=5)
     keys = [k for k, _ in items]
     with StoreProcess(["--no-disk"]) as store:
@@ -177,22 +136,21 @@ def test_pages_put_are_in_the_ring_and_a_get_sends_them_without_a_copy():
             client.close()
 
 
-def test_lent_pages_are_views_of_the_bytes_put_and_the_lease_names_those_written_over():
-    """A 2 MiB ring: 4 pages lent, then a Get of 8 others comes round over them. The lease names
-    exactly the pages whose views no longer hold their bytes; a copy taken before is intact."""
+def test_lent_pages_are_views_of_the_bytes_put_and_the_views_name_those_written_over():
+    """A 2 MiB arena with no lease: 4 pages lent, then 8 others are put over them. The views name
+    exactly the pages that no longer hold their bytes; a copy taken before is intact."""
     items, others = pages(4, seed=6), pages(8, seed=7)
-    with StoreProcess(["--no-disk", "--shm", "2MiB"]) as store:
+    with StoreProcess(["--no-disk", "--ram", "2MiB", "--arena-lease", "0"]) as store:
         client = StoreClient(store.address)
         try:
             client.put(items)
-            lease = ShmLease()
+            lease = ArenaViews()
             result = client.get_all([k for k, _ in items], lease=lease)
             assert result.error is None and len(lease) == len(items)
             assert all(isinstance(r.blob, memoryview) for r in result.blobs)
             copies = {r.key: bytes(r.blob) for r in result.blobs}
             assert copies == dict(items) and lease.lost() == set()
             client.put(others)  # placed at Put time: over the lent pages
-            client.get_all([k for k, _ in others])
             lost = lease.lost()
             assert lost and lost <= set(copies)
             for r in result.blobs:
@@ -211,25 +169,13 @@ def test_a_remote_tier_lends_pages_only_when_asked_and_counts_no_corruption_for_
         try:
             tier.put(items)
             assert all(isinstance(b, bytes) for b in tier.get(keys))  # copies by default
-            lease = ShmLease()
+            lease = ArenaViews()
             lent = tier.get(keys, lease=lease)
             assert all(isinstance(b, memoryview) for b in lent) and len(lease) == len(keys)
             assert [bytes(b) for b in lent] == [b for _, b in items] and not lease.lost()
             assert tier.stats().corrupt == 0
         finally:
             tier.close()
-
-
-def test_the_ring_remembers_a_bounded_number_of_keys_however_small_the_pages():
-    ring = ShmRing(64 << 20)
-    try:
-        for i in range(MAX_REMEMBERED + 100):
-            ring.place(b"x" * 64, i.to_bytes(32, "little"), sent=False)
-        assert len(ring._where) == MAX_REMEMBERED
-        assert ring.place(b"x" * 64, (MAX_REMEMBERED + 99).to_bytes(32, "little")) is not None
-        assert ring.reused == 1  # the newest are the ones kept
-    finally:
-        ring.close()
 
 
 def test_a_same_host_lookup_says_where_held_pages_lie_and_the_get_after_it_needs_no_stream():
@@ -240,51 +186,55 @@ def test_a_same_host_lookup_says_where_held_pages_lie_and_the_get_after_it_needs
         tier = RemoteTier([store.address])
         try:
             tier.put(items)
-            tier.warm()  # maps the ring, as the vLLM block store does at start
+            tier.warm()  # maps the arena, as the vLLM block store does at start
             assert tier.contains([*keys, unknown]) == [True] * len(keys) + [False]
             sent_before = shm_pages(store.address)
             assert tier.get(keys) == [b for _, b in items]  # read where the Lookup said: no Get
             assert tier.pages_from_lookup == len(keys) and shm_pages(store.address) == sent_before
             assert tier.contains_prefix(keys) == len(keys)  # the one-server path remembers them too
-            lease = ShmLease()
+            lease = ArenaViews()
             lent = tier.get(keys, lease=lease)
             assert all(isinstance(b, memoryview) for b in lent) and len(lease) == len(keys)
             assert [bytes(b) for b in lent] == [b for _, b in items] and not lease.lost()
             assert tier.pages_from_lookup == 2 * len(keys)
-            # Taken once: a second get of the same keys streams them (by position, through the ring).
+            # Taken once: a second get of the same keys asks one Lookup for them again (refs, no
+            # Get stream, no copy on the server).
             assert tier.get(keys) == [b for _, b in items]
-            assert tier.pages_from_lookup == 2 * len(keys) and shm_pages(store.address) == sent_before + len(keys)
+            # Refs handed out since: by the contains_prefix Lookup, then by this get's Lookup.
+            assert tier.pages_from_lookup == 3 * len(keys) and shm_pages(store.address) == sent_before + 2 * len(keys)
             assert tier.stats().corrupt == 0
         finally:
             tier.close()
 
 
-def test_a_lookup_ref_the_ring_came_round_over_is_fetched_again_never_read_as_wrong_bytes():
-    """A 2 MiB ring: the Lookup names 4 pages' positions, then 8 other pages are put over them.
-    The get finds the refs stale and streams the pages instead: the bytes put, no corruption."""
+def test_a_lookup_ref_written_over_is_fetched_again_never_read_as_wrong_bytes():
+    """A 2 MiB arena with no lease: the Lookup names 4 pages' refs, then 8 other pages are put
+    over them. The get finds the refs stale and fetches the pages again: no wrong bytes, no
+    corruption counted."""
     items, others = pages(4, seed=11), pages(8, seed=12)
     keys = [k for k, _ in items]
-    with StoreProcess(["--no-disk", "--shm", "2MiB"]) as store:
+    with StoreProcess(["--no-disk", "--ram", "2MiB", "--arena-lease", "0"]) as store:
         tier = RemoteTier([store.address])
         try:
             tier.put(items)
             tier.warm()
             assert all(tier.contains(keys))
-            tier.put(others)  # placed in the ring at Put time: a lap over the looked-up pages
-            assert tier.get(keys) == [b for _, b in items]
+            tier.put(others)  # a lap over the looked-up pages
+            assert all(b is None or b == blob for b, (_, blob) in zip(tier.get(keys), items, strict=True))
             assert tier.pages_from_lookup == 0  # every ref was stale: all streamed
-            lease = ShmLease()
-            assert all(tier.contains(keys))
+            lease = ArenaViews()
+            held = [key for key, h in zip(keys, tier.contains(keys), strict=True) if h]
+            assert held  # read since placed: their second chance kept some
             tier.put(others[::-1])
-            lent = tier.get(keys, lease=lease)
-            assert all(b is None or bytes(b) == blob or key in lease.lost()
-                       for key, b, (_, blob) in zip(keys, lent, items, strict=True))
+            lent = tier.get(held, lease=lease)
+            assert all(b is None or bytes(b) == dict(items)[key] or key in lease.lost()
+                       for key, b in zip(held, lent, strict=True))
             assert tier.stats().corrupt == 0
         finally:
             tier.close()
 
 
-def test_a_lookup_gets_ring_positions_only_for_held_pages_and_the_segment_it_names():
+def test_a_lookup_gets_refs_only_for_held_pages_and_the_arena_it_names():
     items = pages(3, seed=13)
     keys = [k for k, _ in items]
     unknown = pages(1, seed=14)[0][0]
@@ -292,20 +242,20 @@ def test_a_lookup_gets_ring_positions_only_for_held_pages_and_the_segment_it_nam
         client = StoreClient(store.address)
         try:
             client.put(items)
-            assert client.ring_reader is None  # not mapped before a bulk Get
+            assert client.arena_map is None  # not mapped before a bulk Get
             client.get_all([])
-            reader = client.ring_reader
+            reader = client.arena_map
             assert reader is not None
-            reply = client.lookup([keys[0], unknown, *keys[1:]], ring=reader)
+            reply = client.lookup([keys[0], unknown, *keys[1:]], arena=reader)
             assert list(reply.tiers) != [] and reply.leading == 1
             lengths = list(reply.shm_lengths)
             assert lengths[1] == 0 and all(lengths[i] == len(items[j][1]) for i, j in ((0, 0), (2, 1), (3, 2)))
             assert reader.read(reply.shm_positions[0], lengths[0]) == items[0][1]
-            assert not client.lookup(keys).shm_lengths  # no ring named: no positions
-            other = ShmRing(2**20)  # another segment (as after the server restarted): none either
+            assert not client.lookup(keys).shm_lengths  # no arena named: no refs
+            other = Arena(2**20)  # another arena (as after the server restarted): none either
             try:
-                elsewhere = ShmReader(other.path, other.size, other.segment)
-                assert not client.lookup(keys, ring=elsewhere).shm_lengths
+                elsewhere = ArenaMap(other.path, other.size, other.id)
+                assert not client.lookup(keys, arena=elsewhere).shm_lengths
                 elsewhere.close()
             finally:
                 other.close()
@@ -313,18 +263,16 @@ def test_a_lookup_gets_ring_positions_only_for_held_pages_and_the_segment_it_nam
             client.close()
 
 
-def test_lookup_refs_are_bounded_taken_once_and_skip_pages_not_in_the_ring():
-    from tiered_cache.service.shm_ring import LookupRefs
-
-    ring = ShmRing(2**20)
+def test_lookup_refs_are_bounded_taken_once_and_skip_pages_not_in_the_arena():
+    arena = Arena(2**20)
     try:
-        reader = ShmReader(ring.path, ring.size, ring.segment)
+        reader = ArenaMap(arena.path, arena.size, arena.id)
         refs = LookupRefs(capacity=3)
         keys = [bytes([i]) * 32 for i in range(5)]
-        refs.remember(reader, keys, [10, 20, 30, 40, 50], [1, 0, 1, 1, 1])  # keys[1] not in the ring
+        refs.remember(reader, keys, [10, 20, 30, 40, 50], [1, 0, 1, 1, 1])  # keys[1] not in the arena
         assert len(refs) == 3  # keys 2, 3, 4: the oldest went
         assert refs.take(keys) == {keys[i]: (reader, 10 * (i + 1), 1) for i in (2, 3, 4)}
         assert refs.take(keys) == {} and len(refs) == 0
         reader.close()
     finally:
-        ring.close()
+        arena.close()

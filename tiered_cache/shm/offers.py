@@ -1,10 +1,10 @@
-"""Same-host Put through shared memory: segments that clients on the server's host offer.
+"""Same-host Put: the put rings that clients on the server's host offer, mapped by the server.
 
 A client on the store server's host writes the pages it puts into a ring of its own (a memfd,
-`ShmRing(name=PUT_RING)`), offers that segment once (`Offer`), and then sends each Put item as
+`PutRing`, put_ring.py), offers that segment once (`Offer`), and then sends each Put item as
 (segment, position, length) instead of the bytes. The server maps the segment read-only, copies
 each page out, checks the client's ring had not come round over it during the copy
-(`ShmReader.read`), and verifies the copy like any received blob: a page the client overwrote
+(`PutRingReader.read`), and verifies the copy like any received blob: a page the client overwrote
 early, or garbage at a position, is a refused blob (`SHM_LOST`, or corrupt), never stored KV.
 On the 2-core host of docs/PERFORMANCE.md a loopback Put stream cost each side ~4 ms of CPU per
 MiB; one memcpy per side instead is what lets write-behind to a same-host store keep off the
@@ -21,7 +21,6 @@ at most once a second while Puts come in: a mapping keeps the client's memory al
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import threading
@@ -29,7 +28,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from tiered_cache.service.shm_ring import MIN_BYTES, PUT_RING, ShmReader, host_identity
+from tiered_cache.shm.host import host_identity
+from tiered_cache.shm.put_ring import MIN_BYTES, PUT_RING, PutRingReader
 
 _PROC_FD = re.compile(r"/proc/(\d+)/fd/(\d+)")
 _LOCAL_PEERS = ("ipv4:127.", "ipv6:[::1]", "ipv6:%5B::1%5D", "unix:")
@@ -38,7 +38,7 @@ MAX_OFFER_BYTES = 2**30  # a client's ring larger than this is refused (it is ma
 
 @dataclass
 class _Offered:
-    reader: ShmReader
+    reader: PutRingReader
     path: str
     inode: int  # the memfd's: gone from `path`, or another file there, means the client let it go
 
@@ -74,14 +74,13 @@ class OfferedSegments:
                 return f"process {pid} runs as another user than the server"
             if not os.readlink(path).startswith(f"/memfd:{PUT_RING}"):
                 return f"{path} is not a tiered-cache Put ring"
-            inode = _sealed_inode(path)
-            reader = ShmReader(path, size, segment)
+            reader = PutRingReader(path, size, segment)  # refuses a segment not sealed against shrinking
         except (OSError, ValueError) as exc:
             return f"cannot map {path}: {exc}"
         with self._lock:
             self._drop_released()
             old = self._segments.pop(segment, None)
-            self._segments[segment] = _Offered(reader, path, inode)
+            self._segments[segment] = _Offered(reader, path, reader.inode)
             while len(self._segments) > self.capacity:
                 _, oldest = self._segments.popitem(last=False)
                 oldest.reader.close()
@@ -89,7 +88,7 @@ class OfferedSegments:
             old.reader.close()
         return ""
 
-    def reader(self, segment: bytes) -> ShmReader | None:
+    def reader(self, segment: bytes) -> PutRingReader | None:
         with self._lock:
             offered = self._segments.get(segment)
             return offered.reader if offered is not None else None
@@ -134,14 +133,3 @@ class OfferedSegments:
                 offered.reader.close()
             self._segments.clear()
 
-
-def _sealed_inode(path: str) -> int:
-    """The inode of the memfd at `path`, which must be sealed against shrinking: a segment that
-    could shrink under the server's map would fault the server (SIGBUS) instead of reading."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
-            raise ValueError("the segment is not sealed against shrinking (F_SEAL_SHRINK)")
-        return os.fstat(fd).st_ino
-    finally:
-        os.close(fd)

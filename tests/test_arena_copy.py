@@ -1,0 +1,170 @@
+"""Pages from a same-host store server's arena straight into pool pages (device/arena_copy.py),
+its CUDA logic (chunks, runs of adjacent blobs, payloads picked out of the chunk, checks beside
+the copy, intact after) run on the CPU with `chunked=True`, against a real server process. The
+GPU test runs the same on a device pool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiered_cache.device.arena_copy import ArenaCopier, _adjacent_runs
+from tiered_cache.device.pool import PagePool
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.model.spec import KVSpec
+from tiered_cache.service.client import StoreClient
+from tiered_cache.service.process import StoreProcess
+from tiered_cache.tiers.codec import encode_page, raw_blob_size
+from tiered_cache.tiers.remote import RemoteTier
+
+SPEC = KVSpec("arena-copy", 3, 2, 16, page_size=8, dtype="bf16")
+N = 12
+
+
+def prefix(n: int = N, seed: int = 0, spec: KVSpec = SPEC
+           ) -> tuple[list[bytes], torch.Tensor, list[tuple[bytes, bytes]]]:
+    keys = PageKeyer(spec, f"copy-{seed}").keys(list(range(spec.page_size * n)))
+    pages = torch.randn(spec.staging_shape(n), generator=torch.Generator().manual_seed(seed)).to(spec.dtype.torch)
+    return keys, pages, [(k, encode_page(p, spec, k)) for k, p in zip(keys, pages, strict=True)]
+
+
+def copier_and_pool(device: str = "cpu", chunk_pages: int = 5) -> tuple[ArenaCopier, PagePool]:
+    pool = PagePool(SPEC, 4 * N, device=device)
+    chunked = True if device == "cpu" else None
+    return ArenaCopier(pool, chunk_bytes=chunk_pages * raw_blob_size(SPEC), chunked=chunked), pool
+
+
+@pytest.mark.parametrize("chunk_pages", [1, 5, 64])
+def test_pages_lying_in_the_arena_land_in_their_pool_pages_exactly(chunk_pages):
+    keys, pages, items = prefix()
+    with StoreProcess(["--no-disk"]) as store:
+        tier = RemoteTier([store.address])
+        copier, pool = copier_and_pool(chunk_pages=chunk_pages)
+        try:
+            tier.put(items)
+            tier.warm()
+            assert tier.same_host
+            where = tier.arena_pages(keys)
+            assert all(w is not None for w in where)
+            assert len(_adjacent_runs(where, raw_blob_size(SPEC))) == 1  # put in order: one run
+            targets = pool.allocate(N)[::-1].copy()  # out of order, as an allocator hands them out
+            assert copier.to_pool(keys, where, targets) == N
+            assert torch.equal(pool.gather(targets), pages)
+            assert (copier.refused, copier.lost) == (0, 0)
+        finally:
+            copier.close()
+            tier.close()
+
+
+def test_pages_on_the_servers_disk_are_brought_into_the_arena_first(tmp_path):
+    keys, pages, items = prefix(seed=1)
+    with StoreProcess(["--disk", str(tmp_path), "--ram", "1MiB"]) as store:
+        tier = RemoteTier([store.address])
+        copier, pool = copier_and_pool()
+        try:
+            tier.put(items)
+            tier.put(prefix(400, seed=11)[2])  # more than a 1 MiB arena holds: the first pages go to disk
+            tier.warm()
+            with StoreClient(store.address) as client:
+                assert pb_disk(client.lookup(keys).tiers)
+            half = keys[:N // 2]
+            where = tier.arena_pages(half)
+            assert all(w is not None for w in where)
+            targets = pool.allocate(len(half))
+            assert copier.to_pool(half, where, targets) == len(half)
+            assert torch.equal(pool.gather(targets), pages[:N // 2])
+        finally:
+            copier.close()
+            tier.close()
+
+
+def pb_disk(tiers) -> bool:
+    from tiered_cache.v1 import cache_pb2 as pb
+
+    return pb.TIER_DISK in list(tiers)
+
+
+def test_a_page_that_is_not_the_one_asked_for_ends_the_prefix_there():
+    keys, pages, items = prefix(seed=2)
+    with StoreProcess(["--no-disk"]) as store:
+        tier = RemoteTier([store.address])
+        copier, pool = copier_and_pool()
+        try:
+            tier.put(items)
+            tier.warm()
+            where = tier.arena_pages(keys)
+            where[4] = where[7]  # page 4 asked where page 7 lies: its key does not match
+            targets = pool.allocate(N)
+            assert copier.to_pool(keys, where, targets) == 4 and copier.refused == 1
+            assert torch.equal(pool.gather(targets[:4]), pages[:4])
+        finally:
+            copier.close()
+            tier.close()
+
+
+def test_a_page_written_over_during_the_copy_ends_the_prefix_there():
+    """No lease: the pages are written over by another client's Puts between the refs and the
+    copy. None of them may count as arrived."""
+    keys, _, items = prefix(seed=3)
+    _, _, filler = prefix(400, seed=4)  # more than the 1 MiB arena
+    with StoreProcess(["--no-disk", "--ram", "1MiB", "--arena-lease", "0"]) as store:
+        tier = RemoteTier([store.address])
+        copier, pool = copier_and_pool()
+        try:
+            tier.put(items)
+            tier.warm()
+            where = tier.arena_pages(keys)
+            assert all(w is not None for w in where)
+            with StoreClient(store.address) as other:
+                other.put(filler)
+            assert copier.to_pool(keys, where, pool.allocate(N)) == 0
+            assert copier.lost + copier.refused >= 1
+        finally:
+            copier.close()
+            tier.close()
+
+
+def test_a_load_through_the_cache_from_a_same_host_store_is_exact_and_counted():
+    """The whole engine path on a CPU pool (its pages land by `get_into`): match, load, the bytes."""
+    from tiered_cache.cache import TieredCache
+    from tiered_cache.config import CacheConfig
+
+    _, pages, items = prefix(seed=5)
+    with StoreProcess(["--no-disk"]) as store:
+        tier = RemoteTier([store.address])
+        cache = TieredCache(SPEC, CacheConfig(pool_capacity=4 * N * SPEC.bytes_per_page, namespace="copy-5",
+                                              host_capacity=4 * N * SPEC.bytes_per_page), lower=[tier])
+        try:
+            tier.put(items)
+            tier.warm()
+            handle = cache.match(list(range(SPEC.page_size * N)))
+            assert cache.prefetch(handle) in (True, False)
+            loaded = cache.load(handle)
+            assert len(loaded) == N and torch.equal(cache.pool.gather(loaded), pages)
+            cache.release(handle)
+            with StoreClient(store.address) as client:
+                figures = client.stats().server
+            assert figures.shm_pages == figures.shm_pages_reused >= N  # handed by ref, no server copy
+        finally:
+            cache.close()
+
+
+@pytest.mark.gpu
+def test_pages_go_from_the_arena_to_a_cuda_pool_by_dma_exactly():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    keys, pages, items = prefix(seed=6)
+    with StoreProcess(["--no-disk"]) as store:
+        tier = RemoteTier([store.address])
+        copier, pool = copier_and_pool("cuda", chunk_pages=5)
+        try:
+            tier.put(items)
+            tier.warm()
+            where = tier.arena_pages(keys)
+            assert copier.usable(where[0][0])
+            targets = pool.allocate(N)[::-1].copy()
+            assert copier.to_pool(keys, where, targets) == N
+            assert torch.equal(pool.gather(targets).cpu(), pages)
+        finally:
+            copier.close()
+            tier.close()

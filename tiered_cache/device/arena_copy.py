@@ -1,0 +1,192 @@
+"""`ArenaCopier`: pages from a same-host store server's arena straight into pool pages.
+
+The arena (shm/arena.py) is mapped read-only in this process. On CUDA the map is registered with
+the driver once (page-locked, read-only), and then:
+
+    arena --(one DMA per run of adjacent blobs, copy stream)--> device chunk buffer
+    device chunk buffer --(payload rows picked out, scatter kernel, same stream)--> pool pages
+
+with no copy into host RAM. Meanwhile, on CPU threads that release the GIL, each blob is checked
+where it lies in the arena: header (page key, model, shape, raw codec) and CRC-32C. After the
+copies have finished, each page is checked `intact` (the arena did not write over it during the
+DMA). Only the leading pages that pass all of it count as arrived: the caller puts those in the
+tree and frees the rest, which the engine computes (a mismatch is a miss, never wrong KV).
+
+`chunked=True` on a CPU pool runs the same logic with a chunk buffer in memory and no streams,
+so it is tested without a GPU. Blobs that are not raw (compressed) are not taken here: the
+staged path decodes them.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiered_cache.device.pool import PagePool
+from tiered_cache.shm.arena import DATA
+from tiered_cache.shm.arena_map import ArenaMap
+from tiered_cache.tiers.codec import BlobError, raw_blob_size, raw_header_size, verify_raw_blob
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+_REGISTER_READ_ONLY = 0x08 | 0x01  # cudaHostRegisterReadOnly | cudaHostRegisterPortable
+
+ArenaPage = tuple[ArenaMap, int, int]  # the arena as mapped here, position, length
+
+
+class ArenaCopier:
+    """Copies pages that lie in arenas into pool pages (`to_pool`)."""
+
+    def __init__(self, pool: PagePool, chunk_bytes: int = DEFAULT_CHUNK_BYTES, chunked: bool | None = None,
+                 checkers: int = 2) -> None:
+        self.pool = pool
+        self.spec = pool.spec
+        self.cuda = pool.device.type == "cuda"
+        self.chunked = self.cuda if chunked is None else chunked
+        self.blob_bytes = raw_blob_size(self.spec)
+        self.header_bytes = raw_header_size(self.spec)
+        self.chunk_blobs = max(1, chunk_bytes // self.blob_bytes)
+        self._buffer: torch.Tensor | None = None
+        self._stream: Any = None
+        self._busy = threading.Lock()  # one transfer at a time uses the chunk buffer
+        self._registered: dict[int, ArenaMap] = {}  # id(map) -> map, registered with CUDA
+        self._register_lock = threading.Lock()
+        self._checker = ThreadPoolExecutor(checkers, thread_name_prefix="tiered-cache-arena-crc")
+        self.refused = 0  # pages whose blob failed its checks (counted, then a miss)
+        self.lost = 0  # pages the arena wrote over during the copy (a miss)
+
+    def usable(self, arena: ArenaMap) -> bool:
+        """Whether pages of `arena` can be copied straight from it (on CUDA: registered with the
+        driver now, once per map; False when the driver refuses, then the staged path is used)."""
+        if not self.cuda:
+            return True
+        with self._register_lock:
+            if id(arena) in self._registered:
+                return True
+            err = torch.cuda.cudart().cudaHostRegister(arena.address(), arena.size, _REGISTER_READ_ONLY)
+            if int(err) != 0:
+                return False
+            self._registered[id(arena)] = arena
+            arena.on_close(self._unregister)
+            return True
+
+    def _unregister(self, arena: ArenaMap) -> None:
+        with self._register_lock:
+            if self._registered.pop(id(arena), None) is not None:
+                torch.cuda.cudart().cudaHostUnregister(arena.address())
+
+    def to_pool(self, keys: Sequence[bytes], where: Sequence[ArenaPage], pages: Any) -> int:
+        """Copy page `keys[i]`, lying at `where[i]`, into pool page `pages[i]`; returns how many
+        leading pages arrived verified and intact (the rest hold anything: free them)."""
+        n = len(keys)
+        assert len(where) == n and len(pages) >= n
+        if not n:
+            return 0
+        pages = np.asarray(pages[:n], dtype=np.int64)
+        self.pool.check_pages(pages)
+        # Checked on CPU threads while the copies run: a blob that fails is a miss, whatever the DMA did.
+        checks = [self._checker.submit(self._check, key, page) for key, page in zip(keys, where, strict=True)]
+        try:
+            self._copy(where, pages)
+        finally:
+            ok = [check.result() for check in checks]  # every check ends before the caller reuses anything
+        arrived = 0
+        for good, (arena, position, length) in zip(ok, where, strict=True):
+            if not good:
+                break
+            if not arena.intact(position, length):  # after the copy: the bytes copied are the bytes checked
+                self.lost += 1
+                break
+            arrived += 1
+        return arrived
+
+    def _check(self, key: bytes, page: ArenaPage) -> bool:
+        arena, position, length = page
+        if length != self.blob_bytes:  # not a raw page of this model: the staged path decodes it
+            return False
+        view = arena.view(position, length)
+        if view is None:  # written over already
+            self.lost += 1
+            return False
+        try:
+            verify_raw_blob(view, self.spec, key)
+        except BlobError:
+            if arena.intact(position, length):
+                self.refused += 1
+            return False
+        finally:
+            view.release()
+        return True
+
+    def _copy(self, where: Sequence[ArenaPage], pages: np.ndarray) -> None:
+        """Queue the copies chunk by chunk (runs of adjacent blobs in one arena: one DMA each) and
+        wait for them; on CUDA the caller's stream waits too."""
+        self._ready()
+        buffer = self._buffer
+        assert buffer is not None
+        index = torch.from_numpy(pages).to(self.pool.device)
+        if not self.cuda:
+            for start, end in _chunks(len(where), self.chunk_blobs):
+                with self._busy:
+                    self._chunk(buffer, where[start:end], index[start:end])
+            return
+        stream, caller = self._stream, torch.cuda.current_stream(self.pool.device)
+        stream.wait_stream(caller)
+        try:
+            for start, end in _chunks(len(where), self.chunk_blobs):
+                with self._busy, torch.cuda.stream(stream):
+                    self._chunk(buffer, where[start:end], index[start:end])
+        finally:
+            event = stream.record_event()
+            caller.wait_event(event)
+            event.synchronize()
+
+    def _chunk(self, buffer: torch.Tensor, where: Sequence[ArenaPage], index: torch.Tensor) -> None:
+        """One chunk: each run of adjacent blobs DMA'd into the buffer as it lies (headers too),
+        then the payloads picked out as page-first rows and scattered into the pool."""
+        blob, header, page_bytes = self.blob_bytes, self.header_bytes, self.spec.bytes_per_page
+        for i, arena, position, count in _adjacent_runs(where, blob):
+            at = DATA + position % arena.capacity
+            with warnings.catch_warnings():  # the map is read-only: torch only reads it here
+                warnings.simplefilter("ignore", UserWarning)
+                source = torch.frombuffer(arena.raw, dtype=torch.uint8, count=count * blob, offset=at)
+            buffer[i * blob:(i + count) * blob].copy_(source, non_blocking=True)
+        rows = buffer[:len(where) * blob].view(len(where), blob)[:, header:header + page_bytes]
+        staging = rows.contiguous().view(self.pool.kv.dtype).view(self.spec.staging_shape(len(where)))
+        self.pool.ops.scatter(self.pool.kv, index, staging)
+
+    def _ready(self) -> None:
+        if self._buffer is None:
+            with torch.inference_mode(False):
+                self._buffer = torch.empty(self.chunk_blobs * self.blob_bytes, dtype=torch.uint8,
+                                           device=self.pool.device)
+        if self.cuda and self._stream is None:
+            self._stream = torch.cuda.Stream(self.pool.device)
+
+    def close(self) -> None:
+        self._checker.shutdown(wait=True)
+        for arena in list(self._registered.values()):
+            self._unregister(arena)
+
+
+def _adjacent_runs(where: Sequence[ArenaPage], blob: int) -> list[tuple[int, ArenaMap, int, int]]:
+    """(index, arena, first position, count) of each run of blobs lying one after the other."""
+    runs: list[tuple[int, ArenaMap, int, int]] = []
+    for i, (arena, position, _) in enumerate(where):
+        if runs:
+            start, last_arena, first, count = runs[-1]
+            if (last_arena is arena and position == first + count * blob
+                    and (first % arena.capacity) + (count + 1) * blob <= arena.capacity):
+                runs[-1] = (start, arena, first, count + 1)
+                continue
+        runs.append((i, arena, position, 1))
+    return runs
+
+
+def _chunks(n: int, size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + size, n)) for start in range(0, n, size)]

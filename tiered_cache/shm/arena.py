@@ -1,0 +1,297 @@
+"""The arena: the store server's RAM tier, in shared memory that same-host clients read in place.
+
+The server keeps the blobs of its RAM tier in one sealed memfd. A client on the same host (same
+user, same boot id) maps it read-only and copies a page from there straight to where it goes
+(its pool page, or by DMA to the GPU): the server copies nothing for a same-host Get. A client
+on another host gets the same pages as bytes over gRPC.
+
+Layout: a 4 KiB header (magic, the arena's random id, the tail, the capacity, the head), then
+`capacity` bytes of data. The data is a log: each blob is written at the head, at absolute
+position P (positions only grow), lying at `DATA + P % capacity` and never wrapping (the head
+skips the end of the data instead). Placing a blob first erases what lies in its way, oldest
+first, and publishes the new tail *before* writing a byte (one writer, the server, under its
+lock). So a reader that copied the page at P and then reads `tail <= P` knows no byte of it was
+written over: x86 keeps stores and loads in order, and elsewhere the CRC-32C that every page
+still goes through catches a torn one. A page written over is a miss the reader asks again.
+
+Eviction is the log's order with a second chance: a blob read since it was placed is written
+again at the head instead of dropped (a hot prefix stays; a one-time one goes), and a dropped
+blob goes to the tier below (`on_evict`), as from any RAM tier. A ref handed out is leased for
+`lease_s`: the head does not write over a leased blob; a blob that finds the oldest one leased
+goes to the tier below instead. Leases end by themselves, so a client killed while holding some
+holds nothing past `lease_s`; a reader slower than that still never uses a wrong page (the tail).
+
+The segment is sealed against shrinking and growing, and against any writer but this process's
+own map (`F_SEAL_FUTURE_WRITE`): another process of the same user may open it through
+`/proc/<pid>/fd/<n>` but can neither write nor truncate it. It lives while the server does and
+while a client still maps it (a client's reads of a dead server's arena stay valid: nobody can
+write it any more).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tiered_cache.model.units import parse_size
+from tiered_cache.shm.host import sealed_segment
+from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
+
+MAGIC = b"TCARENA1"
+DATA = 4096  # the header's size: data starts page-aligned
+_ID = slice(8, 24)
+_TAIL = 24  # u64: bytes before this absolute position may be written over
+_CAPACITY = 32  # u64: bytes of data after the header
+_HEAD = 40  # u64: where the next blob goes
+ARENA_NAME = "tiered-cache-arena"
+LEASE_S = 2.0  # how long a handed-out ref is not written over
+MIN_CAPACITY = 2**20
+
+Ref = tuple[int, int]  # (position, length)
+
+
+def largest_blob(capacity: int) -> int:
+    """The largest blob an arena of `capacity` takes (a larger one goes to the tier below):
+    a blob of half the arena would erase half the arena to be placed."""
+    return capacity // 4
+
+
+@dataclass
+class _Record:
+    position: int
+    length: int
+    read: bool = False  # read since placed: a second chance when the head comes round
+    leased_until: float = 0.0
+
+
+class Arena:
+    """The server's side: places blobs, hands out refs, evicts. Thread-safe (one lock)."""
+
+    def __init__(self, capacity: int | str, on_evict: EvictCallback | None = None, lease_s: float = LEASE_S) -> None:
+        self.capacity = parse_size(capacity)
+        if self.capacity < MIN_CAPACITY:
+            raise ValueError(f"the arena needs at least {MIN_CAPACITY} bytes, got {self.capacity}")
+        self.size = DATA + self.capacity
+        self.on_evict = on_evict
+        self.lease_s = lease_s
+        self.max_blob = largest_blob(self.capacity)
+        self.fd, self._map = sealed_segment(ARENA_NAME, self.size, writers_only_me=True)
+        self.id = os.urandom(16)
+        self._map[:8] = MAGIC
+        self._map[_ID] = self.id
+        struct.pack_into("<QQQ", self._map, _TAIL, 0, self.capacity, 0)
+        self._head = 0
+        self._tail = 0
+        self._records: OrderedDict[bytes, _Record] = OrderedDict()  # in position order
+        self._lock = threading.Lock()
+        self.used = 0  # bytes of live blobs
+        self.second_chances = 0  # blobs written again at the head because they had been read
+        self.lease_blocked = 0  # blobs sent below because the oldest blob was leased
+        self._stats = TierStats("ram", capacity_bytes=self.capacity)
+
+    @property
+    def path(self) -> str:
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
+
+    # --- reading -----------------------------------------------------------------------------------
+    def refs(self, keys: Sequence[bytes], lease: bool = True, count_misses: bool = True) -> list[Ref | None]:
+        """Where each key's blob lies (None: not here), each leased for `lease_s` (a client reads
+        it in place). Counts as a read: hits, bytes out, and misses unless `count_misses` (a
+        caller that looks below next)."""
+        until = time.monotonic() + self.lease_s if lease else 0.0
+        out: list[Ref | None] = []
+        with self._lock:
+            for key in keys:
+                record = self._records.get(key)
+                if record is None:
+                    out.append(None)
+                    self._stats.misses += count_misses
+                    continue
+                record.read = True
+                record.leased_until = max(record.leased_until, until)
+                out.append((record.position, record.length))
+                self._stats.hits += 1
+                self._stats.bytes_out += record.length
+        return out
+
+    def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """A copy of each key's blob (for clients on other hosts, and the tiers below)."""
+        with self._lock:
+            out = [self._copy(key) for key in keys]
+        self._stats.record_reads(out)
+        return out
+
+    def _copy(self, key: bytes) -> bytes | None:
+        record = self._records.get(key)
+        if record is None:
+            return None
+        record.read = True
+        at = DATA + record.position % self.capacity
+        return self._map[at:at + record.length]
+
+    def matches(self, ref: Ref, test: Callable[[memoryview], bool]) -> bool:
+        """`test` of the blob at `ref`, read in place (a Get's fingerprint filter)."""
+        position, length = ref
+        at = DATA + position % self.capacity
+        with self._lock, memoryview(self._map) as whole:
+            return test(whole[at:at + length])
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [key in self._records for key in keys]
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        with self._lock:
+            return leading_run(key in self._records for key in keys)
+
+    def items(self) -> list[tuple[bytes, bytes]]:
+        """Every blob held, oldest first (a flush at shutdown)."""
+        with self._lock:
+            return [(key, blob) for key in list(self._records) if (blob := self._copy(key)) is not None]
+
+    # --- writing -----------------------------------------------------------------------------------
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> int:
+        """Place each blob not held yet; returns how many were placed. Blobs that do not go in (too
+        large, or the oldest blob is leased) and blobs evicted to make room go to `on_evict`."""
+        stored = 0
+        below: list[tuple[bytes, bytes]] = []
+        with self._lock:
+            for key, blob in items:
+                held = self._records.get(key)
+                if held is not None:  # put again: as good as a read (a second chance when erased)
+                    held.read = True
+                    continue
+                if self._place(key, blob, below):
+                    stored += 1
+                    self._stats.bytes_in += len(blob)
+                else:
+                    below.append((key, bytes(blob)))
+        if below and self.on_evict is not None:
+            self.on_evict(below)
+        return stored
+
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Forget these keys; their bytes stay until the head comes round (refs out there stay valid)."""
+        with self._lock:
+            for key in keys:
+                record = self._records.pop(key, None)
+                if record is not None:
+                    self.used -= record.length
+
+    def _place(self, key: bytes, blob: bytes | memoryview, below: list[tuple[bytes, bytes]]) -> bool:
+        """Write `blob` at the head (under the lock), erasing what lies in its way; False when it
+        cannot go in (too large, or the oldest blob is leased). Erased blobs read since they were
+        placed are written again at the head first (second chance, once per read: a hot prefix
+        stays), so the new blob is the newest; the others erased go to `below`."""
+        n = len(blob)
+        if not 0 < n <= self.max_blob:
+            return False
+        while True:
+            position, end = self._slot(n)
+            again: list[tuple[bytes, bytes]] = []
+            if not self._erase_before(end - self.capacity, again, below):
+                self.lease_blocked += 1
+                below.extend(again)
+                return False
+            if not again:
+                break
+            self._second_chances(again, below)  # the head moved: find the blob's slot again
+        self._write(key, blob, position, end)
+        return True
+
+    def _second_chances(self, again: list[tuple[bytes, bytes]], below: list[tuple[bytes, bytes]]) -> None:
+        """Write erased, read blobs again at the head, with their read mark cleared; what they
+        erase in turn is handled the same way (each blob at most once per read: it ends)."""
+        while again:
+            key, blob = again.pop(0)
+            position, end = self._slot(len(blob))
+            if not self._erase_before(end - self.capacity, again, below):
+                self.lease_blocked += 1
+                below.append((key, blob))
+                continue
+            self._write(key, blob, position, end)
+            self.second_chances += 1
+
+    def _slot(self, n: int) -> tuple[int, int]:
+        """Where a blob of `n` bytes goes: (position, end) at the head; a blob never wraps, so
+        it skips the end of the data instead."""
+        position = self._head
+        offset = position % self.capacity
+        if offset + n > self.capacity:
+            position += self.capacity - offset
+        return position, position + n
+
+    def _write(self, key: bytes, blob: bytes | memoryview, position: int, end: int) -> None:
+        """Copy the blob in at `position` (its way erased: the tail is at or past end - capacity)."""
+        self._head = end
+        struct.pack_into("<Q", self._map, _HEAD, end)
+        at = DATA + position % self.capacity
+        self._map[at:at + len(blob)] = blob
+        self._records[key] = _Record(position, len(blob))
+        self.used += len(blob)
+
+    def _erase_before(self, limit: int, pending: list[tuple[bytes, bytes]],
+                      below: list[tuple[bytes, bytes]]) -> bool:
+        """Drop every record that starts below `limit` and publish the tail (under the lock);
+        False, erasing nothing more, when the oldest such record is leased. A record read since it
+        was placed is copied out to be placed again (`pending`); others go to `below`."""
+        now = time.monotonic()
+        records = self._records
+        while records:
+            key, record = next(iter(records.items()))
+            if record.position >= limit:
+                break
+            if record.leased_until > now:
+                return False
+            del records[key]
+            self.used -= record.length
+            at = DATA + record.position % self.capacity
+            blob = self._map[at:at + record.length]
+            if record.read:
+                pending.append((key, blob))
+            else:
+                self._stats.evictions += 1
+                below.append((key, blob))
+        if limit > self._tail:
+            self._tail = limit
+            struct.pack_into("<Q", self._map, _TAIL, limit)  # before any byte below it is written
+        return True
+
+    # --- figures -----------------------------------------------------------------------------------
+    def stats(self) -> TierStats:
+        with self._lock:
+            self._stats.pages = len(self._records)
+            self._stats.used_bytes = self.used
+        return self._stats
+
+    def check(self) -> None:
+        """Integrity (tests call it after each step): records in position order, disjoint, within
+        [tail, head], `used` their sum, the header's tail and head this object's."""
+        with self._lock:
+            last_end = self._tail
+            total = 0
+            for record in self._records.values():
+                assert record.position >= last_end, "records overlap or lie below the tail"
+                assert record.position % self.capacity + record.length <= self.capacity, "a record wraps"
+                last_end = record.position + record.length
+                total += record.length
+            assert last_end <= self._head, "a record lies past the head"
+            assert total == self.used, f"used is {self.used}, records hold {total}"
+            tail, capacity, head = struct.unpack_from("<QQQ", self._map, _TAIL)
+            assert (tail, capacity, head) == (self._tail, self.capacity, self._head), "header out of date"
+
+    def close(self) -> None:
+        """Unmap and close: clients that map it keep their pages; nothing is written any more."""
+        self._map.close()
+        os.close(self.fd)
+
+
+class ArenaTier(Arena):
+    """The arena as the store's RAM tier (a `BlobTier` named "ram")."""
+
+    name = "ram"

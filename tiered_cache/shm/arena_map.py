@@ -1,0 +1,159 @@
+"""A client's read-only map of a same-host store server's arena (arena.py), and the refs and
+views it reads through.
+
+A page is read where it lies: copied (or DMA'd) from the map to where it goes, then checked
+`intact` (the arena's tail has not passed it: no byte of it was written over during the copy),
+and verified by its CRC-32C like any received blob. A page that is not intact is asked again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from tiered_cache.shm.arena import _CAPACITY, _ID, _TAIL, DATA, MAGIC, largest_blob
+from tiered_cache.shm.host import map_read_only, still_open
+
+
+class ArenaMap:
+    """A server's arena, mapped read-only. Raises OSError or ValueError when the path cannot be
+    opened or is not the arena named (another host, another user, a reused pid)."""
+
+    def __init__(self, path: str, size: int, arena_id: bytes) -> None:
+        if size <= DATA:
+            raise ValueError(f"an arena of {size} bytes holds no data")
+        self._map, self._inode = map_read_only(path, size)
+        self.path = path
+        if self._map[:8] != MAGIC or self._map[_ID] != arena_id:
+            self._map.close()
+            raise ValueError(f"{path} is not the arena the server named")
+        self.id = arena_id
+        self.capacity = struct.unpack_from("<Q", self._map, _CAPACITY)[0]
+        if DATA + self.capacity != size:
+            self._map.close()
+            raise ValueError(f"{path}: its header's capacity does not add up to {size} bytes")
+        self.max_page = largest_blob(self.capacity)
+        self._on_close: list[Callable[[ArenaMap], None]] = []
+
+    @property
+    def raw(self) -> mmap.mmap:
+        """The map itself (read-only), for a copier that reads positions it was given."""
+        return self._map
+
+    def on_close(self, callback: Callable[[ArenaMap], None]) -> None:
+        """Call `callback(self)` before the map is closed (e.g. to unregister it from CUDA)."""
+        self._on_close.append(callback)
+
+    @property
+    def segment(self) -> bytes:
+        """The arena's id, as requests name it (`shm_segment`)."""
+        return self.id
+
+    def _at(self, position: int, length: int) -> int | None:
+        offset = position % self.capacity
+        return DATA + offset if 0 < length <= self.capacity - offset else None
+
+    def read(self, position: int, length: int) -> bytes | None:
+        """A copy of the page at `position`, or None when it has been written over (or the ref
+        does not fit the arena)."""
+        at = self._at(position, length)
+        if at is None:
+            return None
+        data = self._map[at:at + length]  # the copy
+        return data if self.intact(position, length) else None  # checked after the copy: arena.py
+
+    def view(self, position: int, length: int) -> memoryview | None:
+        """The page at `position` in place (no copy), or None when it is already written over.
+        Whoever uses it checks `intact` after copying it."""
+        at = self._at(position, length)
+        if at is None or not self.intact(position, length):
+            return None
+        return memoryview(self._map)[at:at + length]
+
+    def intact(self, position: int, length: int) -> bool:
+        """Whether no byte of the page at `position` has been written over (the tail is below it)."""
+        return struct.unpack_from("<Q", self._map, _TAIL)[0] <= position
+
+    def server_alive(self) -> bool:
+        """Whether the server that made the arena still holds it open."""
+        return still_open(self.path, self._inode)
+
+    def address(self) -> int:
+        """Where the map starts in this process (to register it with CUDA)."""
+        import numpy as np
+
+        return int(np.frombuffer(self._map, dtype=np.uint8).ctypes.data)
+
+    @property
+    def size(self) -> int:
+        return len(self._map)
+
+    def close(self) -> None:
+        for callback in self._on_close:
+            callback(self)
+        self._on_close.clear()
+        with contextlib.suppress(BufferError):  # pages still lent as views: unmapped when the last goes
+            self._map.close()
+
+
+class ArenaViews:
+    """Pages lent as views into arena maps instead of copied out (`StoreClient.get_all(lease=)`).
+    A view is good only while the arena has not written over it: copy the pages where they go,
+    then ask `lost()`; a page named there must not be used (fetch it again)."""
+
+    def __init__(self) -> None:
+        self._pages: list[tuple[bytes, ArenaMap, int, int]] = []
+
+    def add(self, key: bytes, arena: ArenaMap, position: int, length: int) -> None:
+        self._pages.append((key, arena, position, length))  # list.append: safe across threads
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def pages(self) -> list[tuple[bytes, ArenaMap, int, int]]:
+        """(key, arena, position, length) of each page lent, in the order lent."""
+        return list(self._pages)
+
+    def lost(self) -> set[bytes]:
+        """Keys of lent pages written over since they were lent (their views hold other bytes)."""
+        return {key for key, arena, position, length in self._pages if not arena.intact(position, length)}
+
+
+ArenaRef = tuple[ArenaMap, int, int]  # a server's arena as mapped here, position, length
+
+
+class LookupRefs:
+    """Where pages lay in same-host servers' arenas when a Lookup answered, kept for the fetch
+    that usually follows (a load after a match): taken once, then read straight from the arena
+    with no Get. A ref may be stale by then; its map says so (`ArenaMap.intact`), and the page is
+    then asked for by Get like any other. Bounded: the oldest refs go first."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self._refs: OrderedDict[bytes, ArenaRef] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, arena: ArenaMap, keys: Sequence[bytes], positions: Sequence[int],
+                 lengths: Sequence[int]) -> None:
+        with self._lock:
+            for key, position, length in zip(keys, positions, lengths, strict=False):
+                if length:
+                    self._refs[key] = (arena, position, length)
+                    self._refs.move_to_end(key)
+            while len(self._refs) > self.capacity:
+                self._refs.popitem(last=False)
+
+    def take(self, keys: Sequence[bytes]) -> dict[bytes, ArenaRef]:
+        with self._lock:
+            return {key: ref for key in keys if (ref := self._refs.pop(key, None)) is not None}
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._refs.clear()
