@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -33,6 +34,7 @@ def sealed_segment(name: str, size: int, writers_only_me: bool = False) -> tuple
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         segment = mmap.mmap(fd, size)
+        _huge_pages(segment)
         if writers_only_me:
             try:
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
@@ -57,9 +59,18 @@ def map_read_only(path: str, size: int) -> tuple[mmap.mmap, int]:
             raise ValueError(f"{path} is not the {size}-byte segment named")
         if not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
             raise ValueError(f"{path} is not sealed against shrinking (F_SEAL_SHRINK)")
-        return mmap.mmap(fd, size, prot=mmap.PROT_READ), stat.st_ino
+        mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        _huge_pages(mapped)
+        return mapped, stat.st_ino
     finally:
         os.close(fd)
+
+
+def _huge_pages(mapped: mmap.mmap) -> None:
+    """Ask for huge pages where the kernel gives them to shared memory (`shmem_enabled`: advise):
+    fewer TLB misses when a GiB is read in one go. A no-op elsewhere."""
+    with contextlib.suppress(AttributeError, OSError):
+        mapped.madvise(mmap.MADV_HUGEPAGE)
 
 
 def still_open(path: str, inode: int) -> bool:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 _MAX_FANOUT = 16  # threads asking servers in parallel (created only as calls need them)
+_CHECKERS = 2  # threads checking and copying received pages (checksums release the GIL)
 
 
 def owner(key: bytes, addresses: Sequence[str]) -> int:
@@ -126,7 +127,7 @@ class RemoteTier:
         self._ring = _Ring((), ())
         self._stats = TierStats(self.name)
         # Checksums release the GIL (crc32c): two threads check a 35 MB prefix in half the time.
-        self._checker = ThreadPoolExecutor(max_workers=2, thread_name_prefix="remote-tier-crc")
+        self._checker = ThreadPoolExecutor(max_workers=_CHECKERS, thread_name_prefix="remote-tier-crc")
         self._lookup_refs = LookupRefs()  # same-host arena refs from Lookups, for the fetches after
         self.pages_from_lookup = 0  # pages read where a Lookup said they lay (no Get)
         # The caller's thread asks one server itself; these threads ask the others.
@@ -389,16 +390,16 @@ class RemoteTier:
                 return _Landed.LOST
             return _Landed.ARRIVED
 
-        submitted: list[Future[_Landed]] = []  # every page handed to a checker thread
+        submitted: list[Future[Any]] = []  # every page (or share of pages) handed to a checker thread
         try:
             return self._get_into(positions_of, land, lease, submitted, sizes, len(keys))
         finally:  # all landed (or failed) before the caller may free or reuse the destinations,
             wait(submitted)  # also when a stream raised midway
 
     def _get_into(self, positions_of: dict[bytes, list[int]], land: Callable[[bytes, Any, bool], _Landed],
-                  lease: _LentPages, submitted: list[Future[_Landed]], sizes: dict[bytes, int],
+                  lease: _LentPages, submitted: list[Future[Any]], sizes: dict[bytes, int],
                   num_keys: int) -> list[int]:
-        landing: list[tuple[bytes, Future[_Landed]]] = []
+        views: list[tuple[bytes, memoryview]] = []
         if not self._closed:
             for key, (reader, position, length) in self._take_refs(list(positions_of)).items():
                 try:
@@ -407,12 +408,19 @@ class RemoteTier:
                     view = None
                 if view is not None:
                     lease.add(key, reader, position, length)
-                    landing.append((key, self._checker.submit(land, key, view, True)))
-                    submitted.append(landing[-1][1])
-            self.pages_from_lookup += len(landing)
-        have = {key for key, _ in landing}
+                    views.append((key, view))
+            self.pages_from_lookup += len(views)
+
+        def land_all(share: list[tuple[bytes, memoryview]]) -> list[tuple[bytes, _Landed]]:
+            return [(key, land(key, view, True)) for key, view in share]
+
+        # One share per checker thread (every n-th page), not a task per page: on a memory-bound
+        # copy the per-task hand-offs cost more than they spread.
+        shares = [self._checker.submit(land_all, views[i::_CHECKERS]) for i in range(min(_CHECKERS, len(views)))]
+        submitted.extend(shares)
+        have = {key for key, _ in views}
         outcomes = self._stream_into([k for k in positions_of if k not in have], land, lease, submitted)
-        outcomes.update({key: check.result() for key, check in landing})
+        outcomes.update({key: what for share in shares for key, what in share.result()})
         lost = [key for key, what in outcomes.items() if what is _Landed.LOST]
         if lost:  # as bytes this time: nothing lent, so nothing to lose
             outcomes.update(self._stream_into(lost, land, None, submitted))
@@ -428,7 +436,7 @@ class RemoteTier:
         return arrived
 
     def _stream_into(self, keys: list[bytes], land: Callable[[bytes, Any, bool], _Landed],
-                     lease: _LentPages | None, submitted: list[Future[_Landed]]) -> dict[bytes, _Landed]:
+                     lease: _LentPages | None, submitted: list[Future[Any]]) -> dict[bytes, _Landed]:
         """Get `keys` (distinct) from the servers owning them, in parallel, each page handed to
         `land` on the checker threads as it arrives (with whether it is lent from an arena, through
         `lease`); what became of each page received."""
