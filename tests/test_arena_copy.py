@@ -124,23 +124,31 @@ def test_a_page_written_over_during_the_copy_ends_the_prefix_there():
             tier.close()
 
 
-def test_a_load_through_the_cache_from_a_same_host_store_is_exact_and_counted():
-    """The whole engine path on a CPU pool (its pages land by `get_into`): match, load, the bytes."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_load_through_the_cache_from_a_same_host_store_is_exact_and_counted(device):
+    """The whole engine path: match, load, the bytes; read in place, so nothing is prefetched
+    into staging. On a CPU pool pages land by `get_into`; on CUDA by DMA from the arena."""
     from tiered_cache.cache import TieredCache
     from tiered_cache.config import CacheConfig
 
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
     _, pages, items = prefix(seed=5)
     with StoreProcess(["--no-disk"]) as store:
         tier = RemoteTier([store.address])
-        cache = TieredCache(SPEC, CacheConfig(pool_capacity=4 * N * SPEC.bytes_per_page, namespace="copy-5",
-                                              host_capacity=4 * N * SPEC.bytes_per_page), lower=[tier])
+        cache = TieredCache(SPEC, CacheConfig(device=device, pool_capacity=4 * N * SPEC.bytes_per_page,
+                                              namespace="copy-5", host_capacity=4 * N * SPEC.bytes_per_page),
+                            lower=[tier])
         try:
             tier.put(items)
             tier.warm()
             handle = cache.match(list(range(SPEC.page_size * N)))
-            assert cache.prefetch(handle) in (True, False)
+            assert cache.prefetch(handle) is False  # read in place at load: staging would add a copy
             loaded = cache.load(handle)
-            assert len(loaded) == N and torch.equal(cache.pool.gather(loaded), pages)
+            assert len(loaded) == N and torch.equal(cache.pool.gather(loaded).cpu(), pages)
+            if device == "cuda":
+                copier = cache.promoter.arena_copier
+                assert copier is not None and (copier.copied, copier.lost, copier.refused) == (N, 0, 0)
             cache.release(handle)
             with StoreClient(store.address) as client:
                 figures = client.stats().server
@@ -168,3 +176,34 @@ def test_pages_go_from_the_arena_to_a_cuda_pool_by_dma_exactly():
         finally:
             copier.close()
             tier.close()
+
+
+@pytest.mark.parametrize("found", [N, 5, 0])
+def test_the_cuda_load_path_run_on_the_cpu_takes_the_arena_then_stages_the_rest(found, monkeypatch):
+    """The CUDA path of `TieredCache.load` (`Promoter.from_arenas`: pages DMA'd from the arena into
+    device pages), run on a CPU pool that says it cannot take pages in place. Pages from the first
+    one not in an arena come by the staged path; all land exactly, from the remote tier."""
+    from tiered_cache.cache import TieredCache
+    from tiered_cache.config import CacheConfig
+
+    _, pages, items = prefix(seed=7)
+    with StoreProcess(["--no-disk"]) as store:
+        tier = RemoteTier([store.address])
+        cache = TieredCache(SPEC, CacheConfig(pool_capacity=4 * N * SPEC.bytes_per_page, namespace="copy-7",
+                                              host_capacity=4 * N * SPEC.bytes_per_page), lower=[tier])
+        try:
+            tier.put(items)
+            tier.warm()
+            cache.promoter.fills_pool = False  # as on CUDA
+            arena_pages = tier.arena_pages
+            monkeypatch.setattr(tier, "arena_pages",  # pages past `found` not in the arena (a mock of that only)
+                                lambda keys: [w if i < found else None for i, w in enumerate(arena_pages(keys))])
+            handle = cache.match(list(range(SPEC.page_size * N)))
+            assert cache.promoter.from_arenas(handle.plan)
+            loaded = cache.load(handle)
+            assert len(loaded) == N and torch.equal(cache.pool.gather(loaded), pages)
+            copier = cache.promoter.arena_copier
+            assert copier is not None and (copier.copied, copier.lost, copier.refused) == (found, 0, 0)
+            cache.release(handle)
+        finally:
+            cache.close()

@@ -16,17 +16,17 @@ def test_every_path_moves_the_whole_prefix_beside_its_baseline(tmp_path, redis_s
     rows = bench_promote(SPEC, mib=1, rounds=2, paths=PATHS, folder=str(tmp_path), redis_url=redis_server.url)
     assert [r.path for r in rows] == ["host RAM -> pool (match + load)", "pool -> host RAM (evict)",
                                       "disk -> pool (match + load)", "Redis -> pool (match + load)",
-                                      "store server -> pool (match + load)"]
+                                      "same-host store server -> pool (match + prefetch + load)"]
     num_pages = 2**20 // SPEC.bytes_per_page
     blobs = num_pages * raw_blob_size(SPEC)
     # What each baseline's last call returned: memcpy the KV bytes; the tiers' raw reads the blobs.
-    assert [r.baseline_work for r in rows] == [2**20, 2**20, blobs, blobs, blobs]
+    assert [r.baseline_work for r in rows] == [2**20, 2**20, blobs, blobs, 2**20]
     for row in rows:
         # The last timed load (or demotion) moved every page; the load's bytes were checked equal
         # to the prefix's inside the bench, which raises otherwise.
         assert row.nbytes == row.work == 2**20, row
         assert row.seconds > 0 and row.baseline_seconds > 0 and row.rounds == 2
-    assert "redis-py + hiredis MGET" in rows[3].baseline_name and "own get" in rows[4].baseline_name
+    assert "redis-py + hiredis MGET" in rows[3].baseline_name and "memcpy" in rows[4].baseline_name
     assert list(tmp_path.iterdir()) == []  # the disk tier's folder is gone
 
 

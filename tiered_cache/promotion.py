@@ -86,6 +86,7 @@ class Promoter:
         self.staging = StagingBuffers(spec, pin=pool.kv.device.type == "cuda")
         self.copier = HostCopier(pool)
         self.arena_copier: ArenaCopier | None = None  # on CUDA, made when a same-host store is first used
+        self._arena_dma = True  # False once the driver refused to register an arena
         # On a CPU pool, pages from below land straight in their device pages: the pool is memory
         # too, and staging would be a second pass over every byte. Its bytes as
         # (K/V, layer, page, bytes): one page's blocks, in page-first order, are `_pool_dest`.
@@ -257,12 +258,13 @@ class Promoter:
     def from_arenas(self, plan: Sequence[int]) -> bool:
         """Whether a CUDA load of these planned pages DMAs them from same-host arenas straight
         into its device pages (`fetch(pages=)`)."""
-        return not self.fills_pool and self.in_arenas(plan)
+        return not self.fills_pool and self._arena_dma and self.in_arenas(plan)
 
     def _fetch_from_arena(self, keys: list[bytes], plan: list[int], pages: np.ndarray, started: float) -> Fetched:
         """The leading pages that lie in one tier's same-host arenas, DMA'd from there into
-        `pages` (device/arena_copy.py: checked on CPU threads meanwhile, intact after). The prefix
-        ends at the first page not there or not intact: the engine computes the rest."""
+        `pages` (device/arena_copy.py: checked on CPU threads meanwhile, intact after); from the
+        first page that did not arrive that way (not in an arena, written over, refused, or a map
+        the driver would not register), the rest by the staged path into the pages after."""
         if self.arena_copier is None:
             self.arena_copier = ArenaCopier(self.pool)
         index = plan[0]
@@ -270,10 +272,22 @@ class Promoter:
         n = next((i for i, w in enumerate(plan) if w != index), len(plan))
         where = tier.arena_pages(keys[:n])
         lead = next((i for i, ref in enumerate(where) if ref is None or not self.arena_copier.usable(ref[0])), n)
+        if lead < n and where[lead] is not None:
+            self._arena_dma = False  # the driver refused the map: staged from now on
         arrived = self.arena_copier.to_pool(keys[:lead], where[:lead], pages[:lead])
-        tier.record_arena_reads(arrived, n - arrived, arrived * self.spec.bytes_per_page)
-        self._observe(tier.name, arrived, time.perf_counter() - started)
-        return Fetched(None, arrived, [tier.name] * arrived)
+        tier.record_arena_reads(arrived, lead - arrived, arrived * self.spec.bytes_per_page)
+        if arrived:
+            self._observe(tier.name, arrived, time.perf_counter() - started)
+        tiers = [tier.name] * arrived
+        if arrived < len(keys):
+            rest = self.fetch(keys[arrived:], plan[arrived:])
+            try:
+                self.staged_to_pool(rest, pages[arrived:arrived + rest.n])
+            finally:
+                self.give_back(rest)
+            arrived += rest.n
+            tiers += rest.tiers
+        return Fetched(None, arrived, tiers)
 
     def give_back(self, fetched: Fetched) -> None:
         """The staging buffer of a fetch whose pages are in place (or dropped); none for a fetch

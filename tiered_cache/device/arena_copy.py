@@ -59,6 +59,7 @@ class ArenaCopier:
         self._checker = ThreadPoolExecutor(checkers, thread_name_prefix="tiered-cache-arena-crc")
         self.refused = 0  # pages whose blob failed its checks (counted, then a miss)
         self.lost = 0  # pages the arena wrote over during the copy (a miss)
+        self.copied = 0  # pages that arrived verified and intact
 
     def usable(self, arena: ArenaMap) -> bool:
         """Whether pages of `arena` can be copied straight from it (on CUDA: registered with the
@@ -103,6 +104,7 @@ class ArenaCopier:
                 self.lost += 1
                 break
             arrived += 1
+        self.copied += arrived
         return arrived
 
     def _check(self, key: bytes, page: ArenaPage) -> bool:
