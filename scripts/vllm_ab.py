@@ -5,7 +5,7 @@ the two client and server versions never meet. Prints per round and then medians
 question, time inside the connector's hooks, and the scheduler's lookup (from
 TIERED_CACHE_VLLM_TIMING).
 
-    .venv/bin/python scripts/vllm_ab.py /tmp/base --rounds 4 [--shm 256MiB]
+    .venv/bin/python scripts/vllm_ab.py /tmp/base --rounds 4 [--shm on|off] [--base-shm 1GiB]
 
 BASE needs `.venv-vllm` reachable (a symlink to this checkout's is enough).
 """
@@ -37,13 +37,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("base", type=Path)
     p.add_argument("--rounds", type=int, default=4)
-    p.add_argument("--shm", default="1GiB")
+    p.add_argument("--shm", default="on", help="this checkout's store server: its arena on or off")
+    p.add_argument("--base-shm", default="1GiB", help="the base's `serve --shm` (a ring size before the arena)")
     args = p.parse_args()
     os.environ["TIERED_CACHE_VLLM_TIMING"] = "1"
     load_model()
     model = str(cache_dir() / MODEL_DIR)
     python = REPO / ".venv-vllm" / "bin" / "python"
-    server_args = ["--no-disk", "--ram", "1GiB", "--shm", args.shm]
+    server_args = {False: ["--no-disk", "--ram", "1GiB", "--shm", args.shm],
+                   True: ["--no-disk", "--ram", "1GiB", "--shm", args.base_shm]}
 
     def argv(extra: list[str]) -> list[str]:
         out = ["--model", model, "--eager", "--warmup", "--max-tokens", "1", "--doc-chars", "3000",
@@ -56,7 +58,7 @@ def main() -> int:
         if pythonpath:
             os.environ["PYTHONPATH"] = pythonpath
         try:
-            launcher, store = InstanceLauncher(python), StoreProcess(server_args)
+            launcher, store = InstanceLauncher(python), StoreProcess(server_args[pythonpath is not None])
             store.start()
         finally:
             os.environ.pop("PYTHONPATH", None)

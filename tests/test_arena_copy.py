@@ -152,7 +152,8 @@ def test_a_load_through_the_cache_from_a_same_host_store_is_exact_and_counted(de
             cache.release(handle)
             with StoreClient(store.address) as client:
                 figures = client.stats().server
-            assert figures.shm_pages == figures.shm_pages_reused >= N  # handed by ref, no server copy
+            # Read in place (refs from the server or from the arena's index): the server copied nothing.
+            assert figures.shm_pages == figures.shm_pages_reused and tier.pages_from_lookup == N
         finally:
             cache.close()
 

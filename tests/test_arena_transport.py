@@ -45,7 +45,11 @@ def test_a_same_host_get_reads_the_arena_in_place_with_the_bytes_put_and_no_serv
             for _ in range(3):
                 assert tier.get(keys) == [b for _, b in items]
             assert tier.servers[0].client.uses_shm
-            assert shm_pages(store.address) == shm_reused(store.address) == 3 * len(items)
+            # The first get's Get stream handed refs (no copy); the next two found every page in the
+            # arena's published index: no RPC on the request path (the server is told in the
+            # background which pages were read, for its eviction; it hands refs, copies nothing).
+            assert tier.servers[0].client.arena_lookups == 2
+            assert shm_pages(store.address) == shm_reused(store.address) >= len(items)
         finally:
             tier.close()
 
@@ -184,25 +188,29 @@ def test_a_same_host_lookup_says_where_held_pages_lie_and_the_get_after_it_needs
     unknown = pages(1, seed=10)[0][0]
     with StoreProcess(["--no-disk"]) as store:
         tier = RemoteTier([store.address])
+        client = tier.servers[0].client
         try:
             tier.put(items)
             tier.warm()  # maps the arena, as the vLLM block store does at start
+            # A key the arena's index lacks: the server is asked, and says where the others lie.
             assert tier.contains([*keys, unknown]) == [True] * len(keys) + [False]
-            sent_before = shm_pages(store.address)
+            assert client.arena_lookups == 0
             assert tier.get(keys) == [b for _, b in items]  # read where the Lookup said: no Get
-            assert tier.pages_from_lookup == len(keys) and shm_pages(store.address) == sent_before
-            assert tier.contains_prefix(keys) == len(keys)  # the one-server path remembers them too
+            assert tier.pages_from_lookup == len(keys)
+            assert tier.contains_prefix(keys) == len(keys)  # every key in the index: no RPC
+            assert client.arena_lookups == 1
             lease = ArenaViews()
             lent = tier.get(keys, lease=lease)
             assert all(isinstance(b, memoryview) for b in lent) and len(lease) == len(keys)
             assert [bytes(b) for b in lent] == [b for _, b in items] and not lease.lost()
             assert tier.pages_from_lookup == 2 * len(keys)
-            # Taken once: a second get of the same keys asks one Lookup for them again (refs, no
-            # Get stream, no copy on the server).
+            # Refs are taken once: a second get of the same keys finds them in the index again.
             assert tier.get(keys) == [b for _, b in items]
-            # Refs handed out since: by the contains_prefix Lookup, then by this get's Lookup.
-            assert tier.pages_from_lookup == 3 * len(keys) and shm_pages(store.address) == sent_before + 2 * len(keys)
+            assert tier.pages_from_lookup == 3 * len(keys) and client.arena_lookups == 2
             assert tier.stats().corrupt == 0
+            with StoreClient(store.address) as other:
+                figures = other.stats().server
+            assert figures.shm_pages == figures.shm_pages_reused  # whatever the server handed out: no copy
         finally:
             tier.close()
 
@@ -222,13 +230,13 @@ def test_a_lookup_ref_written_over_is_fetched_again_never_read_as_wrong_bytes():
             tier.put(others)  # a lap over the looked-up pages
             assert all(b is None or b == blob for b, (_, blob) in zip(tier.get(keys), items, strict=True))
             assert tier.pages_from_lookup == 0  # every ref was stale: all streamed
+            tier.put(items)  # back in, at new places
+            assert all(tier.contains(keys))  # refs again
+            tier.put(pages(8, seed=15))  # fresh pages over them
             lease = ArenaViews()
-            held = [key for key, h in zip(keys, tier.contains(keys), strict=True) if h]
-            assert held  # read since placed: their second chance kept some
-            tier.put(others[::-1])
-            lent = tier.get(held, lease=lease)
-            assert all(b is None or bytes(b) == dict(items)[key] or key in lease.lost()
-                       for key, b in zip(held, lent, strict=True))
+            lent = tier.get(keys, lease=lease)
+            assert all(b is None or bytes(b) == blob or key in lease.lost()
+                       for key, b, (_, blob) in zip(keys, lent, items, strict=True))
             assert tier.stats().corrupt == 0
         finally:
             tier.close()
@@ -276,3 +284,29 @@ def test_lookup_refs_are_bounded_taken_once_and_skip_pages_not_in_the_arena():
         reader.close()
     finally:
         arena.close()
+
+
+def test_pages_read_through_the_index_are_told_to_the_server_and_get_a_second_chance():
+    """A Lookup answered from the arena's index never reaches the server on the request path; the
+    tier tells it in the background, so pages being read stay when the arena comes round."""
+    import time
+
+    from tiered_cache.v1 import cache_pb2 as pb
+
+    items, filler = pages(3, seed=16), pages(6, seed=17)  # 256 KiB pages: a 2 MiB arena holds 7
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk", "--ram", "2MiB", "--arena-lease", "0"]) as store:
+        tier = RemoteTier([store.address])
+        try:
+            tier.put(items)
+            tier.warm()
+            before = shm_pages(store.address)
+            assert all(tier.contains(keys)) and tier.servers[0].client.arena_lookups == 1
+            deadline = time.monotonic() + 30  # a bound on the wait, not a measurement
+            while shm_pages(store.address) < before + len(keys) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            tier.put(filler)  # the arena comes round: unread pages would go first
+            with StoreClient(store.address) as client:
+                assert list(client.lookup(keys).tiers) == [pb.TIER_RAM] * len(keys)
+        finally:
+            tier.close()

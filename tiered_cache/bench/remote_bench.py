@@ -183,7 +183,7 @@ def _redis_row(items: list[tuple[bytes, bytes]], total: int, scale: str, ours: f
             client.close()
         finally:
             server.stop()
-    return Comparison(scale, "remote get (verified)", total / ours / GIB, "raw Redis MGET", total / mget / GIB,
+    return Comparison(scale, "remote get as bytes (verified)", total / ours / GIB, "raw Redis MGET", total / mget / GIB,
                       "GiB/s", True, work, returned_bytes(values))
 
 

@@ -5,14 +5,21 @@ user, same boot id) maps it read-only and copies a page from there straight to w
 (its pool page, or by DMA to the GPU): the server copies nothing for a same-host Get. A client
 on another host gets the same pages as bytes over gRPC.
 
-Layout: a 4 KiB header (magic, the arena's random id, the tail, the capacity, the head), then
-`capacity` bytes of data. The data is a log: each blob is written at the head, at absolute
-position P (positions only grow), lying at `DATA + P % capacity` and never wrapping (the head
-skips the end of the data instead). Placing a blob first erases what lies in its way, oldest
-first, and publishes the new tail *before* writing a byte (one writer, the server, under its
-lock). So a reader that copied the page at P and then reads `tail <= P` knows no byte of it was
-written over: x86 keeps stores and loads in order, and elsewhere the CRC-32C that every page
-still goes through catches a torn one. A page written over is a miss the reader asks again.
+Layout: a 4 KiB header (magic, the arena's random id, the tail, the capacity, the head, the index's
+slot count), then `capacity` bytes of data, then the published index. The data is a log: each blob
+is written at the head, at absolute position P (positions only grow), lying at `DATA + P %
+capacity` and never wrapping (the head skips the end of the data instead). Placing a blob first
+erases what lies in its way, oldest first, and publishes the new tail *before* writing a byte (one
+writer, the server, under its lock). So a reader that copied the page at P and then reads `tail <=
+P` knows no byte of it was written over: x86 keeps stores and loads in order, and elsewhere the
+CRC-32C that every page still goes through catches a torn one. A page written over is a miss the
+reader asks again.
+
+The index publishes where each page was last placed: direct-mapped 64-byte slots (the key's
+first bytes pick the slot, the newest placement wins it), each written under a sequence number
+that is odd while the server writes it. A client answers a Lookup from it without an RPC when
+every key is in its slot and still intact (`ArenaMap.find`); any other Lookup goes to the server.
+The index only ever says where a page is: a key it lacks is asked of the server.
 
 Eviction is the log's order with a second chance: a blob read since it was placed is written
 again at the head instead of dropped (a hot prefix stays; a one-time one goes), and a dropped
@@ -48,11 +55,28 @@ _ID = slice(8, 24)
 _TAIL = 24  # u64: bytes before this absolute position may be written over
 _CAPACITY = 32  # u64: bytes of data after the header
 _HEAD = 40  # u64: where the next blob goes
+_SLOTS = 48  # u64: slots of the published index, after the data
+SLOT = struct.Struct("<Q32sQI")  # sequence (odd while written), key, position, length
+SLOT_BYTES = 64
 ARENA_NAME = "tiered-cache-arena"
 LEASE_S = 2.0  # how long a handed-out ref is not written over
 MIN_CAPACITY = 2**20
 
 Ref = tuple[int, int]  # (position, length)
+
+
+def index_slots(capacity: int) -> int:
+    """Slots of the published index of an arena of `capacity` bytes: a power of two, about one
+    per 32 KiB of data (pages are rarely smaller), 256 to 2**20."""
+    slots = 256
+    while slots * 32 * 1024 < capacity and slots < 2**20:
+        slots *= 2
+    return slots
+
+
+def slot_of(key: bytes, slots: int) -> int:
+    """The index slot of `key` (keys are SHA-256: their first bytes are uniform)."""
+    return int.from_bytes(key[:8], "little") & (slots - 1)
 
 
 def largest_blob(capacity: int) -> int:
@@ -76,7 +100,9 @@ class Arena:
         self.capacity = parse_size(capacity)
         if self.capacity < MIN_CAPACITY:
             raise ValueError(f"the arena needs at least {MIN_CAPACITY} bytes, got {self.capacity}")
-        self.size = DATA + self.capacity
+        self.slots = index_slots(self.capacity)
+        self.index_at = DATA + self.capacity
+        self.size = self.index_at + self.slots * SLOT_BYTES
         self.on_evict = on_evict
         self.lease_s = lease_s
         self.max_blob = largest_blob(self.capacity)
@@ -84,7 +110,7 @@ class Arena:
         self.id = os.urandom(16)
         self._map[:8] = MAGIC
         self._map[_ID] = self.id
-        struct.pack_into("<QQQ", self._map, _TAIL, 0, self.capacity, 0)
+        struct.pack_into("<QQQQ", self._map, _TAIL, 0, self.capacity, 0, self.slots)
         self._head = 0
         self._tail = 0
         self._records: OrderedDict[bytes, _Record] = OrderedDict()  # in position order
@@ -234,6 +260,18 @@ class Arena:
         self._map[at:at + len(blob)] = blob
         self._records[key] = _Record(position, len(blob))
         self.used += len(blob)
+        self._publish(key, position, len(blob))
+
+    def _publish(self, key: bytes, position: int, length: int) -> None:
+        """Write the key's index slot (under the lock: one writer). Its sequence number is odd
+        while the slot is written, so a reader never takes half of one key and half of another.
+        A slot is never cleared: a reader checks the page is still intact, and keys are content
+        addresses, so a slot of a page written over reads as not there."""
+        at = self.index_at + slot_of(key, self.slots) * SLOT_BYTES
+        sequence = struct.unpack_from("<Q", self._map, at)[0] | 1
+        struct.pack_into("<Q", self._map, at, sequence)
+        SLOT.pack_into(self._map, at, sequence, key, position, length)
+        struct.pack_into("<Q", self._map, at, sequence + 1)
 
     def _erase_before(self, limit: int, pending: list[tuple[bytes, bytes]],
                       below: list[tuple[bytes, bytes]]) -> bool:

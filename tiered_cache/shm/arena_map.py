@@ -15,7 +15,18 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from tiered_cache.shm.arena import _CAPACITY, _ID, _TAIL, DATA, MAGIC, largest_blob
+from tiered_cache.shm.arena import (
+    _CAPACITY,
+    _ID,
+    _SLOTS,
+    _TAIL,
+    DATA,
+    MAGIC,
+    SLOT,
+    SLOT_BYTES,
+    largest_blob,
+    slot_of,
+)
 from tiered_cache.shm.host import map_read_only, still_open
 
 
@@ -33,9 +44,11 @@ class ArenaMap:
             raise ValueError(f"{path} is not the arena the server named")
         self.id = arena_id
         self.capacity = struct.unpack_from("<Q", self._map, _CAPACITY)[0]
-        if DATA + self.capacity != size:
+        self.slots = struct.unpack_from("<Q", self._map, _SLOTS)[0]
+        self.index_at = DATA + self.capacity
+        if self.index_at + self.slots * SLOT_BYTES != size or self.slots & (self.slots - 1):
             self._map.close()
-            raise ValueError(f"{path}: its header's capacity does not add up to {size} bytes")
+            raise ValueError(f"{path}: its header's capacity and index do not add up to {size} bytes")
         self.max_page = largest_blob(self.capacity)
         self._on_close: list[Callable[[ArenaMap], None]] = []
 
@@ -73,6 +86,21 @@ class ArenaMap:
         if at is None or not self.intact(position, length):
             return None
         return memoryview(self._map)[at:at + length]
+
+    def find(self, keys: Sequence[bytes]) -> list[tuple[int, int]] | None:
+        """Where every one of `keys` lies, from the published index, or None when any is not
+        there (no slot of its own, being written, or written over since): then ask the server."""
+        found = []
+        for key in keys:
+            if len(key) != 32 or not self.slots:
+                return None
+            at = self.index_at + slot_of(key, self.slots) * SLOT_BYTES
+            sequence, held, position, length = SLOT.unpack_from(self._map, at)
+            if (sequence & 1 or held != key or not length or not self.intact(position, length)
+                    or struct.unpack_from("<Q", self._map, at)[0] != sequence):
+                return None
+            found.append((position, length))
+        return found
 
     def intact(self, position: int, length: int) -> bool:
         """Whether no byte of the page at `position` has been written over (the tail is below it)."""

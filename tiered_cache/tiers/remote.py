@@ -130,6 +130,9 @@ class RemoteTier:
         self._checker = ThreadPoolExecutor(max_workers=_CHECKERS, thread_name_prefix="remote-tier-crc")
         self._lookup_refs = LookupRefs()  # same-host arena refs from Lookups, for the fetches after
         self.pages_from_lookup = 0  # pages read where a Lookup said they lay (no Get)
+        self._touch_lock = threading.Lock()
+        self._touching: set[_Server] = set()  # servers told of pages read, a Lookup in flight
+        self.touches_dropped = 0
         # The caller's thread asks one server itself; these threads ask the others.
         self._fanout = ThreadPoolExecutor(max_workers=_MAX_FANOUT, thread_name_prefix="remote-tier")
         self._closed = False
@@ -215,12 +218,44 @@ class RemoteTier:
     def _lookup(self, server: _Server, keys: list[bytes]) -> Any:
         """The server's Lookup reply (None when it failed). A server on this host also says where
         the pages in its arena lie: remembered for the fetch that usually follows, which then
-        reads them in place with no Get."""
+        reads them in place with no Get. When every key lies intact where the arena's published
+        index says, that answers without an RPC (a server whose breaker is not closed is asked,
+        so its health is still probed by real calls)."""
         arena = server.client.arena_map
-        reply = self._call(server, lambda client: client.lookup(keys, arena=arena), None)
+        reply = None
+        if arena is not None and server.closed and not self._closed and keys:
+            reply = server.client.lookup_in_arena(keys, arena)
+            if reply is not None:
+                self._touch(server, keys, arena)
+        if reply is None:
+            reply = self._call(server, lambda client: client.lookup(keys, arena=arena), None)
         if reply is not None and arena is not None and reply.shm_lengths:
             self._lookup_refs.remember(arena, keys, reply.shm_positions, reply.shm_lengths)
         return reply
+
+    def _touch(self, server: _Server, keys: list[bytes], arena: ArenaMap) -> None:
+        """Tell the server, in the background, that these pages are being read (a Lookup: it
+        marks them read and leases them), as a Lookup it answered would have: its eviction gives
+        pages that are read a second chance. One touch in flight per server; others are dropped
+        and counted (`touches_dropped`): they only inform eviction."""
+        with self._touch_lock:
+            if server in self._touching:
+                self.touches_dropped += 1
+                return
+            self._touching.add(server)
+
+        def touch() -> None:
+            try:
+                self._call(server, lambda client: client.lookup(keys, arena=arena), None)
+            finally:
+                with self._touch_lock:
+                    self._touching.discard(server)
+
+        try:
+            self._fanout.submit(touch)
+        except RuntimeError:  # closed meanwhile
+            with self._touch_lock:
+                self._touching.discard(server)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         out = [False] * len(keys)

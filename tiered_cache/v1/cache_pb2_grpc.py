@@ -103,7 +103,8 @@ class KVCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Attach(self, request, context):
-        """The server's shared-memory segment, for clients on its host (see GetRequest.shm_segment).
+        """The server's arena (its RAM tier in shared memory), for clients on its host (see
+        GetRequest.shm_segment).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
