@@ -39,6 +39,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--shm", default="on", help="this checkout's store server: its arena on or off")
     p.add_argument("--base-shm", default="1GiB", help="the base's `serve --shm` (a ring size before the arena)")
+    p.add_argument("--timing-dir", help="append each way's timing lines (TIERED_CACHE_VLLM_TIMING) to WAY.log here")
     args = p.parse_args()
     os.environ["TIERED_CACHE_VLLM_TIMING"] = "1"
     load_model()
@@ -90,6 +91,10 @@ def main() -> int:
                     ttft[way].append([row["latency_s"] * 1e3 for row in rows])
                     hooks[way] += [row.get("connector_s", 0.0) * 1e3 for row in rows]
                     lookups[way] += [float(m) for m in LOOKUP.findall(done.stderr)]
+                    if args.timing_dir:
+                        with open(Path(args.timing_dir) / f"{way}.log", "a") as out:
+                            out.writelines(line + "\n" for line in done.stderr.splitlines()
+                                           if line.startswith("[tiered-cache]"))
                     print(f"round {r + 1} {way:8s} TTFT {[round(t) for t in ttft[way][-1]]} ms", flush=True)
             for way in ways:
                 per_question = [round(statistics.median(q), 1) for q in zip(*ttft[way], strict=True)]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -128,8 +129,14 @@ class RemoteTier:
         self._stats = TierStats(self.name)
         # Checksums release the GIL (crc32c): two threads check a 35 MB prefix in half the time.
         self._checker = ThreadPoolExecutor(max_workers=_CHECKERS, thread_name_prefix="remote-tier-crc")
+        for _ in range(_CHECKERS):  # started now, not by the first fetch
+            self._checker.submit(time.sleep, 0.01)
         self._lookup_refs = LookupRefs()  # same-host arena refs from Lookups, for the fetches after
         self.pages_from_lookup = 0  # pages read where a Lookup said they lay (no Get)
+        # Its thread is started now: a thread started by the first touch would cost that request
+        # a millisecond or more.
+        self._toucher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote-tier-touch")
+        self._toucher.submit(lambda: None)
         self._touch_lock = threading.Lock()
         self._touching: set[_Server] = set()  # servers told of pages read, a Lookup in flight
         self.touches_dropped = 0
@@ -252,7 +259,7 @@ class RemoteTier:
                     self._touching.discard(server)
 
         try:
-            self._fanout.submit(touch)
+            self._toucher.submit(touch)
         except RuntimeError:  # closed meanwhile
             with self._touch_lock:
                 self._touching.discard(server)
@@ -539,6 +546,7 @@ class RemoteTier:
             server.client.close()
         self._checker.shutdown(wait=False)
         self._fanout.shutdown(wait=False)
+        self._toucher.shutdown(wait=False)
 
     def _verified(self, key: bytes, blob: bytes, lease: ArenaViews | None = None) -> bytes | None:
         try:
