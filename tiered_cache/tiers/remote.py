@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 _MAX_FANOUT = 16  # threads asking servers in parallel (created only as calls need them)
 _CHECKERS = 2  # threads checking and copying received pages (checksums release the GIL)
+TOUCH_DELAY_S = 0.2  # pages read through an arena's index are told to its server this much later
+MAX_TOUCH_KEYS = 1 << 16  # keys waiting to be told to one server
 
 
 def owner(key: bytes, addresses: Sequence[str]) -> int:
@@ -138,7 +140,7 @@ class RemoteTier:
         self._toucher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="remote-tier-touch")
         self._toucher.submit(lambda: None)
         self._touch_lock = threading.Lock()
-        self._touching: set[_Server] = set()  # servers told of pages read, a Lookup in flight
+        self._touching: dict[_Server, dict[bytes, None]] = {}  # keys read, to tell each server
         self.touches_dropped = 0
         # The caller's thread asks one server itself; these threads ask the others.
         self._fanout = ThreadPoolExecutor(max_workers=_MAX_FANOUT, thread_name_prefix="remote-tier")
@@ -243,26 +245,32 @@ class RemoteTier:
     def _touch(self, server: _Server, keys: list[bytes], arena: ArenaMap) -> None:
         """Tell the server, in the background, that these pages are being read (a Lookup: it
         marks them read and leases them), as a Lookup it answered would have: its eviction gives
-        pages that are read a second chance. One touch in flight per server; others are dropped
-        and counted (`touches_dropped`): they only inform eviction."""
+        pages that are read a second chance. Keys are gathered for `TOUCH_DELAY_S` and sent in one
+        Lookup per server, off the moments a request copies pages; past `MAX_TOUCH_KEYS` waiting,
+        they are dropped and counted (`touches_dropped`): they only inform eviction."""
         with self._touch_lock:
-            if server in self._touching:
-                self.touches_dropped += 1
-                return
-            self._touching.add(server)
+            waiting = self._touching.get(server)
+            first = waiting is None
+            if first:
+                waiting = self._touching[server] = {}
+            room = MAX_TOUCH_KEYS - len(waiting)
+            self.touches_dropped += max(0, len(keys) - room)
+            waiting.update(dict.fromkeys(keys[:max(0, room)]))
+        if not first:
+            return
 
         def touch() -> None:
-            try:
-                self._call(server, lambda client: client.lookup(keys, arena=arena), None)
-            finally:
-                with self._touch_lock:
-                    self._touching.discard(server)
+            time.sleep(TOUCH_DELAY_S)
+            with self._touch_lock:
+                sent = list(self._touching.pop(server, {}))
+            if sent and not self._closed:
+                self._call(server, lambda client: client.lookup(sent, arena=arena), None)
 
         try:
             self._toucher.submit(touch)
         except RuntimeError:  # closed meanwhile
             with self._touch_lock:
-                self._touching.discard(server)
+                self._touching.pop(server, None)
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         out = [False] * len(keys)
