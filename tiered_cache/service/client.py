@@ -315,7 +315,7 @@ class StoreClient:
 
     def _offered_ring(self) -> PutRing | None:
         """This client's Put ring once the server (on this host) maps it; None where it cannot
-        (another host, `--shm 0`, another user, an older server): Put then carries bytes."""
+        (another host, `--shm off`, another user, an older server): Put then carries bytes."""
         with self._offer_lock:
             if self._offered or self._offer_refused:
                 return self._put_ring if self._offered else None
