@@ -202,7 +202,10 @@ def test_the_server_maps_only_a_same_host_clients_put_ring(tmp_path):
         assert len(offers) == 0
         assert offers.offer(ring.path, ring.size, ring.segment, here, local) == ""
         assert len(offers) == 1
-        assert offers.read(ring.segment, *ring.place(b"page")) == (b"page", "")
+        where = ring.place(b"page")
+        data, reader, why = offers.view(ring.segment, *where)
+        assert bytes(data) == b"page" and why == "" and reader.intact(*where)
+        del data
     finally:
         os.close(fd)
         os.close(unsealed)
@@ -292,3 +295,44 @@ def test_offer_and_put_offered_need_the_token(tmp_path, token):
         with StoreClient(store.address, token="s3cret") as owner:
             assert owner.put(items).stored == 1 and owner.uses_shm_put
 
+
+
+def test_a_page_the_clients_ring_comes_round_over_during_the_servers_copy_is_dropped_and_refused(monkeypatch):
+    """The server copies an offered page straight from the client's ring into its arena; if the
+    ring came round over it meanwhile (a race that cannot be timed for real: `intact` is made to
+    say so after the copy, a mock of that only), the copy is dropped from the store and refused as lost, and the
+    ack still counts each page once."""
+    from tiered_cache.service.config import ServerConfig
+    from tiered_cache.service.server import StoreServer
+    from tiered_cache.shm.put_ring import PutRingReader
+    from tiered_cache.v1 import cache_pb2 as pb
+
+    items = pages(3, seed=60)
+    server = StoreServer(ServerConfig(disk_path="", ram_capacity="64MiB"))
+    ring = PutRing(4 * MIN_BYTES)
+    try:
+        service = server.service
+        assert service.offers.offer(ring.path, ring.size, ring.segment, host_identity(), "ipv4:127.0.0.1:1") == ""
+        request = pb.PutOfferedRequest(segment=ring.segment, pages=[
+            pb.OfferedPage(key=key, position=p, length=n) for key, blob in items for p, n in [ring.place(blob)]])
+        checks: dict[int, int] = {}
+
+        def intact_until_copied(self, position: int, length: int) -> bool:  # before the copy yes, after no
+            checks[position] = checks.get(position, 0) + 1
+            return checks[position] == 1
+
+        monkeypatch.setattr(PutRingReader, "intact", intact_until_copied)
+        response = pb.PutResponse()
+        assert service._store_offered(request, response) == len(items)
+        assert [r.reason for r in response.refused] == [pb.SHM_LOST] * len(items)
+        assert response.stored + response.already_held + len(response.refused) == len(items)
+        assert server.store.locate([k for k, _ in items]) == [None] * len(items)
+        monkeypatch.undo()
+        response = pb.PutResponse()
+        service._store_offered(request, response)
+        assert response.stored == len(items) and not response.refused
+        assert server.store.get([k for k, _ in items]) == [b for _, b in items]
+    finally:
+        ring.close()
+        server.stop()
+        server.store.close()

@@ -347,23 +347,37 @@ class KVCacheService:
             self.slots.release()
 
     def _store_offered(self, request: Any, response: pb.PutResponse) -> int:
-        """On the io pool: copy the offered pages out of the client's segment batch by batch, check
-        and store each batch; a refusal for each page lost. Returns how many were copied out."""
+        """On the io pool: check and store the offered pages where they lie in the client's ring,
+        batch by batch (one copy each, into the store); a refusal for each page lost, before or
+        during its copy (then dropped from the store again). Returns how many were taken."""
         segment, fingerprint = bytes(request.segment), bytes(request.fingerprint)
         offers = self.offers  # once: stop() clears it
         if offers is not None:
             offers.sweep()
         sizer = BatchSizer(self.config.stream_buffer_bytes)
         batch: list[tuple[bytes, bytes | memoryview, bytes]] = []
+        where: list[tuple[Any, int, int]] = []  # each batch item's ring, position, length
         nbytes = copied = 0
 
         def store() -> None:
             nonlocal nbytes
             refused, stored, held = self._check_and_store(batch)
+            # Copied where they lay: a page the client's ring came round over meanwhile may be
+            # torn in the store. Dropped again, and refused as lost (the client sends it as bytes).
+            refused_keys = {r.key for r in refused}
+            lost = [key for (key, _, _), (ring, position, length) in zip(batch, where, strict=True)
+                    if key not in refused_keys and not ring.intact(position, length)]
+            if lost:
+                self.store.delete(lost)
+                refused += [pb.Refusal(key=key, reason=pb.SHM_LOST, message="the client's ring came round over the "
+                                       "page while the server copied it") for key in lost]
+                from_stored = min(stored, len(lost))  # the ack still counts each page once
+                stored, held = stored - from_stored, held - (len(lost) - from_stored)
             response.refused.extend(refused)
             response.stored += stored
             response.already_held += held
             batch.clear()
+            where.clear()
             nbytes = 0
 
         def refuse(refusal: pb.Refusal) -> None:
@@ -379,14 +393,15 @@ class KVCacheService:
                                   message=f"blob is {page.length:,} bytes; this server takes at most {limit:,}"))
                 continue
             if offers is None:
-                data, why = None, "shared memory is off on this server (serve --shm off); send bytes by Put"
+                data, ring, why = None, None, "shared memory is off on this server (serve --shm off); send bytes by Put"
             else:
-                data, why = offers.read(segment, page.position, page.length)
+                data, ring, why = offers.view(segment, page.position, page.length)
             if data is None:
                 refuse(pb.Refusal(key=key, reason=pb.SHM_LOST, message=why))
                 continue
             copied += 1
             batch.append((key, data, fingerprint))
+            where.append((ring, page.position, page.length))
             nbytes += len(data)
             if sizer.full(len(batch), nbytes):
                 store()

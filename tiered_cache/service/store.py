@@ -91,6 +91,11 @@ class BlobStore:
             self.chain.put(fresh, 1)
         return len(fresh), len(items) - len(fresh)
 
+    def delete(self, keys: Sequence[bytes]) -> None:
+        """Forget `keys` in every tier (blobs stored that must not be served)."""
+        for index in range(len(self.chain.tiers)):
+            self.chain.delete(keys, index)
+
     def fits(self, size: int) -> bool:
         """Whether a blob of `size` bytes has a tier to go to (RAM, or any tier below it)."""
         ram = self.ram

@@ -2,10 +2,11 @@
 
 A client on the store server's host writes the pages it puts into a ring of its own (a memfd,
 `PutRing`, put_ring.py), offers that segment once (`Offer`), and then sends each Put item as
-(segment, position, length) instead of the bytes. The server maps the segment read-only, copies
-each page out, checks the client's ring had not come round over it during the copy
-(`PutRingReader.read`), and verifies the copy like any received blob: a page the client overwrote
-early, or garbage at a position, is a refused blob (`SHM_LOST`, or corrupt), never stored KV.
+(segment, position, length) instead of the bytes. The server maps the segment read-only, verifies
+each page where it lies like any received blob, copies it once, into its arena, and then checks
+the client's ring had not come round over it meanwhile (`PutRingReader.intact`): a page the client
+overwrote early is dropped again and refused (`SHM_LOST`), garbage at a position is refused as
+corrupt; neither is ever read as KV (a reader that found it in between fails its checksum).
 On the 2-core host of docs/PERFORMANCE.md a loopback Put stream cost each side ~4 ms of CPU per
 MiB; one memcpy per side instead is what lets write-behind to a same-host store keep off the
 request path's cores.
@@ -93,18 +94,20 @@ class OfferedSegments:
             offered = self._segments.get(segment)
             return offered.reader if offered is not None else None
 
-    def read(self, segment: bytes, position: int, length: int) -> tuple[bytes | None, str]:
-        """A copy of the page, or (None, why) when the segment is not mapped or was written over."""
+    def view(self, segment: bytes, position: int, length: int) -> tuple[memoryview | None, PutRingReader | None, str]:
+        """The page in place in the client's ring (no copy) and the ring's reader, to check it
+        `intact` after copying it; or (None, None, why) when the segment is not mapped or the
+        page was written over already."""
         reader = self.reader(segment)
         if reader is None:
-            return None, "the offered segment is not mapped here (the server restarted?); send bytes"
+            return None, None, "the offered segment is not mapped here (the server restarted?); send bytes"
         try:
-            data = reader.read(position, length)
+            data = reader.view(position, length)
         except ValueError:  # unmapped meanwhile (its process exited, or it was replaced)
             data = None
         if data is None:
-            return None, f"the client's ring came round over the page at {position} before the server read it"
-        return data, ""
+            return None, None, f"the client's ring came round over the page at {position} before the server read it"
+        return data, reader, ""
 
     def sweep(self) -> None:
         """Unmap segments their clients have let go (at most once a second; a stat per segment)."""

@@ -88,15 +88,19 @@ class PutRingReader:
             self._map.close()
             raise ValueError(f"{path}: its header's capacity does not add up to {size} bytes")
 
-    def read(self, position: int, length: int) -> bytes | None:
-        """A copy of the page at `position`, or None when the client's ring has since come round
-        over it (or the reference does not fit the ring)."""
+    def view(self, position: int, length: int) -> memoryview | None:
+        """The page at `position` in place (no copy), or None when the client's ring has already
+        come round over it (or the reference does not fit the ring). Whoever copies it checks
+        `intact` after."""
         offset = position % self.capacity
-        if not 0 < length <= self.capacity - offset:
+        if not 0 < length <= self.capacity - offset or not self.intact(position, length):
             return None
-        data = self._map[HEADER + offset:HEADER + offset + length]
+        return memoryview(self._map)[HEADER + offset:HEADER + offset + length]
+
+    def intact(self, position: int, length: int) -> bool:
+        """Whether the client has written nothing over the page at `position` since it placed it."""
         cursor = struct.unpack_from("<Q", self._map, _CURSOR)[0]
-        return data if position + length <= cursor <= position + self.capacity else None
+        return position + length <= cursor <= position + self.capacity
 
     def close(self) -> None:
         with contextlib.suppress(BufferError):
