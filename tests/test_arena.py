@@ -206,3 +206,17 @@ def test_the_published_index_says_where_pages_lie_until_they_are_written_over(ar
         assert reader.find(keys[1:]) is None
     finally:
         reader.close()
+
+
+def test_a_deleted_page_leaves_the_published_index(arena):
+    reader = ArenaMap(arena.path, arena.size, arena.id)
+    try:
+        items = blobs(2)
+        arena.put(items)
+        keys = [k for k, _ in items]
+        assert reader.find(keys) is not None
+        arena.delete(keys[:1])
+        arena.check()
+        assert reader.find(keys[:1]) is None and reader.find(keys[1:]) == arena.refs(keys[1:], lease=False)
+    finally:
+        reader.close()

@@ -84,8 +84,11 @@ class ArenaCopier:
     def to_pool(self, keys: Sequence[bytes], where: Sequence[ArenaPage], pages: Any) -> int:
         """Copy page `keys[i]`, lying at `where[i]`, into pool page `pages[i]`; returns how many
         leading pages arrived verified and intact (the rest hold anything: free them)."""
-        n = len(keys)
-        assert len(where) == n and len(pages) >= n
+        assert len(where) == len(keys) and len(pages) >= len(keys)
+        # Only raw pages of this model are copied as they lie; a page of another size (compressed)
+        # ends the run here, and the caller's staged path decodes it.
+        n = next((i for i, (_, _, length) in enumerate(where) if length != self.blob_bytes), len(keys))
+        keys, where = keys[:n], where[:n]
         if not n:
             return 0
         pages = np.asarray(pages[:n], dtype=np.int64)

@@ -202,12 +202,14 @@ class Arena:
         return stored
 
     def delete(self, keys: Sequence[bytes]) -> None:
-        """Forget these keys; their bytes stay until the head comes round (refs out there stay valid)."""
+        """Forget these keys, in the published index too (a blob deleted may be one that must not
+        be read); their bytes stay until the head comes round."""
         with self._lock:
             for key in keys:
                 record = self._records.pop(key, None)
                 if record is not None:
                     self.used -= record.length
+                    self._publish(key, 0, 0)
 
     def _place(self, key: bytes, blob: bytes | memoryview, below: list[tuple[bytes, bytes]]) -> bool:
         """Write `blob` at the head (under the lock), erasing what lies in its way; False when it
@@ -263,10 +265,10 @@ class Arena:
         self._publish(key, position, len(blob))
 
     def _publish(self, key: bytes, position: int, length: int) -> None:
-        """Write the key's index slot (under the lock: one writer). Its sequence number is odd
-        while the slot is written, so a reader never takes half of one key and half of another.
-        A slot is never cleared: a reader checks the page is still intact, and keys are content
-        addresses, so a slot of a page written over reads as not there."""
+        """Write the key's index slot (under the lock: one writer); length 0 says not here. Its
+        sequence number is odd while the slot is written, so a reader never takes half of one key
+        and half of another. Eviction does not clear slots: a reader checks the page is still
+        intact, so a slot of a page written over reads as not there."""
         at = self.index_at + slot_of(key, self.slots) * SLOT_BYTES
         sequence = struct.unpack_from("<Q", self._map, at)[0] | 1
         struct.pack_into("<Q", self._map, at, sequence)
