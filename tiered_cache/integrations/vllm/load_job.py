@@ -72,8 +72,8 @@ class LoadJob:
         layers = [self.layers[i] for i in self.store.layers_of(group)]
         for (keys, block_ids), prefetched in zip(self.transfers, self._prefetched, strict=True):
             started = time.perf_counter()
-            # Pages from a store server on this host come as views into its ring (no copy out):
-            # copied into vLLM's KV, then checked; any the ring came round over are fetched again
+            # Pages from a store server on this host come as views into its arena (no copy out):
+            # copied into vLLM's KV, then checked; any the arena wrote over are fetched again
             # as copies before the group is signalled, so no layer ever attends to them.
             lease, pages = ArenaViews(), None
             if prefetched is not None:

@@ -65,7 +65,7 @@ class BlockStore:
         self.saves_dropped = 0  # blocks whose save was dropped: the queue was full
         self.load_errors = 0  # pages found but refused on decode (counted, then recomputed)
         self.load_failures = 0  # blocks a lookup promised that could not be loaded (vLLM recomputed them)
-        self.lent_lost = 0  # pages lent from a server's ring and written over before copied: fetched again
+        self.lent_lost = 0  # pages lent from a server's arena and written over before copied: fetched again
         # Loads started when the scheduler found the blocks, taken by the worker's load job: set
         # once a worker registers its KV in this process (scheduler and worker share the store).
         self.loads_here = False
@@ -123,7 +123,7 @@ class BlockStore:
         """Layer group `group` of each block: a page (layers_per_page, 2, heads, block_size, dim),
         or None when it is missing or refused on decode (the caller must not use that block). A
         raw page is a view into its blob: no copy. With `lease`, a page from a store server on
-        this host may be a view into its ring: copy it, then drop the blocks whose page keys
+        this host may be a view into its arena: copy it, then drop the blocks whose page keys
         `lease.lost()` names (`ArenaViews`)."""
         shape = self.spec.staging_shape(1)[1:]
         keys = self.page_keys(block_keys, group)
