@@ -1,6 +1,6 @@
 """Pages from a same-host store server's arena straight into pool pages (device/arena_copy.py),
 its CUDA logic (chunks, runs of adjacent blobs, payloads picked out of the chunk, checks beside
-the copy, intact after) run on the CPU with `chunked=True`, against a real server process. The
+the copy, intact after) run on the CPU, against a real server process. The
 GPU test runs the same on a device pool."""
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ def prefix(n: int = N, seed: int = 0, spec: KVSpec = SPEC
 
 def copier_and_pool(device: str = "cpu", chunk_pages: int = 5) -> tuple[ArenaCopier, PagePool]:
     pool = PagePool(SPEC, 4 * N, device=device)
-    chunked = True if device == "cpu" else None
-    return ArenaCopier(pool, chunk_bytes=chunk_pages * raw_blob_size(SPEC), chunked=chunked), pool
+    return ArenaCopier(pool, chunk_bytes=chunk_pages * raw_blob_size(SPEC)), pool
 
 
 @pytest.mark.parametrize("chunk_pages", [1, 5, 64])

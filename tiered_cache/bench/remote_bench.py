@@ -109,7 +109,7 @@ def _same_host_row(address: str, keys: list[bytes], total: int, scale: str) -> C
     """The same pages read by a client on the server's host, in place in its arena (copied out
     and verified; the server copies nothing), beside a memcpy of the same bytes: the limit of
     any way of getting them into this process."""
-    import torch
+    from tiered_cache.bench.gpu_rows import copy_limit
 
     tier = RemoteTier([address], timeout_s=120)
     try:
@@ -119,9 +119,7 @@ def _same_host_row(address: str, keys: list[bytes], total: int, scale: str) -> C
         ours, got = timed(lambda: tier.get(keys), repeat=3)
     finally:
         tier.close()
-    src, dst = torch.ones(total, dtype=torch.uint8), torch.zeros(total, dtype=torch.uint8)
-    dst.copy_(src)  # both touched
-    memcpy, _ = timed(lambda: dst.copy_(src), repeat=3)
+    _, memcpy = copy_limit(total, "cpu")
     return Comparison(scale, "remote get, same host (arena, verified)", total / ours / GIB,
                       "memcpy of the same bytes", total / memcpy / GIB, "GiB/s", True, returned_bytes(got), total)
 

@@ -12,8 +12,8 @@ copies have finished, each page is checked `intact` (the arena did not write ove
 DMA). Only the leading pages that pass all of it count as arrived: the caller puts those in the
 tree and frees the rest, which the engine computes (a mismatch is a miss, never wrong KV).
 
-`chunked=True` on a CPU pool runs the same logic with a chunk buffer in memory and no streams,
-so it is tested without a GPU. Blobs that are not raw (compressed) are not taken here: the
+On a CPU pool the same logic runs with a chunk buffer in memory and no streams, so it is tested
+without a GPU. Blobs that are not raw (compressed) are not taken here: the
 staged path decodes them.
 """
 
@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiered_cache.device.copy_stream import CopyStream
 from tiered_cache.device.pool import PagePool
 from tiered_cache.shm.arena import DATA
 from tiered_cache.shm.arena_map import ArenaMap
@@ -42,18 +43,15 @@ ArenaPage = tuple[ArenaMap, int, int]  # the arena as mapped here, position, len
 class ArenaCopier:
     """Copies pages that lie in arenas into pool pages (`to_pool`)."""
 
-    def __init__(self, pool: PagePool, chunk_bytes: int = DEFAULT_CHUNK_BYTES, chunked: bool | None = None,
-                 checkers: int = 2) -> None:
+    def __init__(self, pool: PagePool, chunk_bytes: int = DEFAULT_CHUNK_BYTES, checkers: int = 2) -> None:
         self.pool = pool
         self.spec = pool.spec
         self.cuda = pool.device.type == "cuda"
-        self.chunked = self.cuda if chunked is None else chunked
         self.blob_bytes = raw_blob_size(self.spec)
         self.header_bytes = raw_header_size(self.spec)
         self.chunk_blobs = max(1, chunk_bytes // self.blob_bytes)
         self._buffer: torch.Tensor | None = None
-        self._stream: Any = None
-        self._busy = threading.Lock()  # one transfer at a time uses the chunk buffer
+        self._copies: CopyStream | None = None
         self._registered: dict[int, ArenaMap] = {}  # id(map) -> map, registered with CUDA
         self._register_lock = threading.Lock()
         self._checker = ThreadPoolExecutor(checkers, thread_name_prefix="tiered-cache-arena-crc")
@@ -129,27 +127,14 @@ class ArenaCopier:
         return True
 
     def _copy(self, where: Sequence[ArenaPage], pages: np.ndarray) -> None:
-        """Queue the copies chunk by chunk (runs of adjacent blobs in one arena: one DMA each) and
-        wait for them; on CUDA the caller's stream waits too."""
+        """Queue the copies chunk by chunk (runs of adjacent blobs in one arena: one DMA each) on
+        the copy stream and wait for them (copy_stream.py)."""
         self._ready()
         buffer = self._buffer
-        assert buffer is not None
+        assert buffer is not None and self._copies is not None
         index = torch.from_numpy(pages).to(self.pool.device)
-        if not self.cuda:
-            for start, end in _chunks(len(where), self.chunk_blobs):
-                with self._busy:
-                    self._chunk(buffer, where[start:end], index[start:end])
-            return
-        stream, caller = self._stream, torch.cuda.current_stream(self.pool.device)
-        stream.wait_stream(caller)
-        try:
-            for start, end in _chunks(len(where), self.chunk_blobs):
-                with self._busy, torch.cuda.stream(stream):
-                    self._chunk(buffer, where[start:end], index[start:end])
-        finally:
-            event = stream.record_event()
-            caller.wait_event(event)
-            event.synchronize()
+        self._copies.run(len(where), self.chunk_blobs,
+                         lambda start, end: self._chunk(buffer, where[start:end], index[start:end]))
 
     def _chunk(self, buffer: torch.Tensor, where: Sequence[ArenaPage], index: torch.Tensor) -> None:
         """One chunk: each run of adjacent blobs DMA'd into the buffer as it lies (headers too),
@@ -170,8 +155,8 @@ class ArenaCopier:
             with torch.inference_mode(False):
                 self._buffer = torch.empty(self.chunk_blobs * self.blob_bytes, dtype=torch.uint8,
                                            device=self.pool.device)
-        if self.cuda and self._stream is None:
-            self._stream = torch.cuda.Stream(self.pool.device)
+        if self._copies is None:
+            self._copies = CopyStream(self.pool.device)
 
     def close(self) -> None:
         self._checker.shutdown(wait=True)
@@ -192,6 +177,3 @@ def _adjacent_runs(where: Sequence[ArenaPage], blob: int) -> list[tuple[int, Are
         runs.append((i, arena, position, 1))
     return runs
 
-
-def _chunks(n: int, size: int) -> list[tuple[int, int]]:
-    return [(start, min(start + size, n)) for start in range(0, n, size)]

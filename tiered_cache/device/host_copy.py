@@ -25,13 +25,13 @@ without a GPU.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from tiered_cache.device.copy_stream import CopyStream
 from tiered_cache.device.pool import PagePool, consecutive_runs
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -45,11 +45,8 @@ class HostCopier:
         self.cuda = pool.device.type == "cuda"
         self.chunked = self.cuda if chunked is None else chunked
         self.chunk_pages = max(1, chunk_bytes // pool.spec.bytes_per_page)
-        self._stream: Any = None
+        self._copies: CopyStream | None = None
         self._buffer: torch.Tensor | None = None
-        # One transfer at a time uses the chunk buffer (they share one link anyway). Never held
-        # while waiting for anything but the copy itself.
-        self._busy = threading.Lock()
         if self.cuda and self.chunked:
             self._copy_stream_ready()  # made now: the first request that loads pays nothing for it
 
@@ -99,46 +96,20 @@ class HostCopier:
         return torch.from_numpy(pages).to(self.pool.device)
 
     def _transfer(self, n: int, chunk: Callable[[torch.Tensor, int, int], None], background: bool) -> None:
-        """Run `chunk(buffer, start, end)` over `n` pages, each chunk queued on the copy stream under
-        `_busy` (the buffer is reused by the next chunk, whoever's: the stream keeps them in order).
-        The copy stream first waits for the caller's stream (KV the model is still writing, earlier
-        readers of the pages); at the end, also when a chunk raised, the caller's stream waits for
-        the copies and so does the host: the caller may reuse its rows or free its pages after."""
+        """Run `chunk(buffer, start, end)` over `n` pages on the copy stream (copy_stream.py)."""
         self._copy_stream_ready()
         buffer = self._buffer
-        assert buffer is not None
-        if not self.cuda:
-            for start, end in _chunks(n, self.chunk_pages):
-                with self._busy:
-                    chunk(buffer, start, end)
-            return
-        stream, caller = self._stream, torch.cuda.current_stream(self.pool.device)
-        stream.wait_stream(caller)
-        try:
-            for start, end in _chunks(n, self.chunk_pages):
-                with self._busy, torch.cuda.stream(stream):
-                    chunk(buffer, start, end)
-                    done = stream.record_event() if background else None
-                if done is not None:
-                    done.synchronize()  # a request's chunks queue behind this one only
-        finally:
-            event = stream.record_event()
-            caller.wait_event(event)
-            event.synchronize()
+        assert buffer is not None and self._copies is not None
+        self._copies.run(n, self.chunk_pages, lambda start, end: chunk(buffer, start, end), background)
 
     def _copy_stream_ready(self) -> None:
         if self._buffer is None:
             with torch.inference_mode(False):
                 self._buffer = torch.empty(self.pool.spec.staging_shape(self.chunk_pages), dtype=self.pool.kv.dtype,
                                            device=self.pool.device)
-        if self.cuda and self._stream is None:
-            self._stream = torch.cuda.Stream(self.pool.device)
-
+        if self._copies is None:
+            self._copies = CopyStream(self.pool.device)
 
 def _as_index(values: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
-
-def _chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
-    for start in range(0, n, size):
-        yield start, min(start + size, n)

@@ -195,7 +195,7 @@ class Arena:
                 if self._place(key, blob, below):
                     stored += 1
                     self._stats.bytes_in += len(blob)
-                else:
+                elif self.on_evict is not None:  # too large, or the oldest blob leased: below
                     below.append((key, bytes(blob)))
         if below and self.on_evict is not None:
             self.on_evict(below)
@@ -291,12 +291,12 @@ class Arena:
             del records[key]
             self.used -= record.length
             at = DATA + record.position % self.capacity
-            blob = self._map[at:at + record.length]
             if record.read:
-                pending.append((key, blob))
+                pending.append((key, self._map[at:at + record.length]))
             else:
                 self._stats.evictions += 1
-                below.append((key, blob))
+                if self.on_evict is not None:  # copied out only for a tier below to take
+                    below.append((key, self._map[at:at + record.length]))
         if limit > self._tail:
             self._tail = limit
             struct.pack_into("<Q", self._map, _TAIL, limit)  # before any byte below it is written

@@ -323,12 +323,15 @@ class RemoteTier:
         ring = self._ring
         missing = [key for key in keys if key not in refs]
         if missing:
-            groups = {i: p for i, p in self._by_server(ring, missing).items()
-                      if ring.servers[i].client.arena_map is not None}
+            groups = self._same_host_groups(ring, missing)
             if groups:
                 self._each_server(groups, lambda i, p: self._lookup(ring.servers[i], [missing[j] for j in p]))
                 refs.update(self._lookup_refs.take(missing))
         return refs
+
+    def _same_host_groups(self, ring: _Ring, keys: Sequence[bytes]) -> dict[int, list[int]]:
+        """`_by_server`'s groups of `keys`, only those of servers whose arena is mapped here."""
+        return {i: p for i, p in self._by_server(ring, keys).items() if ring.servers[i].client.arena_map is not None}
 
     @property
     def same_host(self) -> bool:
@@ -345,7 +348,7 @@ class RemoteTier:
         refs = self._take_refs(keys)
         missing = [key for key in dict.fromkeys(keys) if key not in refs]
         ring = self._ring
-        groups = {i: p for i, p in self._by_server(ring, missing).items() if ring.servers[i].client.arena_map}
+        groups = self._same_host_groups(ring, missing)
         if groups and not self._closed:
             views = ArenaViews()
 

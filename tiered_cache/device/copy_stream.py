@@ -1,0 +1,57 @@
+"""`CopyStream`: a transfer queued chunk by chunk on one CUDA copy stream, the way both copiers
+between host memory and the pool do it (`host_copy.py`, `arena_copy.py`).
+
+The copy stream first waits for the caller's stream (KV the model is still writing, earlier
+readers of the pages); each chunk is queued under a small lock, because the copier's one chunk
+buffer is reused by the next chunk, whoever's (the stream keeps them in order); at the end, also
+when a chunk raised, the caller's stream waits for the copies and so does the host: the caller
+may reuse its source or free its pages after. A background transfer waits for each chunk before
+queueing the next, so a request's transfer queues behind one chunk, not a whole transfer. On the
+CPU the chunks just run in turn under the lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+class CopyStream:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._stream: Any = torch.cuda.Stream(device) if self.cuda else None
+        # One transfer at a time uses the chunk buffer (they share one link anyway). Never held
+        # while waiting for anything but the copy itself.
+        self._busy = threading.Lock()
+
+    def run(self, n: int, size: int, chunk: Callable[[int, int], None], background: bool = False) -> None:
+        """`chunk(start, end)` for each chunk of `size` of `n` items, queued on the copy stream
+        (see the module doc); returns when every copy has finished."""
+        if not self.cuda:
+            for start, end in chunks(n, size):
+                with self._busy:
+                    chunk(start, end)
+            return
+        stream, caller = self._stream, torch.cuda.current_stream(self.device)
+        stream.wait_stream(caller)
+        try:
+            for start, end in chunks(n, size):
+                with self._busy, torch.cuda.stream(stream):
+                    chunk(start, end)
+                    done = stream.record_event() if background else None
+                if done is not None:
+                    done.synchronize()  # a request's chunks queue behind this one only
+        finally:
+            event = stream.record_event()
+            caller.wait_event(event)
+            event.synchronize()
+
+
+def chunks(n: int, size: int) -> Iterator[tuple[int, int]]:
+    """(start, end) of each run of at most `size` of `n` items."""
+    for start in range(0, n, size):
+        yield start, min(start + size, n)
