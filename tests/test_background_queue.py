@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tiered_cache.demotion import BACKGROUND_NICE, BackgroundQueue
+from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue
 
 
 def _own_nice() -> int:

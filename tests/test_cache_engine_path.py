@@ -137,15 +137,15 @@ def test_put_and_commit_never_wait_for_a_hanging_lower_tier_and_a_full_queue_dro
 def test_the_writer_stops_between_pages_while_a_request_is_in_progress(monkeypatch):
     """A request that arrives while the writer encodes a chunk waits for at most one page of it:
     the writer holds the GIL while it encodes, and gives the request its turn page by page."""
-    import tiered_cache.cache as cache_module
+    import tiered_cache.cache.lower_writer as writer_module
 
-    monkeypatch.setattr(cache_module, "_YIELD_S", 5.0)  # no timeout ends the wait within the test
+    monkeypatch.setattr(writer_module, "YIELD_S", 5.0)  # no timeout ends the wait within the test
     below = GatedTier(1 << 20)
     below.gate.set()
     c = make(pool_pages=8, host_pages=8, lower=[below], write_policy="write_through")
     encoded: list[bytes] = []
     first = threading.Event()
-    encode = c._encode
+    encode = c.writer._encode
 
     def encode_then_a_request_arrives(page, key):
         if not encoded:
@@ -154,7 +154,7 @@ def test_the_writer_stops_between_pages_while_a_request_is_in_progress(monkeypat
         encoded.append(key)
         return encode(page, key)
 
-    monkeypatch.setattr(c, "_encode", encode_then_a_request_arrives)
+    monkeypatch.setattr(c.writer, "_encode", encode_then_a_request_arrives)
     tokens = list(range(16))  # 4 pages, one chunk
     c.put(tokens, token_kv(SPEC, tokens))
     assert first.wait(10)

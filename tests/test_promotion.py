@@ -1,4 +1,4 @@
-"""The promotion path (tiered_cache/promotion.py) as an engine drives it: a prefix in host RAM
+"""The promotion path (tiered_cache/cache/promoter.py) as an engine drives it: a prefix in host RAM
 goes straight from its slots into device pages, also into a full pool, and nothing is staged."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The reuse policy: load a cached prefix only as far as it arrives sooner than it would be
-recomputed (tiered_cache/reuse.py). The estimators and the cut as pure functions, the settings,
+recomputed (tiered_cache/cache/reuse.py). The estimators and the cut as pure functions, the settings,
 and a real store server behind a real rate-limited link with host RAM as the fast tier."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from prometheus_client import generate_latest
 from throttle_proxy import ThrottledProxy
 
 from tiered_cache.cache import TieredCache
+from tiered_cache.cache.handle import HOST
+from tiered_cache.cache.reuse import Rate, RateEstimator, ReuseEstimates, pages_to_load
 from tiered_cache.cli.tree_render import render_tree
 from tiered_cache.config import CacheConfig, ReusePolicy
-from tiered_cache.handle import HOST
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.metrics import registry_of
 from tiered_cache.metrics.families import cache_families
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.reuse import Rate, RateEstimator, ReuseEstimates, pages_to_load
 from tiered_cache.service.process import StoreProcess
 from tiered_cache.service.stats import server_stats
 from tiered_cache.tiers.codec import encode_page
@@ -312,7 +312,7 @@ def test_always_loads_through_the_slow_link_as_before(slow_store):
 
 
 def test_a_tier_skipped_as_slow_is_measured_again_in_the_background(slow_store, monkeypatch):
-    import tiered_cache.promotion as cache_module
+    import tiered_cache.cache.promoter as cache_module
 
     _, proxy = slow_store
     with _cache_with_host_head(proxy, "faster") as cache:

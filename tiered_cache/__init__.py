@@ -20,8 +20,8 @@ __version__ = "0.1.0"
 
 # Names that need torch: imported on first access, so `import tiered_cache` stays light.
 _LAZY = {
-    "TieredCache": "tiered_cache.cache",
-    "CacheHandle": "tiered_cache.cache",
+    "TieredCache": "tiered_cache.cache.tiered_cache",
+    "CacheHandle": "tiered_cache.cache.handle",
     "CacheConfig": "tiered_cache.config",
     "WritePolicy": "tiered_cache.config",
     "LowerTier": "tiered_cache.config",

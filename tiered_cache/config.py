@@ -16,9 +16,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tiered_cache.cache.reuse import ReusePolicy
 from tiered_cache.index.radix_node import EvictionPolicy
 from tiered_cache.model.units import parse_size
-from tiered_cache.reuse import ReusePolicy
 from tiered_cache.service.auth import check_token
 from tiered_cache.tiers.codec import Codec
 

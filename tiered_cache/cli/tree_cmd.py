@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.url:
         view = _from_url(args.url, args.token or os.environ.get("TIERED_CACHE_METRICS_TOKEN"))
         if args.tokenizer:
-            from tiered_cache.tree_view import decode_previews
+            from tiered_cache.cache.tree_view import decode_previews
 
             decode_previews(view, _decoder(args.tokenizer))
         views = [view]

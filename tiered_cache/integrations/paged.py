@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tiered_cache.cache import TieredCache
-from tiered_cache.handle import CacheHandle
+from tiered_cache.cache.handle import CacheHandle
 from tiered_cache.integrations.transformers import cache_keyword, last_logits_only
 from tiered_cache.model.spec import Layout
 

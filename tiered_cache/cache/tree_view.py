@@ -12,12 +12,24 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tiered_cache.index.radix import RadixTree
 from tiered_cache.index.radix_node import RadixNode
+
+if TYPE_CHECKING:
+    from tiered_cache.tiers.chain import TierChain
+    from tiered_cache.tiers.host import HostTier
+
+
+def held_below(host: HostTier, chain: TierChain) -> Callable[[list[bytes]], list[str]]:
+    """For `snapshot`: the tiers below the device known to hold all of a node's pages."""
+    def where(keys: list[bytes]) -> list[str]:
+        tiers = ["host"] if host.contains_prefix(keys) == len(keys) else []
+        return tiers + [t.name for i, t in enumerate(chain.tiers) if all(chain.known_in(k, i) for k in keys)]
+    return where
 
 
 class PageTokens:

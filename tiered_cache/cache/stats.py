@@ -6,8 +6,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from tiered_cache.demotion import QueueFigures
-from tiered_cache.reuse import ReuseFigures
+from tiered_cache.cache.background import QueueFigures
+from tiered_cache.cache.reuse import ReuseFigures
 from tiered_cache.tiers.base import TierStats
 
 

@@ -54,7 +54,7 @@ class CacheHandle:
     # whether anything was ever dropped (then the sequence is not a reusable prefix: no commit).
     dropped: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64), repr=False)
     compacted: bool = False
-    swapped: Any = field(default=None, repr=False)  # a `SwappedPages` while swapped out (swapping.py)
+    swapped: Any = field(default=None, repr=False)  # a `SwappedPages` while swapped out (swaps.py)
 
     @property
     def num_device_pages(self) -> int:

@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from tiered_cache.demotion import BackgroundQueue, Foreground
+from tiered_cache.cache.background import BackgroundQueue, Foreground
 from tiered_cache.device.memory import HUGEPAGE_MIN_BYTES, empty_cpu, pretouch_async
 
 _SLACK = 1.25  # a spare up to this much larger than asked is handed out (the rest rides along)

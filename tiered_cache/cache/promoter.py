@@ -41,15 +41,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_cache.cache_stats import Movements
+from tiered_cache.cache.handle import HOST, Prefetch
+from tiered_cache.cache.reuse import ReuseEstimates
+from tiered_cache.cache.staging import StagingBuffers
+from tiered_cache.cache.stats import Movements
 from tiered_cache.config import CacheConfig
 from tiered_cache.device.arena_copy import ArenaCopier
 from tiered_cache.device.host_copy import HostCopier
 from tiered_cache.device.pool import PagePool
-from tiered_cache.handle import HOST, Prefetch
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.reuse import ReuseEstimates
-from tiered_cache.staging import StagingBuffers
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.codec import PageDest
 from tiered_cache.tiers.host import HostTier

@@ -1,0 +1,33 @@
+"""`TieredCache` and the collaborators it is built from, one job per file:
+
+- `tiered_cache.py`: `TieredCache`, the public API: argument checks and the lock.
+- `ledger.py`: who holds which device page (tree, handles, copies under way); `check_integrity`.
+- `loader.py`: fills new device pages and hands them to the tree (`load`, `put`).
+- `promoter.py`: the promotion path: plan, prefetch and fetch pages from host RAM and below.
+- `demoter.py`: room on the device: device -> host RAM, inline or above the watermark.
+- `lower_writer.py`: write-behind from host RAM to the blob tiers below.
+- `forks.py`, `swaps.py`, `compaction.py`: copy-on-write forks, preemption by swap, retention.
+- `handle.py`, `staging.py`, `spare_output.py`, `reuse.py`, `stats.py`, `tree_view.py`,
+  `background.py`, `lower_tiers.py`, `metrics_endpoint.py`: what those use.
+
+`TieredCache` and `CacheHandle` are imported on first use, so `tiered_cache.config` can use the
+small modules here without loading the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {"TieredCache": "tiered_cache.cache.tiered_cache", "CacheHandle": "tiered_cache.cache.handle"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tiered_cache.cache' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = ["CacheHandle", "TieredCache"]

@@ -1,0 +1,235 @@
+"""`Loader`: fills new device pages and hands them to the tree: a handle's prefix found below the
+device (`load`, through the promoter) or KV the caller gives (`put`).
+
+Pages are allocated first (as many as fit: a full pool ends the prefix where the room did), then
+filled without the lock (they are nobody else's until adopted: `ledger.loose`), then the leading
+ones that arrived go into the tree and the rest are freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from tiered_cache.cache.demoter import Demoter
+from tiered_cache.cache.handle import HOST, CacheHandle
+from tiered_cache.cache.ledger import PageLedger
+from tiered_cache.cache.promoter import Fetched, Promoter
+from tiered_cache.cache.stats import Movements
+from tiered_cache.tiers.host import HostTier
+
+
+class Loader:
+    """The fill-then-adopt path of one cache (see the module doc)."""
+
+    def __init__(self, ledger: PageLedger, demoter: Demoter, promoter: Promoter, host: HostTier,
+                 in_flight: Mapping[bytes, Any], moves: Movements, lock: threading.RLock) -> None:
+        self.ledger = ledger
+        self.spec, self.pool, self.tree = ledger.spec, ledger.pool, ledger.tree
+        self.demoter = demoter
+        self.promoter = promoter
+        self.host = host
+        self._in_flight = in_flight  # pages on their way below, still served from memory
+        self.moves = moves
+        self._lock = lock
+        self.fetch_metrics: Any = None  # live fetch histograms, when the cache serves metrics
+
+    def lookup(self, ns: str, keys: list[bytes]) -> int:
+        """Tokens `match` would give for `keys`; nothing is moved or counted."""
+        with self._lock:
+            self.demoter.await_keys(keys)
+            on_device = self.tree.match_prefix(keys, ns).num_pages
+            in_host = self._in_host(keys[on_device:])
+        plan = self.promoter.plan(keys[on_device:], in_host)
+        return (on_device + self.promoter.reuse_cut(plan)) * self.spec.page_size
+
+    def match(self, ns: str, keys: list[bytes], tokens: Any, reuse_policy: bool) -> CacheHandle:
+        """Lock the device prefix of `keys` and plan the rest; see `TieredCache.match`."""
+        with self._lock:
+            self.demoter.await_keys(keys)
+            result = self.tree.match_prefix(keys, ns)
+            self.ledger.count_device(result.num_pages, len(keys))
+            self.tree.lock(result.node)
+            in_host = self._in_host(keys[result.num_pages:])
+        try:
+            plan = self.promoter.plan(keys[result.num_pages:], in_host)
+        except BaseException:
+            with self._lock:
+                self.tree.unlock(result.node)
+            raise
+        if reuse_policy:
+            plan = self.promoter.worth_loading(keys[result.num_pages:], plan)
+        handle = CacheHandle(self.ledger.owner, ns, self.spec.page_size, keys, result.node, result.values,
+                             result.num_pages + len(plan), plan, tokens=tokens)
+        handle.sources["device"] = result.num_pages
+        with self._lock:
+            self.ledger.enroll(handle)
+        return handle
+
+    def _in_host(self, keys: list[bytes]) -> list[bool]:
+        """Per key: in host RAM, or on its way below and still served from memory (lock held)."""
+        return [k in self.host.index or k in self._in_flight for k in keys]
+
+    def put(self, ns: str, keys: list[bytes], tokens: np.ndarray, kv: torch.Tensor) -> int:
+        """Store the pages of `keys` the device lacks from `kv` (tensor-API shape, checked); as many
+        as fit. Returns the tokens newly stored."""
+        ps = self.spec.page_size
+        with self._lock:
+            match = self.tree.match_prefix(keys, ns)
+            if match.num_pages == len(keys):
+                return 0
+            self.tree.lock(match.node)  # keep the prefix on the device while room is made
+            try:
+                pages = self.demoter.allocate_fitting(len(keys) - match.num_pages)
+            except BaseException:
+                self.tree.unlock(match.node)
+                raise
+            self.ledger.loose += len(pages)
+        n, start = len(pages), match.num_pages
+        try:
+            if n:  # the pages are ours until adopted: the copy needs no lock
+                self.pool.store(self.pool.slots(pages, n * ps), kv[:, :, start * ps:(start + n) * ps])
+        except BaseException:
+            with self._lock:
+                self.pool.free(pages)
+                self.ledger.loose -= n
+                self.tree.unlock(match.node)
+            raise
+        with self._lock:
+            self.tree.unlock(match.node)
+            self.ledger.loose -= n
+            if not n:
+                return 0
+            self.ledger.device.bytes_in += n * self.spec.bytes_per_page
+            _, _, dup = self.ledger.adopt(ns, keys[:start + n], match.values, pages, tokens)
+            self.demoter.after_insert(ns, keys[:start + n], n - dup)
+        return (n - dup) * ps
+
+    def prefetch(self, handle: CacheHandle) -> bool:
+        """Start staging the handle's pages below the device (lock held); see `TieredCache.prefetch`."""
+        if handle.prefetch is not None:
+            return True
+        start = handle.num_device_pages
+        wanted, plan = handle.keys[start:handle.available_pages], handle.plan[:handle.available_pages - start]
+        if not wanted:
+            return False
+        if all(where == HOST for where in plan) or self.promoter.in_arenas(plan):
+            return False  # `load` copies these straight into the pool: nothing to stage
+        handle.prefetch = self.promoter.prefetch(wanted, plan)
+        return handle.prefetch is not None
+
+    def load(self, handle: CacheHandle) -> np.ndarray:
+        """Bring the handle's pages below the device into device pages; see `TieredCache.load`."""
+        with self._lock:
+            start = handle.num_device_pages
+            wanted, plan = handle.keys[start:handle.available_pages], handle.plan[:handle.available_pages - start]
+            if wanted and handle.own_pages:
+                raise ValueError("load() after allocate(): the pages allocated for the suffix would no longer "
+                                 "follow the prefix; call load() before allocate()")
+            pending, handle.prefetch = handle.prefetch, None
+        if not wanted:
+            return handle.device_pages
+        if pending is None and all(where == HOST for where in plan):
+            loaded = self._load_from_host(handle, start, wanted)
+            if loaded is not None:
+                return loaded
+        fetched = None
+        if pending is not None:
+            waited = time.perf_counter()
+            try:
+                fetched = pending.future.result()
+            except Exception:  # a failed prefetch is retried inline, never surfaced as an error
+                fetched = None
+            if self.fetch_metrics is not None:
+                self.fetch_metrics.prefetch_wait.observe(time.perf_counter() - waited)
+        if fetched is None and HOST not in plan and (self.promoter.fills_pool or self.promoter.from_arenas(plan)):
+            # Every page below host RAM, and a CPU pool (or, on CUDA, pages in same-host store
+            # arenas): device pages first, then each page lands straight in its own (one copy or
+            # one DMA, no staging); only as many are fetched as fit. (With pages in host RAM,
+            # allocating first could evict them before they are copied: the staged path copies
+            # them out first.)
+            return self._install(handle, start, len(wanted),
+                                 lambda pages: self.promoter.fetch(wanted[:len(pages)], plan[:len(pages)], pages=pages))
+        staged = fetched if fetched is not None else self.promoter.fetch(wanted, plan)
+
+        def from_staging(pages: np.ndarray) -> Fetched:
+            self.promoter.staged_to_pool(staged, pages)
+            return staged
+
+        try:
+            return self._install(handle, start, staged.n, from_staging)
+        finally:
+            self.promoter.give_back(staged)
+
+    def _install(self, handle: CacheHandle, start: int, num_pages: int,
+                 fill: Callable[[np.ndarray], Fetched]) -> np.ndarray:
+        """Allocate up to `num_pages` device pages (as many as fit), have `fill` bring the
+        prefix's next pages into them, and put the leading ones that arrived into the tree; the
+        rest are freed."""
+        with self._lock:
+            self.ledger.check_live(handle)
+            pages = self.demoter.allocate_fitting(num_pages)
+            self.ledger.loose += len(pages)
+        try:
+            filled = fill(pages) if len(pages) else None
+        except BaseException:
+            with self._lock:
+                self.pool.free(pages)
+                self.ledger.loose -= len(pages)
+            raise
+        n = min(filled.n, len(pages)) if filled is not None else 0
+        with self._lock:
+            self.ledger.loose -= len(pages)
+            if n < len(pages):
+                self.pool.free(pages[n:])  # from the first page that did not arrive: never adopted
+            return self._adopt_loaded(handle, start, pages[:n], filled.tiers[:n] if filled is not None else [])
+
+    def _load_from_host(self, handle: CacheHandle, start: int, wanted: list[bytes]) -> np.ndarray | None:
+        """All of `wanted` in host RAM: copy its slots straight into new device pages, one copy
+        instead of two through a staging buffer. The lock is held from finding the slots to the
+        end of the copy, so they cannot be evicted or reused meanwhile. When the device is short
+        of free pages, cold device pages are demoted first (into host RAM, or below where it is
+        full), with the pages being loaded held out of host RAM eviction's reach meanwhile. None
+        (nothing done) when host RAM lacks a page or the device cannot make room: `load` then
+        takes the staged path."""
+        n = len(wanted)
+        with self._lock:
+            self.ledger.check_live(handle)
+            if self.host.contains_prefix(wanted) < n:
+                return None
+            shortfall = n - self.pool.num_free
+            if shortfall > 0:
+                if self.tree.size_info().evictable < shortfall:
+                    return None
+                held = self.host.hold(wanted)  # out of eviction's reach while cold pages come down
+                try:
+                    self.demoter.demote_now(self.tree.evict(shortfall))
+                finally:
+                    self.host.unhold(held)
+                if self.pool.num_free < n:
+                    return None
+            pages = self.pool.allocate(n)
+            self.promoter.host_to_pool(self.host.leading_slots(wanted), pages)
+            return self._adopt_loaded(handle, start, pages, ["host"] * len(pages))
+
+    def _adopt_loaded(self, handle: CacheHandle, start: int, pages: np.ndarray, tiers: list[str]) -> np.ndarray:
+        """Pages loaded for `handle` after its first `start`: into the tree, counted (lock held)."""
+        n = len(pages)
+        for name in tiers:
+            handle.sources[name] += 1
+        self.moves.promotions["host"] += tiers.count("host")
+        if n:
+            self.ledger.device.bytes_in += n * self.spec.bytes_per_page
+            node, all_pages, _ = self.ledger.adopt(handle.namespace, handle.keys[:start + n], handle.device_pages,
+                                                   pages, handle.tokens)
+            self.ledger.move_lock(handle, node)
+            handle.device_pages = all_pages
+        handle.available_pages = start + n
+        handle.plan = []
+        self.demoter.maybe_demote()
+        return handle.device_pages

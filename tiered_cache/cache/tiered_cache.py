@@ -1,0 +1,481 @@
+"""`TieredCache`: the one object an inference engine talks to.
+
+Device pool (indexed by the radix tree) -> host RAM (decoded pages) -> a `TierChain` of blob
+tiers (disk, Redis, remote stores). The request path does only what the request needs:
+
+- `match` walks the tree and asks the tiers below once (host RAM, then each lower tier at most
+  once) how far the prefix continues (under `reuse: faster`, only as far as loading beats
+  recomputing); `prefetch` starts bringing those pages up in the background and `load` waits
+  only for what has not arrived. The load path is `loader.py` and `promoter.py`: host RAM slots go straight into
+  device pages; a page from below lands in its device page (CPU pool) or in pinned staging, then
+  one DMA (CUDA).
+- `commit` inserts only pages whose every token was written (`write` / `mark_written`).
+- Demotion is write-behind: above `high_watermark` a background thread moves cold pages device ->
+  host until `low_watermark`; host RAM evictions are encoded and put below by another background
+  thread through a bounded queue (full: dropped and counted). An allocation that finds the pool
+  full still evicts inline, but only copies device -> host there.
+
+The work is done by collaborators (this package's `__init__` lists them); this class keeps the
+public API, its argument checks and the lock.
+
+Thread safety: one lock guards tree, pool and host-RAM metadata (and host-RAM copies, which are
+memory); lower-tier I/O, encoding and decoding run outside it. A handle is used by one thread at
+a time; several threads may use the cache at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from tiered_cache.cache.background import Foreground
+from tiered_cache.cache.compaction import Compaction
+from tiered_cache.cache.demoter import Demoter
+from tiered_cache.cache.forks import Forks
+from tiered_cache.cache.handle import CacheHandle
+from tiered_cache.cache.ledger import PageLedger
+from tiered_cache.cache.loader import Loader
+from tiered_cache.cache.lower_tiers import build_lower_tiers
+from tiered_cache.cache.lower_writer import LowerWriter
+from tiered_cache.cache.promoter import Promoter
+from tiered_cache.cache.spare_output import SpareOutput
+from tiered_cache.cache.stats import CacheStats, Movements
+from tiered_cache.cache.swaps import Swaps
+from tiered_cache.cache.tree_view import decode_previews, held_below, snapshot
+from tiered_cache.config import CacheConfig
+from tiered_cache.device.pool import PagePool, check_tensor
+from tiered_cache.index.keys import PageKeyer
+from tiered_cache.index.radix import RadixTree
+from tiered_cache.index.tokens import as_token_array
+from tiered_cache.model.spec import DType, KVSpec
+from tiered_cache.tiers.base import BlobTier
+from tiered_cache.tiers.chain import TierChain
+from tiered_cache.tiers.host import HostTier
+from tiered_cache.tiers.memtune import tune_malloc
+
+_F = TypeVar("_F", bound=Any)
+
+
+def _request_path(method: _F) -> _F:
+    """Mark a call as a request in progress: background steps wait (briefly) until none is."""
+    @functools.wraps(method)
+    def wrapper(self: TieredCache, *args: Any, **kwargs: Any) -> Any:
+        with self._foreground:
+            return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]
+
+
+def _count(name: str, value: Any, least: int = 0) -> int:
+    """`value` as an int of at least `least`, or ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        kind = "a positive" if least > 0 else "a non-negative"
+        raise ValueError(f"{name} must be {kind} integer, got {value!r}")
+    return int(value)
+
+
+class TieredCache:
+    """KV cache over a device page pool, host RAM and optional lower tiers.
+
+    Tensor API: `put`, `get`, `lookup`. Paged API: `match` -> (`prefetch`) -> `load` ->
+    `allocate` -> engine writes K/V (`write`, or into `writable_slots` then `mark_written`) ->
+    `commit` -> `release`; `fork` makes copy-on-write copies of a handle (forks.py), `swap_out` /
+    `swap_in` preempt one (swaps.py), `drop_tokens` applies a retention policy (compaction.py,
+    retention.py). KV tensors use the shapes of DESIGN.md §6; tokens are 1-D integer sequences;
+    `namespace` defaults to the config's.
+    """
+
+    def __init__(self, spec: KVSpec, config: CacheConfig | None = None,
+                 lower: Sequence[BlobTier] | None = None) -> None:
+        self.spec = spec
+        self.config = config = config or CacheConfig()
+        if config.codec.lossy and spec.dtype is DType.FP8_E4M3:
+            raise ValueError("the int8 codec needs fp16, bf16 or fp32 KV")
+        if config.malloc_tuning:
+            tune_malloc()
+        self.chain = TierChain(list(lower) if lower is not None else build_lower_tiers(config, spec.fingerprint))
+        self.lower: list[BlobTier] = self.chain.tiers
+        self.moves = Movements()
+        self._lock = threading.RLock()
+        self._foreground = Foreground()  # requests in progress: background steps wait for a gap
+        demotions_idle = threading.Event()  # set while no demotion is queued or running
+        demotions_idle.set()
+        self.writer = LowerWriter(spec, config, self.chain, self._lock, self._foreground, demotions_idle)
+        # Normal tensors even when built under torch.inference_mode(): background threads (not in
+        # inference mode) write into the pool and the host slab too.
+        with torch.inference_mode(False):
+            self.pool = PagePool.with_capacity(spec, config.pool_capacity, config.device)
+            self.host = self.writer.host = HostTier(spec, config.host_capacity, on_evict=self.writer.host_evicted,
+                                                    retain=self.writer.retain)
+        self.tree = RadixTree(config.eviction_policy)
+        self.ledger = PageLedger(self, spec, self.pool, self.tree)
+        self.promoter = Promoter(spec, self.pool, self.host, self.chain, self._lock, self.writer.in_flight,
+                                 self.moves, config)
+        self.reuse = self.promoter.reuse  # the reuse policy's estimates (promoter.py, reuse.py)
+        self.demoter = Demoter(config, self.ledger, self.host, self.promoter.copier, self.writer, self.moves,
+                               self._lock, self._foreground, demotions_idle)
+        self.loader = Loader(self.ledger, self.demoter, self.promoter, self.host, self.writer.in_flight, self.moves,
+                             self._lock)
+        self.forks = Forks(self.ledger, self.demoter)
+        self.swaps = Swaps(self.ledger, self.demoter, self.host, self.promoter.staging, self._lock)
+        self.compaction = Compaction(self.ledger, self.forks)
+        # get() without out= on a CPU pool: one output tensor faulted in ahead (spare_output.py).
+        self._spare = (SpareOutput(self._foreground, self.pool.num_pages * spec.bytes_per_page)
+                       if config.spare_output and self.pool.kv.device.type == "cpu" else None)
+        self._keyers: dict[str, PageKeyer] = {}
+        self._closed = False
+        self.metrics: Any = None  # a MetricsServer with config.metrics_port
+        if config.metrics_port is not None:
+            from tiered_cache.cache.metrics_endpoint import serve_metrics
+
+            self.metrics, self.loader.fetch_metrics = serve_metrics(self)
+
+    # --- tensor API ------------------------------------------------------------------------------
+    @_request_path
+    def put(self, tokens: Any, kv: torch.Tensor, namespace: str | None = None) -> int:
+        """Cache the KV of `tokens` (shape (layers, 2, len(tokens), kv_heads, head_dim)).
+
+        Only full pages are cached; when the pool cannot hold them all, the leading pages that fit
+        are. Returns how many tokens were newly stored (pages already on the device are skipped).
+        Raises KVShapeError, TypeError or ValueError for bad input before anything changes.
+        """
+        ns = self._ns(namespace)
+        toks = as_token_array(tokens)
+        self._check_kv(kv, len(toks))
+        return self.loader.put(ns, self._keyer(ns).keys(toks), toks, kv)
+
+    @_request_path
+    def lookup(self, tokens: Any, namespace: str | None = None) -> int:
+        """How many leading tokens `match` would give: cached in any tier and, under the FASTER
+        reuse policy, worth loading (whole pages; nothing is moved or counted)."""
+        ns = self._ns(namespace)
+        return self.loader.lookup(ns, self._keyer(ns).keys(as_token_array(tokens)))
+
+    @_request_path
+    def get(self, tokens: Any, namespace: str | None = None,
+            out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+        """The longest cached prefix of `tokens` that fits on the device: (n tokens, KV of shape
+        (layers, 2, n, heads, dim)). Pages found below the device are promoted first.
+
+        `out`, a (layers, 2, len(tokens), heads, dim) tensor of the spec's dtype on any device,
+        receives the KV (its first n tokens; the view is returned): reusing it saves faulting in
+        fresh memory on every call.
+        """
+        toks = as_token_array(tokens)
+        if out is not None:
+            check_tensor("out", out, self.spec.kv_shape(len(toks)), self.spec.dtype.torch, self.spec.model_id)
+        handle = self.match(toks, namespace)
+        try:
+            pages = self.load(handle)
+            n = len(pages) * self.spec.page_size
+            if out is not None:
+                return n, self.pool.read_tokens(pages, n, out=out[:, :, :n])
+            if self._spare is None or not n:
+                return n, self.pool.read_tokens(pages, n)
+            shape, dtype = self.spec.kv_shape(n), self.pool.kv.dtype
+            result = self.pool.read_tokens(pages, n, out=self._spare.take(shape, dtype))
+            self._spare.refill(shape, dtype)  # the next get of this size finds memory faulted in
+            return n, result
+        finally:
+            self.release(handle)
+
+    # --- paged API -------------------------------------------------------------------------------
+    @_request_path
+    def match(self, tokens: Any, namespace: str | None = None) -> CacheHandle:
+        """Find the cached prefix and lock its device pages. Pages found only below the device
+        (host RAM, lower tiers: each asked once) are counted in `available_pages` and planned for
+        `prefetch` / `load`: under the FASTER reuse policy only the leading ones that arrive sooner
+        than the engine would compute them (the rest are counted in `stats().reuse`)."""
+        ns = self._ns(namespace)
+        toks = as_token_array(tokens)
+        return self._match_keys(ns, self._keyer(ns).keys(toks), toks, reuse_policy=True)
+
+    def _match_keys(self, ns: str, keys: list[bytes], toks: Any, reuse_policy: bool = False) -> CacheHandle:
+        """`match` on computed keys. `reuse_policy`: cut the plan where loading stops paying; off
+        for callers that need the whole prefix back (`swap_in`: the request's own pages follow it)."""
+        if self._closed:
+            raise ValueError("this TieredCache is closed")
+        return self.loader.match(ns, keys, toks, reuse_policy)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """Tell the reuse policy that the engine prefilled `num_tokens` tokens in `seconds` (the
+        forward of the uncached part alone, not the load; on CUDA after a synchronize). The
+        FASTER policy plans with this rate unless `CacheConfig.prefill_tokens_per_s` fixes one.
+        Raises ValueError for a negative count or time."""
+        num_tokens = _count("num_tokens", num_tokens)
+        if not seconds >= 0:
+            raise ValueError(f"seconds must be a non-negative number, got {seconds!r}")
+        self.reuse.observe_prefill(num_tokens, float(seconds))
+
+    @_request_path
+    def prefetch(self, handle: CacheHandle) -> bool:
+        """Start bringing the handle's pages below the device up into staging memory in the
+        background; `load` then waits only for what has not arrived. Returns False (and `load`
+        fetches inline) when there is nothing below or `max_prefetches` are already in flight.
+        `release` cancels a prefetch that is still running."""
+        with self._lock:
+            self.ledger.check_live(handle)
+            return self.loader.prefetch(handle)
+
+    @_request_path
+    def load(self, handle: CacheHandle) -> np.ndarray:
+        """Bring the handle's pages found below the device into device pages; returns all the
+        prefix's device pages, in order. Pages that turn out missing or corrupt end the prefix,
+        and so does a full pool: the prefix then ends where the room did (the engine computes
+        the rest). Never raises PoolExhaustedError."""
+        with self._lock:
+            self.ledger.check_live(handle)
+        return self.loader.load(handle)
+
+    @_request_path
+    def allocate(self, handle: CacheHandle, num_tokens: int) -> np.ndarray:
+        """Room for `num_tokens` more tokens after those the handle already has pages for: fills the
+        free slots of its last page first, then allocates new device pages (evicting if needed).
+        Returns only the new pages. Raises PoolExhaustedError when eviction cannot make room."""
+        num_tokens = _count("num_tokens", num_tokens)
+        with self._lock:
+            self.ledger.check_live(handle)
+            needed = self.spec.pages_for_tokens(handle.own_tokens + num_tokens) - len(handle.own_pages)
+            pages = self.demoter.allocate(max(0, needed))
+            with self.ledger.reshaping(handle):
+                handle.own_pages.extend(pages.tolist())
+                handle.own_tokens += num_tokens
+            self.demoter.maybe_demote()
+        return pages
+
+    @_request_path
+    def write(self, handle: CacheHandle, kv: torch.Tensor) -> None:
+        """Write the KV of the handle's next `kv.shape[2]` tokens (tensor-API shape) into its own
+        pages, after the tokens already written, and count them as written."""
+        if not isinstance(kv, torch.Tensor) or kv.dim() != 5:
+            raise ValueError(f"write() needs a (layers, 2, tokens, kv_heads, head_dim) tensor, got "
+                             f"{getattr(kv, 'shape', type(kv).__name__)}")
+        n = int(kv.shape[2])
+        self._check_kv(kv, n)
+        with self._lock:
+            self._check_writable(handle, n)
+            self.forks.make_private(handle, handle.own_written, handle.own_written + n)  # copy-on-write
+            slots = self.pool.slots(np.array(handle.own_pages, dtype=np.int64), handle.own_written + n)
+        self.pool.store(slots[handle.own_written:], kv)  # the handle's own private pages: no lock needed
+        handle.own_written += n
+
+    @_request_path
+    def mark_written(self, handle: CacheHandle, num_tokens: int) -> None:
+        """Record that the engine wrote the KV of the handle's next `num_tokens` tokens itself
+        (into `pool.kv`, at the slots `writable_slots` gave). Only written tokens are ever
+        committed. Raises ValueError past the tokens allocated, or over a page a fork shares."""
+        num_tokens = _count("num_tokens", num_tokens)
+        with self._lock:
+            self._check_writable(handle, num_tokens)
+            self.forks.require_private(handle, handle.own_written, handle.own_written + num_tokens)
+            handle.own_written += num_tokens
+
+    @_request_path
+    def commit(self, handle: CacheHandle, tokens: Any, num_written: int | None = None) -> int:
+        """Insert the full pages of `tokens` whose KV was written: the matched prefix and the
+        suffix the engine wrote into the handle's own pages (`write` / `mark_written`).
+
+        `num_written` (default: everything the handle knows was written) is how many leading
+        tokens of `tokens` to commit; a partly written page is never inserted. Committing tokens
+        that were not written is a ValueError, and so are tokens that do not start with the
+        handle's prefix. Returns the number of tokens newly cached.
+        """
+        ns_tokens = as_token_array(tokens)
+        with self._lock:
+            self.ledger.check_live(handle)
+            if handle.compacted:
+                raise ValueError("commit() of a sequence a retention policy compacted: its KV is no longer the KV "
+                                 "of its tokens, so it is never cached as a prefix; release it")
+            written = handle.written_tokens
+            if num_written is None:
+                if len(ns_tokens) > written:
+                    raise ValueError(f"commit() got {len(ns_tokens)} tokens but only {written} were written "
+                                     f"(write()/mark_written()); pass num_written={written} to commit the "
+                                     f"written part")
+                num_written = len(ns_tokens)
+            num_written = _count("num_written", num_written)
+            if num_written > written:
+                raise ValueError(f"commit(num_written={num_written}) but only {written} tokens of this handle "
+                                 f"were written ({handle.prefix_tokens} matched + {handle.own_written} written)")
+            if num_written > len(ns_tokens):
+                raise ValueError(f"commit(num_written={num_written}) but only {len(ns_tokens)} tokens were given")
+            keys = self._keyer(handle.namespace).keys(ns_tokens[:num_written])
+            start = handle.num_device_pages
+            if keys[:start] != handle.keys[:min(start, len(keys))]:
+                raise ValueError("commit() tokens do not start with the prefix this handle matched")
+            n_new, dup = self.ledger.commit_own(handle, keys, ns_tokens)
+            if n_new:
+                self.demoter.after_insert(handle.namespace, keys[:start + n_new], n_new - dup)
+            return (n_new - dup) * self.spec.page_size
+
+    @_request_path
+    def release(self, handle: CacheHandle) -> None:
+        """Unlock the prefix, cancel a prefetch still running, and free the pages the handle still
+        owns (e.g. a partial last page). Raises ValueError for a handle of another cache or one
+        released already."""
+        with self._lock:
+            self.ledger.check_live(handle, allow_swapped=True)
+            if handle.swapped is not None:
+                self.swaps.release_swapped(handle)  # its prefix was unlocked and its pages freed then
+            else:
+                self.tree.unlock(handle.node)
+                self.ledger.unused_slots -= self.ledger.unused(handle)
+            self.ledger.retire(handle)
+            pending, handle.prefetch = handle.prefetch, None
+        if pending is not None:
+            pending.cancel.set()
+            self.promoter.give_back_when_done(pending.future)
+
+    # --- forks, swaps, retention -----------------------------------------------------------------
+    def fork(self, handle: CacheHandle, n: int) -> list[CacheHandle]:
+        """`n` new handles that each continue the sequence `handle` holds: they share its matched
+        prefix and its own pages (written or only allocated), and each writes, commits and is
+        released on its own. The parent stays live (release it when done). Pages found below the
+        device and not loaded yet are not shared: `load()` before forking to share them.
+        Raises ValueError for n < 1 or a handle that is not live."""
+        n = _count("fork() needs a positive number of forks: n", n, least=1)
+        with self._lock:
+            self.ledger.check_live(handle)
+            return self.forks.fork(handle, n)
+
+    def writable_slots(self, handle: CacheHandle, num_tokens: int) -> np.ndarray:
+        """Flat pool slots for the handle's next `num_tokens` tokens (after those written), for an
+        engine that writes K/V into `pool.kv` itself and then calls `mark_written`. Pages there
+        that a fork shares are copied first, so the writes reach this sequence alone."""
+        num_tokens = _count("num_tokens", num_tokens)
+        with self._lock:
+            self._check_writable(handle, num_tokens)
+            self.forks.make_private(handle, handle.own_written, handle.own_written + num_tokens)
+            slots = self.pool.slots(np.array(handle.own_pages, dtype=np.int64), handle.own_written + num_tokens)
+        return slots[handle.own_written:]
+
+    def swap_out(self, handle: CacheHandle) -> int:
+        """Move the handle's own pages to host RAM and free its device pages; returns the pages
+        moved. Raises SwapError (nothing changed) when host RAM cannot hold them."""
+        with self._lock:
+            self.ledger.check_live(handle)  # refuses one swapped out already
+            return self.swaps.swap_out(handle)
+
+    def swap_in(self, handle: CacheHandle) -> np.ndarray:
+        """Bring a swapped-out handle back: its prefix matched (and loaded) again, its own pages
+        copied into fresh device pages. Returns the handle's own pages. Raises SwapError when
+        the prefix is no longer cached anywhere, PoolExhaustedError when the device has no room;
+        either way the handle stays swapped out, unchanged."""
+        with self._lock:
+            self.ledger.check_live(handle, allow_swapped=True)
+        return self.swaps.swap_in(handle, self._match_keys, self.load, self.release)
+
+    def live_slots(self, handle: CacheHandle) -> np.ndarray:
+        """Flat pool slots of the handle's live tokens in order: its matched prefix, then its own
+        written tokens that no policy dropped. What attention reads for this sequence."""
+        with self._lock:
+            self.ledger.check_live(handle)  # refuses a swapped-out handle too
+            return self.compaction.live_slots(handle)
+
+    def drop_tokens(self, handle: CacheHandle, live_indices: Any) -> int:
+        """Drop the tokens at `live_indices` (positions in `live_slots(handle)`) from the sequence:
+        attention no longer sees them, pages left with no live token are freed, and the handle
+        becomes compacted (never committed). Tokens of the matched prefix are shared and cannot be
+        dropped (ValueError), nor can tokens not written yet. Returns the pages freed."""
+        with self._lock:
+            self.ledger.check_live(handle)  # refuses a swapped-out handle too
+            return self.compaction.drop(handle, live_indices)
+
+    # --- housekeeping ----------------------------------------------------------------------------
+    def evict(self, num_pages: int | None = None) -> int:
+        """Move up to `num_pages` unlocked device pages (all when None) down to host RAM, least
+        recently used first, freeing them in the pool. Returns how many pages were moved."""
+        with self._lock:
+            evicted = self.tree.evict(self.tree.size_info().evictable if num_pages is None else num_pages)
+            self.demoter.demote_now(evicted)
+            return sum(len(node.keys) for node in evicted)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the background demotions and lower-tier writes queued so far are done
+        (tests, benches, a clean shutdown). False if `timeout` passed first."""
+        return self.demoter.flush(timeout) and self.writer.flush(timeout)
+
+    def set_remote_addresses(self, addresses: Sequence[str]) -> bool:
+        """Point the remote tier at `addresses` (a cluster's shard directory changed). Keys move to
+        their new owners by rendezvous hashing: a key whose owner left reads as a miss. What this
+        cache knew the old owners held is forgotten for the moved keys, and the pages it holds in
+        host RAM whose owner changed are put to their new owners in the background, so a shard
+        that joins gets the hot prefixes every instance holds (they would otherwise never be
+        written again). Returns whether anything changed; raises ValueError without a remote tier."""
+        return self.writer.set_remote_addresses(addresses)
+
+    def stats(self) -> CacheStats:
+        """Figures of every tier, the pool, the tree, the background queues and the reuse policy."""
+        with self._lock:
+            device, pool, size, nodes = self.ledger.figures()
+            tiers = [device, self.moves.apply(self.host.stats())]
+        tiers += [replace(t, corrupt=t.corrupt + self.moves.refused[t.name]) for t in self.chain.stats()]
+        return CacheStats(tiers, pool, self.spec.page_size, nodes, size.evictable, size.protected,
+                          [self.demoter.figures(), self.writer.figures()], self.promoter.declined,
+                          self.chain.skipped_puts, self.writer.pages_dropped, self.reuse.figures())
+
+    def prefix_tree(self, max_nodes: int = 500, decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
+        """The radix tree of prefixes as plain data (tree_view.py), for `tiered-cache tree`; with
+        `decode` (token ids -> text), each node's first and last page as text too."""
+        with self._lock:
+            view = snapshot(self.tree, self.spec.page_size, self.ledger.page_tokens,
+                            held_below(self.host, self.chain), max_nodes)
+        stats = self.stats()
+        view["tiers"] = {t.name: t.pages for t in stats.tiers}
+        view["reuse"] = stats.reuse.to_dict() if stats.reuse is not None else None
+        return decode_previews(view, decode) if decode is not None else view
+
+    def check_integrity(self) -> None:
+        """Tree and pool invariants, and page holder counts: every page the tree or a live handle
+        holds has exactly that many holders in the pool; pages allocated with no holder are only
+        those a copy is filling now (background demotion, a put or load under way)."""
+        with self._lock:
+            self.ledger.check_integrity()
+
+    def close(self) -> None:
+        """Finish queued background work, then close the lower tiers' connections."""
+        if self._closed:
+            return
+        self.demoter.close()  # runs what is queued first (it may queue writes below)
+        self.writer.close()
+        self._closed = self.demoter.closed = self.writer.closed = True
+        self.promoter.close()
+        if self._spare is not None:
+            self._spare.close()
+        if self.metrics is not None:
+            self.metrics.stop()
+        self.chain.close()
+
+    def __enter__(self) -> TieredCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- argument checks -------------------------------------------------------------------------
+    def _ns(self, namespace: str | None) -> str:
+        ns = self.config.namespace if namespace is None else namespace
+        if not isinstance(ns, str):
+            raise TypeError(f"namespace must be a str, got {type(ns).__name__}")
+        return ns
+
+    def _keyer(self, namespace: str) -> PageKeyer:
+        keyer = self._keyers.get(namespace)
+        if keyer is None:
+            keyer = self._keyers[namespace] = PageKeyer(self.spec, namespace)
+        return keyer
+
+    def _check_kv(self, kv: Any, num_tokens: int) -> None:
+        """KV in the tensor-API shape (layers, 2, tokens, kv_heads, head_dim) and the spec's dtype."""
+        check_tensor("kv", kv, self.spec.kv_shape(num_tokens), self.spec.dtype.torch, self.spec.model_id)
+
+    def _check_writable(self, handle: CacheHandle, n: int) -> None:
+        self.ledger.check_live(handle)
+        if handle.own_written + n > handle.own_tokens:
+            raise ValueError(f"writing {n} more tokens would pass the {handle.own_tokens} allocated "
+                             f"({handle.own_written} written so far); allocate() first")
