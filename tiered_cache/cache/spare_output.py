@@ -1,7 +1,8 @@
 """One pre-faulted CPU output tensor kept ready for the next `TieredCache.get()` without `out=`.
 
 A fresh tensor costs its first touch: the kernel faults in and zeroes every page while `get`
-copies into it (256 MiB: memcpy at 12-13 GiB/s becomes 9-10 here, even on huge pages). The
+copies into it, slowing that copy well below memcpy even on huge pages (figures in
+docs/PERFORMANCE.md). The
 spare moves that cost off the request path: `get` takes the spare when it fits and hands it over
 for good (it is never reused, so the caller owns it like any new tensor), and a background
 thread then allocates and faults in the next one during a quiet moment. At most one spare, the

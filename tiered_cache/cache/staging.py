@@ -1,6 +1,6 @@
 """Reusable page-first host buffers for pages on their way between tiers.
 
-Fresh memory costs first-touch page faults (0.2-0.7 GiB/s here, FACTS.md), so buffers are kept
+Fresh memory costs first-touch page faults (far slower than a copy: docs/PERFORMANCE.md), so buffers are kept
 and leased out again; on CUDA they are pinned so host <-> device copies can be asynchronous.
 A buffer is leased by one fetch or demotion at a time and given back when its bytes are in place.
 """
@@ -35,8 +35,8 @@ class StagingBuffers:
         with torch.inference_mode(False):
             if self.pin:
                 return torch.empty(shape, dtype=self.spec.dtype.torch, pin_memory=True)
-            # Unpinned: on transparent huge pages where Linux gives them, which made the first
-            # touch of fresh memory 3-4x faster here (device/memory.py).
+            # Unpinned: on transparent huge pages where Linux gives them, which makes the first
+            # touch of fresh memory several times faster (device/memory.py).
             return empty_cpu(shape, self.spec.dtype.torch)
 
     def give_back(self, buffer: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ a page cannot cross as one contiguous copy. On CUDA the layout change is done wh
 
 and the reverse for demotion (gather kernel into the chunk buffer, then one DMA per run of rows
 into the slab). The DMA moves every byte once at PCIe speed; the kernel touches it again in HBM,
-about 40x faster, so the load runs close to a plain pinned host -> device copy of the same bytes.
+an order of magnitude faster, so the load runs close to a plain pinned host -> device copy of the same bytes.
 The chunk buffer (`chunk_bytes`, default 64 MiB) bounds the device memory this needs; each chunk
 is queued under a small lock, so transfers of several threads interleave chunk by chunk on the
 one stream, and a background transfer (`background=True`: demotion, write-through) waits for each

@@ -1,7 +1,7 @@
 """Pre-touching fresh memory off the request path.
 
-The first write to a fresh OS page costs a page fault and the kernel zeroing it: 0.2-0.7 GiB/s
-here (FACTS.md), so a 256 MiB pool plus a 1 GiB host slab zero-filled at construction take ~3 s.
+The first write to a fresh OS page costs a page fault and the kernel zeroing it, far slower than
+a copy, so a pool and a host slab zero-filled at construction would take seconds.
 `allocate_pretouched` returns at once and a daemon thread faults the pages in.
 """
 
@@ -77,8 +77,8 @@ def allocate_pretouched(shape: tuple[int, ...], dtype: torch.dtype, device: str 
 
 def empty_cpu(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`torch.empty` on the CPU; from HUGEPAGE_MIN_BYTES on, Linux is asked for transparent huge
-    pages (MADV_HUGEPAGE, best effort): one fault per 2 MiB instead of per 4 KiB made the first
-    touch of fresh memory 3-4x faster here (1.0 -> 3.2-4.0 GB/s for 256 MiB)."""
+    pages (MADV_HUGEPAGE, best effort): one fault per 2 MiB instead of per 4 KiB makes the first
+    touch of fresh memory several times faster (docs/PERFORMANCE.md)."""
     tensor = torch.empty(shape, dtype=dtype)
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes >= HUGEPAGE_MIN_BYTES:

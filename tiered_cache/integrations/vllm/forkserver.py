@@ -1,8 +1,8 @@
 """Start vLLM instances in seconds: one process in the vLLM venv imports vLLM once and forks a
 fresh child for each instance (`instance.py`).
 
-Importing vLLM takes 6-10 s on 2 cores, most of a test instance's 14 s; a child forked after the
-import answers in about 5. Each child is still its own process with its own engine, KV cache,
+Importing vLLM takes most of a fresh instance's start-up; a child forked after the import skips
+it. Each child is still its own process with its own engine, KV cache,
 connector and block stores, as a second serving instance would be: nothing but imported modules
 is shared (the server creates no engine, no tokenizer and no thread before it forks).
 

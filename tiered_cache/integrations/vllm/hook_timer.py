@@ -1,11 +1,10 @@
 """`HookTimer`: the wall time a vLLM process spends inside a KV connector's hooks (vLLM-free).
 
 `bench vllm` reports it beside TTFT: a connector controls its lookup, its loads and its saves, not
-the forward pass, which is the same compute for every way and, on a shared 2-core machine, varies
-more between two processes than the connectors differ (a 7-token forward took 100 ms in one B
-process and 141 ms in the next). Time in the hooks is measured the same way for any connector
-class, ours or vLLM's `ExampleConnector`; work a connector leaves to its own threads is not in it
-(it shows in TTFT, if anywhere).
+the forward pass, which is the same compute for every way and, on a small shared CPU machine,
+varies more between two processes than the connectors differ. Time in the hooks is measured the
+same way for any connector class, ours or vLLM's `ExampleConnector`; work a connector leaves to
+its own threads is not in it (it shows in TTFT, if anywhere).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-TARGET_PAGE_BYTES = 1 << 20  # ~1 MiB pages: what the store server and Redis move best (FACTS.md)
+TARGET_PAGE_BYTES = 1 << 20  # ~1 MiB pages: what the store server and Redis move best (docs/PERFORMANCE.md)
 
 
 def group_size(num_layers: int, bytes_per_layer: int, groups: int | str | None = None,
@@ -19,8 +19,8 @@ def group_size(num_layers: int, bytes_per_layer: int, groups: int | str | None =
     """Layers per page. `groups` is the number of pages per block (it must divide the layers), or
     "auto"/None: the most layers whose page stays within ~1 MiB (at least one layer a page), or
     whole blocks when the KV lives in CPU memory (`kv_on_cpu`): there the forward runs on the same
-    cores the loader would use to overlap it, and loading group by group measured 20-70 ms slower
-    per request than whole blocks before the forward (docs/PERFORMANCE.md, "Under vLLM")."""
+    cores the loader would use to overlap it, and loading group by group is slower per request than
+    whole blocks before the forward (docs/PERFORMANCE.md, "Under vLLM")."""
     if num_layers < 1:
         raise ValueError(f"a model needs at least one layer, got {num_layers}")
     divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
