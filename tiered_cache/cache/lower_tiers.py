@@ -1,11 +1,12 @@
 """The blob tiers below host RAM that a `CacheConfig` names, in its order (disk, Redis, remote
-store servers), built the same way for `TieredCache` and for the vLLM connector."""
+store servers), for `TieredCache` and the vLLM connector (built by `tiers/factory.py`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from tiered_cache.tiers.base import BlobTier
+from tiered_cache.tiers.factory import TierSettings, build_tiers
 
 if TYPE_CHECKING:
     from tiered_cache.config import CacheConfig
@@ -14,22 +15,11 @@ if TYPE_CHECKING:
 def build_lower_tiers(config: CacheConfig, fingerprint_hex: str) -> list[BlobTier]:
     """One tier per entry of `config.lower_tiers`. `fingerprint_hex` is the model's fingerprint:
     the remote tier sends it, so servers skip and refuse blobs of other models."""
-    from tiered_cache.config import LowerTier
-
-    tiers: list[BlobTier] = []
-    for kind in config.lower_tiers:
-        if kind is LowerTier.DISK:
-            from tiered_cache.tiers.disk import DiskTier
-
-            tiers.append(DiskTier(config.disk_path or "", config.disk_capacity, fsync=config.disk_fsync))
-        elif kind is LowerTier.REDIS:
-            from tiered_cache.tiers.redis import RedisTier
-
-            tiers.append(RedisTier(config.redis_url, config.redis_prefix, config.redis_ttl_s, config.redis_timeout_s))
-        else:
-            from tiered_cache.tiers.remote import RemoteTier
-
-            tiers.append(RemoteTier(config.remote_addresses, config.remote_token, config.remote_tls_ca,
-                                    config.remote_timeout_s, fingerprint=bytes.fromhex(fingerprint_hex),
-                                    budget_s=config.remote_budget_s))
-    return tiers
+    c = config
+    settings = TierSettings(
+        disk_path=c.disk_path or "", disk_capacity=c.disk_capacity, disk_fsync=c.disk_fsync,
+        redis_url=c.redis_url, redis_prefix=c.redis_prefix, redis_ttl_s=c.redis_ttl_s,
+        redis_timeout_s=c.redis_timeout_s, remote_addresses=c.remote_addresses, remote_token=c.remote_token,
+        remote_tls_ca=c.remote_tls_ca, remote_timeout_s=c.remote_timeout_s, remote_budget_s=c.remote_budget_s,
+        fingerprint=bytes.fromhex(fingerprint_hex))
+    return build_tiers([kind.value for kind in c.lower_tiers], settings)
