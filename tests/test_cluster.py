@@ -172,7 +172,7 @@ def test_stats_rollup_equals_the_sum_of_the_actors_own_figures(actors):
 
 
 def test_each_worker_draws_its_prefix_tree_with_text(actors):
-    from tiered_cache.cli.tree_render import render_tree
+    from tiered_cache.report.tree import render_tree
 
     view = ray.get(ray.get_actor("worker-0").tree.remote(50))
     assert view["worker"] == "worker-0" and view["namespaces"]

@@ -15,8 +15,8 @@ def test_demo_runs_the_two_instance_story_and_draws_the_shared_prefix():
     the same functions the text output uses."""
     import json
 
-    from tiered_cache.cli.tree_render import render_tree
     from tiered_cache.demo.runner import report
+    from tiered_cache.report.tree import render_tree
 
     data = json.loads(run_cli("demo", "--json", "--repeat", "1", "--doc-chars", "4000", "--max-new-tokens", "8").stdout)
     a, b = data["instances"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from tiered_cache.cache import TieredCache
-from tiered_cache.cli.tree_render import render_tree
 from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import KVSpec
+from tiered_cache.report.tree import render_tree
 
 SPEC = KVSpec("tree-test", 2, 1, 8, page_size=4)
 SHARED = list(range(100, 124))  # 6 pages

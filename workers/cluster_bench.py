@@ -141,7 +141,7 @@ def bench_cluster(address: str | None = None, workers: int = 2, shards: int = 1,
 
 
 def render(results: list[WayResult]) -> str:
-    from tiered_cache.cli.table import render_table
+    from tiered_cache.report.table import render_table
 
     recompute = results[0]
     rows = []

@@ -68,8 +68,8 @@ def _real_kv(path: str | None) -> tuple[torch.Tensor, str] | None:
 
 
 def run_codec_bench(args: argparse.Namespace) -> int:
-    from tiered_cache.cli.table import render_table
     from tiered_cache.model.presets import get_preset
+    from tiered_cache.report.table import render_table
 
     spec16 = get_preset("smollm2-135m").spec
     rows: list[CodecRow] = []

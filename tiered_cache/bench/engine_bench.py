@@ -140,7 +140,7 @@ def bench_engine(model: str = "smollm2-135m", pages: int = 32, requests: int = 1
 
 
 def render(rows: list[EngineRow]) -> str:
-    from tiered_cache.cli.table import render_table
+    from tiered_cache.report.table import render_table
 
     table = [[r.below, f"{r.requests}", f"{r.pages_per_request}", f"{r.p50_ms:,.2f} ms", f"{r.p99_ms:,.2f} ms",
               f"{r.max_ms:,.2f} ms", f"{r.dropped}", f"{r.p99_ratio:.2f}x"] for r in rows]

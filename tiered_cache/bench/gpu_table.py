@@ -46,8 +46,8 @@ def _cells(row: GpuRow) -> list[str]:
 
 
 def render(setup: dict[str, Any], rows: list[GpuRow]) -> str:
-    from tiered_cache.cli.table import render_table
     from tiered_cache.model.units import format_binary
+    from tiered_cache.report.table import render_table
 
     layers = f"{setup['layers']} of {setup['total_layers']} layers"
     limit = next((r.limit_name for r in rows if r.limit_name), "copy")

@@ -5,8 +5,8 @@ from __future__ import annotations
 from tiered_cache.bench.load_report import LoadResult
 from tiered_cache.bench.load_rss import PLATEAU_GROWTH, PLATEAU_SLACK
 from tiered_cache.bench.timing import render_comparisons
-from tiered_cache.cli.table import render_table
 from tiered_cache.model.units import format_binary
+from tiered_cache.report.table import render_table
 
 
 def render_load(result: LoadResult) -> str:

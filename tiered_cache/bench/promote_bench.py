@@ -381,7 +381,7 @@ def run_promote_bench(args: argparse.Namespace) -> int:
 
 
 def render(rows: list[PromoteRow]) -> str:
-    from tiered_cache.cli.table import render_table
+    from tiered_cache.report.table import render_table
 
     table = [[r.path, f"{r.seconds * 1e3:,.1f} ms", f"{r.gbs:,.2f} GB/s", r.baseline_name,
               f"{r.baseline_seconds * 1e3:,.1f} ms", f"{r.baseline_gbs:,.2f} GB/s", f"{r.ratio:.2f}x"] for r in rows]

@@ -58,7 +58,7 @@ class Comparison:
 
 
 def render_comparisons(rows: list[Comparison], scale_header: str) -> str:
-    from tiered_cache.cli.table import render_table
+    from tiered_cache.report.table import render_table
 
     table = [[r.scale, r.operation, f"{r.value:,.2f} {r.unit}", r.baseline_name,
               f"{r.baseline:,.2f} {r.unit}", _ratio_text(r.ratio)] for r in rows]

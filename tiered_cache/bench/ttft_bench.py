@@ -114,8 +114,8 @@ def _projected(entry: dict[str, Any], tier: str) -> str:
 
 
 def render(rows: list[TtftRow], projected: list[dict[str, Any]]) -> str:
-    from tiered_cache.cli.table import render_table
     from tiered_cache.model.units import format_binary
+    from tiered_cache.report.table import render_table
 
     measured = render_table(
         [[f"{r.prefix_tokens:,}", format_binary(r.kv_bytes), f"{r.recompute_s * 1e3:,.0f} ms",

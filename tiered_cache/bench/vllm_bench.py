@@ -130,7 +130,7 @@ def bench_vllm(doc_chars: int = 3000, rounds: int = 3, shm: str | None = None,
 
 
 def render(rows: list[VllmRow]) -> str:
-    from tiered_cache.cli.table import render_table
+    from tiered_cache.report.table import render_table
 
     base = rows[0]
     table = render_table([[r.way, f"{r.prompt_tokens:,.0f}", f"{r.cached_tokens:,.0f}", f"{r.ttft_s * 1e3:,.0f} ms",

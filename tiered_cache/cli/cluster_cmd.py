@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from tiered_cache.cli.table import render_table
+from tiered_cache.report.table import render_table
 
 
 def add_parser(commands: Any) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiered_cache.cli.table import render_table
 from tiered_cache.model.units import format_binary
+from tiered_cache.report.table import render_table
 
 _HEADERS = ["actor", "node", "tier", "pages", "used", "capacity", "hit rate", "hits", "misses", "evictions",
             "bytes in", "bytes out", "errors", "corrupt", "open breakers"]
@@ -22,7 +22,7 @@ def _row(actor: str, node: str, tier: dict[str, Any]) -> list[str]:
 
 def render_cluster(figures: dict[str, Any]) -> str:
     from tiered_cache.cli.cluster_cmd import node_label
-    from tiered_cache.cli.tree_render import reuse_line
+    from tiered_cache.report.tree import reuse_line
     from workers.cluster import tiers_of
 
     rows, notes = [], []

@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from tiered_cache.cli.table import render_table
 from tiered_cache.model.units import format_binary, format_bytes, parse_size
+from tiered_cache.report.table import render_table
 
 
 def add_parser(commands: Any) -> None:

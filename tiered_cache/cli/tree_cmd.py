@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from tiered_cache.cli.tree_render import render_tree
+from tiered_cache.report.tree import render_tree
 
 
 def add_parser(commands: Any) -> None:

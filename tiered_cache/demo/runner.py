@@ -11,8 +11,8 @@ import tempfile
 import time
 from typing import Any
 
-from tiered_cache.cli.table import render_table
 from tiered_cache.model.units import format_binary
+from tiered_cache.report.table import render_table
 
 
 def _instance(role: str, address: str, options: list[str]) -> dict[str, Any]:
@@ -32,8 +32,8 @@ def run_demo(repeat: int = 3, as_json: bool = False, doc_chars: int | None = Non
     `doc_chars`: only the document's first characters (default all: ~2,800 tokens);
     `max_new_tokens`: the answers' length (default 48).
     Exit 0 when both instances' greedy answers are identical with and without the cache."""
-    from tiered_cache.cli.stats_cmd import render
     from tiered_cache.integrations.smollm2 import gguf_path
+    from tiered_cache.report.stats import render_stats
     from tiered_cache.service.process import StoreProcess
     from tiered_cache.service.stats import server_stats
 
@@ -65,9 +65,9 @@ def run_demo(repeat: int = 3, as_json: bool = False, doc_chars: int | None = Non
     print(report(a, b))
     print()
     print("Store server figures after the run:")
-    print(render(store_stats))
+    print(render_stats(store_stats))
     if b.get("tree"):
-        from tiered_cache.cli.tree_render import render_tree
+        from tiered_cache.report.tree import render_tree
 
         print("\nInstance B's radix tree after it also answered A's question (`tiered-cache tree`): the document "
               "once, each question a leaf")

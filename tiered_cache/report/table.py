@@ -1,4 +1,4 @@
-"""Plain-text tables for the CLI: aligned columns, no dependencies."""
+"""Plain-text tables: aligned columns, no dependencies."""
 
 from __future__ import annotations
 
