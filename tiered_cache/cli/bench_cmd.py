@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([r.to_dict(rows[0]) for r in rows], indent=2) if args.json else render_vllm(rows))
         return 0
     if args.bench == "cluster":
-        from workers.cluster_bench import bench_cluster, render
+        from tiered_cache.bench.cluster_bench import bench_cluster, render
 
         results = bench_cluster(args.address, args.workers, args.shards, args.docs, args.questions,
                                 args.concurrency, args.max_new_tokens, doc_chars=args.doc_chars, seed=args.seed,

@@ -7,6 +7,8 @@ flight at once (as a service sees them). Each way starts a fresh cluster (cold c
 namespace and stops it afterwards. Reported per way: prefill tokens saved (prompt tokens whose KV
 came from a cache), mean and p99 TTFT, and the TTFT ratio to recompute. Greedy answers must be
 identical in every way: a cache changes speed, never text.
+
+Ray and `workers/` are imported when the bench runs, so the module imports without them.
 """
 
 from __future__ import annotations
@@ -19,12 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import ray
-
 from tiered_cache.integrations.smollm2 import document
-from workers import cluster
-from workers.config import ClusterConfig, RouterSettings, RoutingPolicyName, ShardSettings, WorkerSettings
-from workers.names import ROUTER
 
 NAMESPACE = "tiered-cache-bench"
 QUESTIONS = [
@@ -83,6 +80,10 @@ def workload(docs: int, questions: int, doc_chars: int, seed: int) -> list[tuple
 def _drive(requests: list[tuple[int, int, str]], way: str, use_cache: bool, concurrency: int,
            max_new_tokens: int) -> WayResult:
     """Send every request through the router, `concurrency` in flight at once."""
+    import ray
+
+    from workers.names import ROUTER
+
     router = ray.get_actor(ROUTER)
     result = WayResult(way)
     pending: dict[Any, tuple[int, int]] = {}
@@ -109,6 +110,11 @@ def bench_cluster(address: str | None = None, workers: int = 2, shards: int = 1,
                   doc_chars: int = 1200, seed: int = 0,
                   progress: Callable[[str], None] = lambda _: None) -> list[WayResult]:
     """Run the four ways; returns [recompute, alone, shared_round_robin, shared_prefix]."""
+    import ray
+
+    from workers import cluster
+    from workers.config import ClusterConfig, RouterSettings, RoutingPolicyName, ShardSettings, WorkerSettings
+
     if min(workers, shards, docs, questions, doc_chars) <= 0:
         raise ValueError("workers, shards, docs, questions and doc_chars must be positive")
     concurrency = concurrency or 2 * workers
