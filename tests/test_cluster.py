@@ -188,8 +188,8 @@ def test_each_worker_draws_its_prefix_tree_with_text(actors):
 
 
 def test_bench_load_through_the_router_answers_as_recompute_does_and_leaves_the_cluster_running(actors, tmp_path):
+    from tiered_cache.bench.load_ray import RayLoadSettings, bench_load_ray
     from tiered_cache.bench.load_workload import Workload
-    from workers.load_ray import RayLoadSettings, bench_load_ray
 
     png = tmp_path / "ray-load.png"
     settings = RayLoadSettings(Workload(prompts=3, histories=2, max_turns=4, seed=11), clients=2, duration_s=2,

@@ -134,13 +134,13 @@ def test_chat_conversations_share_prefixes_and_every_client_makes_the_same_promp
 
 
 def _chat_report(phase: str, answers: dict[str, tuple[int, ...]], repeats: int = 0, conflicts: int = 0):
-    from workers.load_client import ChatReport
+    from tiered_cache.bench.load_ray_client import ChatReport
 
     return ChatReport(phase, answers=dict(answers), repeats=repeats, conflicts=conflicts)
 
 
 def test_every_answer_is_checked_against_the_recompute_answer_for_its_prompt():
-    from workers.load_report import check_answers
+    from tiered_cache.bench.load_report import check_answers
 
     recompute = _chat_report("recompute", {"a": (1, 2), "b": (3, 4)})
     right = _chat_report("cache", {"a": (1, 2), "b": (3, 4), "c": (5,)}, repeats=3)
@@ -157,7 +157,7 @@ def test_every_answer_is_checked_against_the_recompute_answer_for_its_prompt():
 
 
 def test_load_bench_ray_refuses_bad_settings_before_starting_anything():
-    from workers.load_ray import RayLoadSettings
+    from tiered_cache.bench.load_ray import RayLoadSettings
 
     with pytest.raises(ValueError, match="--clients, --workers and --max-new-tokens must be positive"):
         RayLoadSettings(SMALL, workers=0)

@@ -145,8 +145,8 @@ def run_load_bench(args: argparse.Namespace) -> int:
 def _run_ray(args: argparse.Namespace, workload: Workload, progress: Callable[[str], None]) -> int:
     if args.server_pid is not None:
         raise ValueError("bench load --ray samples the RSS of every shard and worker on this host: drop --server-pid")
-    from workers.load_ray import RayLoadSettings, bench_load_ray
-    from workers.load_table import render_ray_load
+    from tiered_cache.bench.load_ray import RayLoadSettings, bench_load_ray
+    from tiered_cache.bench.load_table import render_ray_load
 
     settings = RayLoadSettings(workload, args.clients, args.duration_s, args.workers, args.shards, args.ram,
                                args.worker_pool, args.worker_host, args.disk, args.address, args.namespace,

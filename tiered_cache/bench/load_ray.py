@@ -7,6 +7,7 @@ shard and worker on this host is sampled over the run.
 Without `address` a local Ray instance and a cluster (shards, workers, router) in the bench's own
 namespace are started and stopped. With one, a router already running in `namespace` is used and
 left running (e.g. `tiered-cache cluster start`); if there is none, one is started and stopped.
+Ray and `workers/` are imported inside the functions that use them: the settings check without Ray.
 """
 
 from __future__ import annotations
@@ -17,20 +18,17 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
-
-import ray
+from typing import TYPE_CHECKING, Any
 
 from tiered_cache.bench.load_chat import ChatWorkload
 from tiered_cache.bench.load_client import Timeline
+from tiered_cache.bench.load_report import RayLoadResult, check_answers, memory_figures, phase_figures
 from tiered_cache.bench.load_rss import RssSampler
 from tiered_cache.bench.load_workload import Workload
 from tiered_cache.model.units import format_binary, parse_size
-from workers import cluster
-from workers.config import ClusterConfig, ShardSettings, WorkerSettings
-from workers.load_client import ChatReport, LoadClient
-from workers.load_report import RayLoadResult, check_answers, memory_figures, phase_figures
-from workers.names import ROUTER, SHARD_PREFIX, WORKER_PREFIX
+
+if TYPE_CHECKING:
+    from tiered_cache.bench.load_ray_client import ChatReport
 
 NAMESPACE = "tiered-cache-load"
 _RELEASE_S = 1.0  # clients are released together this long after they are told to start
@@ -73,6 +71,10 @@ class RayLoadSettings:
 
 
 def _has_router() -> bool:
+    import ray
+
+    from workers.names import ROUTER
+
     try:
         ray.get_actor(ROUTER)
         return True
@@ -82,6 +84,11 @@ def _has_router() -> bool:
 
 def _samplers() -> dict[str, RssSampler]:
     """An RSS sampler (wall-clock times) for every shard and worker on this host."""
+    import ray
+
+    from workers import cluster
+    from workers.names import SHARD_PREFIX, WORKER_PREFIX
+
     here = ray.util.get_node_ip_address()
     names = [n for n in cluster.actor_names() if n.startswith((SHARD_PREFIX, WORKER_PREFIX))]
     infos = ray.get([ray.get_actor(n).info.remote() for n in names], timeout=60)
@@ -90,6 +97,11 @@ def _samplers() -> dict[str, RssSampler]:
 
 def _warm_up(chat: ChatWorkload) -> None:
     """One short recompute on every worker, so the baseline does not pay first-forward costs."""
+    import ray
+
+    from workers import cluster
+    from workers.names import WORKER_PREFIX
+
     names = [n for n in cluster.actor_names() if n.startswith(WORKER_PREFIX)]
     prompt = chat.system_prompts[0][:200]
     ray.get([ray.get_actor(n).generate.remote(prompt, 1, False) for n in names], timeout=cluster.START_TIMEOUT_S)
@@ -97,6 +109,8 @@ def _warm_up(chat: ChatWorkload) -> None:
 
 def _run_phase(clients: list[Any], phase: str, use_cache: bool, duration_s: float, timeout_s: float,
                progress: Callable[[str], None]) -> list[ChatReport]:
+    import ray
+
     refs = [c.run.remote(phase, use_cache, time.time() + _RELEASE_S, duration_s) for c in clients]
     give_up = time.monotonic() + _RELEASE_S + duration_s + timeout_s + _END_SLACK_S
     started = time.monotonic()
@@ -114,6 +128,10 @@ def _run_phase(clients: list[Any], phase: str, use_cache: bool, duration_s: floa
 def _recompute(reports: list[ChatReport], settings: RayLoadSettings) -> tuple[dict[str, tuple[int, ...]], int]:
     """Recompute up to `settings.verify` prompts answered with the cache that the baseline did not
     ask; returns their answers and how many recomputes failed."""
+    import ray
+
+    from workers.names import ROUTER
+
     asked = {k for r in reports if r.phase == "recompute" for k in r.answers}
     prompts = {k: p for r in reports if r.phase == "cache" for k, p in r.prompts.items() if k not in asked}
     chosen = random.Random(settings.workload.seed).sample(sorted(prompts), min(settings.verify, len(prompts)))
@@ -131,6 +149,10 @@ def _recompute(reports: list[ChatReport], settings: RayLoadSettings) -> tuple[di
 
 def _start_ray(settings: RayLoadSettings) -> bool:
     """Connect or start Ray; returns whether this call started it."""
+    import ray
+
+    from workers import cluster
+
     if settings.address is not None:
         cluster.connect(settings.address, settings.namespace)
         return False
@@ -142,6 +164,11 @@ def _start_ray(settings: RayLoadSettings) -> bool:
 
 
 def bench_load_ray(settings: RayLoadSettings, progress: Callable[[str], None] = lambda _: None) -> RayLoadResult:
+    import ray
+
+    from workers import cluster
+    from workers.config import ClusterConfig, ShardSettings, WorkerSettings
+
     started_ray = _start_ray(settings)
     own_cluster = not _has_router()
     try:
@@ -167,6 +194,11 @@ def bench_load_ray(settings: RayLoadSettings, progress: Callable[[str], None] = 
 
 
 def _measure(settings: RayLoadSettings, progress: Callable[[str], None]) -> RayLoadResult:
+    import ray
+
+    from tiered_cache.bench.load_ray_client import LoadClient
+    from workers import cluster
+
     chat = ChatWorkload(settings.workload)
     actor = ray.remote(LoadClient).options(num_cpus=0, max_concurrency=2)
     clients = [actor.remote(chat, i, settings.timeout_s, settings.max_new_tokens) for i in range(settings.clients)]

@@ -6,6 +6,8 @@ Only answered requests are timed; a failed one is counted by kind: "timeout" (no
 the deadline: the caller was not left hanging), or the error's own type name (NoWorkerError,
 RayActorError, ...). Answers are kept per prompt (its SHA-256) so the driver can compare every
 answer for a prompt with every other and with a recompute: a cache changes speed, never text.
+Ray and `workers/` are imported inside the methods that use them, so `ChatReport` imports without
+Ray.
 """
 
 from __future__ import annotations
@@ -16,11 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import ray
-
 from tiered_cache.bench.load_chat import ChatConversations, ChatWorkload, prompt_id
 from tiered_cache.bench.load_client import Timeline
-from workers.names import ROUTER
 
 
 @dataclass
@@ -41,6 +40,8 @@ class ChatReport:
 
 
 def error_kind(exc: BaseException) -> str:
+    import ray
+
     if isinstance(exc, ray.exceptions.GetTimeoutError):
         return "timeout"
     cause = getattr(exc, "cause", None)  # a RayTaskError carries the actor's own exception
@@ -49,6 +50,10 @@ def error_kind(exc: BaseException) -> str:
 
 class LoadClient:
     def __init__(self, chat: ChatWorkload, index: int, timeout_s: float, max_new_tokens: int) -> None:
+        import ray
+
+        from workers.names import ROUTER
+
         self.conversations = ChatConversations(chat, index)
         self.timeout_s, self.max_new_tokens = timeout_s, max_new_tokens
         self.router = ray.get_actor(ROUTER)
@@ -62,6 +67,8 @@ class LoadClient:
 
     def run(self, phase: str, use_cache: bool, release_at: float, duration_s: float) -> ChatReport:
         """Wait for `release_at` (time.time), then send requests until `duration_s` has passed."""
+        import ray
+
         time.sleep(max(0.0, release_at - time.time()))
         report, started = ChatReport(phase), time.time()
         while time.time() < started + duration_s:
