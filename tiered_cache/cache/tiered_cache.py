@@ -133,7 +133,7 @@ class TieredCache:
         if config.metrics_port is not None:
             from tiered_cache.cache.metrics_endpoint import serve_metrics
 
-            self.metrics, self.loader.fetch_metrics = serve_metrics(self)
+            self.metrics, self.loader.fetch_metrics = serve_metrics(config, self.stats, self.prefix_tree, self.chain)
 
     # --- tensor API ------------------------------------------------------------------------------
     @_request_path
