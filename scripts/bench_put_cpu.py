@@ -22,8 +22,8 @@ import numpy as np
 
 from tiered_cache.model.presets import preset_spec
 from tiered_cache.service.process import StoreProcess
-from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.wire.codec import encode_page
 
 
 def process_cpu_s(pid: int) -> float:

@@ -14,8 +14,8 @@ from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.process import StoreProcess
-from tiered_cache.tiers.codec import encode_page, raw_blob_size
 from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.wire.codec import encode_page, raw_blob_size
 
 SPEC = KVSpec("arena-copy", 3, 2, 16, page_size=8, dtype="bf16")
 N = 12

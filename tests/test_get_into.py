@@ -13,7 +13,11 @@ from tier_helpers import SPEC, keys_for, pages_for
 import tiered_cache.tiers.disk as disk_module
 from tiered_cache.service.process import StoreProcess
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.codec import (
+from tiered_cache.tiers.disk import DiskTier
+from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.redis import RedisTier
+from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.wire.codec import (
     BlobError,
     Codec,
     check_raw_pieces,
@@ -24,10 +28,6 @@ from tiered_cache.tiers.codec import (
     raw_blob_size,
     raw_header_size,
 )
-from tiered_cache.tiers.disk import DiskTier
-from tiered_cache.tiers.memory import MemoryTier
-from tiered_cache.tiers.redis import RedisTier
-from tiered_cache.tiers.remote import RemoteTier
 
 N = 6
 OTHER = SPEC.with_options(model_id="another-model")  # same shape, another fingerprint

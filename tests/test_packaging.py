@@ -40,7 +40,7 @@ from tiered_cache.service.client import StoreClient
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.server import StoreServer, build_store
 from tiered_cache.service.store import BlobStore
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.wire.codec import encode_page
 from tiered_cache.tiers.disk import DiskTier
 from tiered_cache.tiers.memory import MemoryTier, entry_cost
 

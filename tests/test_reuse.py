@@ -22,8 +22,8 @@ from tiered_cache.metrics.families import cache_families
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.service.process import StoreProcess
 from tiered_cache.service.stats import server_stats
-from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.wire.codec import encode_page
 
 MB = 1_000_000
 PAGE_BYTES, PAGE_TOKENS = 64 * 1024, 16

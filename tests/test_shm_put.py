@@ -253,7 +253,7 @@ def test_a_page_read_by_lookup_ref_must_be_of_the_tiers_model():
     import torch
 
     from tests.test_arena_transport import SPEC
-    from tiered_cache.tiers.codec import encode_page
+    from tiered_cache.wire.codec import encode_page
 
     ours = pages(2, seed=39)
     other = SPEC.with_options(model_id="another-model")

@@ -18,16 +18,17 @@ from service_helpers import large_items, make_items
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service.client import StoreClient, StreamStalled
+from tiered_cache.service.client import StoreClient
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.process import StoreProcess
 from tiered_cache.service.server import StoreServer
 from tiered_cache.service.store import BlobStore
-from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.memory import ENTRY_OVERHEAD_BYTES, MemoryTier
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
+from tiered_cache.wire.codec import encode_page
+from tiered_cache.wire.deadline import StreamStalled
 
 MIB_SPEC = KVSpec("mib-pages", 8, 8, 128, page_size=32)  # 1 MiB pages
 

@@ -173,7 +173,7 @@ def test_pages_lent_from_the_arena_and_written_over_before_the_check_are_fetched
     vLLM's KV ends with exactly the saved blocks, none failed."""
     from tiered_cache.index.keys import PageKeyer
     from tiered_cache.model.spec import KVSpec
-    from tiered_cache.tiers.codec import encode_page
+    from tiered_cache.wire.codec import encode_page
 
     big = KVSpec("ring-filler", 4, 2, 64, page_size=64, dtype="fp32")  # 256 KiB pages
     fillers = [[(k, encode_page(torch.randn(big.staging_shape(1)[1:]), big, k, "raw"))

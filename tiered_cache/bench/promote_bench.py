@@ -99,7 +99,7 @@ class Prefix:
         return whole.reshape(self.spec.kv_shape(len(self.tokens)))
 
     def blobs(self) -> list[tuple[bytes, bytes]]:
-        from tiered_cache.tiers.codec import encode_page
+        from tiered_cache.wire.codec import encode_page
 
         return [(k, encode_page(p, self.spec, k)) for k, p in zip(self.keys, self.pages, strict=True)]
 
@@ -195,8 +195,8 @@ def _disk_row(prefix: Prefix, rounds: int, folder: str | None) -> PromoteRow:
 def _redis_row(prefix: Prefix, rounds: int, url: str | None) -> PromoteRow:
     import redis
 
-    from tiered_cache.tiers.codec import raw_blob_size
     from tiered_cache.tiers.redis import MGET_INTO_BYTES, SOCKET_READ_SIZE, RedisTier
+    from tiered_cache.wire.codec import raw_blob_size
 
     blobs = prefix.blobs()
     with _redis_at(url, sum(len(b) for _, b in blobs)) as where:

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from tiered_cache.service.server import grpc_options
+from tiered_cache.wire.options import server_options
 
 _MAX = 80 * 2**20
 STREAM = "/raw.Raw/Stream"
@@ -41,7 +41,7 @@ def _echo(request: bytes, context: Any) -> bytes:
 
 def main() -> None:
     # A thread per stream (up to 32): the multi-client ceiling must not be capped by threads.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=grpc_options(_MAX))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=server_options(_MAX))
     handlers = {"Stream": grpc.unary_stream_rpc_method_handler(_stream),
                 "Echo": grpc.unary_unary_rpc_method_handler(_echo),
                 "Absorb": grpc.stream_unary_rpc_method_handler(_absorb)}

@@ -34,8 +34,8 @@ from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.service.client import StoreClient
 from tiered_cache.service.process import StoreProcess
-from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.wire.codec import encode_page
 
 GIB = 2**30
 

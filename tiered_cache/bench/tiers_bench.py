@@ -12,7 +12,7 @@ import torch
 from tiered_cache.bench.timing import Comparison, returned_bytes, timed
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.wire.codec import encode_page
 
 GIB = 2**30
 

@@ -24,8 +24,8 @@ from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue, Fore
 from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.host import HostTier
+from tiered_cache.wire.codec import encode_page
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
 # Bytes the writer encodes and puts between looks for a quiet moment: a request that arrives

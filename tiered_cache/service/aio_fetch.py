@@ -21,10 +21,10 @@ from typing import Any
 
 import grpc
 
-from tiered_cache.service.framing import ReceivedBlob, parse_page_blob
-from tiered_cache.service.streams import ProgressWatch
 from tiered_cache.shm.arena_map import ArenaMap, ArenaViews
 from tiered_cache.v1 import cache_pb2 as pb
+from tiered_cache.wire.deadline import ProgressDeadline
+from tiered_cache.wire.framing import ReceivedBlob, parse_page_blob
 
 _GET = "/tiered_cache.v1.KVCache/Get"
 
@@ -55,10 +55,9 @@ class FetchResult:
 
 class AioFetcher:
     def __init__(self, address: str, options: list[tuple[str, int]], tls_ca: str | None,
-                 metadata: tuple[tuple[str, str], ...], stalled: Callable[[str, float], grpc.RpcError]) -> None:
+                 metadata: tuple[tuple[str, str], ...]) -> None:
         self.address = address
         self.metadata = metadata
-        self._stalled = stalled
         self._loop = _Loop.get()
         self.reader: ArenaMap | None = None  # the server's arena, when it is on this host
         self.stale = False  # the server no longer takes `reader`'s segment (it restarted): attach again
@@ -102,7 +101,7 @@ class AioFetcher:
         request = pb.GetRequest(keys=keys, fingerprint=fingerprint, shm_segment=reader.segment if reader else b"")
         call = self._get(request, timeout=budget_s, metadata=self.metadata)
         what = f"Get of {len(keys)} pages from {self.address}"
-        watch = ProgressWatch(idle_s, what)  # one timer per stream, not a wait_for per message
+        watch = ProgressDeadline.of_task(idle_s, what)  # one timer per stream, not a wait_for per message
         lost: list[bytes] = []
         try:
             async for item in call:
@@ -126,7 +125,7 @@ class AioFetcher:
             if not watch.stalled:
                 raise
             call.cancel()
-            return lost, self._stalled(what, idle_s)
+            return lost, watch.error()
         except grpc.RpcError as exc:
             return lost, exc
         finally:

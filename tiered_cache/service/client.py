@@ -20,98 +20,20 @@ from typing import Any
 import grpc
 
 from tiered_cache.service.aio_fetch import AioFetcher, FetchResult
-from tiered_cache.service.auth import check_token
-from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.framing import ReceivedBlob, page_blob_message, parse_page_blob
 from tiered_cache.shm.arena_map import ArenaMap, ArenaViews
 from tiered_cache.shm.host import host_identity
 from tiered_cache.shm.put_ring import PutRing
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
+from tiered_cache.wire.auth import check_token
+from tiered_cache.wire.deadline import BudgetSpent, ProgressDeadline
+from tiered_cache.wire.framing import ReceivedBlob, page_blob_message, parse_page_blob
+from tiered_cache.wire.options import DEFAULT_MAX_MESSAGE, channel_options
 
-DEFAULT_MAX_MESSAGE = ServerConfig().max_message_bytes  # the server's default page limit + framing
 PUT_RING_BYTES = 64 * 2**20  # a client's ring for same-host Put: Puts of up to half of it each
 _MAX_OFFERED_PAGES = 4096  # pages per PutOffered request (about 200 KiB of message)
 # Answers meaning this server will not take Puts through our ring (older, or not ours to use).
 _NO_SHM_PUT = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-
-
-class _DeadlineError(grpc.RpcError):
-    """A deadline of our own (not gRPC's) ended the call: read as DEADLINE_EXCEEDED."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-
-    def details(self) -> str:
-        return str(self)
-
-
-class StreamStalled(_DeadlineError):
-    """No message moved on a stream for the progress deadline; the call was cancelled."""
-
-    def __init__(self, what: str, idle_s: float) -> None:
-        super().__init__(f"{what}: nothing moved for {idle_s:g} s (progress deadline)")
-        self.idle_s = idle_s
-
-
-class BudgetSpent(_DeadlineError):
-    """A call's overall budget (`budget_s`) ran out between the RPCs it is made of."""
-
-    def __init__(self, what: str, budget_s: float) -> None:
-        super().__init__(f"{what}: its budget of {budget_s:g} s is spent")
-
-
-class ProgressDeadline:
-    """Cancels `call` when `progress()` has not been called for `idle_s` (checked by a daemon
-    thread a few times per `idle_s`); `close()` when the call is over."""
-
-    def __init__(self, call: Any, idle_s: float, what: str) -> None:
-        self.call, self.idle_s, self.what = call, idle_s, what
-        self.stalled = False
-        self._last = time.monotonic()
-        self._done = threading.Event()
-        threading.Thread(target=self._watch, name="tiered-cache-progress", daemon=True).start()
-
-    def progress(self) -> None:
-        self._last = time.monotonic()
-
-    def close(self) -> None:
-        self._done.set()
-
-    def error(self) -> StreamStalled:
-        return StreamStalled(self.what, self.idle_s)
-
-    def _watch(self) -> None:
-        while not self._done.wait(min(self.idle_s / 4, 1.0)):
-            if time.monotonic() - self._last > self.idle_s:
-                self.stalled = True
-                self.call.cancel()
-                return
-
-
-def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Options both ends share: messages bounded by one page, a large HTTP/2 window for streams
-    (a server stream of 1 MiB messages measured ~1.15 GiB/s with 16 MiB lookahead)."""
-    return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.http2.lookahead_bytes", 16 * 2**20)]
-
-
-# gRPC's own reconnect backoff starts at 1 s and grows 1.6x per failed attempt up to 120 s: a
-# server down for 6 s went unused for 3 s after it was back (a minute after a longer outage),
-# while the breaker (breaker.py) had long since let calls through to it. Reconnect at most 1 s
-# apart: one refused connection a second per client is nothing for a dead server. (Not
-# grpc.min_reconnect_backoff_ms: gRPC also takes it as the connect timeout, 20 s by default, and
-# 100 ms would fail a handshake with a busy server.)
-RECONNECT_BACKOFF_MS = (100, 1000)  # first and largest wait between connection attempts
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Client channel options: shared ones, no transparent retries (the remote tier decides),
-    and a reconnect backoff short enough that a restarted server is used within a second."""
-    first, largest = RECONNECT_BACKOFF_MS
-    return [*message_options(max_message_bytes), ("grpc.enable_retries", 0),
-            ("grpc.initial_reconnect_backoff_ms", first), ("grpc.max_reconnect_backoff_ms", largest)]
 
 
 class StoreClient:
@@ -180,7 +102,8 @@ class StoreClient:
         """The held blobs among `keys`, streamed in order (a missing key is skipped). Raises
         `StreamStalled` when no blob arrives for `timeout_s`; `budget_s` bounds the whole call."""
         call = self._get(pb.GetRequest(keys=keys, fingerprint=fingerprint), timeout=budget_s, metadata=self.metadata)
-        watch = ProgressDeadline(call, timeout_s or self.timeout_s, f"Get of {len(keys)} pages from {self.address}")
+        what = f"Get of {len(keys)} pages from {self.address}"
+        watch = ProgressDeadline(timeout_s or self.timeout_s, what, call.cancel)
         try:
             for item in call:
                 watch.progress()
@@ -202,7 +125,7 @@ class StoreClient:
         `ArenaViews`: check `lease.lost()` after copying them)."""
         with self._fetcher_lock:
             if self._fetcher is None:
-                self._fetcher = AioFetcher(self.address, self._options, self._tls_ca, self.metadata, StreamStalled)
+                self._fetcher = AioFetcher(self.address, self._options, self._tls_ca, self.metadata)
                 if self.shm:
                     self._fetcher.reader = self.attach()
             elif self._fetcher.stale:  # the server restarted: its arena is another segment
@@ -366,7 +289,7 @@ class StoreClient:
                     watch.progress()  # the previous page was taken: flow control let it go
 
         future = self._put.future(stream(), timeout=budget_s, metadata=self.metadata)
-        watch = ProgressDeadline(future, timeout_s or self.timeout_s, f"Put to {self.address}")
+        watch = ProgressDeadline(timeout_s or self.timeout_s, f"Put to {self.address}", future.cancel)
         try:
             return future.result()
         except (grpc.RpcError, grpc.FutureCancelledError) as exc:

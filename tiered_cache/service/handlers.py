@@ -25,15 +25,16 @@ from google.protobuf.message import DecodeError
 from tiered_cache import __version__
 from tiered_cache.index.keys import KEY_BYTES
 from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.framing import page_blob_message, page_ref_message, parse_page_blob
 from tiered_cache.service.store import BlobStore
-from tiered_cache.service.streams import BatchSizer, ProgressWatch, Stalled, StreamSlots
+from tiered_cache.service.streams import BatchSizer, StreamSlots
 from tiered_cache.shm.arena import ArenaTier, Ref
 from tiered_cache.shm.host import host_identity
 from tiered_cache.shm.offers import OfferedSegments
 from tiered_cache.tiers.base import TierStats
-from tiered_cache.tiers.codec import BlobError, BlobFault, check_fingerprint, read_header, verify_blob
 from tiered_cache.v1 import cache_pb2 as pb
+from tiered_cache.wire.codec import BlobError, BlobFault, check_fingerprint, read_header, verify_blob
+from tiered_cache.wire.deadline import ProgressDeadline
+from tiered_cache.wire.framing import page_blob_message, page_ref_message, parse_page_blob
 
 T = TypeVar("T")
 _TIERS = {"ram": pb.TIER_RAM, "disk": pb.TIER_DISK, "redis": pb.TIER_REDIS}
@@ -121,12 +122,12 @@ class KVCacheService:
                 await self._reject(context, f"key {i} is {len(key)} bytes; page keys are {KEY_BYTES} bytes (SHA-256)")
         return keys
 
-    def _count_stalled(self, context: grpc.aio.ServicerContext, exc: Stalled) -> None:
+    def _count_stalled(self, context: grpc.aio.ServicerContext, watch: ProgressDeadline) -> None:
         """A stream made no progress: count it and say why in its status, if one can still be
         sent (a client that reads nothing gets the stream reset instead)."""
         self.counters.stalled_streams += 1
         context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
-        context.set_details(f"{exc}: stream ended (the server's stream_idle_s)")
+        context.set_details(f"{watch.what} for {watch.idle_s:g} s: stream ended (the server's stream_idle_s)")
 
     # --- RPCs ----------------------------------------------------------------------------------
     async def Lookup(self, request: Any, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
@@ -168,19 +169,19 @@ class KVCacheService:
             await self._reject(context, f"fingerprint is {len(fingerprint)} bytes; expected 32 raw bytes")
         arena = self._arena_for(request)
         await self.slots.acquire(context)
-        watch = ProgressWatch(self.config.stream_idle_s, "the client read nothing")
+        watch = ProgressDeadline.of_task(self.config.stream_idle_s, "the client read nothing")
         try:
             await self._stream_blobs(keys, fingerprint, context, watch, arena)
         except asyncio.CancelledError:
             if watch.stalled:
-                self._count_stalled(context, watch.error())
+                self._count_stalled(context, watch)
             raise  # the call is cancelled (RST_STREAM): nothing waits behind the unread data
         finally:
             watch.close()
             self.slots.release()
 
     async def _stream_blobs(self, keys: list[bytes], fingerprint: bytes, context: grpc.aio.ServicerContext,
-                            watch: ProgressWatch, arena: ArenaTier | None) -> None:
+                            watch: ProgressDeadline, arena: ArenaTier | None) -> None:
         """Read the next batch from the store while the current one is sent: at most two batches
         of about `stream_buffer_bytes` each are held per stream. A write waits while the client
         is not reading (HTTP/2 flow control); the watch ends the stream when that lasts. With
@@ -255,7 +256,7 @@ class KVCacheService:
         sizer = BatchSizer(self.config.stream_buffer_bytes)
         batch: list[Any] = []
         nbytes = 0
-        watch = ProgressWatch(self.config.stream_idle_s, "no page received")
+        watch = ProgressDeadline.of_task(self.config.stream_idle_s, "no page received")
         storing: asyncio.Future[None] | None = None  # one batch stored while the next is read
         try:
             while True:
@@ -281,7 +282,7 @@ class KVCacheService:
         except asyncio.CancelledError:
             if not watch.stalled:
                 raise  # the client cancelled, or the server is stopping
-            self._count_stalled(context, watch.error())
+            self._count_stalled(context, watch)
             # The way back is open (only the client's side is idle): end with the status.
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, context.details())
         finally:

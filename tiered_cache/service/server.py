@@ -22,7 +22,6 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tiered_cache.service.client import message_options
 from tiered_cache.service.config import ServerConfig
 from tiered_cache.service.handlers import KVCacheService, ServerCounters, parse_put_item, parser
 from tiered_cache.service.store import BlobStore
@@ -31,14 +30,10 @@ from tiered_cache.shm.offers import OfferedSegments
 from tiered_cache.tiers.base import BlobTier
 from tiered_cache.tiers.memory import MemoryTier
 from tiered_cache.v1 import cache_pb2 as pb
+from tiered_cache.wire.options import server_options
 
 SERVICE = "tiered_cache.v1.KVCache"
 _META_THREADS = 2  # Lookup and Stats: never queued behind data
-
-
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Server options: those shared with clients, and no port sharing (a busy port is an error)."""
-    return [*message_options(max_message_bytes), ("grpc.so_reuseport", 0)]
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -143,7 +138,7 @@ class StoreServer:
     async def _start(self) -> int:
         config = self.config
         interceptors = [_TokenInterceptor(config.token, self.counters)] if config.token else []
-        server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config.max_message_bytes))
+        server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
         server.add_generic_rpc_handlers([_handlers(self.service)])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

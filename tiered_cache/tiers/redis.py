@@ -33,7 +33,8 @@ from urllib.parse import unquote
 
 from tiered_cache.tiers.base import TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, CircuitBreaker, breaker_states
-from tiered_cache.tiers.codec import (
+from tiered_cache.tiers.resp_reader import ReplyReader
+from tiered_cache.wire.codec import (
     BlobError,
     PageDest,
     check_raw_pieces,
@@ -43,7 +44,6 @@ from tiered_cache.tiers.codec import (
     raw_header_size,
     verify_blob,
 )
-from tiered_cache.tiers.resp_reader import ReplyReader
 
 if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec

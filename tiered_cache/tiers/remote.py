@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from tiered_cache.service.client import StoreClient
-from tiered_cache.service.framing import ReceivedBlob
 from tiered_cache.shm.arena_map import ArenaMap, ArenaRef, ArenaViews, LookupRefs
 from tiered_cache.tiers.base import TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, BreakerState, CircuitBreaker, breaker_states
-from tiered_cache.tiers.codec import BlobError, PageDest, check_fingerprint, decode_into, verify_blob
+from tiered_cache.wire.codec import BlobError, PageDest, check_fingerprint, decode_into, verify_blob
+from tiered_cache.wire.framing import ReceivedBlob
 
 if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec
