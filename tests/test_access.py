@@ -14,10 +14,10 @@ import pytest
 from service_helpers import FINGERPRINT, make_items
 from tier_helpers import blobs_for
 
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.config import CacheConfig
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.config import ServerConfig
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.disk import DiskTier
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.v1 import cache_pb2 as pb

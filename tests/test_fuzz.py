@@ -21,12 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from service_helpers import FINGERPRINT, SPEC, make_items
 
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.index.radix import RadixTree
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.config import ServerConfig
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire import codec
 from tiered_cache.wire.codec import BlobError, Codec, encode_page

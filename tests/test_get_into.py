@@ -11,7 +11,7 @@ import torch
 from tier_helpers import SPEC, keys_for, pages_for
 
 import tiered_cache.tiers.disk as disk_module
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.disk import DiskTier
 from tiered_cache.tiers.memory import MemoryTier

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from service_helpers import large_items, make_items
 
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.client.store_client import StoreClient
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.breaker import BreakerPolicy
 from tiered_cache.tiers.remote import RemoteTier, owner
 

@@ -15,13 +15,13 @@ from tiered_cache.cache import TieredCache
 from tiered_cache.cache.handle import HOST
 from tiered_cache.cache.reuse import Rate, RateEstimator, ReuseEstimates, pages_to_load
 from tiered_cache.cli.tree_render import render_tree
+from tiered_cache.client.stats import server_stats
 from tiered_cache.config import CacheConfig, ReusePolicy
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.metrics import registry_of
 from tiered_cache.metrics.families import cache_families
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service.process import StoreProcess
-from tiered_cache.service.stats import server_stats
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.wire.codec import encode_page
 

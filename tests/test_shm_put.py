@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from tests.test_arena_transport import pages
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.client.store_client import StoreClient
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.shm.arena import Arena
 from tiered_cache.shm.host import host_identity
 from tiered_cache.shm.offers import OfferedSegments
@@ -272,7 +272,7 @@ def test_a_page_read_by_lookup_ref_must_be_of_the_tiers_model():
 
 
 def test_segments_of_exited_clients_are_unmapped_and_the_count_is_bounded():
-    code = ("import sys; from tests.test_arena_transport import pages; from tiered_cache.service.client import "
+    code = ("import sys; from tests.test_arena_transport import pages; from tiered_cache.client.store_client import "
             "StoreClient; c = StoreClient(sys.argv[1]); assert c.put(pages(1, seed=32)).stored <= 1; "
             "assert c.uses_shm_put")
     with StoreProcess(["--no-disk"]) as store, StoreClient(store.address) as client:
@@ -302,8 +302,8 @@ def test_a_page_the_clients_ring_comes_round_over_during_the_servers_copy_is_dro
     ring came round over it meanwhile (a race that cannot be timed for real: `intact` is made to
     say so after the copy, a mock of that only), the copy is dropped from the store and refused as lost, and the
     ack still counts each page once."""
-    from tiered_cache.service.config import ServerConfig
-    from tiered_cache.service.server import StoreServer
+    from tiered_cache.server.config import ServerConfig
+    from tiered_cache.server.store_server import StoreServer
     from tiered_cache.shm.put_ring import PutRingReader
     from tiered_cache.v1 import cache_pb2 as pb
 

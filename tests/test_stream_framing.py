@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from tiered_cache.service.streams import BatchSizer
+from tiered_cache.server.streams import BatchSizer
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.framing import page_blob_message, parse_page_blob
 

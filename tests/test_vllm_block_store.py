@@ -11,14 +11,14 @@ import time
 import pytest
 import torch
 
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.config import CacheConfig
 from tiered_cache.integrations.vllm.identity import vllm_spec
 from tiered_cache.integrations.vllm.layer_groups import TARGET_PAGE_BYTES, group_keys, group_size
 from tiered_cache.integrations.vllm.layout import gather_blocks
 from tiered_cache.integrations.vllm.load_job import LoadJob
 from tiered_cache.integrations.vllm.store import BlockStore
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.process import StoreProcess
 
 LAYERS, HEADS, DIM, BS = 6, 2, 8, 4
 SPEC = vllm_spec("test-model@weights:abc", LAYERS, HEADS, DIM, "float32", BS)

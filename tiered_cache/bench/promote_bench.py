@@ -226,7 +226,7 @@ def _redis_row(prefix: Prefix, rounds: int, url: str | None) -> PromoteRow:
 def _remote_row(prefix: Prefix, rounds: int) -> PromoteRow:
     import torch
 
-    from tiered_cache.service.process import StoreProcess
+    from tiered_cache.server.process import StoreProcess
     from tiered_cache.tiers.remote import RemoteTier
 
     blobs = prefix.blobs()
@@ -329,7 +329,7 @@ def _clock(fn: Callable[[], Any]) -> tuple[float, Any]:
 def _redis_at(url: str | None, total: int) -> Iterator[str]:
     """`url` when given (checked first), else a throwaway redis-server with room for `total` bytes."""
     if url is not None:
-        from tiered_cache.service.startup import redis_problem
+        from tiered_cache.server.startup import redis_problem
 
         problem = redis_problem(url)
         if problem:

@@ -30,10 +30,10 @@ from tiered_cache.bench.remote_clients import (
     verify_pages,
 )
 from tiered_cache.bench.timing import Comparison, best_time, returned_bytes, timed
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.wire.codec import encode_page
 

@@ -113,7 +113,7 @@ def bench_redis(spec: KVSpec, num_pages: int, url: str | None = None) -> list[Co
         server.start()
         url = server.url
     else:
-        from tiered_cache.service.startup import redis_problem
+        from tiered_cache.server.startup import redis_problem
 
         problem = redis_problem(url)
         if problem:

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tiered_cache.cli.table import render_table
+from tiered_cache.client.stats import server_stats
 from tiered_cache.model.units import format_binary
-from tiered_cache.service.stats import server_stats
 
 
 def add_parser(commands: Any) -> None:
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     """Exit 0 when every server (or actor) answered, 1 when any did not."""
     import os
 
-    from tiered_cache.service.stats import normalize_address
+    from tiered_cache.client.stats import normalize_address
     from tiered_cache.wire.auth import token_from
 
     args.token = token_from(args.token, dict(os.environ))

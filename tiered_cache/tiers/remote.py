@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from tiered_cache.service.client import StoreClient
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.shm.arena_map import ArenaMap, ArenaRef, ArenaViews, LookupRefs
 from tiered_cache.tiers.base import TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, BreakerState, CircuitBreaker, breaker_states

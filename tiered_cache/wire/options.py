@@ -7,6 +7,7 @@ ends bound messages by the largest page the server takes (`serve --max-page-byte
 
 from __future__ import annotations
 
+DEFAULT_PORT = 50551  # `tiered-cache serve`'s
 DEFAULT_MAX_PAGE_BYTES = 64 * 2**20  # the largest blob a server takes unless told otherwise
 FRAMING_BYTES = 64 * 1024  # protobuf framing around a page blob, with room to spare
 

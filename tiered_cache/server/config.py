@@ -10,7 +10,7 @@ from typing import Any
 
 from tiered_cache.model.units import parse_size
 from tiered_cache.wire.auth import check_token
-from tiered_cache.wire.options import DEFAULT_MAX_PAGE_BYTES, max_message_bytes
+from tiered_cache.wire.options import DEFAULT_MAX_PAGE_BYTES, DEFAULT_PORT, max_message_bytes
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 MIN_CAPACITY = 2**20  # a tier smaller than this is a unit forgotten (`--ram 10` is 10 bytes), not a choice
@@ -57,7 +57,7 @@ def _coerce(name: str, value: Any) -> Any:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
-    port: int = 50551
+    port: int = DEFAULT_PORT
     token: str | None = None  # clients must send `authorization: Bearer <token>`
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None

@@ -22,9 +22,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.handlers import KVCacheService, ServerCounters, parse_put_item, parser
-from tiered_cache.service.store import BlobStore
+from tiered_cache.server.config import ServerConfig
+from tiered_cache.server.handlers import KVCacheService, ServerCounters, parse_put_item, parser
+from tiered_cache.server.store import BlobStore
 from tiered_cache.shm.arena import ArenaTier
 from tiered_cache.shm.offers import OfferedSegments
 from tiered_cache.tiers.base import BlobTier
@@ -235,7 +235,7 @@ def serve(config: ServerConfig) -> int:
     where = f"{config.host}:{port}"
     print(f"tiered-cache serve: listening on {where} ({'TLS' if config.tls_cert else 'plaintext'}, "
           f"{'token required' if config.token else 'no token'})", flush=True)
-    from tiered_cache.service.startup import describe_tiers, redis_problem
+    from tiered_cache.server.startup import describe_tiers, redis_problem
 
     print(f"tiered-cache serve: tiers: {describe_tiers(config)}", flush=True)
     if config.redis_url and (problem := redis_problem(config.redis_url)):

@@ -24,9 +24,9 @@ from google.protobuf.message import DecodeError
 
 from tiered_cache import __version__
 from tiered_cache.index.keys import KEY_BYTES
-from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.store import BlobStore
-from tiered_cache.service.streams import BatchSizer, StreamSlots
+from tiered_cache.server.config import ServerConfig
+from tiered_cache.server.store import BlobStore
+from tiered_cache.server.streams import BatchSizer, StreamSlots
 from tiered_cache.shm.arena import ArenaTier, Ref
 from tiered_cache.shm.host import host_identity
 from tiered_cache.shm.offers import OfferedSegments

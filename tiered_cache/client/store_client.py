@@ -1,4 +1,4 @@
-"""`StoreClient`: a thin, typed client of one store server (imports only the stubs and codec).
+"""`StoreClient`: a thin, typed client of one store server (imports only the stubs and `wire/`).
 
 Calls raise `grpc.RpcError` like any gRPC client; `tiers/remote.py` turns failures into misses.
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from tiered_cache.service.aio_fetch import AioFetcher, FetchResult
+from tiered_cache.client.fetch import Fetcher, FetchResult
 from tiered_cache.shm.arena_map import ArenaMap, ArenaViews
 from tiered_cache.shm.host import host_identity
 from tiered_cache.shm.put_ring import PutRing
@@ -27,7 +27,7 @@ from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
 from tiered_cache.wire.auth import check_token
 from tiered_cache.wire.deadline import BudgetSpent, ProgressDeadline
-from tiered_cache.wire.framing import ReceivedBlob, page_blob_message, parse_page_blob
+from tiered_cache.wire.framing import ReceivedBlob, page_blob_message
 from tiered_cache.wire.options import DEFAULT_MAX_MESSAGE, channel_options
 
 PUT_RING_BYTES = 64 * 2**20  # a client's ring for same-host Put: Puts of up to half of it each
@@ -52,17 +52,15 @@ class StoreClient:
         else:
             self.channel = grpc.insecure_channel(address, options=options)
         self.stub = cache_pb2_grpc.KVCacheStub(self.channel)
-        # Get's replies are parsed by hand: one copy of each blob instead of two.
-        self._get = self.channel.unary_stream("/tiered_cache.v1.KVCache/Get",
-                                              request_serializer=pb.GetRequest.SerializeToString,
-                                              response_deserializer=parse_page_blob)
-        # Put's items are serialized by hand too (framing.page_blob_message).
+        # Put's items are serialized by hand (framing.page_blob_message): one copy of each blob
+        # instead of two. Get goes over an aio channel (fetch.py), its replies parsed by hand too.
         self._put = self.channel.stream_unary("/tiered_cache.v1.KVCache/Put", request_serializer=_put_item,
                                               response_deserializer=pb.PutResponse.FromString)
         token = check_token(token, "the store server token")
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        self._options, self._tls_ca = options, tls_ca  # for the aio channel of get_all
-        self._fetcher: AioFetcher | None = None  # the aio channel of get_all, opened on first use
+        self._options, self._tls_ca = options, tls_ca  # for the aio channel of Get
+        self._fetcher: Fetcher | None = None  # the aio channel of Get, opened on first use
+        self._attached = False  # whether the first get_all asked for the server's arena
         self._fetcher_lock = threading.Lock()
         # Same-host Put: this client's own ring, which the server maps once offered (put()).
         self.put_ring_bytes = put_ring_bytes
@@ -99,41 +97,38 @@ class StoreClient:
 
     def get(self, keys: list[bytes], fingerprint: bytes = b"", timeout_s: float | None = None,
             budget_s: float | None = None) -> Iterator[ReceivedBlob]:
-        """The held blobs among `keys`, streamed in order (a missing key is skipped). Raises
-        `StreamStalled` when no blob arrives for `timeout_s`; `budget_s` bounds the whole call."""
-        call = self._get(pb.GetRequest(keys=keys, fingerprint=fingerprint), timeout=budget_s, metadata=self.metadata)
-        what = f"Get of {len(keys)} pages from {self.address}"
-        watch = ProgressDeadline(timeout_s or self.timeout_s, what, call.cancel)
-        try:
-            for item in call:
-                watch.progress()
-                yield item
-        except grpc.RpcError as exc:
-            if watch.stalled:
-                raise watch.error() from exc
-            raise
-        finally:
-            watch.close()
-            call.cancel()  # a consumer that stops early frees the stream at once (no-op when done)
+        """The held blobs among `keys`, streamed in order (a missing key is skipped), as bytes.
+        Raises `StreamStalled` when no blob arrives for `timeout_s`; `budget_s` bounds the whole
+        call. The same Get as `get_all`, a blob at a time."""
+        yield from self._fetcher_for(attach=False).stream(keys, fingerprint, timeout_s or self.timeout_s, budget_s)
 
     def get_all(self, keys: list[bytes], fingerprint: bytes = b"", timeout_s: float | None = None,
                 budget_s: float | None = None, on_blob: Callable[[ReceivedBlob], None] | None = None,
                 lease: ArenaViews | None = None) -> FetchResult:
         """Like `get`, but the whole stream at once, read on an aio channel (faster for bulk
-        fetches: see aio_fetch.py); the error that ended it, if any, is returned, not raised.
+        fetches: see fetch.py); the error that ended it, if any, is returned, not raised.
         With `lease`, pages that come as refs into the server's arena are lent as views into it (see
         `ArenaViews`: check `lease.lost()` after copying them)."""
+        fetcher = self._fetcher_for(attach=True)
+        return fetcher.get_all(keys, fingerprint, timeout_s or self.timeout_s, budget_s, on_blob, lease)
+
+    def _fetcher_for(self, attach: bool) -> Fetcher:
+        """The aio channel of Get, opened on first use; with `attach`, the server's arena mapped
+        on the first call (when `shm`), and again after the server restarted."""
         with self._fetcher_lock:
             if self._fetcher is None:
-                self._fetcher = AioFetcher(self.address, self._options, self._tls_ca, self.metadata)
+                self._fetcher = Fetcher(self.address, self._options, self._tls_ca, self.metadata)
+            fetcher = self._fetcher
+            if attach and not self._attached:
+                self._attached = True
                 if self.shm:
-                    self._fetcher.reader = self.attach()
-            elif self._fetcher.stale:  # the server restarted: its arena is another segment
-                self._fetcher.stale = False
+                    fetcher.reader = self.attach()
+            elif attach and fetcher.stale:  # the server restarted: its arena is another segment
+                fetcher.stale = False
                 # Not closed here: a Get on another thread may still be reading it (it unmaps
                 # when the last reference goes).
-                self._fetcher.reader = self.attach()
-        return self._fetcher.get_all(keys, fingerprint, timeout_s or self.timeout_s, budget_s, on_blob, lease)
+                fetcher.reader = self.attach()
+        return fetcher
 
     @property
     def shm_overruns(self) -> int:
