@@ -27,9 +27,10 @@ from tiered_cache.index.keys import KEY_BYTES
 from tiered_cache.server.config import ServerConfig
 from tiered_cache.server.store import BlobStore
 from tiered_cache.server.streams import BatchSizer, StreamSlots
-from tiered_cache.shm.arena import ArenaTier, Ref
+from tiered_cache.shm.arena import Ref
 from tiered_cache.shm.host import host_identity
 from tiered_cache.shm.offers import OfferedSegments
+from tiered_cache.tiers.arena import ArenaTier
 from tiered_cache.tiers.base import TierStats
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.codec import BlobError, BlobFault, check_fingerprint, read_header, verify_blob

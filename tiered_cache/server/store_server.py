@@ -25,8 +25,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tiered_cache.server.config import ServerConfig
 from tiered_cache.server.handlers import KVCacheService, ServerCounters, parse_put_item, parser
 from tiered_cache.server.store import BlobStore
-from tiered_cache.shm.arena import ArenaTier
 from tiered_cache.shm.offers import OfferedSegments
+from tiered_cache.tiers.arena import ArenaTier
 from tiered_cache.tiers.base import BlobTier
 from tiered_cache.tiers.memory import MemoryTier
 from tiered_cache.v1 import cache_pb2 as pb
