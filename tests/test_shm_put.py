@@ -323,13 +323,13 @@ def test_a_page_the_clients_ring_comes_round_over_during_the_servers_copy_is_dro
 
         monkeypatch.setattr(PutRingReader, "intact", intact_until_copied)
         response = pb.PutResponse()
-        assert service._store_offered(request, response) == len(items)
+        assert service.puts._store_offered(request, response) == len(items)
         assert [r.reason for r in response.refused] == [pb.SHM_LOST] * len(items)
         assert response.stored + response.already_held + len(response.refused) == len(items)
         assert server.store.locate([k for k, _ in items]) == [None] * len(items)
         monkeypatch.undo()
         response = pb.PutResponse()
-        service._store_offered(request, response)
+        service.puts._store_offered(request, response)
         assert response.stored == len(items) and not response.refused
         assert server.store.get([k for k, _ in items]) == [b for _, b in items]
     finally:

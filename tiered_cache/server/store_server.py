@@ -23,7 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tiered_cache.server.config import ServerConfig
-from tiered_cache.server.handlers import KVCacheService, ServerCounters, parse_put_item, parser
+from tiered_cache.server.handlers import KVCacheService
+from tiered_cache.server.requests import ServerCounters, parse_put_item, parser
 from tiered_cache.server.store import BlobStore
 from tiered_cache.shm.offers import OfferedSegments
 from tiered_cache.tiers.arena import ArenaTier
