@@ -195,7 +195,8 @@ def _disk_row(prefix: Prefix, rounds: int, folder: str | None) -> PromoteRow:
 def _redis_row(prefix: Prefix, rounds: int, url: str | None) -> PromoteRow:
     import redis
 
-    from tiered_cache.tiers.redis import MGET_INTO_BYTES, SOCKET_READ_SIZE, RedisTier
+    from tiered_cache.tiers.redis import MGET_INTO_BYTES, RedisTier
+    from tiered_cache.tiers.redis_nodes import SOCKET_READ_SIZE
     from tiered_cache.wire.codec import raw_blob_size
 
     blobs = prefix.blobs()

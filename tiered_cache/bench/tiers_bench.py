@@ -100,7 +100,8 @@ def bench_disk(spec: KVSpec, num_pages: int, folder: str | None = None) -> list[
 def bench_redis(spec: KVSpec, num_pages: int, url: str | None = None) -> list[Comparison]:
     import redis
 
-    from tiered_cache.tiers.redis import SOCKET_READ_SIZE, RedisTier
+    from tiered_cache.tiers.redis import RedisTier
+    from tiered_cache.tiers.redis_nodes import SOCKET_READ_SIZE
     from tiered_cache.tiers.redis_process import RedisServer
 
     keys, pages = _data(spec, num_pages)
