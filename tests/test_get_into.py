@@ -231,7 +231,7 @@ def test_remote_get_into_asks_again_for_pages_the_arena_lost_while_they_were_cop
         tier = RemoteTier([store.address])
         tier.put(good)
         ring = _Overwritten({i: blob for i, (_, blob) in enumerate(good)})
-        tier._lookup_refs.remember(ring, keys, list(range(N)), [len(b) for _, b in good])
+        tier.arena_reads.refs.remember(ring, keys, list(range(N)), [len(b) for _, b in good])
         dests, _ = destinations("pool")
         assert_pages(dests, tier.get_into(keys, dests, SPEC), [True] * N)  # each read again, as bytes
         assert ring.taken == set(range(N)) and tier.stats().corrupt == 0

@@ -105,7 +105,7 @@ class LowerWriter:
     def set_remote_addresses(self, addresses: Sequence[str]) -> bool:
         """Point the remote tier at `addresses`; forget what moved, put what host RAM holds to the
         keys' new owners in the background (`TieredCache.set_remote_addresses`)."""
-        from tiered_cache.tiers.remote import owner_address
+        from tiered_cache.tiers.remote_servers import owner_address
 
         index = next((i for i, t in enumerate(self.chain.tiers) if hasattr(t, "set_addresses")), None)
         if index is None:
