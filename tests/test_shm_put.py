@@ -1,4 +1,4 @@
-"""Same-host Put through the client's own shared-memory ring (service/shm_offers.py), against real
+"""Same-host Put through the client's own shared-memory ring (shm/offers.py), against real
 server processes: the bytes put are the bytes stored, the ack counts every page, pages the ring
 came round over (or a restarted server that no longer maps it) are sent again as bytes, garbage
 at a position is refused as corrupt, and the server maps nothing but a client's Put ring."""

@@ -332,7 +332,7 @@ def _left(ends: float | None) -> float | None:
 
 
 def _put_item(message: bytes) -> bytes:
-    return message  # framed by hand (framing.py)
+    return message  # framed by hand (wire/framing.py)
 
 
 def _chunks(items: Iterable[tuple[bytes, bytes]], max_bytes: int, max_count: int
