@@ -16,7 +16,7 @@ read is asked again as bytes.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +30,9 @@ from tiered_cache.wire.deadline import ProgressDeadline
 from tiered_cache.wire.framing import ReceivedBlob, parse_page_blob
 
 _GET = "/tiered_cache.v1.KVCache/Get"
+READ_AHEAD = 32  # blobs `Fetcher.stream` reads ahead of its caller at most
+READ_AHEAD_BYTES = 2 * 2**20  # and bytes
+_END = object()  # `stream`'s end of the stream
 
 
 class _Loop:
@@ -82,34 +85,52 @@ class Fetcher:
     def stream(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None
                ) -> Iterator[ReceivedBlob]:
         """The blobs the server streams for `keys`, handed over one at a time as the caller asks
-        for the next (a caller that stops reading holds the stream: HTTP/2 flow control), as
-        bytes (no arena refs asked for). Raises `StreamStalled` when nothing arrives for `idle_s`
-        and gRPC's error when the call fails; a caller that stops early ends the call."""
+        for the next, as bytes (no arena refs asked for). The loop reads ahead of the caller by at
+        most `READ_AHEAD` blobs and `READ_AHEAD_BYTES`: one that stops reading holds the stream
+        (HTTP/2 flow control) and is ended by the progress deadline. Raises `StreamStalled` when
+        nothing arrives for `idle_s` and gRPC's error when the call fails; a caller that stops
+        early ends the call."""
+        received: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        ahead = _ReadAhead()
+        request = pb.GetRequest(keys=keys, fingerprint=fingerprint)
         what = f"Get of {len(keys)} pages from {self.address}"
-        call = self._on_loop(self._start(pb.GetRequest(keys=keys, fingerprint=fingerprint), budget_s))
-
-        def cancel() -> None:
-            if not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(call.cancel)
-
-        watch = ProgressDeadline(idle_s, what, cancel)
+        pump = asyncio.run_coroutine_threadsafe(self._pump(request, idle_s, budget_s, what, ahead, received),
+                                                self._loop)
+        count = nbytes = 0  # taken since last handed back (one wake-up of the loop per half a window)
         try:
             while True:
-                item = self._on_loop(call.read())
-                if item is grpc.aio.EOF:
+                item = received.get()
+                if item is _END:
                     return
-                watch.progress()
+                if isinstance(item, BaseException):
+                    raise item
+                count, nbytes = count + 1, nbytes + len(item.blob)
+                if count >= READ_AHEAD // 2 or nbytes >= READ_AHEAD_BYTES // 2:
+                    self._loop.call_soon_threadsafe(ahead.taken, count, nbytes)
+                    count = nbytes = 0
                 yield item
-        except (grpc.RpcError, asyncio.CancelledError, concurrent.futures.CancelledError) as exc:
-            if watch.stalled:
-                raise watch.error() from exc
-            raise
+        finally:
+            pump.cancel()  # a consumer that stops early frees the stream at once (no-op when done)
+
+    async def _pump(self, request: Any, idle_s: float, budget_s: float | None, what: str,
+                    ahead: _ReadAhead, received: queue.SimpleQueue[Any]) -> None:
+        """`stream`'s reader, on the loop: each blob into `received`, then `_END` or the error."""
+        call = self._get(request, timeout=budget_s, metadata=self.metadata)
+        watch = ProgressDeadline.of_task(idle_s, what)
+        try:
+            async for item in call:
+                watch.progress()
+                received.put(item)
+                await ahead.put(len(item.blob))
+            received.put(_END)
+        except asyncio.CancelledError:  # stalled, or the caller stopped reading (then nobody reads this)
+            call.cancel()
+            received.put(watch.error() if watch.stalled else grpc.aio.AioRpcError(
+                grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "the Get was cancelled"))
+        except grpc.RpcError as exc:
+            received.put(exc)
         finally:
             watch.close()
-            cancel()  # a consumer that stops early frees the stream at once (no-op when done)
-
-    async def _start(self, request: Any, budget_s: float | None) -> Any:
-        return self._get(request, timeout=budget_s, metadata=self.metadata)
 
     def get_all(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
                 on_blob: Callable[[ReceivedBlob], None] | None = None, lease: ArenaViews | None = None) -> FetchResult:
@@ -172,3 +193,24 @@ class Fetcher:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+
+
+class _ReadAhead:
+    """How far `stream`'s reader is ahead of its caller (blobs and bytes it read that the caller
+    has not handed back); `put` waits, on the loop, while that is a whole window."""
+
+    def __init__(self) -> None:
+        self.count = self.nbytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
+
+    async def put(self, nbytes: int) -> None:
+        self.count, self.nbytes = self.count + 1, self.nbytes + nbytes
+        if self.count >= READ_AHEAD or self.nbytes >= READ_AHEAD_BYTES:
+            self._room.clear()
+            await self._room.wait()
+
+    def taken(self, count: int, nbytes: int) -> None:
+        self.count, self.nbytes = self.count - count, self.nbytes - nbytes
+        if self.count < READ_AHEAD and self.nbytes < READ_AHEAD_BYTES:
+            self._room.set()
