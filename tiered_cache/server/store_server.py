@@ -28,7 +28,7 @@ from tiered_cache.server.requests import ServerCounters, parse_put_item, parser
 from tiered_cache.server.store import BlobStore
 from tiered_cache.shm.offers import OfferedSegments
 from tiered_cache.tiers.arena import ArenaTier
-from tiered_cache.tiers.base import BlobTier
+from tiered_cache.tiers.factory import TierSettings, build_tiers
 from tiered_cache.tiers.memory import MemoryTier
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.options import server_options
@@ -63,15 +63,10 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 def build_store(config: ServerConfig) -> BlobStore:
-    lower: list[BlobTier] = []
-    if config.disk_path:
-        from tiered_cache.tiers.disk import DiskTier
-
-        lower.append(DiskTier(config.disk_path, config.disk_capacity))
-    if config.redis_url:
-        from tiered_cache.tiers.redis import RedisTier
-
-        lower.append(RedisTier(config.redis_url, config.redis_prefix))
+    """The server's RAM tier in front of its disk and/or Redis tiers (built by tiers/factory.py)."""
+    kinds = [kind for kind, wanted in (("disk", config.disk_path), ("redis", config.redis_url)) if wanted]
+    lower = build_tiers(kinds, TierSettings(disk_path=config.disk_path or "", disk_capacity=config.disk_capacity,
+                                            redis_url=config.redis_url or "", redis_prefix=config.redis_prefix))
     ram = (ArenaTier(config.ram_capacity, lease_s=config.arena_lease_s) if shared_memory(config)
            else MemoryTier(config.ram_capacity))
     return BlobStore(ram, lower, config.write_through)
