@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from tiered_cache.model.presets import preset_spec
-from tiered_cache.service.process import StoreProcess
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.wire.codec import encode_page
 
 
 def process_cpu_s(pid: int) -> float:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.integrations.transformers import generate, spec_for
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.process import StoreProcess
 
 SHAPES = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

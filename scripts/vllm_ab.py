@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 from tiered_cache.bench.vllm_bench import QUESTIONS  # noqa: E402
 from tiered_cache.integrations.smollm2 import MODEL_DIR, cache_dir, load_model  # noqa: E402
 from tiered_cache.integrations.vllm.forkserver import InstanceLauncher  # noqa: E402
-from tiered_cache.service.process import StoreProcess  # noqa: E402
+from tiered_cache.server.process import StoreProcess  # noqa: E402
 
 LOOKUP = re.compile(r"lookup [1-9]\d* blocks: \d+ held, ([\d.]+) ms")
 

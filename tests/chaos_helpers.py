@@ -18,7 +18,7 @@ import torch
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.wire.codec import encode_page
 
 CHAOS_SPEC = KVSpec("chaos", 4, 4, 64, page_size=32)  # 128 KiB pages: streams are in flight when hit
 

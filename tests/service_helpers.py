@@ -8,7 +8,7 @@ import torch
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.tiers.codec import blob_checksum, encode_page
+from tiered_cache.wire.codec import blob_checksum, encode_page
 
 SPEC = KVSpec("service-test", 2, 2, 32, page_size=4)  # 2 KiB pages
 FINGERPRINT = bytes.fromhex(SPEC.fingerprint)

@@ -14,14 +14,14 @@ import pytest
 from service_helpers import FINGERPRINT, make_items
 from tier_helpers import blobs_for
 
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.config import CacheConfig
-from tiered_cache.service.auth import TOKEN_ENV, check_token, token_from
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.config import ServerConfig
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.disk import DiskTier
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.v1 import cache_pb2 as pb
+from tiered_cache.wire.auth import TOKEN_ENV, check_token, token_from
 from workers.config import ShardSettings
 
 BLANK = ["", " ", "\t", "  \n "]

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tiered_cache.service.config import ServerConfig
+from tiered_cache.server.config import ServerConfig
 from tiered_cache.shm.arena import DATA, MIN_CAPACITY, Arena, slot_of
 from tiered_cache.shm.arena_map import ArenaMap
 

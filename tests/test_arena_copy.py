@@ -8,14 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.device.arena_copy import ArenaCopier, _adjacent_runs
 from tiered_cache.device.pool import PagePool
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
-from tiered_cache.tiers.codec import encode_page, raw_blob_size
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.wire.codec import encode_page, raw_blob_size
 
 SPEC = KVSpec("arena-copy", 3, 2, 16, page_size=8, dtype="bf16")
 N = 12

@@ -17,8 +17,8 @@ from tests.test_arena_transport import pages
 from tests.test_get_into import SPEC as INTO_SPEC
 from tests.test_get_into import assert_pages, destinations
 from tests.test_get_into import items as into_items
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.client.store_client import StoreClient
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.shm.arena_map import ArenaViews
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.v1 import cache_pb2 as pb
@@ -51,7 +51,7 @@ def test_a_server_killed_while_a_client_reads_its_arena_costs_misses_never_a_fau
 
 _LEASE_HOLDER = """
 import sys, time
-from tiered_cache.service.client import StoreClient
+from tiered_cache.client.store_client import StoreClient
 client = StoreClient(sys.argv[1])
 client.get_all([])  # maps the arena
 keys = [bytes.fromhex(k) for k in sys.argv[2:]]

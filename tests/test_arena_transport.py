@@ -5,15 +5,15 @@ shared memory off move bytes."""
 
 from __future__ import annotations
 
+from tiered_cache.client import store_client as client_module
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service import client as client_module
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.shm.arena import Arena
 from tiered_cache.shm.arena_map import ArenaMap, ArenaViews, LookupRefs
-from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.wire.codec import encode_page
 
 SPEC = KVSpec("shm-test", 4, 2, 64, page_size=64, dtype="fp32")  # 256 KiB pages
 

@@ -7,7 +7,7 @@ from conftest import run_cli
 
 from tiered_cache.bench.promote_bench import PATHS, bench_promote
 from tiered_cache.model.spec import DType, KVSpec
-from tiered_cache.tiers.codec import raw_blob_size
+from tiered_cache.wire.codec import raw_blob_size
 
 SPEC = KVSpec("promote-bench-test", 4, 2, 64, dtype=DType.FP16, page_size=8)  # 16 KiB pages
 

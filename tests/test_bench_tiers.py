@@ -9,7 +9,7 @@ from conftest import REPO, run_cli
 from tiered_cache.bench.codec_bench import _pages_from_kv, measure
 from tiered_cache.bench.tiers_bench import bench_disk, bench_host, bench_redis
 from tiered_cache.model.presets import preset_spec
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.wire.codec import encode_page
 
 SPEC = preset_spec("smollm2-135m", page_size=4)
 

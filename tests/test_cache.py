@@ -153,7 +153,7 @@ def test_bad_input_gets_clear_errors_and_changes_nothing():
 
 
 def test_close_releases_lower_tier_connections(tmp_path):
-    from tiered_cache.service.process import StoreProcess
+    from tiered_cache.server.process import StoreProcess
 
     with StoreProcess(["--no-disk"]) as store:
         cfg = CacheConfig(pool_capacity=4 * PAGE, host_capacity=4 * PAGE, lower_tiers=["remote"],

@@ -6,8 +6,8 @@ import torch
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.tiers.codec import Codec, encode_page
 from tiered_cache.tiers.redis_process import RedisServer
+from tiered_cache.wire.codec import Codec, encode_page
 
 SPEC = KVSpec("chain-test", 2, 2, 32, page_size=4)  # 2 KiB pages
 PAGE = SPEC.bytes_per_page

@@ -14,7 +14,7 @@ from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.errors import KVShapeError, PoolExhaustedError
 from tiered_cache.model.spec import DType, KVSpec
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.memory import MemoryTier
 
 SPEC = KVSpec("engine-path-test", 2, 2, 8, dtype=DType.FP32, page_size=4)

@@ -57,7 +57,7 @@ def wait_for(predicate, timeout_s: float = 20.0, what: str = "condition"):
 def serving(address: str) -> bool:
     import grpc
 
-    from tiered_cache.service.client import StoreClient
+    from tiered_cache.client.store_client import StoreClient
 
     try:
         with StoreClient(address, TOKEN, timeout_s=1.0) as client:
@@ -83,7 +83,7 @@ def test_a_prefix_computed_on_one_node_is_reused_on_another(actors):
     assert reference["reused_tokens"] == 0
     import grpc
 
-    from tiered_cache.service.client import StoreClient
+    from tiered_cache.client.store_client import StoreClient
 
     address = ray.get(actors["shard"].ping.remote())
     with pytest.raises(grpc.RpcError) as refused, StoreClient(address) as stranger:

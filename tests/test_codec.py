@@ -9,9 +9,10 @@ import torch
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import DType, KVSpec, Layout
-from tiered_cache.tiers import checksum
-from tiered_cache.tiers import codec as codec_module
-from tiered_cache.tiers.codec import (
+from tiered_cache.tiers.disk import DiskTier
+from tiered_cache.wire import checksum
+from tiered_cache.wire import codec as codec_module
+from tiered_cache.wire.codec import (
     VERSION,
     BlobError,
     Codec,
@@ -21,7 +22,6 @@ from tiered_cache.tiers.codec import (
     read_header,
     verify_blob,
 )
-from tiered_cache.tiers.disk import DiskTier
 
 SPEC = KVSpec("m", 3, 2, 16, page_size=4)
 
@@ -144,7 +144,7 @@ def test_a_blosc2_chunk_that_does_not_match_the_header_is_refused_before_decodin
     still checked, so a chunk that would write more than a page never reaches the buffer."""
     import blosc2
 
-    from tiered_cache.tiers.codec import _assemble
+    from tiered_cache.wire.codec import _assemble
 
     key = key_of(SPEC)
     page = np.frombuffer(page_of(SPEC, smooth=True).numpy().tobytes(), np.uint8)

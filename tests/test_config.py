@@ -2,7 +2,7 @@ import pytest
 
 from tiered_cache.config import CacheConfig, LowerTier, WritePolicy
 from tiered_cache.index.radix_node import EvictionPolicy
-from tiered_cache.tiers.codec import Codec
+from tiered_cache.wire.codec import Codec
 
 
 def test_defaults_are_embedded_and_need_nothing():

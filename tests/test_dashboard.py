@@ -17,7 +17,7 @@ from tiered_cache.metrics import registry_of
 from tiered_cache.metrics.families import cache_families, server_families, tier_families
 from tiered_cache.metrics.live import FetchMetrics
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service.handlers import ServerCounters
+from tiered_cache.server.requests import ServerCounters
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "deploy" / "grafana" / "tiered-cache.json"

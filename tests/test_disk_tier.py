@@ -10,10 +10,10 @@ import pytest
 from tier_helpers import SPEC, blobs_for, keys_for
 
 from tiered_cache.errors import TieredCacheError
-from tiered_cache.service.process import StoreProcess
-from tiered_cache.tiers.codec import decode_page, verify_blob
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.disk import DiskTier
 from tiered_cache.tiers.folder_lock import LOCK_NAME, FolderInUseError
+from tiered_cache.wire.codec import decode_page, verify_blob
 
 TESTS = os.path.dirname(__file__)
 

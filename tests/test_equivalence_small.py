@@ -7,7 +7,7 @@ from equivalence_helpers import cache_with_prefix_in, push_down
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tiered_cache.integrations.transformers import generate, spec_for
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.process import StoreProcess
 
 PAGE = 4
 

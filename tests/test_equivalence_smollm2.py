@@ -8,7 +8,7 @@ from equivalence_helpers import cache_with_prefix_in, push_down
 from tiered_cache.bench.int8_quality import int8_quality
 from tiered_cache.integrations.smollm2 import chat_prompt, document, load_model
 from tiered_cache.integrations.transformers import generate, spec_for
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.process import StoreProcess
 
 pytestmark = pytest.mark.slow
 QUESTIONS = ["In what year was the lighthouse's lamp first lit?", "Who was the first keeper of the light?",

@@ -21,16 +21,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from service_helpers import FINGERPRINT, SPEC, make_items
 
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.index.radix import RadixTree
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.framing import _varint
-from tiered_cache.service.process import StoreProcess
-from tiered_cache.tiers import codec
-from tiered_cache.tiers.codec import BlobError, Codec, encode_page
+from tiered_cache.server.config import ServerConfig
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.v1 import cache_pb2 as pb
+from tiered_cache.wire import codec
+from tiered_cache.wire.codec import BlobError, Codec, encode_page
+from tiered_cache.wire.framing import _varint
 
 # --- the store server ------------------------------------------------------------------------------
 MAX_PAGE = 64 * 1024
@@ -108,7 +108,7 @@ def call_status(fn: Callable[[], Any]) -> tuple[grpc.StatusCode, Any]:
 
 
 # --- protobuf wire bytes, built by hand -------------------------------------------------------------
-varint = _varint  # the encoder our hand framing uses (service/framing.py)
+varint = _varint  # the encoder our hand framing uses (wire/framing.py)
 
 
 @st.composite

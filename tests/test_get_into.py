@@ -11,9 +11,13 @@ import torch
 from tier_helpers import SPEC, keys_for, pages_for
 
 import tiered_cache.tiers.disk as disk_module
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.codec import (
+from tiered_cache.tiers.disk import DiskTier
+from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.redis import RedisTier
+from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.wire.codec import (
     BlobError,
     Codec,
     check_raw_pieces,
@@ -24,10 +28,6 @@ from tiered_cache.tiers.codec import (
     raw_blob_size,
     raw_header_size,
 )
-from tiered_cache.tiers.disk import DiskTier
-from tiered_cache.tiers.memory import MemoryTier
-from tiered_cache.tiers.redis import RedisTier
-from tiered_cache.tiers.remote import RemoteTier
 
 N = 6
 OTHER = SPEC.with_options(model_id="another-model")  # same shape, another fingerprint
@@ -231,7 +231,7 @@ def test_remote_get_into_asks_again_for_pages_the_arena_lost_while_they_were_cop
         tier = RemoteTier([store.address])
         tier.put(good)
         ring = _Overwritten({i: blob for i, (_, blob) in enumerate(good)})
-        tier._lookup_refs.remember(ring, keys, list(range(N)), [len(b) for _, b in good])
+        tier.arena_reads.refs.remember(ring, keys, list(range(N)), [len(b) for _, b in good])
         dests, _ = destinations("pool")
         assert_pages(dests, tier.get_into(keys, dests, SPEC), [True] * N)  # each read again, as bytes
         assert ring.taken == set(range(N)) and tier.stats().corrupt == 0

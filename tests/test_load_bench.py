@@ -14,8 +14,8 @@ from conftest import run_cli
 from tiered_cache.bench.load_client import compare_pages, error_kind
 from tiered_cache.bench.load_rss import plateau, read_rss
 from tiered_cache.bench.load_workload import Conversations, PagePayloads, Workload, Zipf
-from tiered_cache.service.client import StreamStalled
-from tiered_cache.tiers.codec import verify_blob
+from tiered_cache.wire.codec import verify_blob
+from tiered_cache.wire.deadline import StreamStalled
 
 SMALL = Workload(page_kib=4, prompts=4, histories=4, max_turns=3, seed=7)
 

@@ -15,9 +15,9 @@ from conftest import run_cli
 from prometheus_client.parser import text_string_to_metric_families
 from tier_helpers import SPEC, blobs_for
 
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.metrics.families import PREFIX, TIER_FIELDS
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.base import TierStats
 
 WORKER = Path(__file__).with_name("instance_worker.py")
@@ -121,7 +121,7 @@ def test_the_families_carry_each_tier_figure_and_extra_labels():
 
 def test_bad_metrics_settings_are_refused_with_the_setting_named():
     from tiered_cache.config import CacheConfig
-    from tiered_cache.service.config import ServerConfig
+    from tiered_cache.server.config import ServerConfig
 
     with pytest.raises(ValueError, match="metrics_port"):
         ServerConfig(metrics_port=70000)

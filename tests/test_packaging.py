@@ -36,11 +36,11 @@ import numpy as np
 import tiered_cache.cli.main, tiered_cache.cli.serve_cmd
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.server import StoreServer, build_store
-from tiered_cache.service.store import BlobStore
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.client.store_client import StoreClient
+from tiered_cache.server.config import ServerConfig
+from tiered_cache.server.store_server import StoreServer, build_store
+from tiered_cache.server.store import BlobStore
+from tiered_cache.wire.codec import encode_page
 from tiered_cache.tiers.disk import DiskTier
 from tiered_cache.tiers.memory import MemoryTier, entry_cost
 

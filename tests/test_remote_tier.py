@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 from service_helpers import large_items, make_items
 
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.client.store_client import StoreClient
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.breaker import BreakerPolicy
-from tiered_cache.tiers.remote import RemoteTier, owner
+from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.tiers.remote_servers import owner
 
 
 def test_rendezvous_spreads_keys_and_moves_few_when_a_server_joins():
@@ -179,7 +180,7 @@ def test_a_cache_republishes_its_pages_to_owners_that_joined_the_ring():
     from tiered_cache.config import CacheConfig
     from tiered_cache.index.keys import PageKeyer
     from tiered_cache.model.spec import KVSpec
-    from tiered_cache.tiers.remote import owner_address
+    from tiered_cache.tiers.remote_servers import owner_address
 
     spec = KVSpec(model_id="ring-test", num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
     with StoreProcess(["--no-disk"]) as a, StoreProcess(["--no-disk"]) as b:

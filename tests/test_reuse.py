@@ -14,16 +14,16 @@ from throttle_proxy import ThrottledProxy
 from tiered_cache.cache import TieredCache
 from tiered_cache.cache.handle import HOST
 from tiered_cache.cache.reuse import Rate, RateEstimator, ReuseEstimates, pages_to_load
+from tiered_cache.client.stats import server_stats
 from tiered_cache.config import CacheConfig, ReusePolicy
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.metrics import registry_of
 from tiered_cache.metrics.families import cache_families
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.report.tree import render_tree
-from tiered_cache.service.process import StoreProcess
-from tiered_cache.service.stats import server_stats
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.wire.codec import encode_page
 
 MB = 1_000_000
 PAGE_BYTES, PAGE_TOKENS = 64 * 1024, 16

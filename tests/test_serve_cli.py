@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import run_cli
 
-from tiered_cache.service.config import ServerConfig, default_store_folder
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.config import ServerConfig, default_store_folder
+from tiered_cache.server.process import StoreProcess
 
 
 def _refused(*args: str) -> str:

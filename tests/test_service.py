@@ -9,9 +9,9 @@ import grpc
 import pytest
 from service_helpers import FINGERPRINT, SPEC, large_items, make_items, with_codec_byte
 
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
-from tiered_cache.service.store import BlobStore
+from tiered_cache.client.store_client import StoreClient
+from tiered_cache.server.process import StoreProcess
+from tiered_cache.server.store import BlobStore
 from tiered_cache.tiers.disk import DiskTier
 from tiered_cache.tiers.memory import MemoryTier, entry_cost
 from tiered_cache.v1 import cache_pb2 as pb

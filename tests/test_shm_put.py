@@ -1,4 +1,4 @@
-"""Same-host Put through the client's own shared-memory ring (service/shm_offers.py), against real
+"""Same-host Put through the client's own shared-memory ring (shm/offers.py), against real
 server processes: the bytes put are the bytes stored, the ack counts every page, pages the ring
 came round over (or a restarted server that no longer maps it) are sent again as bytes, garbage
 at a position is refused as corrupt, and the server maps nothing but a client's Put ring."""
@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from tests.test_arena_transport import pages
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.client.store_client import StoreClient
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.shm.arena import Arena
 from tiered_cache.shm.host import host_identity
 from tiered_cache.shm.offers import OfferedSegments
@@ -253,7 +253,7 @@ def test_a_page_read_by_lookup_ref_must_be_of_the_tiers_model():
     import torch
 
     from tests.test_arena_transport import SPEC
-    from tiered_cache.tiers.codec import encode_page
+    from tiered_cache.wire.codec import encode_page
 
     ours = pages(2, seed=39)
     other = SPEC.with_options(model_id="another-model")
@@ -272,7 +272,7 @@ def test_a_page_read_by_lookup_ref_must_be_of_the_tiers_model():
 
 
 def test_segments_of_exited_clients_are_unmapped_and_the_count_is_bounded():
-    code = ("import sys; from tests.test_arena_transport import pages; from tiered_cache.service.client import "
+    code = ("import sys; from tests.test_arena_transport import pages; from tiered_cache.client.store_client import "
             "StoreClient; c = StoreClient(sys.argv[1]); assert c.put(pages(1, seed=32)).stored <= 1; "
             "assert c.uses_shm_put")
     with StoreProcess(["--no-disk"]) as store, StoreClient(store.address) as client:
@@ -302,8 +302,8 @@ def test_a_page_the_clients_ring_comes_round_over_during_the_servers_copy_is_dro
     ring came round over it meanwhile (a race that cannot be timed for real: `intact` is made to
     say so after the copy, a mock of that only), the copy is dropped from the store and refused as lost, and the
     ack still counts each page once."""
-    from tiered_cache.service.config import ServerConfig
-    from tiered_cache.service.server import StoreServer
+    from tiered_cache.server.config import ServerConfig
+    from tiered_cache.server.store_server import StoreServer
     from tiered_cache.shm.put_ring import PutRingReader
     from tiered_cache.v1 import cache_pb2 as pb
 
@@ -323,13 +323,13 @@ def test_a_page_the_clients_ring_comes_round_over_during_the_servers_copy_is_dro
 
         monkeypatch.setattr(PutRingReader, "intact", intact_until_copied)
         response = pb.PutResponse()
-        assert service._store_offered(request, response) == len(items)
+        assert service.puts._store_offered(request, response) == len(items)
         assert [r.reason for r in response.refused] == [pb.SHM_LOST] * len(items)
         assert response.stored + response.already_held + len(response.refused) == len(items)
         assert server.store.locate([k for k, _ in items]) == [None] * len(items)
         monkeypatch.undo()
         response = pb.PutResponse()
-        service._store_offered(request, response)
+        service.puts._store_offered(request, response)
         assert response.stored == len(items) and not response.refused
         assert server.store.get([k for k, _ in items]) == [b for _, b in items]
     finally:

@@ -14,9 +14,10 @@ import pytest
 from conftest import REPO, ctrl_c_able, run_cli
 from tier_helpers import SPEC, blobs_for
 
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
-from tiered_cache.service.stats import DEFAULT_PORT, normalize_address
+from tiered_cache.client.stats import normalize_address
+from tiered_cache.client.store_client import StoreClient
+from tiered_cache.server.process import StoreProcess
+from tiered_cache.wire.options import DEFAULT_PORT
 
 
 def test_addresses_get_serves_port_and_bad_ports_are_named():

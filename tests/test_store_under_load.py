@@ -16,18 +16,19 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_helpers import large_items, make_items
 
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service.client import StoreClient, StreamStalled
-from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.process import StoreProcess
-from tiered_cache.service.server import StoreServer
-from tiered_cache.service.store import BlobStore
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.server.config import ServerConfig
+from tiered_cache.server.process import StoreProcess
+from tiered_cache.server.store import BlobStore
+from tiered_cache.server.store_server import StoreServer
 from tiered_cache.tiers.memory import ENTRY_OVERHEAD_BYTES, MemoryTier
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
+from tiered_cache.wire.codec import encode_page
+from tiered_cache.wire.deadline import StreamStalled
 
 MIB_SPEC = KVSpec("mib-pages", 8, 8, 128, page_size=32)  # 1 MiB pages
 
@@ -227,7 +228,7 @@ def test_a_server_that_accepts_and_never_answers_fails_on_the_progress_deadline(
 
 _KILLED_CLIENT = """
 import sys
-from tiered_cache.service.client import StoreClient
+from tiered_cache.client.store_client import StoreClient
 from service_helpers import large_items
 keys = [k for k, _ in large_items(100)]
 stream = StoreClient(sys.argv[1], timeout_s=60).get(keys)

@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from tiered_cache.service.framing import page_blob_message, parse_page_blob
-from tiered_cache.service.streams import BatchSizer
+from tiered_cache.server.streams import BatchSizer
 from tiered_cache.v1 import cache_pb2 as pb
+from tiered_cache.wire.framing import page_blob_message, parse_page_blob
 
 
 @pytest.mark.parametrize("size", [1, 127, 128, 16383, 16384, 300_000, 2**20 + 7])

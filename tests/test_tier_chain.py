@@ -15,9 +15,9 @@ import pytest
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.disk import DiskTier
 from tiered_cache.tiers.memory import MemoryTier, entry_cost
+from tiered_cache.wire.codec import encode_page
 
 SPEC = KVSpec("chain-test", 2, 2, 16, page_size=4)  # 1 KiB pages
 

@@ -11,14 +11,14 @@ import time
 import pytest
 import torch
 
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.config import CacheConfig
 from tiered_cache.integrations.vllm.identity import vllm_spec
 from tiered_cache.integrations.vllm.layer_groups import TARGET_PAGE_BYTES, group_keys, group_size
 from tiered_cache.integrations.vllm.layout import gather_blocks
 from tiered_cache.integrations.vllm.load_job import LoadJob
 from tiered_cache.integrations.vllm.store import BlockStore
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.process import StoreProcess
 
 LAYERS, HEADS, DIM, BS = 6, 2, 8, 4
 SPEC = vllm_spec("test-model@weights:abc", LAYERS, HEADS, DIM, "float32", BS)
@@ -173,7 +173,7 @@ def test_pages_lent_from_the_arena_and_written_over_before_the_check_are_fetched
     vLLM's KV ends with exactly the saved blocks, none failed."""
     from tiered_cache.index.keys import PageKeyer
     from tiered_cache.model.spec import KVSpec
-    from tiered_cache.tiers.codec import encode_page
+    from tiered_cache.wire.codec import encode_page
 
     big = KVSpec("ring-filler", 4, 2, 64, page_size=64, dtype="fp32")  # 256 KiB pages
     fillers = [[(k, encode_page(torch.randn(big.staging_shape(1)[1:]), big, k, "raw"))

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.integrations.vllm.forkserver import InstanceLauncher
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
+from tiered_cache.server.process import StoreProcess
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent

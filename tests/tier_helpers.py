@@ -6,7 +6,7 @@ import torch
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.wire.codec import encode_page
 
 SPEC = KVSpec("tier-test", 2, 2, 16, page_size=4)  # 1 KiB pages
 

@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 from tiered_cache.cache.reuse import ReusePolicy
 from tiered_cache.index.radix_node import EvictionPolicy
 from tiered_cache.model.units import parse_size
-from tiered_cache.service.auth import check_token
-from tiered_cache.tiers.codec import Codec
+from tiered_cache.wire.auth import check_token
+from tiered_cache.wire.codec import Codec
 
 ENV_PREFIX = "TIERED_CACHE_"
 # Variables under the prefix that are not cache settings (read elsewhere).

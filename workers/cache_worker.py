@@ -24,8 +24,9 @@ from tiered_cache.index.keys import PageKeyer
 from tiered_cache.integrations.hf_models import encode_prompt, load_causal_lm
 from tiered_cache.integrations.transformers import generate, spec_for
 from tiered_cache.metrics.families import cache_families, tier_families
-from tiered_cache.service.auth import token_from
-from tiered_cache.tiers.remote import RemoteTier, owner
+from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.tiers.remote_servers import owner
+from tiered_cache.wire.auth import token_from
 from workers.config import ShardSettings, WorkerSettings
 from workers.directory import WORKER
 from workers.names import DIRECTORY

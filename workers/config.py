@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_cache.model.units import parse_size
-from tiered_cache.service.auth import check_token
+from tiered_cache.wire.auth import check_token
 
 AUTO_HOST = "auto"  # a shard binds its node's IP address, reachable from the other nodes
 

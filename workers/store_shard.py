@@ -16,11 +16,11 @@ from typing import Any
 
 import ray
 
+from tiered_cache.client.stats import server_stats
 from tiered_cache.metrics.families import server_families, tier_families
-from tiered_cache.service.auth import token_from
-from tiered_cache.service.config import LOOPBACK, ServerConfig
-from tiered_cache.service.server import StoreServer
-from tiered_cache.service.stats import server_stats
+from tiered_cache.server.config import LOOPBACK, ServerConfig
+from tiered_cache.server.store_server import StoreServer
+from tiered_cache.wire.auth import token_from
 from workers.config import AUTO_HOST, ShardSettings
 from workers.directory import SHARD
 from workers.names import DIRECTORY

@@ -13,7 +13,7 @@ import torch
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import DType, KVSpec
-from tiered_cache.tiers.codec import Codec, decode_page, encode_page
+from tiered_cache.wire.codec import Codec, decode_page, encode_page
 
 
 @dataclass(frozen=True)

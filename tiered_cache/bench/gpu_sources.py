@@ -60,7 +60,7 @@ class Servers:
     def start(cls, rows: tuple[str, ...], kv_bytes: int) -> Servers:
         """Start what `rows` need; the store keeps `kv_bytes` and more in RAM (its arena, which
         same-host instances read in place)."""
-        from tiered_cache.service.process import StoreProcess
+        from tiered_cache.server.process import StoreProcess
 
         stack = ExitStack()
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="tiered-cache-bench-gpu-")))

@@ -58,7 +58,7 @@ def _server(settings: LoadSettings) -> Iterator[tuple[str, int | None]]:
     if settings.address:
         yield settings.address, settings.server_pid
         return
-    from tiered_cache.service.process import StoreProcess
+    from tiered_cache.server.process import StoreProcess
 
     with tempfile.TemporaryDirectory(prefix="tiered-cache-load-") as tmp:
         lower = ["--disk", tmp, "--disk-capacity", settings.disk] if settings.disk else ["--no-disk"]
@@ -69,7 +69,7 @@ def _server(settings: LoadSettings) -> Iterator[tuple[str, int | None]]:
 
 def _put_prompts(address: str, workload: Workload, timeout_s: float) -> int:
     """The shared system prompts put before the run, as a serving fleet would have them; returns their pages."""
-    from tiered_cache.service.client import StoreClient
+    from tiered_cache.client.store_client import StoreClient
 
     payloads, keys = PagePayloads(workload), [k for prompt in workload.prompt_keys() for k in prompt]
     with StoreClient(address, timeout_s=timeout_s) as client:
@@ -78,7 +78,7 @@ def _put_prompts(address: str, workload: Workload, timeout_s: float) -> int:
 
 
 def _tier_figures(address: str, timeout_s: float) -> list[TierFigures]:
-    from tiered_cache.service.client import StoreClient
+    from tiered_cache.client.store_client import StoreClient
 
     with StoreClient(address, timeout_s=timeout_s) as client:
         tiers = client.stats().tiers

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_cache.bench.load_workload import Conversations, PagePayloads, Workload
-from tiered_cache.service.client import StoreClient, StreamStalled
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.v1 import cache_pb2 as pb
+from tiered_cache.wire.deadline import StreamStalled
 
 OPS = ("lookup", "get", "put")
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.wire.codec import encode_page
 
 _TOKENS_PER_PAGE = 16
 _PAYLOADS = 16  # distinct page contents; the key in each blob's header makes every blob distinct

@@ -99,7 +99,7 @@ class Prefix:
         return whole.reshape(self.spec.kv_shape(len(self.tokens)))
 
     def blobs(self) -> list[tuple[bytes, bytes]]:
-        from tiered_cache.tiers.codec import encode_page
+        from tiered_cache.wire.codec import encode_page
 
         return [(k, encode_page(p, self.spec, k)) for k, p in zip(self.keys, self.pages, strict=True)]
 
@@ -195,8 +195,9 @@ def _disk_row(prefix: Prefix, rounds: int, folder: str | None) -> PromoteRow:
 def _redis_row(prefix: Prefix, rounds: int, url: str | None) -> PromoteRow:
     import redis
 
-    from tiered_cache.tiers.codec import raw_blob_size
-    from tiered_cache.tiers.redis import MGET_INTO_BYTES, SOCKET_READ_SIZE, RedisTier
+    from tiered_cache.tiers.redis import MGET_INTO_BYTES, RedisTier
+    from tiered_cache.tiers.redis_nodes import SOCKET_READ_SIZE
+    from tiered_cache.wire.codec import raw_blob_size
 
     blobs = prefix.blobs()
     with _redis_at(url, sum(len(b) for _, b in blobs)) as where:
@@ -226,7 +227,7 @@ def _redis_row(prefix: Prefix, rounds: int, url: str | None) -> PromoteRow:
 def _remote_row(prefix: Prefix, rounds: int) -> PromoteRow:
     import torch
 
-    from tiered_cache.service.process import StoreProcess
+    from tiered_cache.server.process import StoreProcess
     from tiered_cache.tiers.remote import RemoteTier
 
     blobs = prefix.blobs()
@@ -329,7 +330,7 @@ def _clock(fn: Callable[[], Any]) -> tuple[float, Any]:
 def _redis_at(url: str | None, total: int) -> Iterator[str]:
     """`url` when given (checked first), else a throwaway redis-server with room for `total` bytes."""
     if url is not None:
-        from tiered_cache.service.startup import redis_problem
+        from tiered_cache.server.startup import redis_problem
 
         problem = redis_problem(url)
         if problem:

@@ -1,6 +1,8 @@
 """A bare gRPC server for baselines: streams N byte messages of a given size from memory, takes a
 client stream of byte messages (counting their bytes, keeping none), and answers a unary echo.
-Same HTTP/2 options as the store server. Run as a child process:
+Same HTTP/2 options as the store server. It is deliberately not the store: it is the bare-gRPC
+baseline that `bench remote` sets the store's own Get (client/fetch.py) beside. Run as a child
+process:
 
     python -m tiered_cache.bench.raw_grpc   # prints "listening on 127.0.0.1:PORT"
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from tiered_cache.service.server import grpc_options
+from tiered_cache.wire.options import server_options
 
 _MAX = 80 * 2**20
 STREAM = "/raw.Raw/Stream"
@@ -41,7 +43,7 @@ def _echo(request: bytes, context: Any) -> bytes:
 
 def main() -> None:
     # A thread per stream (up to 32): the multi-client ceiling must not be capped by threads.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=grpc_options(_MAX))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=server_options(_MAX))
     handlers = {"Stream": grpc.unary_stream_rpc_method_handler(_stream),
                 "Echo": grpc.unary_unary_rpc_method_handler(_echo),
                 "Absorb": grpc.stream_unary_rpc_method_handler(_absorb)}

@@ -30,12 +30,12 @@ from tiered_cache.bench.remote_clients import (
     verify_pages,
 )
 from tiered_cache.bench.timing import Comparison, best_time, returned_bytes, timed
+from tiered_cache.client.store_client import StoreClient
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.service.client import StoreClient
-from tiered_cache.service.process import StoreProcess
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.remote import RemoteTier
+from tiered_cache.wire.codec import encode_page
 
 GIB = 2**30
 
@@ -164,7 +164,7 @@ def bench_put(spec: KVSpec, num_pages: int, repeat: int = 3) -> list[Comparison]
 def _redis_row(items: list[tuple[bytes, bytes]], total: int, scale: str, ours: float, work: int) -> Comparison:
     import redis
 
-    from tiered_cache.tiers.redis import SOCKET_READ_SIZE
+    from tiered_cache.tiers.redis_nodes import SOCKET_READ_SIZE
     from tiered_cache.tiers.redis_process import RedisServer
 
     with tempfile.TemporaryDirectory(prefix="tiered-cache-bench-redis-") as folder:

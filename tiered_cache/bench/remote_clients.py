@@ -31,7 +31,7 @@ _END_SLACK_S = 300.0  # the last call of a round may run past the deadline by th
 
 def raw_channel(address: str) -> grpc.Channel:
     """A channel to `raw_grpc.py`, with the store client's HTTP/2 options."""
-    from tiered_cache.service.client import channel_options
+    from tiered_cache.wire.options import channel_options
 
     return grpc.insecure_channel(address, options=channel_options(_RAW_MAX_MESSAGE))
 

@@ -12,7 +12,7 @@ import torch
 from tiered_cache.bench.timing import Comparison, returned_bytes, timed
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.tiers.codec import encode_page
+from tiered_cache.wire.codec import encode_page
 
 GIB = 2**30
 
@@ -100,7 +100,8 @@ def bench_disk(spec: KVSpec, num_pages: int, folder: str | None = None) -> list[
 def bench_redis(spec: KVSpec, num_pages: int, url: str | None = None) -> list[Comparison]:
     import redis
 
-    from tiered_cache.tiers.redis import SOCKET_READ_SIZE, RedisTier
+    from tiered_cache.tiers.redis import RedisTier
+    from tiered_cache.tiers.redis_nodes import SOCKET_READ_SIZE
     from tiered_cache.tiers.redis_process import RedisServer
 
     keys, pages = _data(spec, num_pages)
@@ -113,7 +114,7 @@ def bench_redis(spec: KVSpec, num_pages: int, url: str | None = None) -> list[Co
         server.start()
         url = server.url
     else:
-        from tiered_cache.service.startup import redis_problem
+        from tiered_cache.server.startup import redis_problem
 
         problem = redis_problem(url)
         if problem:

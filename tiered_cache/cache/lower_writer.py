@@ -24,8 +24,8 @@ from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue, Fore
 from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.codec import encode_page
 from tiered_cache.tiers.host import HostTier
+from tiered_cache.wire.codec import encode_page
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
 # Bytes the writer encodes and puts between looks for a quiet moment: a request that arrives
@@ -105,7 +105,7 @@ class LowerWriter:
     def set_remote_addresses(self, addresses: Sequence[str]) -> bool:
         """Point the remote tier at `addresses`; forget what moved, put what host RAM holds to the
         keys' new owners in the background (`TieredCache.set_remote_addresses`)."""
-        from tiered_cache.tiers.remote import owner_address
+        from tiered_cache.tiers.remote_servers import owner_address
 
         index = next((i for i, t in enumerate(self.chain.tiers) if hasattr(t, "set_addresses")), None)
         if index is None:

@@ -51,8 +51,8 @@ from tiered_cache.device.host_copy import HostCopier
 from tiered_cache.device.pool import PagePool
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.codec import PageDest
 from tiered_cache.tiers.host import HostTier
+from tiered_cache.wire.codec import PageDest
 
 _NOWHERE = -2  # in a plan being built: no tier found the page (HOST is -1, lower tiers >= 0)
 # Reuse policy: a lower tier skipped as slower than recompute is re-measured (a background fetch of

@@ -45,9 +45,9 @@ def add_parser(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from tiered_cache.service.auth import token_from
-    from tiered_cache.service.config import ServerConfig
-    from tiered_cache.service.server import serve
+    from tiered_cache.server.config import ServerConfig
+    from tiered_cache.server.store_server import serve
+    from tiered_cache.wire.auth import token_from
 
     overrides = {name: getattr(args, name) for name in
                  ("host", "port", "token", "tls_cert", "tls_key", "ram_capacity", "disk_path", "disk_capacity",

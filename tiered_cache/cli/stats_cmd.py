@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tiered_cache.client.stats import server_stats
 from tiered_cache.report.stats import render_stats, tier_rates
-from tiered_cache.service.stats import server_stats
 
 
 def add_parser(commands: Any) -> None:
@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
     """Exit 0 when every server (or actor) answered, 1 when any did not."""
     import os
 
-    from tiered_cache.service.auth import token_from
-    from tiered_cache.service.stats import normalize_address
+    from tiered_cache.client.stats import normalize_address
+    from tiered_cache.wire.auth import token_from
 
     args.token = token_from(args.token, dict(os.environ))
     if args.address:

@@ -32,10 +32,10 @@ def run_demo(repeat: int = 3, as_json: bool = False, doc_chars: int | None = Non
     `doc_chars`: only the document's first characters (default all: ~2,800 tokens);
     `max_new_tokens`: the answers' length (default 48).
     Exit 0 when both instances' greedy answers are identical with and without the cache."""
+    from tiered_cache.client.stats import server_stats
     from tiered_cache.integrations.smollm2 import gguf_path
     from tiered_cache.report.stats import render_stats
-    from tiered_cache.service.process import StoreProcess
-    from tiered_cache.service.stats import server_stats
+    from tiered_cache.server.process import StoreProcess
 
     for name, value in (("--repeat", repeat), ("--doc-chars", doc_chars), ("--max-new-tokens", max_new_tokens)):
         if value is not None and value < 1:

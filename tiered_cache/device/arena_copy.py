@@ -32,7 +32,7 @@ from tiered_cache.device.copy_stream import CopyStream
 from tiered_cache.device.pool import PagePool
 from tiered_cache.shm.arena import DATA
 from tiered_cache.shm.arena_map import ArenaMap
-from tiered_cache.tiers.codec import BlobError, raw_blob_size, raw_header_size, verify_raw_blob
+from tiered_cache.wire.codec import BlobError, raw_blob_size, raw_header_size, verify_raw_blob
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 _REGISTER_READ_ONLY = 0x08 | 0x01  # cudaHostRegisterReadOnly | cudaHostRegisterPortable

@@ -126,7 +126,7 @@ def reuse_families(reuse: Any) -> list[Metric]:
 
 
 def server_families(counters: Any, streams_open: int, shm_pages: int = 0, shm_pages_reused: int = 0) -> list[Metric]:
-    """The store server's own counters (handlers.ServerCounters: Put pages taken from clients'
+    """The store server's own counters (server/requests.py's ServerCounters: Put pages taken from clients'
     shared memory among them), its open streams and the Get pages it handed over through its
     shared-memory ring."""
     return [_single(*row) for row in (

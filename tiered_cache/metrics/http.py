@@ -12,7 +12,7 @@ from wsgiref.simple_server import WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 
-from tiered_cache.service.auth import check_token
+from tiered_cache.wire.auth import check_token
 
 LOOPBACK = frozenset({"127.0.0.1", "::1", "localhost"})
 

@@ -43,11 +43,10 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tiered_cache.model.units import parse_size
 from tiered_cache.shm.host import sealed_segment
-from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
 
 MAGIC = b"TCARENA1"
 DATA = 4096  # the header's size: data starts page-aligned
@@ -63,6 +62,8 @@ LEASE_S = 2.0  # how long a handed-out ref is not written over
 MIN_CAPACITY = 2**20
 
 Ref = tuple[int, int]  # (position, length)
+# Called with (key, blob) pairs the arena drops or cannot place, for the tier below to take.
+OnEvict = Callable[[list[tuple[bytes, bytes]]], None]
 
 
 def index_slots(capacity: int) -> int:
@@ -86,6 +87,19 @@ def largest_blob(capacity: int) -> int:
 
 
 @dataclass
+class ArenaFigures:
+    """What an arena counted (counters only grow) and what it holds now (`pages`, `used`)."""
+
+    pages: int = 0
+    used: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    evictions: int = 0
+
+
+@dataclass
 class _Record:
     position: int
     length: int
@@ -96,7 +110,7 @@ class _Record:
 class Arena:
     """The server's side: places blobs, hands out refs, evicts. Thread-safe (one lock)."""
 
-    def __init__(self, capacity: int | str, on_evict: EvictCallback | None = None, lease_s: float = LEASE_S) -> None:
+    def __init__(self, capacity: int | str, on_evict: OnEvict | None = None, lease_s: float = LEASE_S) -> None:
         self.capacity = parse_size(capacity)
         if self.capacity < MIN_CAPACITY:
             raise ValueError(f"the arena needs at least {MIN_CAPACITY} bytes, got {self.capacity}")
@@ -118,7 +132,7 @@ class Arena:
         self.used = 0  # bytes of live blobs
         self.second_chances = 0  # blobs written again at the head because they had been read
         self.lease_blocked = 0  # blobs sent below because the oldest blob was leased
-        self._stats = TierStats("ram", capacity_bytes=self.capacity)
+        self._counts = ArenaFigures()
 
     @property
     def path(self) -> str:
@@ -136,20 +150,25 @@ class Arena:
                 record = self._records.get(key)
                 if record is None:
                     out.append(None)
-                    self._stats.misses += count_misses
+                    self._counts.misses += count_misses
                     continue
                 record.read = True
                 record.leased_until = max(record.leased_until, until)
                 out.append((record.position, record.length))
-                self._stats.hits += 1
-                self._stats.bytes_out += record.length
+                self._counts.hits += 1
+                self._counts.bytes_out += record.length
         return out
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """A copy of each key's blob (for clients on other hosts, and the tiers below)."""
         with self._lock:
             out = [self._copy(key) for key in keys]
-        self._stats.record_reads(out)
+            for blob in out:
+                if blob is None:
+                    self._counts.misses += 1
+                else:
+                    self._counts.hits += 1
+                    self._counts.bytes_out += len(blob)
         return out
 
     def _copy(self, key: bytes) -> bytes | None:
@@ -172,8 +191,14 @@ class Arena:
             return [key in self._records for key in keys]
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the arena holds."""
         with self._lock:
-            return leading_run(key in self._records for key in keys)
+            held = 0
+            for key in keys:
+                if key not in self._records:
+                    break
+                held += 1
+            return held
 
     def items(self) -> list[tuple[bytes, bytes]]:
         """Every blob held, oldest first (a flush at shutdown)."""
@@ -194,7 +219,7 @@ class Arena:
                     continue
                 if self._place(key, blob, below):
                     stored += 1
-                    self._stats.bytes_in += len(blob)
+                    self._counts.bytes_in += len(blob)
                 elif self.on_evict is not None:  # too large, or the oldest blob leased: below
                     below.append((key, bytes(blob)))
         if below and self.on_evict is not None:
@@ -294,7 +319,7 @@ class Arena:
             if record.read:
                 pending.append((key, self._map[at:at + record.length]))
             else:
-                self._stats.evictions += 1
+                self._counts.evictions += 1
                 if self.on_evict is not None:  # copied out only for a tier below to take
                     below.append((key, self._map[at:at + record.length]))
         if limit > self._tail:
@@ -303,11 +328,10 @@ class Arena:
         return True
 
     # --- figures -----------------------------------------------------------------------------------
-    def stats(self) -> TierStats:
+    def figures(self) -> ArenaFigures:
+        """A copy of the arena's figures, taken under its lock."""
         with self._lock:
-            self._stats.pages = len(self._records)
-            self._stats.used_bytes = self.used
-        return self._stats
+            return replace(self._counts, pages=len(self._records), used=self.used)
 
     def check(self) -> None:
         """Integrity (tests call it after each step): records in position order, disjoint, within
@@ -329,9 +353,3 @@ class Arena:
         """Unmap and close: clients that map it keep their pages; nothing is written any more."""
         self._map.close()
         os.close(self.fd)
-
-
-class ArenaTier(Arena):
-    """The arena as the store's RAM tier (a `BlobTier` named "ram")."""
-
-    name = "ram"

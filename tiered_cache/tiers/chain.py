@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tiered_cache.tiers.base import BlobTier, EvictCallback, TierStats
-from tiered_cache.tiers.codec import BlobError, PageDest, decode_into
+from tiered_cache.wire.codec import BlobError, PageDest, decode_into
 
 if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec

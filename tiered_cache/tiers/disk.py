@@ -29,7 +29,9 @@ from pathlib import Path
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.model.units import parse_size
 from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
-from tiered_cache.tiers.codec import (
+from tiered_cache.tiers.folder_lock import LOCK_NAME, FolderLock
+from tiered_cache.tiers.private import make_private_folder, open_private
+from tiered_cache.wire.codec import (
     HEADER_BYTES,
     BlobError,
     PageDest,
@@ -41,8 +43,6 @@ from tiered_cache.tiers.codec import (
     raw_header_size,
     verify_blob,
 )
-from tiered_cache.tiers.folder_lock import LOCK_NAME, FolderLock
-from tiered_cache.tiers.private import make_private_folder, open_private
 
 _TMP_SUFFIX = ".tmp"
 _FULL = (errno.ENOSPC, errno.EDQUOT)  # the filesystem (or the user's quota) is full

@@ -18,7 +18,8 @@ has a socket timeout. Retries are in two places only, neither hand-written here:
   answers misses and drops puts at once, counts an error, and is probed again after a cooldown,
   so the other masters of a cluster keep serving. A failure or a MOVED reply also re-reads the
   slot map on the next call.
-Nothing raises into the request path.
+Nothing raises into the request path. The servers, their breakers and the pipelines to them are
+`RedisNodes` (redis_nodes.py); this file is the tier over them: reads, writes, checks, figures.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
-from urllib.parse import unquote
+from typing import TYPE_CHECKING, Any
 
 from tiered_cache.tiers.base import TierStats, leading_run
-from tiered_cache.tiers.breaker import BreakerPolicy, CircuitBreaker, breaker_states
-from tiered_cache.tiers.codec import (
+from tiered_cache.tiers.breaker import BreakerPolicy, breaker_states
+from tiered_cache.tiers.redis_nodes import RedisNodes
+from tiered_cache.tiers.resp_reader import ReplyReader
+from tiered_cache.wire.codec import (
     BlobError,
     PageDest,
     check_raw_pieces,
@@ -43,20 +45,11 @@ from tiered_cache.tiers.codec import (
     raw_header_size,
     verify_blob,
 )
-from tiered_cache.tiers.resp_reader import ReplyReader
 
 if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec
 
 _INFO_MAX_AGE_S = 1.0  # stats() asks Redis (INFO, DBSIZE) at most once a second
-
-T = TypeVar("T")
-# A large read buffer: the default 32 KiB measured at half the throughput for MiB values.
-SOCKET_READ_SIZE = 1 << 20
-CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
-# Threads beside the caller's that pipeline to a cluster's masters at once: 256 x 1 MiB through 3
-# masters measured ~1.4x put and ~1.2x get against one master after another.
-_FANOUT_THREADS = 7
 _GET_PARTS = 4  # a large get is fetched in this many MGETs, each checked while the next arrives
 _MIN_GET_PART = 8  # keys; a get of fewer is one MGET, checked on the caller's thread
 # get_into asks for about this many bytes per MGET, the next MGET sent before this one's reply is
@@ -78,55 +71,6 @@ def _intact(check: Callable[[], None]) -> bool:
     return True
 
 
-def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]] | None:
-    """The startup nodes (host, port) and connection settings of a `redis+cluster://` URL, or
-    None for any other URL. Raises ValueError for a cluster URL that is not of the form above."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in CLUSTER_SCHEMES:
-        return None
-    netloc, _, path = rest.partition("/")
-    if path.strip("/") not in ("", "0"):
-        raise ValueError(f"a Redis Cluster has only database 0 and takes no options; got '/{path}' in its URL")
-    userinfo, at, hosts = netloc.rpartition("@")
-    settings: dict[str, Any] = {"ssl": True} if CLUSTER_SCHEMES[scheme.lower()] else {}
-    if at:
-        user, colon, password = userinfo.partition(":")
-        settings.update({"username": unquote(user) or None, "password": unquote(password) if colon else None})
-    nodes = []
-    for part in hosts.split(","):
-        host, colon, port = part.strip().rpartition(":")
-        if not (colon and host and port.isdigit()):
-            raise ValueError(f"expected HOST:PORT[,HOST:PORT...] in a {scheme}:// URL, got {part.strip()!r}")
-        nodes.append((host.strip("[]"), int(port)))
-    return nodes, settings
-
-
-def retry_policy() -> Any:
-    """redis-py's retry inside one call: once, after 2-10 ms, and only for a broken connection."""
-    from redis.backoff import ExponentialBackoff
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.retry import Retry
-
-    return Retry(ExponentialBackoff(cap=0.01, base=0.002), 1, supported_errors=(RedisConnectionError,))
-
-
-class _Node:
-    """One Redis server (the only one, or a cluster master): its client and its breaker."""
-
-    def __init__(self, client: Any, address: str, breaker: CircuitBreaker) -> None:
-        self.client = client
-        self.address = address
-        self.breaker = breaker
-
-
-def _single_node(client: Any, breaker: CircuitBreaker) -> _Node:
-    """The node of a one-server URL, named host:port (never the URL: it may hold a password)."""
-    kwargs = client.connection_pool.connection_kwargs
-    address = kwargs.get("path") or f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
-    breaker.name = breaker.name or f"Redis {address}"
-    return _Node(client, address, breaker)
-
-
 class RedisTier:
     name = "redis"
     thread_safe = True  # redis-py's connection pools serve every thread
@@ -134,29 +78,15 @@ class RedisTier:
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "tiered-cache",
                  ttl_s: float | None = None, timeout_s: float = 1.0, breaker: BreakerPolicy | None = None) -> None:
         """Raises ValueError for a malformed URL, or a cluster key prefix with a `{`."""
-        import redis
-
-        self._redis_errors = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
-        self._options: dict[str, Any] = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                             socket_read_size=SOCKET_READ_SIZE, retry=retry_policy())
         self.url = url
-        self._startup = parse_cluster_url(url)
-        self.cluster = self._startup is not None
+        self._nodes = RedisNodes(url, timeout_s, breaker or BreakerPolicy(cooldown_s=0.05))  # connects on use
+        self.cluster = self._nodes.cluster
         if self.cluster and "{" in prefix:
             raise ValueError(f"a Redis Cluster key prefix may not contain '{{' (a hash tag would put every "
                              f"page on one master), got {prefix!r}")
         self.prefix = prefix.encode() + b":"
         self.ttl_ms = int(ttl_s * 1000) if ttl_s else None
-        self._policy = breaker or BreakerPolicy(cooldown_s=0.05)
-        self._single = None if self.cluster else _single_node(redis.Redis.from_url(url, **self._options),
-                                                              CircuitBreaker(self._policy))
-        self._cluster: Any = None  # RedisCluster, connected on first use
-        self._topology = CircuitBreaker(self._policy)  # (re)reading the slot map
-        self._stale = True  # the slot map must be (re)read before the next call
-        self._nodes: dict[str, _Node] = {}  # cluster masters by "host:port"
-        self._last_failed: str | None = None  # the master that failed last: asked last for the slot map
-        self._lock = threading.Lock()  # the cluster client, slot map, `_nodes` and `_fanout`
-        self._fanout: ThreadPoolExecutor | None = None  # asks a cluster's masters in parallel
+        self._lock = threading.Lock()  # `_checks`
         self._checks: ThreadPoolExecutor | None = None  # checks a part of a get while the next arrives
         self._stats = TierStats(self.name)
         self._info_at = -_INFO_MAX_AGE_S  # when stats() last asked the servers
@@ -172,147 +102,16 @@ class RedisTier:
     @property
     def available(self) -> bool:
         """False while the breaker is open (a cluster: while every known master's is)."""
-        if self._single is not None:
-            return self._single.breaker.available
-        return any(n.breaker.available for n in list(self._nodes.values())) or self._topology.available
-
-    # --- routing -------------------------------------------------------------------------------
-    def _failed(self, breaker: CircuitBreaker, node: _Node | None = None) -> None:
-        self._stats.errors += 1
-        if breaker.failed():
-            self._stats.breaker_trips += 1
-        self._stale = True
-        if node is not None:
-            self._last_failed = node.address
-
-    def _read_slot_map(self) -> None:
-        """Connect to the cluster, or re-read its slot map, when a failure may have changed it."""
-        if not self._stale or not self._topology.allow():
-            return
-        from redis.cluster import ClusterNode, RedisCluster
-
-        try:
-            if self._cluster is None:
-                nodes, settings = self._startup
-                # A failed master is this tier's breaker's to skip, not redis-py's to wait on.
-                self._cluster = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes],
-                                             require_full_coverage=False, **settings, **self._options)
-            else:  # the master that failed last may be hung: asking it first could cost a timeout
-                self._cluster.nodes_manager.initialize(last_failed_node_name=self._last_failed)
-        except self._redis_errors:
-            self._failed(self._topology)
-            return
-        self._topology.succeeded()
-        self._stale = False
-
-    def _node(self, cluster_node: Any) -> _Node:
-        node = self._nodes.get(cluster_node.name)
-        if node is None or node.client is not cluster_node.redis_connection:
-            # Same address, new client: it keeps its breaker (the server is the same).
-            breaker = node.breaker if node is not None else CircuitBreaker(self._policy,
-                                                                              name=f"Redis {cluster_node.name}")
-            node = self._nodes[cluster_node.name] = _Node(cluster_node.redis_connection, cluster_node.name, breaker)
-        return node
-
-    def _route(self, names: Sequence[bytes], positions: Sequence[int] | None = None) -> dict[_Node, list[list[int]]]:
-        """Positions of `names` (those given, else all) grouped by node, then by hash slot (one
-        server: one group). Names whose slot has no known master are left out, as are all names
-        while no slot map is known."""
-        positions = range(len(names)) if positions is None else positions
-        if self._single is not None:
-            return {self._single: [list(positions)]}
-        from redis.crc import key_slot
-        from redis.exceptions import SlotNotCoveredError
-
-        by_node: dict[_Node, dict[int, list[int]]] = {}
-        with self._lock:
-            self._read_slot_map()
-            if self._cluster is None:
-                return {}
-            manager = self._cluster.nodes_manager
-            for i in positions:
-                slot = key_slot(names[i])
-                try:
-                    node = self._node(manager.get_node_from_slot(slot))
-                except SlotNotCoveredError:
-                    self._stale = True
-                    continue
-                by_node.setdefault(node, {}).setdefault(slot, []).append(i)
-        return {node: list(slots.values()) for node, slots in by_node.items()}
-
-    def _masters(self) -> list[_Node]:
-        if self._single is not None:
-            return [self._single]
-        with self._lock:
-            self._read_slot_map()
-            if self._cluster is None:
-                return []
-            return [self._node(n) for n in self._cluster.get_primaries()]
-
-    def _on(self, node: _Node, fn: Callable[[Any], T], default: T) -> T:
-        """`fn(node's client)` unless the node's breaker is open; on a Redis or socket error count
-        it, tell the breaker and return `default`."""
-        if not node.breaker.allow():
-            return default
-        try:
-            result = fn(node.client)
-        except self._redis_errors:
-            self._failed(node.breaker, node)
-            return default
-        node.breaker.succeeded()
-        return result
-
-    def _each_node(self, routes: dict[_Node, list[list[int]]], fn: Callable[[_Node, list[list[int]]], T]
-                   ) -> list[T]:
-        """`fn(node, groups)` for every node of `routes`, in parallel (the caller's thread runs the first)."""
-        items = list(routes.items())
-        if len(items) <= 1:
-            return [fn(node, groups) for node, groups in items]
-        if self._fanout is None:
-            with self._lock:
-                if self._fanout is None:
-                    self._fanout = ThreadPoolExecutor(max_workers=_FANOUT_THREADS, thread_name_prefix="redis-tier")
-        futures = [self._fanout.submit(fn, node, groups) for node, groups in items[1:]]
-        return [fn(*items[0]), *(future.result() for future in futures)]
-
-    def _pipelined(self, names: Sequence[bytes], queue: Callable[[Any, list[int]], object],
-                   positions: Sequence[int] | None = None) -> list[tuple[list[int], list[Any]]]:
-        """For each slot group of `names` (of those at `positions`, else all), `queue(pipeline,
-        positions)` queues its commands; each node runs its groups in one pipeline. Returns
-        (positions, replies) of the groups answered: not those of a node that is down, nor a group
-        with an error reply (MOVED, CLUSTERDOWN, OOM), which also backs its node off."""
-        answered: list[tuple[list[int], list[Any]]] = []
-        if not names:
-            return answered
-
-        def run(node: _Node, groups: list[list[int]]) -> list[list[Any]] | None:
-            def send(client: Any) -> list[list[Any]]:
-                pipe = client.pipeline(transaction=False)
-                ends = []
-                for positions in groups:
-                    queue(pipe, positions)
-                    ends.append(len(pipe))
-                replies = pipe.execute(raise_on_error=False)
-                return [replies[start:end] for start, end in zip([0, *ends], ends, strict=False)]
-
-            return self._on(node, send, None)
-
-        routes = self._route(names, positions)
-        for (node, groups), per_group in zip(routes.items(), self._each_node(routes, run), strict=True):
-            if per_group is None:
-                continue
-            failed = [any(isinstance(r, Exception) for r in replies) for replies in per_group]
-            if any(failed):
-                self._failed(node.breaker, node)
-            answered.extend((positions, replies) for positions, replies, bad in zip(groups, per_group, failed,
-                                                                                strict=True) if not bad)
-        return answered
+        return self._nodes.available
 
     # --- interface -------------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         names = [self._k(k) for k in keys]
         out = [False] * len(keys)
-        for positions, replies in self._pipelined(names, lambda pipe, group: [pipe.exists(names[i]) for i in group]):
+        def exists(pipe: Any, group: list[int]) -> object:
+            return [pipe.exists(names[i]) for i in group]
+
+        for positions, replies in self._nodes.pipelined(names, exists):
             for i, found in zip(positions, replies, strict=True):
                 out[i] = bool(found)
         return out
@@ -332,8 +131,8 @@ class RedisTier:
         checking = []
         for start in range(0, len(keys), size):
             part = range(start, min(len(keys), start + size))
-            for positions, (blobs,) in self._pipelined(names, lambda pipe, group: pipe.mget([names[i] for i in group]),
-                                                       part):
+            for positions, (blobs,) in self._nodes.pipelined(names, lambda pipe, group: pipe.mget(
+                    [names[i] for i in group]), part):
                 for i, blob in zip(positions, blobs, strict=True):
                     out[i] = blob
             if part.stop == len(keys):  # the last part (or the only one): checked here, beside the others
@@ -354,11 +153,12 @@ class RedisTier:
         (`resp_reader.py`: no blob per page, no fresh memory), each page checked where it lands;
         from a cluster, the blobs of `get` are decoded. A blob that is corrupt, or no page of
         `spec`, is a miss: counted and deleted."""
-        if self._single is None:
+        single = self._nodes.single
+        if single is None:
             return self._decoded_into(keys, dests, spec)
         corrupt: list[bytes] = []
         try:
-            got = self._on(self._single, lambda client: self._mget_into(client, keys, dests, spec, corrupt), None)
+            got = self._nodes.on(single, lambda client: self._mget_into(client, keys, dests, spec, corrupt), None)
         except _NoSocket:  # a redis-py that keeps its socket elsewhere: its blobs, decoded here
             return self._decoded_into(keys, dests, spec)
         arrived = got if got is not None else [0] * len(keys)
@@ -480,41 +280,36 @@ class RedisTier:
             for i in group:
                 pipe.set(names[i], items[i][1], px=self.ttl_ms)
 
-        stored = [i for positions, _ in self._pipelined(names, set_each) for i in positions]
+        stored = [i for positions, _ in self._nodes.pipelined(names, set_each) for i in positions]
         self._stats.bytes_in += sum(len(items[i][1]) for i in stored)
         return len(stored)
 
     def delete(self, keys: Sequence[bytes]) -> None:
         names = [self._k(k) for k in keys]
-        self._pipelined(names, lambda pipe, group: pipe.delete(*[names[i] for i in group]))
+        self._nodes.pipelined(names, lambda pipe, group: pipe.delete(*[names[i] for i in group]))
 
     def stats(self) -> TierStats:
         """Capacity, used bytes and pages summed over the servers that answer (INFO, DBSIZE),
         asked at most once every `_INFO_MAX_AGE_S`: a dashboard polling stats must not load Redis."""
-        nodes = [self._single] if self._single is not None else list(self._nodes.values())
-        self._stats.open_breakers, self._stats.breakers = breaker_states({n.address: n.breaker for n in nodes})
+        nodes = self._nodes
+        self._stats.open_breakers, self._stats.breakers = breaker_states(nodes.breakers())
         now = time.monotonic()
-        if now - self._info_at < _INFO_MAX_AGE_S:
-            return self._stats
-        self._info_at = now
+        if now - self._info_at >= _INFO_MAX_AGE_S:
+            self._info_at = now
 
-        def ask(client: Any) -> list[Any]:
-            return client.pipeline(transaction=False).info("memory").dbsize().execute()
+            def ask(client: Any) -> list[Any]:
+                return client.pipeline(transaction=False).info("memory").dbsize().execute()
 
-        replies = [r for r in (self._on(n, ask, None) for n in self._masters()) if r is not None]
-        if replies:
-            self._stats.capacity_bytes = sum(int(info.get("maxmemory", 0)) for info, _ in replies)
-            self._stats.used_bytes = sum(int(info.get("used_memory", 0)) for info, _ in replies)
-            self._stats.pages = sum(int(pages) for _, pages in replies)
+            replies = [r for r in (nodes.on(n, ask, None) for n in nodes.masters()) if r is not None]
+            if replies:
+                self._stats.capacity_bytes = sum(int(info.get("maxmemory", 0)) for info, _ in replies)
+                self._stats.used_bytes = sum(int(info.get("used_memory", 0)) for info, _ in replies)
+                self._stats.pages = sum(int(pages) for _, pages in replies)
+        self._stats.errors, self._stats.breaker_trips = nodes.errors, nodes.breaker_trips  # INFO's failures too
         return self._stats
 
     def close(self) -> None:
-        if self._single is not None:
-            self._single.client.close()
+        self._nodes.close()
         with self._lock:
-            if self._fanout is not None:
-                self._fanout.shutdown(wait=True)
             if self._checks is not None:
                 self._checks.shutdown(wait=True)
-            if self._cluster is not None:
-                self._cluster.close()

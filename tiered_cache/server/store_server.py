@@ -22,23 +22,19 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tiered_cache.service.client import message_options
-from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.handlers import KVCacheService, ServerCounters, parse_put_item, parser
-from tiered_cache.service.store import BlobStore
-from tiered_cache.shm.arena import ArenaTier
+from tiered_cache.server.config import ServerConfig
+from tiered_cache.server.handlers import KVCacheService
+from tiered_cache.server.requests import ServerCounters, parse_put_item, parser
+from tiered_cache.server.store import BlobStore
 from tiered_cache.shm.offers import OfferedSegments
-from tiered_cache.tiers.base import BlobTier
+from tiered_cache.tiers.arena import ArenaTier
+from tiered_cache.tiers.factory import TierSettings, build_tiers
 from tiered_cache.tiers.memory import MemoryTier
 from tiered_cache.v1 import cache_pb2 as pb
+from tiered_cache.wire.options import server_options
 
 SERVICE = "tiered_cache.v1.KVCache"
 _META_THREADS = 2  # Lookup and Stats: never queued behind data
-
-
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Server options: those shared with clients, and no port sharing (a busy port is an error)."""
-    return [*message_options(max_message_bytes), ("grpc.so_reuseport", 0)]
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -67,15 +63,10 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 def build_store(config: ServerConfig) -> BlobStore:
-    lower: list[BlobTier] = []
-    if config.disk_path:
-        from tiered_cache.tiers.disk import DiskTier
-
-        lower.append(DiskTier(config.disk_path, config.disk_capacity))
-    if config.redis_url:
-        from tiered_cache.tiers.redis import RedisTier
-
-        lower.append(RedisTier(config.redis_url, config.redis_prefix))
+    """The server's RAM tier in front of its disk and/or Redis tiers (built by tiers/factory.py)."""
+    kinds = [kind for kind, wanted in (("disk", config.disk_path), ("redis", config.redis_url)) if wanted]
+    lower = build_tiers(kinds, TierSettings(disk_path=config.disk_path or "", disk_capacity=config.disk_capacity,
+                                            redis_url=config.redis_url or "", redis_prefix=config.redis_prefix))
     ram = (ArenaTier(config.ram_capacity, lease_s=config.arena_lease_s) if shared_memory(config)
            else MemoryTier(config.ram_capacity))
     return BlobStore(ram, lower, config.write_through)
@@ -143,7 +134,7 @@ class StoreServer:
     async def _start(self) -> int:
         config = self.config
         interceptors = [_TokenInterceptor(config.token, self.counters)] if config.token else []
-        server = grpc.aio.server(interceptors=interceptors, options=grpc_options(config.max_message_bytes))
+        server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
         server.add_generic_rpc_handlers([_handlers(self.service)])
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -240,7 +231,7 @@ def serve(config: ServerConfig) -> int:
     where = f"{config.host}:{port}"
     print(f"tiered-cache serve: listening on {where} ({'TLS' if config.tls_cert else 'plaintext'}, "
           f"{'token required' if config.token else 'no token'})", flush=True)
-    from tiered_cache.service.startup import describe_tiers, redis_problem
+    from tiered_cache.server.startup import describe_tiers, redis_problem
 
     print(f"tiered-cache serve: tiers: {describe_tiers(config)}", flush=True)
     if config.redis_url and (problem := redis_problem(config.redis_url)):

@@ -9,10 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from tiered_cache.model.units import parse_size
-from tiered_cache.service.auth import check_token
+from tiered_cache.wire.auth import check_token
+from tiered_cache.wire.options import DEFAULT_MAX_PAGE_BYTES, DEFAULT_PORT, max_message_bytes
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
-_FRAMING = 64 * 1024  # protobuf framing around a page blob, with room to spare
 MIN_CAPACITY = 2**20  # a tier smaller than this is a unit forgotten (`--ram 10` is 10 bytes), not a choice
 DEFAULT_DISK = "default"  # <$TIERED_CACHE_DIR or ~/.cache/tiered-cache>/store
 _INTS = ("port", "max_keys", "workers", "max_streams", "metrics_port")
@@ -57,7 +57,7 @@ def _coerce(name: str, value: Any) -> Any:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
-    port: int = 50551
+    port: int = DEFAULT_PORT
     token: str | None = None  # clients must send `authorization: Bearer <token>`
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
@@ -66,7 +66,7 @@ class ServerConfig:
     disk_capacity: int = 10 * 2**30
     redis_url: str | None = None  # a Redis tier below disk (or below RAM without disk)
     redis_prefix: str = "tiered-cache-store"
-    max_page_bytes: int = 64 * 2**20  # the largest blob accepted; messages are bounded by it
+    max_page_bytes: int = DEFAULT_MAX_PAGE_BYTES  # the largest blob accepted; messages are bounded by it
     max_keys: int = 1 << 20  # per Lookup or Get request
     workers: int = 8  # threads doing store I/O (disk, Redis, checksums) for Get and Put
     max_streams: int = 64  # Get/Put streams at once; past it calls fail fast (RESOURCE_EXHAUSTED)
@@ -110,7 +110,7 @@ class ServerConfig:
 
     @property
     def max_message_bytes(self) -> int:
-        return self.max_page_bytes + _FRAMING
+        return max_message_bytes(self.max_page_bytes)
 
     @property
     def loopback_only(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from tiered_cache.model.units import format_binary
-from tiered_cache.service.config import ServerConfig
+from tiered_cache.server.config import ServerConfig
 
 
 def redis_where(url: str) -> str:

@@ -1,4 +1,4 @@
-"""`StoreClient`: a thin, typed client of one store server (imports only the stubs and codec).
+"""`StoreClient`: a thin, typed client of one store server (imports only the stubs and `wire/`).
 
 Calls raise `grpc.RpcError` like any gRPC client; `tiers/remote.py` turns failures into misses.
 
@@ -19,99 +19,21 @@ from typing import Any
 
 import grpc
 
-from tiered_cache.service.aio_fetch import AioFetcher, FetchResult
-from tiered_cache.service.auth import check_token
-from tiered_cache.service.config import ServerConfig
-from tiered_cache.service.framing import ReceivedBlob, page_blob_message, parse_page_blob
+from tiered_cache.client.fetch import Fetcher, FetchResult
 from tiered_cache.shm.arena_map import ArenaMap, ArenaViews
 from tiered_cache.shm.host import host_identity
 from tiered_cache.shm.put_ring import PutRing
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
+from tiered_cache.wire.auth import check_token
+from tiered_cache.wire.deadline import BudgetSpent, ProgressDeadline
+from tiered_cache.wire.framing import ReceivedBlob, page_blob_message
+from tiered_cache.wire.options import DEFAULT_MAX_MESSAGE, channel_options
 
-DEFAULT_MAX_MESSAGE = ServerConfig().max_message_bytes  # the server's default page limit + framing
 PUT_RING_BYTES = 64 * 2**20  # a client's ring for same-host Put: Puts of up to half of it each
 _MAX_OFFERED_PAGES = 4096  # pages per PutOffered request (about 200 KiB of message)
 # Answers meaning this server will not take Puts through our ring (older, or not ours to use).
 _NO_SHM_PUT = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-
-
-class _DeadlineError(grpc.RpcError):
-    """A deadline of our own (not gRPC's) ended the call: read as DEADLINE_EXCEEDED."""
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-
-    def details(self) -> str:
-        return str(self)
-
-
-class StreamStalled(_DeadlineError):
-    """No message moved on a stream for the progress deadline; the call was cancelled."""
-
-    def __init__(self, what: str, idle_s: float) -> None:
-        super().__init__(f"{what}: nothing moved for {idle_s:g} s (progress deadline)")
-        self.idle_s = idle_s
-
-
-class BudgetSpent(_DeadlineError):
-    """A call's overall budget (`budget_s`) ran out between the RPCs it is made of."""
-
-    def __init__(self, what: str, budget_s: float) -> None:
-        super().__init__(f"{what}: its budget of {budget_s:g} s is spent")
-
-
-class ProgressDeadline:
-    """Cancels `call` when `progress()` has not been called for `idle_s` (checked by a daemon
-    thread a few times per `idle_s`); `close()` when the call is over."""
-
-    def __init__(self, call: Any, idle_s: float, what: str) -> None:
-        self.call, self.idle_s, self.what = call, idle_s, what
-        self.stalled = False
-        self._last = time.monotonic()
-        self._done = threading.Event()
-        threading.Thread(target=self._watch, name="tiered-cache-progress", daemon=True).start()
-
-    def progress(self) -> None:
-        self._last = time.monotonic()
-
-    def close(self) -> None:
-        self._done.set()
-
-    def error(self) -> StreamStalled:
-        return StreamStalled(self.what, self.idle_s)
-
-    def _watch(self) -> None:
-        while not self._done.wait(min(self.idle_s / 4, 1.0)):
-            if time.monotonic() - self._last > self.idle_s:
-                self.stalled = True
-                self.call.cancel()
-                return
-
-
-def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Options both ends share: messages bounded by one page, a large HTTP/2 window for streams
-    (a server stream of 1 MiB messages measured ~1.15 GiB/s with 16 MiB lookahead)."""
-    return [("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.http2.lookahead_bytes", 16 * 2**20)]
-
-
-# gRPC's own reconnect backoff starts at 1 s and grows 1.6x per failed attempt up to 120 s: a
-# server down for 6 s went unused for 3 s after it was back (a minute after a longer outage),
-# while the breaker (breaker.py) had long since let calls through to it. Reconnect at most 1 s
-# apart: one refused connection a second per client is nothing for a dead server. (Not
-# grpc.min_reconnect_backoff_ms: gRPC also takes it as the connect timeout, 20 s by default, and
-# 100 ms would fail a handshake with a busy server.)
-RECONNECT_BACKOFF_MS = (100, 1000)  # first and largest wait between connection attempts
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Client channel options: shared ones, no transparent retries (the remote tier decides),
-    and a reconnect backoff short enough that a restarted server is used within a second."""
-    first, largest = RECONNECT_BACKOFF_MS
-    return [*message_options(max_message_bytes), ("grpc.enable_retries", 0),
-            ("grpc.initial_reconnect_backoff_ms", first), ("grpc.max_reconnect_backoff_ms", largest)]
 
 
 class StoreClient:
@@ -130,17 +52,15 @@ class StoreClient:
         else:
             self.channel = grpc.insecure_channel(address, options=options)
         self.stub = cache_pb2_grpc.KVCacheStub(self.channel)
-        # Get's replies are parsed by hand: one copy of each blob instead of two.
-        self._get = self.channel.unary_stream("/tiered_cache.v1.KVCache/Get",
-                                              request_serializer=pb.GetRequest.SerializeToString,
-                                              response_deserializer=parse_page_blob)
-        # Put's items are serialized by hand too (framing.page_blob_message).
+        # Put's items are serialized by hand (framing.page_blob_message): one copy of each blob
+        # instead of two. Get goes over an aio channel (fetch.py), its replies parsed by hand too.
         self._put = self.channel.stream_unary("/tiered_cache.v1.KVCache/Put", request_serializer=_put_item,
                                               response_deserializer=pb.PutResponse.FromString)
         token = check_token(token, "the store server token")
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
-        self._options, self._tls_ca = options, tls_ca  # for the aio channel of get_all
-        self._fetcher: AioFetcher | None = None  # the aio channel of get_all, opened on first use
+        self._options, self._tls_ca = options, tls_ca  # for the aio channel of Get
+        self._fetcher: Fetcher | None = None  # the aio channel of Get, opened on first use
+        self._attached = False  # whether the first get_all asked for the server's arena
         self._fetcher_lock = threading.Lock()
         # Same-host Put: this client's own ring, which the server maps once offered (put()).
         self.put_ring_bytes = put_ring_bytes
@@ -177,40 +97,38 @@ class StoreClient:
 
     def get(self, keys: list[bytes], fingerprint: bytes = b"", timeout_s: float | None = None,
             budget_s: float | None = None) -> Iterator[ReceivedBlob]:
-        """The held blobs among `keys`, streamed in order (a missing key is skipped). Raises
-        `StreamStalled` when no blob arrives for `timeout_s`; `budget_s` bounds the whole call."""
-        call = self._get(pb.GetRequest(keys=keys, fingerprint=fingerprint), timeout=budget_s, metadata=self.metadata)
-        watch = ProgressDeadline(call, timeout_s or self.timeout_s, f"Get of {len(keys)} pages from {self.address}")
-        try:
-            for item in call:
-                watch.progress()
-                yield item
-        except grpc.RpcError as exc:
-            if watch.stalled:
-                raise watch.error() from exc
-            raise
-        finally:
-            watch.close()
-            call.cancel()  # a consumer that stops early frees the stream at once (no-op when done)
+        """The held blobs among `keys`, streamed in order (a missing key is skipped), as bytes.
+        Raises `StreamStalled` when no blob arrives for `timeout_s`; `budget_s` bounds the whole
+        call. The same Get as `get_all`, a blob at a time."""
+        yield from self._fetcher_for(attach=False).stream(keys, fingerprint, timeout_s or self.timeout_s, budget_s)
 
     def get_all(self, keys: list[bytes], fingerprint: bytes = b"", timeout_s: float | None = None,
                 budget_s: float | None = None, on_blob: Callable[[ReceivedBlob], None] | None = None,
                 lease: ArenaViews | None = None) -> FetchResult:
         """Like `get`, but the whole stream at once, read on an aio channel (faster for bulk
-        fetches: see aio_fetch.py); the error that ended it, if any, is returned, not raised.
+        fetches: see fetch.py); the error that ended it, if any, is returned, not raised.
         With `lease`, pages that come as refs into the server's arena are lent as views into it (see
         `ArenaViews`: check `lease.lost()` after copying them)."""
+        fetcher = self._fetcher_for(attach=True)
+        return fetcher.get_all(keys, fingerprint, timeout_s or self.timeout_s, budget_s, on_blob, lease)
+
+    def _fetcher_for(self, attach: bool) -> Fetcher:
+        """The aio channel of Get, opened on first use; with `attach`, the server's arena mapped
+        on the first call (when `shm`), and again after the server restarted."""
         with self._fetcher_lock:
             if self._fetcher is None:
-                self._fetcher = AioFetcher(self.address, self._options, self._tls_ca, self.metadata, StreamStalled)
+                self._fetcher = Fetcher(self.address, self._options, self._tls_ca, self.metadata)
+            fetcher = self._fetcher
+            if attach and not self._attached:
+                self._attached = True
                 if self.shm:
-                    self._fetcher.reader = self.attach()
-            elif self._fetcher.stale:  # the server restarted: its arena is another segment
-                self._fetcher.stale = False
+                    fetcher.reader = self.attach()
+            elif attach and fetcher.stale:  # the server restarted: its arena is another segment
+                fetcher.stale = False
                 # Not closed here: a Get on another thread may still be reading it (it unmaps
                 # when the last reference goes).
-                self._fetcher.reader = self.attach()
-        return self._fetcher.get_all(keys, fingerprint, timeout_s or self.timeout_s, budget_s, on_blob, lease)
+                fetcher.reader = self.attach()
+        return fetcher
 
     @property
     def shm_overruns(self) -> int:
@@ -366,7 +284,7 @@ class StoreClient:
                     watch.progress()  # the previous page was taken: flow control let it go
 
         future = self._put.future(stream(), timeout=budget_s, metadata=self.metadata)
-        watch = ProgressDeadline(future, timeout_s or self.timeout_s, f"Put to {self.address}")
+        watch = ProgressDeadline(timeout_s or self.timeout_s, f"Put to {self.address}", future.cancel)
         try:
             return future.result()
         except (grpc.RpcError, grpc.FutureCancelledError) as exc:
@@ -414,7 +332,7 @@ def _left(ends: float | None) -> float | None:
 
 
 def _put_item(message: bytes) -> bytes:
-    return message  # framed by hand (framing.py)
+    return message  # framed by hand (wire/framing.py)
 
 
 def _chunks(items: Iterable[tuple[bytes, bytes]], max_bytes: int, max_count: int

@@ -35,7 +35,7 @@ import numpy as np
 
 from tiered_cache.errors import TieredCacheError
 from tiered_cache.model.spec import DType, KVSpec
-from tiered_cache.tiers.checksum import crc32c_extend
+from tiered_cache.wire.checksum import crc32c_extend
 
 MAGIC = b"TCKV"
 VERSION = 2

@@ -3,24 +3,19 @@
 - `StreamSlots`: at most `max_streams` Get/Put streams at once. Past it a call fails at once with
   RESOURCE_EXHAUSTED and a retry hint (the `grpc-retry-pushback-ms` trailer gRPC clients know)
   instead of queueing: memory stays bounded by what each stream may hold.
-- `ProgressWatch`: progress deadlines. A stream that sends nothing, or does not read what it
-  asked for, for `idle_s` is ended (DEADLINE_EXCEEDED) and counted; it never holds a thread,
-  because the server is asyncio and a stalled stream is only a parked coroutine.
+- Progress deadlines (`wire/deadline.py`, on the event loop): a stream that sends nothing, or
+  does not read what it asked for, for `idle_s` is ended (DEADLINE_EXCEEDED) and counted; it
+  never holds a thread, because the server is asyncio and a stalled stream is only a parked
+  coroutine.
 - `BatchSizer`: how many blobs a stream handles per step so that one step holds about
   `budget_bytes`, whatever the page size (16 KiB pages and 64 MiB pages alike).
 """
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
-
-
-class Stalled(Exception):
-    """The peer made no progress for the idle deadline."""
 
 
 class StreamSlots:
@@ -45,40 +40,6 @@ class StreamSlots:
 
     def release(self) -> None:
         self.active -= 1
-
-
-class ProgressWatch:
-    """A progress deadline for one stream: `progress()` after every message; when `idle_s` pass
-    without one, the handler's task is cancelled and `stalled` says why. One timer per stream,
-    re-armed lazily, costs nothing per message beyond reading the clock (a `wait_for` per
-    message, which makes a task each time, cost a third of the throughput of small pages)."""
-
-    def __init__(self, idle_s: float, what: str) -> None:
-        self.idle_s = idle_s
-        self.what = what
-        self.stalled = False
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
-        self._last = self._loop.time()
-        self._timer = self._loop.call_later(idle_s, self._check)
-
-    def progress(self) -> None:
-        self._last = self._loop.time()
-
-    def _check(self) -> None:
-        idle = self._loop.time() - self._last
-        if idle < self.idle_s:
-            self._timer = self._loop.call_later(self.idle_s - idle, self._check)
-            return
-        self.stalled = True
-        if self._task is not None:
-            self._task.cancel()
-
-    def close(self) -> None:
-        self._timer.cancel()
-
-    def error(self) -> Stalled:
-        return Stalled(f"{self.what} for {self.idle_s:g} s")
 
 
 class BatchSizer:

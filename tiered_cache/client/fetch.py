@@ -1,10 +1,12 @@
-"""Bulk Get on a grpc.aio channel, for callers that want every blob of a stream at once.
+"""The store client's one Get: a stream on a grpc.aio channel (`Fetcher`), read whole
+(`get_all`: every blob of a stream at once, what the remote tier uses) or a blob at a time
+(`stream`: `StoreClient.get`).
 
 The sync gRPC client hands each received message from its polling thread to the consumer (a
 thread switch and a GIL hand-off per message); the aio client reads the whole stream on one
 event loop. Measured here on 256 × 1 MiB pages from a store server: 0.92 GiB/s with the sync
 client, 1.34 with aio (medians of 6 alternating runs). One event loop thread per process serves
-every `AioFetcher`; each fetcher owns an aio channel bound to that loop.
+every `Fetcher`; each fetcher owns an aio channel bound to that loop.
 
 With `reader` (the server's arena, mapped: shm/arena_map.py) pages come as refs into it and are
 copied out, or with `ArenaViews` lent as views into it; a page the arena wrote over before it was
@@ -14,19 +16,23 @@ read is asked again as bytes.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from tiered_cache.service.framing import ReceivedBlob, parse_page_blob
-from tiered_cache.service.streams import ProgressWatch
 from tiered_cache.shm.arena_map import ArenaMap, ArenaViews
 from tiered_cache.v1 import cache_pb2 as pb
+from tiered_cache.wire.deadline import ProgressDeadline
+from tiered_cache.wire.framing import ReceivedBlob, parse_page_blob
 
 _GET = "/tiered_cache.v1.KVCache/Get"
+READ_AHEAD = 32  # blobs `Fetcher.stream` reads ahead of its caller at most
+READ_AHEAD_BYTES = 2 * 2**20  # and bytes
+_END = object()  # `stream`'s end of the stream
 
 
 class _Loop:
@@ -53,12 +59,11 @@ class FetchResult:
         self.blobs, self.error = blobs, error
 
 
-class AioFetcher:
+class Fetcher:
     def __init__(self, address: str, options: list[tuple[str, int]], tls_ca: str | None,
-                 metadata: tuple[tuple[str, str], ...], stalled: Callable[[str, float], grpc.RpcError]) -> None:
+                 metadata: tuple[tuple[str, str], ...]) -> None:
         self.address = address
         self.metadata = metadata
-        self._stalled = stalled
         self._loop = _Loop.get()
         self.reader: ArenaMap | None = None  # the server's arena, when it is on this host
         self.stale = False  # the server no longer takes `reader`'s segment (it restarted): attach again
@@ -76,6 +81,56 @@ class AioFetcher:
 
     def _on_loop(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def stream(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None
+               ) -> Iterator[ReceivedBlob]:
+        """The blobs the server streams for `keys`, handed over one at a time as the caller asks
+        for the next, as bytes (no arena refs asked for). The loop reads ahead of the caller by at
+        most `READ_AHEAD` blobs and `READ_AHEAD_BYTES`: one that stops reading holds the stream
+        (HTTP/2 flow control) and is ended by the progress deadline. Raises `StreamStalled` when
+        nothing arrives for `idle_s` and gRPC's error when the call fails; a caller that stops
+        early ends the call."""
+        received: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        ahead = _ReadAhead()
+        request = pb.GetRequest(keys=keys, fingerprint=fingerprint)
+        what = f"Get of {len(keys)} pages from {self.address}"
+        pump = asyncio.run_coroutine_threadsafe(self._pump(request, idle_s, budget_s, what, ahead, received),
+                                                self._loop)
+        count = nbytes = 0  # taken since last handed back (one wake-up of the loop per half a window)
+        try:
+            while True:
+                item = received.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                count, nbytes = count + 1, nbytes + len(item.blob)
+                if count >= READ_AHEAD // 2 or nbytes >= READ_AHEAD_BYTES // 2:
+                    self._loop.call_soon_threadsafe(ahead.taken, count, nbytes)
+                    count = nbytes = 0
+                yield item
+        finally:
+            pump.cancel()  # a consumer that stops early frees the stream at once (no-op when done)
+
+    async def _pump(self, request: Any, idle_s: float, budget_s: float | None, what: str,
+                    ahead: _ReadAhead, received: queue.SimpleQueue[Any]) -> None:
+        """`stream`'s reader, on the loop: each blob into `received`, then `_END` or the error."""
+        call = self._get(request, timeout=budget_s, metadata=self.metadata)
+        watch = ProgressDeadline.of_task(idle_s, what)
+        try:
+            async for item in call:
+                watch.progress()
+                received.put(item)
+                await ahead.put(len(item.blob))
+            received.put(_END)
+        except asyncio.CancelledError:  # stalled, or the caller stopped reading (then nobody reads this)
+            call.cancel()
+            received.put(watch.error() if watch.stalled else grpc.aio.AioRpcError(
+                grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), "the Get was cancelled"))
+        except grpc.RpcError as exc:
+            received.put(exc)
+        finally:
+            watch.close()
 
     def get_all(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
                 on_blob: Callable[[ReceivedBlob], None] | None = None, lease: ArenaViews | None = None) -> FetchResult:
@@ -102,7 +157,7 @@ class AioFetcher:
         request = pb.GetRequest(keys=keys, fingerprint=fingerprint, shm_segment=reader.segment if reader else b"")
         call = self._get(request, timeout=budget_s, metadata=self.metadata)
         what = f"Get of {len(keys)} pages from {self.address}"
-        watch = ProgressWatch(idle_s, what)  # one timer per stream, not a wait_for per message
+        watch = ProgressDeadline.of_task(idle_s, what)  # one timer per stream, not a wait_for per message
         lost: list[bytes] = []
         try:
             async for item in call:
@@ -126,7 +181,7 @@ class AioFetcher:
             if not watch.stalled:
                 raise
             call.cancel()
-            return lost, self._stalled(what, idle_s)
+            return lost, watch.error()
         except grpc.RpcError as exc:
             return lost, exc
         finally:
@@ -138,3 +193,24 @@ class AioFetcher:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+
+
+class _ReadAhead:
+    """How far `stream`'s reader is ahead of its caller (blobs and bytes it read that the caller
+    has not handed back); `put` waits, on the loop, while that is a whole window."""
+
+    def __init__(self) -> None:
+        self.count = self.nbytes = 0
+        self._room = asyncio.Event()
+        self._room.set()
+
+    async def put(self, nbytes: int) -> None:
+        self.count, self.nbytes = self.count + 1, self.nbytes + nbytes
+        if self.count >= READ_AHEAD or self.nbytes >= READ_AHEAD_BYTES:
+            self._room.clear()
+            await self._room.wait()
+
+    def taken(self, count: int, nbytes: int) -> None:
+        self.count, self.nbytes = self.count - count, self.nbytes - nbytes
+        if self.count < READ_AHEAD and self.nbytes < READ_AHEAD_BYTES:
+            self._room.set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-DEFAULT_PORT = 50551  # `tiered-cache serve`'s
+from tiered_cache.wire.options import DEFAULT_PORT
 
 
 def normalize_address(address: str) -> str:
@@ -46,7 +46,7 @@ def server_stats(address: str, token: str | None, tls_ca: str | None, timeout: f
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from tiered_cache.service.client import StoreClient
+    from tiered_cache.client.store_client import StoreClient
 
     try:
         with StoreClient(address, token, tls_ca, timeout) as client:

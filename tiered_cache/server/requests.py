@@ -1,0 +1,110 @@
+"""What every handler of the store does with a call: count it, parse it, check it, refuse it, run
+its store work on a thread pool, and count a stream that stalled.
+
+Requests are parsed by our own deserializers, so a malformed message gets INVALID_ARGUMENT with
+a message a person can act on (grpc's default answer to an unparsable request is a bare
+INTERNAL). Every refusal is counted in the server's stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from tiered_cache.index.keys import KEY_BYTES
+from tiered_cache.server.config import ServerConfig
+from tiered_cache.server.streams import StreamSlots
+from tiered_cache.v1 import cache_pb2 as pb
+from tiered_cache.wire.deadline import ProgressDeadline
+from tiered_cache.wire.framing import parse_page_blob
+
+T = TypeVar("T")
+
+
+@dataclass
+class Malformed:
+    """What our deserializer returns for bytes that are not the expected message."""
+
+    message_type: str
+    size: int
+
+
+def parse_put_item(data: bytes) -> Any:
+    """A Put stream item (`PageBlob`), parsed by hand: one copy of the blob instead of two."""
+    try:
+        return parse_page_blob(data)
+    except ValueError:
+        return Malformed(pb.PageBlob.DESCRIPTOR.full_name, len(data))
+
+
+def parser(message_cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return message_cls.FromString(data)
+        except (DecodeError, ValueError):
+            return Malformed(message_cls.DESCRIPTOR.full_name, len(data))
+    return parse
+
+
+class ServerCounters:
+    """Figures of the server itself. Only the event loop's thread changes them (no lock)."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.requests = self.rejected = self.unauthenticated = self.refused_blobs = self.stalled_streams = 0
+        self.shm_put_pages = 0  # Put pages read from clients' offered segments
+        self.shm_pages = 0  # pages handed to same-host clients as refs into the arena (Lookup or Get)
+        self.shm_pages_reused = 0  # of which already in the arena: handed out with no copy at all
+
+
+class Requests:
+    """The checks and pools the handlers share: `config`'s limits, the server's `counters`, the
+    stream cap (`slots`), the `io` pool for Get and Put data and the `meta` pool for Lookup and
+    Stats (so a Lookup never queues behind another client's multi-GiB Get)."""
+
+    def __init__(self, config: ServerConfig, counters: ServerCounters, io: Executor, meta: Executor) -> None:
+        self.config = config
+        self.counters = counters
+        self.slots = StreamSlots(config.max_streams)
+        self.io = io
+        self.meta = meta
+
+    async def run(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def reject(self, context: grpc.aio.ServicerContext, message: str) -> None:
+        self.counters.rejected += 1
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    async def refuse_malformed(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, Malformed):
+            await self.reject(context, f"request is not a valid {request.message_type} ({request.size} bytes)")
+
+    async def take_unary(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        """Count a keyless unary call (Stats, Attach, Offer); refuse it when it did not parse."""
+        self.counters.requests += 1
+        await self.refuse_malformed(request, context)
+
+    async def check_keys(self, request: Any, context: grpc.aio.ServicerContext) -> list[bytes]:
+        await self.refuse_malformed(request, context)
+        keys = list(request.keys)
+        if len(keys) > self.config.max_keys:
+            await self.reject(context, f"{len(keys)} keys in one request; the limit is {self.config.max_keys}")
+        for i, key in enumerate(keys):
+            if len(key) != KEY_BYTES:
+                await self.reject(context, f"key {i} is {len(key)} bytes; page keys are {KEY_BYTES} bytes (SHA-256)")
+        return keys
+
+    def count_stalled(self, context: grpc.aio.ServicerContext, watch: ProgressDeadline) -> None:
+        """A stream made no progress: count it and say why in its status, if one can still be
+        sent (a client that reads nothing gets the stream reset instead)."""
+        self.counters.stalled_streams += 1
+        context.set_code(grpc.StatusCode.DEADLINE_EXCEEDED)
+        context.set_details(f"{watch.what} for {watch.idle_s:g} s: stream ended (the server's stream_idle_s)")
