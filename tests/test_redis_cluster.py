@@ -12,8 +12,8 @@ from tier_helpers import blobs_for
 
 from tiered_cache.tiers.breaker import BreakerPolicy
 from tiered_cache.tiers.redis import RedisTier
-from tiered_cache.tiers.redis_nodes import parse_cluster_url
 from tiered_cache.tiers.redis_process import free_port
+from tiered_cache.tiers.redis_url import parse_cluster_url
 
 FAST_PROBE = BreakerPolicy(cooldown_s=0.05, max_cooldown_s=0.2)  # a dead server is asked again soon
 

@@ -13,7 +13,8 @@ from throttle_proxy import ThrottledProxy
 
 from tiered_cache.cache import TieredCache
 from tiered_cache.cache.handle import HOST
-from tiered_cache.cache.reuse import Rate, RateEstimator, ReuseEstimates, pages_to_load
+from tiered_cache.cache.rates import Rate, RateEstimator
+from tiered_cache.cache.reuse import ReuseEstimates, pages_to_load
 from tiered_cache.client.stats import server_stats
 from tiered_cache.config import CacheConfig, ReusePolicy
 from tiered_cache.index.keys import PageKeyer

@@ -214,7 +214,7 @@ def test_re_rotation_moves_a_key_to_its_new_position_exactly_as_the_model_would_
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from tiered_cache.integrations.paged import _rotate_half
+    from tiered_cache.integrations.paged_attention import rotate_half
 
     config = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, rope_theta=10000.0)
     rotary = LlamaRotaryEmbedding(config)
@@ -226,6 +226,6 @@ def test_re_rotation_moves_a_key_to_its_new_position_exactly_as_the_model_would_
     expected, _ = apply_rotary_pos_emb(raw, raw, cos_n, sin_n)
     angles = (now - written)[0].float()[:, None] * rotary.inv_freq[None, :]
     emb = torch.cat([angles, angles], dim=-1)
-    moved = stored * emb.cos() + _rotate_half(stored) * emb.sin()
+    moved = stored * emb.cos() + rotate_half(stored) * emb.sin()
     assert torch.allclose(moved, expected, atol=1e-5)
     assert not torch.allclose(stored, expected, atol=1e-2)  # the positions really differ

@@ -128,34 +128,3 @@ class BackgroundQueue:
             else:
                 if is_job:
                     self._add("done")
-
-
-class Foreground:
-    """Counts requests in progress so that background work can step aside while one runs.
-
-    On a host whose cores also run the request path (and always for memory bandwidth), a
-    background encode or network put that overlaps a request slows it; waiting for a quiet
-    moment, bounded by a timeout so background work always progresses, keeps that off p99.
-    """
-
-    def __init__(self) -> None:
-        self._active = 0
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
-
-    def __enter__(self) -> Foreground:
-        with self._lock:
-            self._active += 1
-            self._idle.clear()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            self._active -= 1
-            if not self._active:
-                self._idle.set()
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Block until no request is in progress or `timeout` passed; True if idle."""
-        return self._idle.wait(timeout)

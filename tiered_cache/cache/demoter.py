@@ -18,7 +18,8 @@ import threading
 import numpy as np
 import torch
 
-from tiered_cache.cache.background import BackgroundQueue, Foreground, QueueFigures
+from tiered_cache.cache.background import BackgroundQueue, QueueFigures
+from tiered_cache.cache.foreground import Foreground
 from tiered_cache.cache.ledger import PageLedger
 from tiered_cache.cache.lower_writer import YIELD_S, LowerWriter
 from tiered_cache.cache.stats import Movements

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from tiered_cache.cache.handle import CacheHandle
+from tiered_cache.cache.page_tokens import PageTokens
 from tiered_cache.cache.stats import PoolFigures
-from tiered_cache.cache.tree_view import PageTokens
 from tiered_cache.device.pool import PagePool
 from tiered_cache.errors import IntegrityError
 from tiered_cache.index.radix import RadixTree

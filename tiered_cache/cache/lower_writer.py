@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue, Foreground, QueueFigures
+from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue, QueueFigures
+from tiered_cache.cache.foreground import Foreground
 from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.chain import TierChain

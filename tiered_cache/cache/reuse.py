@@ -32,7 +32,6 @@ tier never measured is taken as free, so it is loaded and measured.
 from __future__ import annotations
 
 import enum
-import math
 import threading
 import time
 from collections import Counter
@@ -40,8 +39,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-_ALPHA = 0.25  # weight of the newest sample: about the last 4-8 samples count
-_MIN_SPREAD = 0.1  # samples' size spread (std / mean) needed before a latency is fitted
+from tiered_cache.cache.rates import Rate, RateEstimator
+
 # Prefill samples are suffixes, often of a similar few dozen tokens whose forwards cost the same
 # on a GPU: a slope fitted across them is noise and can claim millions of tokens/s (which would
 # skip even host RAM). Below this spread of sizes (std, tokens) the rate is tokens over seconds,
@@ -52,61 +51,6 @@ _PREFILL_MIN_SPREAD_TOKENS = 512.0
 class ReusePolicy(enum.Enum):
     FASTER = "faster"  # load only the leading pages that arrive sooner than they would be recomputed
     ALWAYS = "always"  # load every page any tier holds
-
-
-@dataclass(frozen=True)
-class Rate:
-    """A fitted cost: `latency_s` per call plus `amount / per_s` (bytes or tokens)."""
-
-    per_s: float
-    latency_s: float = 0.0
-
-    def seconds(self, amount: float) -> float:
-        return self.latency_s + amount / self.per_s
-
-
-class RateEstimator:
-    """A moving fit of `seconds = latency + amount / rate` over (amount, seconds) samples, newer
-    ones weighing more (exponentially). Not thread-safe: `ReuseEstimates` locks around it."""
-
-    def __init__(self, alpha: float = _ALPHA) -> None:
-        assert 0 < alpha <= 1
-        self.alpha = alpha
-        self.samples = 0
-        self.last_at: float | None = None  # time.monotonic() of the newest sample
-        # Exponentially weighted sums: weight, x, y, x*x, x*y.
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-
-    def add(self, amount: float, seconds: float) -> None:
-        """One observation: `amount` (bytes, tokens) took `seconds`. Empty or instant ones are
-        ignored (they say nothing about a rate)."""
-        if not (amount > 0 and seconds > 0 and math.isfinite(amount) and math.isfinite(seconds)):
-            return
-        keep = 1.0 - self.alpha
-        self._w = self._w * keep + 1.0
-        self._x = self._x * keep + amount
-        self._y = self._y * keep + seconds
-        self._xx = self._xx * keep + amount * amount
-        self._xy = self._xy * keep + amount * seconds
-        self.samples += 1
-        self.last_at = time.monotonic()
-
-    def estimate(self, min_spread: float = 0.0) -> Rate | None:
-        """The current fit, or None before any sample. A latency (and the rate as the slope) is
-        fitted only when the samples' sizes spread by more than `_MIN_SPREAD` of their mean and
-        by more than `min_spread` (std, in the samples' unit)."""
-        if not self.samples:
-            return None
-        mx, my = self._x / self._w, self._y / self._w
-        vx = self._xx / self._w - mx * mx
-        cov = self._xy / self._w - mx * my
-        if vx > max(_MIN_SPREAD * mx, min_spread) ** 2 and cov > 0:
-            slope = cov / vx
-            latency = my - slope * mx
-            if latency >= 0:
-                return Rate(1.0 / slope, latency)
-        # Samples of one size (or a fit with a negative latency, which noise gives): no latency.
-        return Rate(mx / my)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ import threading
 
 import torch
 
-from tiered_cache.cache.background import BackgroundQueue, Foreground
+from tiered_cache.cache.background import BackgroundQueue
+from tiered_cache.cache.foreground import Foreground
 from tiered_cache.device.memory import HUGEPAGE_MIN_BYTES, empty_cpu, pretouch_async
 
 _SLACK = 1.25  # a spare up to this much larger than asked is handed out (the rest rides along)

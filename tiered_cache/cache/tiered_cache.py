@@ -34,9 +34,9 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from tiered_cache.cache.background import Foreground
 from tiered_cache.cache.compaction import Compaction
 from tiered_cache.cache.demoter import Demoter
+from tiered_cache.cache.foreground import Foreground
 from tiered_cache.cache.forks import Forks
 from tiered_cache.cache.handle import CacheHandle
 from tiered_cache.cache.ledger import PageLedger

@@ -10,12 +10,10 @@ host RAM and below as flat keys, not in the tree: the snapshot counts them per t
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
+from tiered_cache.cache.page_tokens import PageTokens
 from tiered_cache.index.radix import RadixTree
 from tiered_cache.index.radix_node import RadixNode
 
@@ -30,29 +28,6 @@ def held_below(host: HostTier, chain: TierChain) -> Callable[[list[bytes]], list
         tiers = ["host"] if host.contains_prefix(keys) == len(keys) else []
         return tiers + [t.name for i, t in enumerate(chain.tiers) if all(chain.known_in(k, i) for k in keys)]
     return where
-
-
-class PageTokens:
-    """The token ids of recently inserted pages, by page key (at most `capacity` pages): enough to
-    show a node's text; a page it forgot is shown without."""
-
-    def __init__(self, capacity: int = 1 << 15) -> None:
-        self.capacity = capacity
-        self._tokens: OrderedDict[bytes, np.ndarray] = OrderedDict()
-
-    def record(self, keys: Sequence[bytes], tokens: np.ndarray, page_size: int, first: int = 0) -> None:
-        """Remember pages `first..` of a sequence: page i holds tokens[i*page_size:(i+1)*page_size]
-        (a page remembered already is only marked as recent)."""
-        for i in range(first, len(keys)):
-            if keys[i] in self._tokens:
-                self._tokens.move_to_end(keys[i])
-            else:
-                self._tokens[keys[i]] = tokens[i * page_size:(i + 1) * page_size].copy()
-        while len(self._tokens) > self.capacity:
-            self._tokens.popitem(last=False)
-
-    def get(self, key: bytes) -> np.ndarray | None:
-        return self._tokens.get(key)
 
 
 def _node_tokens(node: RadixNode, memo: PageTokens) -> tuple[list[int] | None, list[int] | None]:

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     import os
 
     from tiered_cache.server.config import ServerConfig
-    from tiered_cache.server.store_server import serve
+    from tiered_cache.server.serve import serve
     from tiered_cache.wire.auth import token_from
 
     overrides = {name: getattr(args, name) for name in

@@ -29,6 +29,7 @@ import torch
 
 from tiered_cache.cache import TieredCache
 from tiered_cache.cache.handle import CacheHandle
+from tiered_cache.integrations.paged_attention import attention_received, paged_cache, rotary_inv_freq, rotate_half
 from tiered_cache.integrations.transformers import cache_keyword, last_logits_only
 from tiered_cache.model.spec import Layout
 
@@ -54,7 +55,7 @@ class PagedSequence:
         self._read: torch.Tensor | None = None
         self._write: torch.Tensor | None = None
         self._rotation: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.hf_cache = _paged_cache(self, cache.spec.num_layers)
+        self.hf_cache = paged_cache(self, cache.spec.num_layers)
 
     @classmethod
     def start(cls, cache: TieredCache, model: Any, prompt: Sequence[int], policy: Any = None,
@@ -112,7 +113,7 @@ class PagedSequence:
         self.scores = np.concatenate([self.scores, np.zeros(n)])
         self.next_position += n
         if needs_scores:
-            self.scores += _attention_received(out.attentions)
+            self.scores += attention_received(out.attentions)
         if self.policy is not None:
             self._apply_policy()
         elif commit_as is not None:
@@ -133,7 +134,7 @@ class PagedSequence:
         shift = np.arange(self._past) - self.rotated
         if not shift.any():
             return None
-        inv_freq = _inv_freq(self.model)
+        inv_freq = rotary_inv_freq(self.model)
         angles = torch.from_numpy(shift).to(inv_freq.device, torch.float32)[:, None] * inv_freq[None, :].float()
         emb = torch.cat([angles, angles], dim=-1)  # (past, head_dim), as the model's rotary embedding
         return emb.cos(), emb.sin()
@@ -153,7 +154,7 @@ class PagedSequence:
         if self._rotation is not None:
             cos, sin = (t.to(k_all.device, k_all.dtype) for t in self._rotation)
             past = k_all[:, :, :self._past]
-            k_all = torch.cat([past * cos + _rotate_half(past) * sin, k_all[:, :, self._past:]], dim=2)
+            k_all = torch.cat([past * cos + rotate_half(past) * sin, k_all[:, :, self._past:]], dim=2)
         return k_all, v_all
 
     # --- the cache's engine features, for this sequence ---------------------------------------------
@@ -196,55 +197,3 @@ def decode(sequence: PagedSequence, logits: torch.Tensor, max_new_tokens: int,
             break
         logits = sequence.forward([tokens[-1]])
     return tokens
-
-
-def _paged_cache(sequence: PagedSequence, num_layers: int) -> Any:
-    """A transformers `Cache` whose layers store into and read from `sequence`'s pages."""
-    from transformers.cache_utils import Cache, DynamicLayer
-
-    class PagedLayer(DynamicLayer):
-        def __init__(self, layer: int) -> None:
-            super().__init__()
-            self.layer = layer
-
-        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            self.device = key_states.device
-            self.is_initialized = True
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-                   **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            return sequence.update_layer(self.layer, key_states, value_states)
-
-        def get_seq_length(self) -> int:
-            return sequence._past
-
-        def crop(self, tokens_to_remove: int) -> None:
-            raise NotImplementedError("a paged sequence is not cropped; drop tokens through a retention policy")
-
-    return Cache(layers=[PagedLayer(i) for i in range(num_layers)])
-
-
-def _inv_freq(model: Any) -> torch.Tensor:
-    """The rotary inverse frequencies of a transformers model (rotations by any angle add up
-    for these; rope types that also rescale cos/sin are refused)."""
-    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
-    if rotary is None or not hasattr(rotary, "inv_freq"):
-        raise ValueError(f"{type(model).__name__} has no rotary embedding to re-index keys with")
-    if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
-        raise ValueError("re-indexing keys needs a rotary embedding without attention scaling (yarn/longrope)")
-    return rotary.inv_freq
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _attention_received(attentions: Any) -> np.ndarray:
-    """Attention each key got in one forward, summed over layers, heads and queries."""
-    if not attentions or attentions[0] is None:
-        raise ValueError("HeavyHitter needs attention weights: load the model with attn_implementation='eager'")
-    total = sum(a[0].float().sum(dim=(0, 1)) for a in attentions)
-    return total.cpu().numpy().astype(np.float64)

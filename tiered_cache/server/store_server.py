@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import hmac
 import os
-import signal
 import socket
-import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +23,7 @@ from tiered_cache.server.config import ServerConfig
 from tiered_cache.server.handlers import KVCacheService
 from tiered_cache.server.requests import ServerCounters, parse_put_item, parser
 from tiered_cache.server.store import BlobStore
+from tiered_cache.server.token_check import TokenInterceptor
 from tiered_cache.shm.offers import OfferedSegments
 from tiered_cache.tiers.arena import ArenaTier
 from tiered_cache.tiers.factory import TierSettings, build_tiers
@@ -35,31 +33,6 @@ from tiered_cache.wire.options import server_options
 
 SERVICE = "tiered_cache.v1.KVCache"
 _META_THREADS = 2  # Lookup and Stats: never queued behind data
-
-
-class _TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuse calls to the store without `authorization: Bearer <token>` (health checks stay open)."""
-
-    def __init__(self, token: str, counters: ServerCounters) -> None:
-        self.expected = f"Bearer {token}".encode()
-        self.counters = counters
-
-        async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or wrong token: send metadata `authorization: Bearer <token>`")
-        # One denial per call shape, so the client sees UNAUTHENTICATED whatever it called.
-        self._deny = {"/Put": grpc.stream_unary_rpc_method_handler(deny),
-                      "/Get": grpc.unary_stream_rpc_method_handler(deny)}
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-
-    async def intercept_service(self, continuation: Any, details: Any) -> Any:
-        if details.method.startswith("/grpc.health."):
-            return await continuation(details)
-        sent = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(str(sent).encode(), self.expected):
-            return await continuation(details)
-        self.counters.unauthenticated += 1
-        return self._deny.get(details.method[details.method.rfind("/"):], self._deny_unary)
 
 
 def build_store(config: ServerConfig) -> BlobStore:
@@ -133,7 +106,7 @@ class StoreServer:
 
     async def _start(self) -> int:
         config = self.config
-        interceptors = [_TokenInterceptor(config.token, self.counters)] if config.token else []
+        interceptors = [TokenInterceptor(config.token, self.counters)] if config.token else []
         server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
         server.add_generic_rpc_handlers([_handlers(self.service)])
         self._health = health.aio.HealthServicer()
@@ -212,47 +185,3 @@ def check_port_free(host: str, port: int) -> None:
                 raise OSError(f"cannot listen on {host}:{port}: the port is in use (another server?); pick another "
                               f"--port, or --port 0 for a free one") from None
             raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-
-def serve(config: ServerConfig) -> int:
-    """Run until SIGTERM or SIGINT; then drain, flush, and return 0."""
-    stop = threading.Event()
-
-    def on_signal(*_: Any) -> None:
-        # Drain once: later signals are ignored (grace_s bounds the drain; SIGKILL still works).
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, signal.SIG_IGN)
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):  # before "listening" is printed: no window without them
-        signal.signal(sig, on_signal)
-    server = StoreServer(config)
-    port = server.start()
-    where = f"{config.host}:{port}"
-    print(f"tiered-cache serve: listening on {where} ({'TLS' if config.tls_cert else 'plaintext'}, "
-          f"{'token required' if config.token else 'no token'})", flush=True)
-    from tiered_cache.server.startup import describe_tiers, redis_problem
-
-    print(f"tiered-cache serve: tiers: {describe_tiers(config)}", flush=True)
-    if config.redis_url and (problem := redis_problem(config.redis_url)):
-        print(f"tiered-cache serve: WARNING: {problem}; the Redis tier answers misses until it is back",
-              file=sys.stderr, flush=True)
-    if not config.loopback_only:
-        print(f"tiered-cache serve: WARNING: listening beyond loopback on {config.host}"
-              + ("" if config.token else "; set --token so only your instances can read and write pages"),
-              file=sys.stderr, flush=True)
-    if server.metrics is not None:
-        print(f"tiered-cache serve: metrics at {server.metrics.url}"
-              f"{' (token required)' if config.token else ''}", flush=True)
-        if not server.metrics.loopback_only:
-            print(f"tiered-cache serve: WARNING: metrics listen beyond loopback on {config.metrics_host}"
-                  + ("" if config.token else "; anyone who can reach it reads the cache's figures"),
-                  file=sys.stderr, flush=True)
-    # Wake twice a second: a signal the kernel hands to another thread (gRPC's, say) runs its
-    # Python handler only when the main thread runs, and an untimed wait might never return.
-    while not stop.wait(0.5):
-        pass
-    print("tiered-cache serve: shutting down (draining streams, flushing RAM to the next tier)", flush=True)
-    flushed = server.stop()
-    print(f"tiered-cache serve: flushed {flushed} pages; bye", flush=True)
-    return 0

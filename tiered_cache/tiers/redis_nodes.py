@@ -4,7 +4,7 @@
 server (breaker.py), the cluster's slot map, and how a batch of keys reaches them: grouped by
 master and hash slot, each master's groups in one pipeline, the masters in parallel. A failure
 counts an error, tells that server's breaker, and re-reads the slot map on the next call.
-Retries inside a call are redis-py's own, pinned by `retry_policy`.
+Retries inside a call are redis-py's own, pinned by `retry_policy` (redis_url.py).
 """
 
 from __future__ import annotations
@@ -13,49 +13,16 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
-from urllib.parse import unquote
 
 from tiered_cache.tiers.breaker import BreakerPolicy, CircuitBreaker
+from tiered_cache.tiers.redis_url import parse_cluster_url, retry_policy
 
 T = TypeVar("T")
 # A large read buffer: the default 32 KiB measured at half the throughput for MiB values.
 SOCKET_READ_SIZE = 1 << 20
-CLUSTER_SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
 # Threads beside the caller's that pipeline to a cluster's masters at once: 256 x 1 MiB through 3
 # masters measured ~1.4x put and ~1.2x get against one master after another.
 _FANOUT_THREADS = 7
-
-
-def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]] | None:
-    """The startup nodes (host, port) and connection settings of a `redis+cluster://` URL, or
-    None for any other URL. Raises ValueError for a cluster URL that is not of the form above."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in CLUSTER_SCHEMES:
-        return None
-    netloc, _, path = rest.partition("/")
-    if path.strip("/") not in ("", "0"):
-        raise ValueError(f"a Redis Cluster has only database 0 and takes no options; got '/{path}' in its URL")
-    userinfo, at, hosts = netloc.rpartition("@")
-    settings: dict[str, Any] = {"ssl": True} if CLUSTER_SCHEMES[scheme.lower()] else {}
-    if at:
-        user, colon, password = userinfo.partition(":")
-        settings.update({"username": unquote(user) or None, "password": unquote(password) if colon else None})
-    nodes = []
-    for part in hosts.split(","):
-        host, colon, port = part.strip().rpartition(":")
-        if not (colon and host and port.isdigit()):
-            raise ValueError(f"expected HOST:PORT[,HOST:PORT...] in a {scheme}:// URL, got {part.strip()!r}")
-        nodes.append((host.strip("[]"), int(port)))
-    return nodes, settings
-
-
-def retry_policy() -> Any:
-    """redis-py's retry inside one call: once, after 2-10 ms, and only for a broken connection."""
-    from redis.backoff import ExponentialBackoff
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.retry import Retry
-
-    return Retry(ExponentialBackoff(cap=0.01, base=0.002), 1, supported_errors=(RedisConnectionError,))
 
 
 class _Node:
