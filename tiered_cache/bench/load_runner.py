@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from tiered_cache.bench.load_client import ClientArgs, ClientReport, run_client
 from tiered_cache.bench.released_clients import SPAWN, run_released
 
-_START_TIMEOUT_S = 300.0  # spawning, importing and a warm-up call, many processes on 2 cores
+_START_TIMEOUT_S = 300.0  # spawning, importing and a warm-up call, many processes on few cores
 _END_SLACK_S = 120.0  # the last request may run past the deadline by its calls' deadlines
 
 

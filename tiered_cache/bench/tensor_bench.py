@@ -28,7 +28,7 @@ def bench_tensor(spec: KVSpec, num_tokens: int, repeat: int = 5) -> list[Compari
     total = spec.bytes_for_tokens(num_tokens)
     kv = torch.randn(spec.kv_shape(num_tokens), generator=torch.Generator().manual_seed(0)).to(spec.dtype.torch)
     scale = f"{num_tokens:,} tokens, {total / 2**20:,.0f} MiB"
-    memcpy = _Memcpy(kv, repeat)  # sampled before, between and after: a shared machine drifts (±30-50%)
+    memcpy = _Memcpy(kv, repeat)  # sampled before, between and after: on a shared machine it drifts
     _progress(f"{spec.model_id}, {num_tokens:,} tokens ({total / 2**20:,.0f} MiB of {spec.dtype.value} KV): "
               f"memcpy {memcpy.sample():.2f} GiB/s; PagePool ...")
     times = _pool_times(spec, kv, repeat)

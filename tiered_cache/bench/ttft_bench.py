@@ -89,7 +89,7 @@ def projection(rows: list[TtftRow], model: str = "llama-3-70b",
     preset = get_preset(model)
     cfg = preset.config
     longest = max(rows, key=lambda r: r.prefix_tokens)
-    # A tier within 5% of the device row is within this machine's noise: no rate can be derived.
+    # A tier within 5% of the device row is within run-to-run noise: no rate can be derived.
     device = longest.tier_s["device"]
     rates = {t: (longest.kv_bytes / (longest.tier_s[t] - device) if longest.tier_s[t] - device > 0.05 * device
                  else None) for t in TIERS[1:]}

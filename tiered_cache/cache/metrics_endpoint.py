@@ -15,7 +15,7 @@ from tiered_cache.tiers.chain import TierChain
 def serve_metrics(config: CacheConfig, stats: Callable[[], CacheStats], tree: Callable[[], dict[str, Any]],
                   chain: TierChain) -> tuple[Any, Any]:
     """Start the endpoint over a cache's `stats` and `prefix_tree`; returns (the `MetricsServer`,
-    the `FetchMetrics` the chain's fetches now feed)."""
+    the `FetchMetrics` the chain's fetches feed)."""
     from tiered_cache.metrics import registry_of
     from tiered_cache.metrics.families import cache_families, tier_families
     from tiered_cache.metrics.http import MetricsServer

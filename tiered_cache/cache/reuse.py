@@ -1,8 +1,8 @@
 """Reuse policy: load a cached prefix only as far as it arrives sooner than the engine computes it.
 
-On a GPU prefill is fast (an H200 prefills 8k tokens of an 8B model in ~0.29 s), so pages from a
-slow tier (a store server at 1 GB/s, Redis over a slow link) can make time to first token worse
-than recomputing them. The cache keeps moving estimates of what each tier costs and of the
+On a GPU prefill is fast (a datacenter GPU prefills 8k tokens of an 8B model in a fraction of a
+second), so pages from a slow tier (a store server at 1 GB/s, Redis over a slow link) can make
+time to first token worse than recomputing them. The cache keeps moving estimates of what each tier costs and of the
 engine's prefill rate, and `pages_to_load` cuts the plan where loading stops paying.
 
 The cost model, for the pages past the device prefix, in order (`plan[i]`: HOST or a lower tier):
@@ -19,8 +19,8 @@ few slow pages between fast ones are loaded when the fast ones after them pay fo
 
 The estimates: `RateEstimator` fits `seconds = latency + amount / rate` to recent samples, each
 sample weighing (1 - alpha) less per newer one. A latency is fitted only when the samples differ
-enough in size to tell it from the rate (gRPC and Redis calls pay ~0.4 ms or more per call, which
-makes a one-page fetch look ~10x slower per byte than a big one); otherwise it is 0 and the rate
+enough in size to tell it from the rate (gRPC and Redis calls pay a fixed cost per call, which
+makes a one-page fetch look many times slower per byte than a big one); otherwise it is 0 and the rate
 is total amount over total seconds. Prefill samples are fitted the same way, and only the rate
 (the slope: seconds per extra token) is used, since the engine pays a forward's fixed cost for
 the suffix anyway.

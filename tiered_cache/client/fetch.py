@@ -4,8 +4,8 @@
 
 The sync gRPC client hands each received message from its polling thread to the consumer (a
 thread switch and a GIL hand-off per message); the aio client reads the whole stream on one
-event loop. Measured here on 256 × 1 MiB pages from a store server: 0.92 GiB/s with the sync
-client, 1.34 with aio (medians of 6 alternating runs). One event loop thread per process serves
+event loop, which moves bulk streams faster (docs/PERFORMANCE.md, "The store under many
+clients"). One event loop thread per process serves
 every `Fetcher`; each fetcher owns an aio channel bound to that loop.
 
 With `reader` (the server's arena, mapped: shm/arena_map.py) pages come as refs into it and are

@@ -6,7 +6,7 @@ line of results to stdout.
 
 Each TTFT is measured N times (default 3) after one warm-up forward, each time from the same
 state (host RAM refilled by an eviction, a fresh empty cache for the store), so the report can
-print the median and the spread instead of one number a busy machine can swing 10x.
+print the median and the spread instead of one number a busy machine can swing many-fold.
 """
 
 from __future__ import annotations

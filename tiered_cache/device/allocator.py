@@ -28,7 +28,8 @@ def as_page_array(pages: Any, num_pages: int) -> np.ndarray:
 
 def has_duplicates(arr: np.ndarray) -> bool:
     """Whether a 1-D integer array holds a value twice. A sort and one comparison: numpy 2's
-    hash-based `np.unique` took ~0.25 ms for 2,048 pages, on the request path of every copy."""
+    hash-based `np.unique` costs far more, on the request path of every copy (docs/PERFORMANCE.md,
+    "The GPU path on an H100")."""
     if arr.size < 2:
         return False
     ordered = np.sort(arr)

@@ -35,7 +35,7 @@ def weights_identity(model: Any) -> str:
     row is seen). Reads no path, file or Hub id, and gives the same digest on any device and in
     any process. A dense change (any fine-tune, a merged LoRA, another weight dtype) changes it;
     a change confined to unsampled elements of one large tensor does not: that is the price of
-    ~15 ms of CPU for 135M parameters instead of ~300 ms for a full pass. Pass an explicit
+    reading a fixed sample per tensor rather than every byte of the model. Pass an explicit
     `model_id` where that matters. Raises ValueError if a tensor has no data (meta device).
     """
     digest = hashlib.sha256(_VERSION)

@@ -77,7 +77,7 @@ def _convert(target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = gguf_path()
-    print(f"converting {gguf.name} to safetensors in {target} (once; about 20-40 s) ...", file=sys.stderr)
+    print(f"converting {gguf.name} to safetensors in {target} (once) ...", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantised.config

@@ -7,9 +7,9 @@ each page where it lies like any received blob, copies it once, into its arena, 
 the client's ring had not come round over it meanwhile (`PutRingReader.intact`): a page the client
 overwrote early is dropped again and refused (`SHM_LOST`), garbage at a position is refused as
 corrupt; neither is ever read as KV (a reader that found it in between fails its checksum).
-On the 2-core host of docs/PERFORMANCE.md a loopback Put stream cost each side ~4 ms of CPU per
-MiB; one memcpy per side instead is what lets write-behind to a same-host store keep off the
-request path's cores.
+A loopback Put stream costs each side milliseconds of CPU per MiB (docs/PERFORMANCE.md, "What a
+Put costs each side"); one memcpy per side is what lets write-behind to a same-host store keep
+off the request path's cores.
 
 What the server accepts, so that an offer cannot make it read anything but a client's ring: the
 caller must come over loopback or a Unix socket, from this host (`host_identity`), run as the

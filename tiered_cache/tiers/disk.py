@@ -189,7 +189,7 @@ class DiskTier:
         where the bytes lie. Anything else (a page's strided blocks in a CPU pool, a compressed
         blob): the file into this thread's reused buffer, which stays in cache, checked there,
         then one copy or decode into `dest` (a preadv scattered straight over a pool page's 64
-        blocks measured 1.1-1.3x slower than this here)."""
+        blocks is slower than this: docs/PERFORMANCE.md, "Issue 33, item 3")."""
         try:
             fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:

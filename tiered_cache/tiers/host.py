@@ -4,7 +4,7 @@ Host RAM is the staging area for device transfers, so it holds pages as they are
 checksum: the bytes never leave the process) and moves them with single indexed copies. The slab
 is allocated once and pinned when CUDA is present so device copies can be asynchronous; pinning
 faults the memory in, and an unpinned slab is pre-touched by a daemon thread instead (first
-touch measured 0.2-0.7 GiB/s here), so construction returns at once. Only slots `put` wrote are
+touch is far slower than a copy: docs/PERFORMANCE.md), so construction returns at once. Only slots `put` wrote are
 ever read.
 """
 
@@ -210,7 +210,8 @@ class HostTier:
 
 def _copy_into_slots(slab: torch.Tensor, slots: np.ndarray, pages: torch.Tensor) -> None:
     """slab[slots[i]] = pages[i], one copy per run of consecutive slots (freshly allocated slots
-    mostly are): plain copies run at memcpy speed, `index_copy_` measured 35% slower here."""
+    mostly are): plain copies run at memcpy speed, `index_copy_` slower
+    (docs/PERFORMANCE.md, "Tiers: host RAM, disk, Redis")."""
     breaks = np.flatnonzero(np.diff(slots) != 1) + 1
     for start, end in zip(np.r_[0, breaks], np.r_[breaks, len(slots)], strict=True):
         first = int(slots[start])

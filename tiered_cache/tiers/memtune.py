@@ -1,8 +1,9 @@
 """glibc malloc settings for a process that moves many large buffers (page blobs of ~1 MiB).
 
 By default glibc serves such buffers with fresh mmap()s or trims freed heap back to the OS, so
-every batch of blobs pays first-touch page faults: reading 64 × 1 MiB files and keeping them
-measured 1.9 GiB/s, against 14 GiB/s once freed memory is kept for reuse. Applied by the
+every batch of blobs pays first-touch page faults: reading files into fresh memory runs several
+times slower than into freed memory kept for reuse (docs/PERFORMANCE.md, "Tiers: host RAM, disk,
+Redis"). Applied by the
 `tiered-cache` commands and by `TieredCache` (config `malloc_tuning`), never at import.
 """
 

@@ -54,7 +54,7 @@ _GET_PARTS = 4  # a large get is fetched in this many MGETs, each checked while 
 _MIN_GET_PART = 8  # keys; a get of fewer is one MGET, checked on the caller's thread
 # get_into asks for about this many bytes per MGET, the next MGET sent before this one's reply is
 # read: Redis writes a reply only once its whole command has run, and one MGET of 256 values of
-# 1 MiB ran at half the speed of MGETs of 16 MiB (docs/PERFORMANCE.md, issue 33 item 3).
+# 1 MiB is slower than MGETs of 16 MiB (docs/PERFORMANCE.md, "Issue 33, item 3").
 MGET_INTO_BYTES = 16 << 20
 
 
@@ -122,8 +122,8 @@ class RedisTier:
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """Verified blobs (None: missing or corrupt). A large get is fetched in `_GET_PARTS` MGETs,
         one after another, and each part's checksums run on a helper thread while the next part
-        arrives (CRC-32C releases the GIL): the check costs about one copy of the blobs, ~10% of
-        an MGET here, and would otherwise come after the whole reply."""
+        arrives (CRC-32C releases the GIL): the check costs about one copy of the blobs, a
+        fraction of an MGET, and would otherwise come after the whole reply."""
         names = [self._k(k) for k in keys]
         out: list[bytes | None] = [None] * len(keys)
         size = max(_MIN_GET_PART, -(-len(keys) // _GET_PARTS))
@@ -216,7 +216,8 @@ class RedisTier:
         (a page's strided blocks in a CPU pool too: one `recvmsg_into` scatters over them), its
         checksum computed where the bytes landed. A compressed blob, or strided blocks over TLS:
         into this thread's reused buffer, checked and decoded from there. Checked here, not on a
-        helper thread: Redis needs the other core (a helper measured 0.84x of MGET, this 0.96x)."""
+        helper thread: a same-host Redis needs the CPU a helper would take (docs/PERFORMANCE.md,
+        "Issue 33, item 3")."""
         parts = dest_parts(dest) if length == raw_blob_size(spec) else None
         if parts is not None and (reader.scatters or len(parts) == 1):
             header, trailer = bytearray(raw_header_size(spec)), bytearray(4)

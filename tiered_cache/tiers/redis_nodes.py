@@ -18,10 +18,10 @@ from tiered_cache.tiers.breaker import BreakerPolicy, CircuitBreaker
 from tiered_cache.tiers.redis_url import parse_cluster_url, retry_policy
 
 T = TypeVar("T")
-# A large read buffer: the default 32 KiB measured at half the throughput for MiB values.
+# A large read buffer: the default 32 KiB reads MiB values slower.
 SOCKET_READ_SIZE = 1 << 20
-# Threads beside the caller's that pipeline to a cluster's masters at once: 256 x 1 MiB through 3
-# masters measured ~1.4x put and ~1.2x get against one master after another.
+# Threads beside the caller's that pipeline to a cluster's masters at once, faster than asking one
+# master after another (docs/PERFORMANCE.md, "Redis Cluster behind the Redis tier").
 _FANOUT_THREADS = 7
 
 

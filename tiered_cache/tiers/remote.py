@@ -62,7 +62,7 @@ class RemoteTier:
         self.fingerprint = fingerprint  # when set, servers skip and refuse blobs of other models
         self._stats = TierStats(self.name)
         self._refused = 0  # pages servers refused to store (counted as errors)
-        # Checksums release the GIL (crc32c): two threads check a 35 MB prefix in half the time.
+        # Checksums release the GIL (crc32c): two threads check a prefix in about half the time.
         self._checker = ThreadPoolExecutor(max_workers=_CHECKERS, thread_name_prefix="remote-tier-crc")
         for _ in range(_CHECKERS):  # started now, not by the first fetch
             self._checker.submit(time.sleep, 0.01)

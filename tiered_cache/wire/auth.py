@@ -1,8 +1,8 @@
 """Bearer tokens of the store service: one check, used by every path that takes a token.
 
 A token is either unset (`None`: no authentication) or a real secret. An empty or blank token
-is refused everywhere (server flag, environment variable, YAML, client): it used to mean "no
-token" on some paths and so started an open store by accident. A token travels as gRPC metadata
+is refused everywhere (server flag, environment variable, YAML, client), so that no path reads
+it as "no token" and starts an open store by accident. A token travels as gRPC metadata
 (`authorization: Bearer <token>`), which carries printable ASCII only.
 """
 

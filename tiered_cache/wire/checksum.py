@@ -1,11 +1,11 @@
 """CRC-32C (Castagnoli) of any contiguous buffer, from the fastest implementation installed.
 
-`crc32c` (the `fast` extra; LGPL-2.1) runs 19-30 GiB/s here, reads any buffer in place (ring
+`crc32c` (the `fast` extra; LGPL-2.1) is the faster one, reads any buffer in place (ring
 views, memoryviews) and releases the GIL from 32 KiB, so checks on several threads run in
-parallel. `google-crc32c` (Apache-2.0, always installed) is the fallback: 9.5-22 GiB/s depending on
-the day's CPU, and it releases the GIL only for `bytes` of 1 MiB or more; other buffers go to it
-as numpy views (it refuses memoryviews), read with the GIL held. Both compute the same CRC
-(docs/PERFORMANCE.md, "Checksums").
+parallel. `google-crc32c` (Apache-2.0, always installed) is the fallback: slower, and it
+releases the GIL only for `bytes` of 1 MiB or more; other buffers go to it as numpy views (it
+refuses memoryviews), read with the GIL held. Both compute the same CRC; their speeds:
+docs/PERFORMANCE.md, "Checksums".
 """
 
 from __future__ import annotations

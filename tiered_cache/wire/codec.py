@@ -2,7 +2,7 @@
 
     offset  size  field
     0       4     magic b"TCKV"
-    4       1     format version (2; 1 was the same layout with a zlib CRC-32)
+    4       1     format version (2; version 1 has the same layout with a zlib CRC-32)
     5       1     codec (Codec.wire_id)
     6       1     dtype (index in _DTYPES)
     7       1     ndim of the page shape
@@ -18,7 +18,7 @@
 
 All little-endian. A blob whose magic, version, codec, key, fingerprint, lengths or checksum do not
 match what the reader expects raises `BlobError`; callers treat that as a miss and delete the blob.
-CRC-32C (SSE4.2 in C: 10-30 GiB/s here, zlib's CRC-32 ~3.5-5; `checksum.py`) guards against truncation
+CRC-32C (SSE4.2 in C, several times zlib's CRC-32: `checksum.py`) guards against truncation
 and bit rot; the key and fingerprint in the header guard against a blob answering for another page
 or another model. A blob of another version (v1 included) is a `BlobError`, so a miss: never decoded.
 """
@@ -71,7 +71,7 @@ class Codec(enum.Enum):
     LZ4_SHUFFLE = "lz4-shuffle"  # byte planes first: exponent bytes compress, mantissas do not
     INT8 = "int8"  # lossy: per-token, per-head absmax scales; opt-in only
     # c-blosc2's bitshuffle + LZ4 (one thread): on real bf16 KV it saves more than lz4-shuffle and
-    # encodes/decodes ~2x faster (docs/PERFORMANCE.md, "Codecs"): the compressing codec to choose.
+    # encodes/decodes faster (docs/PERFORMANCE.md, "Codecs"): the compressing codec to choose.
     BLOSC2 = "blosc2"
 
     @property
@@ -206,7 +206,7 @@ def _shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
         return raw
     items = raw.reshape(-1, itemsize)
     planes = np.empty((itemsize, items.shape[0]), dtype=np.uint8)
-    for j in range(itemsize):  # plane assignment: ~10x faster than items.T.copy()
+    for j in range(itemsize):  # plane assignment: far faster than items.T.copy()
         planes[j] = items[:, j]
     return planes
 
@@ -406,7 +406,7 @@ def decode_page(blob: Any, spec: KVSpec, key: bytes, out: np.ndarray | None = No
 # of its axes), with any strides: a row of a staging buffer is contiguous; on a CPU pool a page's
 # (layers, 2, bytes) blocks lie strided inside the layer-first pool itself. Tiers with `get_into`
 # write verified pages there without a blob per page in between: each fresh blob costs a copy,
-# and fresh memory first-touch faults (0.2-0.7 GiB/s here, FACTS.md).
+# and fresh memory first-touch faults (far slower than a copy: docs/PERFORMANCE.md).
 PageDest = np.ndarray
 
 

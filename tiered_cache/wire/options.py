@@ -22,15 +22,16 @@ DEFAULT_MAX_MESSAGE = max_message_bytes(DEFAULT_MAX_PAGE_BYTES)  # a server's de
 
 def message_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Options both ends share: messages bounded by one page, a large HTTP/2 window for streams
-    (a server stream of 1 MiB messages measured ~1.15 GiB/s with 16 MiB lookahead)."""
+    (16 MiB lookahead: a stream of 1 MiB messages keeps several in flight; docs/PERFORMANCE.md,
+    "Remote store")."""
     return [("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.http2.lookahead_bytes", 16 * 2**20)]
 
 
 # gRPC's own reconnect backoff starts at 1 s and grows 1.6x per failed attempt up to 120 s: a
-# server down for 6 s went unused for 3 s after it was back (a minute after a longer outage),
-# while the breaker (tiers/breaker.py) had long since let calls through to it. Reconnect at most
+# server down for 6 s goes unused for about 3 s after it is back (a minute after a longer outage),
+# while the breaker (tiers/breaker.py) has long since let calls through to it. Reconnect at most
 # 1 s apart: one refused connection a second per client is nothing for a dead server. (Not
 # grpc.min_reconnect_backoff_ms: gRPC also takes it as the connect timeout, 20 s by default, and
 # 100 ms would fail a handshake with a busy server.)
