@@ -1,13 +1,18 @@
 """The README's local walk, command for command, against the session's 3-node Ray cluster:
 `cluster start`, `cluster status`, `cluster generate` (twice: the repeat reuses the prefix),
-`stats --ray` (totals are the sums of the rows), `cluster stop` (nothing left behind)."""
+`stats --ray` (totals are the sums of the rows), `cluster stop` (nothing left behind).
+
+The commands run through `tiered-cache`'s own entry point (`main`, argv in, exit status and
+output back) in this process, one Ray connection for the whole walk: each in a fresh interpreter
+spent ~3 s importing and joining Ray, a dozen times over. `tiered-cache` as a program of its
+own (`run_cli`) is walked by the other CLI tests."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
-from conftest import run_cli
 
 ray = pytest.importorskip("ray")
 
@@ -15,8 +20,33 @@ pytestmark = pytest.mark.slow
 NAMESPACE = "walk"
 
 
-def test_the_cluster_commands_start_use_report_and_stop(ray_cluster, tmp_path):
+@pytest.fixture
+def run_cli(capsys):
+    """`run_cli(*args, check=True)` as conftest's, through `main` in this process: returncode,
+    stdout and stderr of one command."""
+    from tiered_cache.cli.main import main
+
+    def run(*args: str, check: bool = True) -> SimpleNamespace:
+        capsys.readouterr()  # what earlier commands left
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        if check and code != 0:
+            raise AssertionError(f"tiered-cache {' '.join(args)} exited {code}:\n{err}")
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run
+
+
+def test_the_cluster_commands_start_use_report_and_stop(ray_cluster, tmp_path, run_cli):
     where = ["--address", ray_cluster.address, "--namespace", NAMESPACE]
+    ray.shutdown()  # the commands join the cluster themselves, in the walk's namespace
+    try:
+        _walk(run_cli, ray_cluster, where, tmp_path)
+    finally:
+        ray.shutdown()
+
+
+def _walk(run_cli, ray_cluster, where: list[str], tmp_path) -> None:
     run_cli("cluster", "start", *where, "--shards", "2", "--workers", "1", "--disk", str(tmp_path))
     try:
         status = json.loads(run_cli("cluster", "status", *where, "--json").stdout)
@@ -50,20 +80,17 @@ def test_the_cluster_commands_start_use_report_and_stop(ray_cluster, tmp_path):
     finally:
         stopped = run_cli("cluster", "stop", *where, "--json")
     assert sorted(json.loads(stopped.stdout)["stopped"]) == ["directory", "router", "shard-0", "shard-1", "worker-0"]
-    ray.init(address=ray_cluster.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
-    try:
-        assert ray.util.list_named_actors() == []
-        from ray.util.placement_group import get_placement_group
+    assert ray.get_runtime_context().namespace == NAMESPACE  # the connection the commands made
+    assert ray.util.list_named_actors() == []
+    from ray.util.placement_group import get_placement_group
 
-        with pytest.raises(ValueError):
-            get_placement_group(f"{NAMESPACE}-shards")
-    finally:
-        ray.shutdown()
+    with pytest.raises(ValueError):
+        get_placement_group(f"{NAMESPACE}-shards")
     empty = run_cli("cluster", "status", *where, "--json", check=False)
     assert empty.returncode == 1 and json.loads(empty.stdout)["actors"] == []
 
 
-def test_a_bad_cluster_config_is_refused_before_connecting(tmp_path):
+def test_a_bad_cluster_config_is_refused_before_connecting(tmp_path, run_cli):
     bad = tmp_path / "cluster.yaml"
     bad.write_text("shards: 2\nworker:\n  modle: smollm2\n")
     result = run_cli("cluster", "start", "--address", "127.0.0.1:1", "--config", str(bad), check=False)
