@@ -2,17 +2,16 @@
 `cluster start`, `cluster status`, `cluster generate` (twice: the repeat reuses the prefix),
 `stats --ray` (totals are the sums of the rows), `cluster stop` (nothing left behind).
 
-The commands run through `tiered-cache`'s own entry point (`main`, argv in, exit status and
-output back) in this process, one Ray connection for the whole walk: each in a fresh interpreter
-spent ~3 s importing and joining Ray, a dozen times over. `tiered-cache` as a program of its
-own (`run_cli`) is walked by the other CLI tests."""
+The commands run through `tiered-cache`'s own entry point in this process (conftest
+`run_cli_here`), one Ray connection for the whole walk: each in a fresh interpreter spent ~3 s
+importing and joining Ray, a dozen times over."""
 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
+from conftest import run_cli_here as run_cli
 
 ray = pytest.importorskip("ray")
 
@@ -20,33 +19,16 @@ pytestmark = pytest.mark.slow
 NAMESPACE = "walk"
 
 
-@pytest.fixture
-def run_cli(capsys):
-    """`run_cli(*args, check=True)` as conftest's, through `main` in this process: returncode,
-    stdout and stderr of one command."""
-    from tiered_cache.cli.main import main
-
-    def run(*args: str, check: bool = True) -> SimpleNamespace:
-        capsys.readouterr()  # what earlier commands left
-        code = main(list(args))
-        out, err = capsys.readouterr()
-        if check and code != 0:
-            raise AssertionError(f"tiered-cache {' '.join(args)} exited {code}:\n{err}")
-        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-    return run
-
-
-def test_the_cluster_commands_start_use_report_and_stop(ray_cluster, tmp_path, run_cli):
+def test_the_cluster_commands_start_use_report_and_stop(ray_cluster, tmp_path):
     where = ["--address", ray_cluster.address, "--namespace", NAMESPACE]
     ray.shutdown()  # the commands join the cluster themselves, in the walk's namespace
     try:
-        _walk(run_cli, ray_cluster, where, tmp_path)
+        _walk(ray_cluster, where, tmp_path)
     finally:
         ray.shutdown()
 
 
-def _walk(run_cli, ray_cluster, where: list[str], tmp_path) -> None:
+def _walk(ray_cluster, where: list[str], tmp_path) -> None:
     run_cli("cluster", "start", *where, "--shards", "2", "--workers", "1", "--disk", str(tmp_path))
     try:
         status = json.loads(run_cli("cluster", "status", *where, "--json").stdout)
@@ -90,7 +72,7 @@ def _walk(run_cli, ray_cluster, where: list[str], tmp_path) -> None:
     assert empty.returncode == 1 and json.loads(empty.stdout)["actors"] == []
 
 
-def test_a_bad_cluster_config_is_refused_before_connecting(tmp_path, run_cli):
+def test_a_bad_cluster_config_is_refused_before_connecting(tmp_path):
     bad = tmp_path / "cluster.yaml"
     bad.write_text("shards: 2\nworker:\n  modle: smollm2\n")
     result = run_cli("cluster", "start", "--address", "127.0.0.1:1", "--config", str(bad), check=False)
