@@ -37,6 +37,32 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
+def run_cli_here(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """`run_cli`, through `tiered-cache`'s entry point (`main`) in this process: the same argv in,
+    exit status, stdout and stderr out, without a fresh interpreter importing torch again (2-4 s a
+    command here). For commands whose figures a test reads; `run_cli` walks the program itself
+    (exit codes of a process, signals, a command that must not share this process)."""
+    import contextlib
+    import io
+
+    from tiered_cache.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse's usage errors, and `raise SystemExit("message")`
+            if exit_.code is None or isinstance(exit_.code, int):
+                code = exit_.code or 0
+            else:
+                print(exit_.code, file=sys.stderr)
+                code = 1
+    result = subprocess.CompletedProcess(["tiered-cache", *args], code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"tiered-cache {' '.join(args)} exited {code}:\n{result.stderr}")
+    return result
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """One real redis-server for the whole session, on a free loopback port."""

@@ -2,7 +2,8 @@ import json
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli as run_program
+from conftest import run_cli_here as run_cli
 
 from tiered_cache.bench.keys_bench import bench_keys
 from tiered_cache.bench.radix_bench import bench_radix, build_tree
@@ -29,9 +30,9 @@ def test_bench_tree_reaches_the_requested_size():
 def test_keys_bench_and_cli_json():
     rows = bench_keys(num_tokens=4096, page_sizes=(16,))
     assert rows[0].value > 0 and rows[0].work == rows[0].baseline_work == 4096  # every token keyed and hashed
-    data = json.loads(run_cli("bench", "keys", "--tokens", "2048", "--json").stdout)
+    data = json.loads(run_program("bench", "keys", "--tokens", "2048", "--json").stdout)
     assert [r["operation"] for r in data] == [f"page keys, {p}-token pages" for p in (1, 16, 64, 256)]
-    table = run_cli("bench", "radix", "--nodes", "200", "--ops", "100").stdout
+    table = run_program("bench", "radix", "--nodes", "200", "--ops", "100").stdout
     assert "heap rebuilt per call" in table and "speed vs baseline" in table
 
 

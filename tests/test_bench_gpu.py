@@ -9,7 +9,7 @@ import shutil
 from dataclasses import fields
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli_here as run_cli
 
 from tiered_cache.bench.gpu_args import REUSE_ROWS
 from tiered_cache.bench.gpu_model import DoesNotFit, GiB, layers_that_fit, model_config

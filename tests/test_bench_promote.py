@@ -3,7 +3,7 @@ each having moved the whole prefix (no timing asserts: this machine is shared an
 
 import json
 
-from conftest import run_cli
+from conftest import run_cli_here as run_cli
 
 from tiered_cache.bench.promote_bench import PATHS, bench_promote
 from tiered_cache.model.spec import DType, KVSpec

@@ -4,7 +4,8 @@ import subprocess
 import sys
 
 import torch
-from conftest import REPO, run_cli
+from conftest import REPO
+from conftest import run_cli_here as run_cli
 
 from tiered_cache.bench.codec_bench import _pages_from_kv, measure
 from tiered_cache.bench.tiers_bench import bench_disk, bench_host, bench_redis

@@ -7,17 +7,21 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli_here
 
-pytest.importorskip("ray")
+ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 
 def test_bench_cluster_compares_four_ways_in_one_run(ray_cluster, tmp_path):
     png = tmp_path / "cluster.png"
-    out = run_cli("bench", "cluster", "--address", ray_cluster.address, "--docs", "2", "--questions", "3",
-                  "--max-new-tokens", "2", "--doc-chars", "600", "--concurrency", "1", "--json",
-                  "--plot", str(png)).stdout
+    ray.shutdown()  # the bench joins the cluster itself, in its own namespace (in this process: main())
+    try:
+        out = run_cli_here("bench", "cluster", "--address", ray_cluster.address, "--docs", "2", "--questions", "3",
+                           "--max-new-tokens", "2", "--doc-chars", "600", "--concurrency", "1", "--json",
+                           "--plot", str(png)).stdout
+    finally:
+        ray.shutdown()
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = {r["way"]: r for r in json.loads(out)}
     assert list(rows) == ["recompute", "alone", "shared_round_robin", "shared_prefix"]

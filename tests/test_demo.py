@@ -67,7 +67,9 @@ def test_the_report_shows_the_median_and_the_spread_of_repeated_runs():
 
 @pytest.mark.parametrize("option", ["--repeat", "--doc-chars", "--max-new-tokens"])
 def test_demo_refuses_counts_below_one(option):
-    bad = run_cli("demo", option, "0", check=False)
+    from conftest import run_cli_here  # refused before anything starts: no interpreter of its own needed
+
+    bad = run_cli_here("demo", option, "0", check=False)
     assert bad.returncode == 2 and f"{option} must be at least 1" in bad.stderr and "Traceback" not in bad.stderr
 
 

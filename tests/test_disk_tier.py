@@ -83,7 +83,12 @@ for start in range(0, 100000, 8):
 def test_sigkill_during_writes_leaves_only_intact_blobs(tmp_path):
     proc = python(WRITER, tmp_path)
     assert proc.stdout.readline().strip() == b"ready"
-    time.sleep(1.5)
+    # Killed while it writes, once it has written more than the 16 pages asserted below (a fixed
+    # 1.5 s sleep waited the same way, at a guess).
+    deadline = time.monotonic() + 30
+    while sum(1 for p in tmp_path.rglob("*") if p.is_file() and not p.name.startswith(".")) <= 32:
+        assert time.monotonic() < deadline and proc.poll() is None, "the writer wrote nothing"
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     disk = DiskTier(tmp_path, "1GiB")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from google.protobuf.message import DecodeError
-from hypothesis import given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 from service_helpers import FINGERPRINT, SPEC, make_items
 
@@ -501,36 +501,70 @@ def checksummed(spec: KVSpec, codec_id: int, dtype_id: int, shape: tuple[int, ..
     return body + struct.pack("<I", codec.blob_checksum(body))
 
 
+# What each codec's honest blob decodes to: a hostile blob that happens to be byte for byte an honest
+# one must give exactly this page, and a raw page of zeros with every field right gives zeros.
+PAGES = {blob: codec.decode_page(blob, BLOB_SPEC, BLOB_KEY).tobytes() for blob in BLOBS.values()}
+
+
+def _honest_raw(spec: KVSpec) -> bytes:
+    return checksummed(spec, Codec.RAW.wire_id, codec._DTYPES.index(spec.dtype), spec.staging_shape(1)[1:],
+                       spec.bytes_per_page, bytes(spec.bytes_per_page))
+
+
+PAGES.update({_honest_raw(spec): bytes(spec.bytes_per_page) for spec in (BLOB_SPEC, FP8_SPEC)})
+
+
 @st.composite
 def checksummed_headers(draw: st.DrawFn) -> tuple[KVSpec, bytes]:
     """Blobs whose header fields are hostile but consistent in length, with a correct checksum: what
-    a buggy or malicious writer could produce. Each field is the right one half the time, so that
-    the reader gets past the early checks to the codecs."""
+    a buggy or malicious writer could produce. Each field is the right one half the time (the codec
+    id too: the one its payload was encoded with), so that the reader gets past the early checks to
+    the codecs, and some blobs come out honest."""
     spec = draw(st.sampled_from([BLOB_SPEC, FP8_SPEC]))
 
     def right_or(value: Any, wrong: st.SearchStrategy[Any]) -> Any:
         return value if draw(st.booleans()) else draw(wrong)
 
-    codec_id = draw(st.integers(0, 5))
+    payload_codec = draw(codecs)
+    payload = draw(st.one_of(st.binary(max_size=1500), st.binary(min_size=INT8_PAYLOAD, max_size=INT8_PAYLOAD),
+                             st.just(bytes(spec.bytes_per_page)), st.just(BLOBS[payload_codec][96 + 20:-4])))
+    if payload == bytes(spec.bytes_per_page):
+        payload_codec = Codec.RAW
+    codec_id = right_or(payload_codec.wire_id, st.integers(0, 5))
     dtype_id = right_or(codec._DTYPES.index(spec.dtype), st.integers(0, 5))
     shape = right_or(spec.staging_shape(1)[1:], st.lists(st.integers(0, 2**32 - 1), max_size=8).map(tuple))
     raw_len = right_or(spec.bytes_per_page, st.sampled_from([0, 1, 2**64 - 1, BLOB_SPEC.bytes_per_page]))
-    payload = draw(st.one_of(st.binary(max_size=1500), st.binary(min_size=INT8_PAYLOAD, max_size=INT8_PAYLOAD),
-                             st.just(bytes(spec.bytes_per_page)), codecs.map(lambda c: BLOBS[c][96 + 20:-4])))
     return spec, checksummed(spec, codec_id, dtype_id, shape, raw_len, payload)
 
 
 @pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # int8 scales of NaN or inf: valid, if odd
 @settings(max_examples=400)
 @given(case=checksummed_headers())
+# Always tried first, whatever the random draws: honest blobs, so the "one page" branch is taken.
+@example(case=(FP8_SPEC, _honest_raw(FP8_SPEC)))
+@example(case=(BLOB_SPEC, BLOBS[Codec.RAW]))
+@example(case=(BLOB_SPEC, BLOBS[Codec.LZ4]))
+@example(case=(BLOB_SPEC, BLOBS[Codec.LZ4_SHUFFLE]))
+@example(case=(BLOB_SPEC, BLOBS[Codec.INT8]))
+@example(case=(BLOB_SPEC, BLOBS[Codec.BLOSC2]))
 def test_checksummed_hostile_headers_are_refused_or_give_one_page(case):
+    """Each reader either refuses the blob with a BlobError that names its fault, or gives one
+    page; both readers give the same answer, and an honest blob gives its page exactly."""
     spec, blob = case
+    answers = []
     for read in (codec.decode_page, codec.page_view):
         try:
             out = read(blob, spec, BLOB_KEY)
-        except BlobError:
+        except BlobError as refused:
+            assert isinstance(refused.fault, codec.BlobFault) and str(refused)
+            answers.append(refused.fault)
             continue
         assert out.dtype == np.uint8 and out.shape == (spec.bytes_per_page,)
+        answers.append(out.tobytes())
+    event("refused" if isinstance(answers[0], codec.BlobFault) else "one page")
+    assert answers[0] == answers[1], "decode_page and page_view disagree on a blob"
+    if blob in PAGES:
+        assert answers[0] == PAGES[blob], "an honest blob was refused or gave another page"
 
 
 def test_an_int8_blob_for_an_fp8_model_is_a_blob_error():

@@ -2,7 +2,7 @@ import json
 import math
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli_here as run_cli
 
 from tiered_cache.model.presets import preset_spec
 from tiered_cache.model.sizing import RequestMix, size_report
