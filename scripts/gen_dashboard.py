@@ -4,7 +4,7 @@
 
 Every query uses `${prefix}tiered_cache_...`: the prefix variable is empty for a store server or
 an engine scraped directly, and `ray_` for Ray actors (Ray's Prometheus export prefixes the
-names of `ray.util.metrics`). tests/test_dashboard.py checks every name queried is one we export.
+names of `ray.util.metrics`). tests/metrics/test_dashboard.py checks every name queried is one we export.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate the committed gRPC stubs from proto/ (tests/test_protos.py fails when they are stale).
+# Regenerate the committed gRPC stubs from proto/ (tests/wire/test_protos.py fails when they are stale).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}

@@ -39,11 +39,11 @@ step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__, torch.cuda.get_device_name())"
 for f in kernels/*.cu; do step nvcc.log nvcc -arch=sm_90 -c -o /dev/null "$f"; done
-step gpu_tests.log python3 -m pytest -p no:cacheprovider -q -rs tests/test_kernels_gpu.py tests/test_cache_gpu.py \
-    tests/test_host_copy.py tests/test_arena_copy.py
-step cpu_tests_with_cuda.log python3 -m pytest -p no:cacheprovider -q tests/test_offload.py tests/test_pool.py tests/test_cache.py \
-    tests/test_cache_engine_path.py tests/test_cache_machine.py tests/test_kernels_cpu.py tests/test_allocator.py \
-    tests/test_host_tier.py tests/test_disk_tier.py tests/test_tier_chain.py tests/test_codec.py
+step gpu_tests.log python3 -m pytest -p no:cacheprovider -q -rs tests/device/test_kernels_gpu.py tests/cache/test_cache_gpu.py \
+    tests/device/test_host_copy.py tests/device/test_arena_copy.py
+step cpu_tests_with_cuda.log python3 -m pytest -p no:cacheprovider -q tests/device/test_offload.py tests/device/test_pool.py tests/cache/test_cache.py \
+    tests/cache/test_cache_engine_path.py tests/cache/test_cache_machine.py tests/device/test_kernels_cpu.py tests/device/test_allocator.py \
+    tests/tiers/test_host_tier.py tests/tiers/test_disk_tier.py tests/tiers/test_tier_chain.py tests/wire/test_codec.py
 step bench_kernels.txt cli bench kernels
 step bench_kernels.txt cli bench kernels --model smollm2-135m --pages 4096
 step kernel_variants.txt python3 scripts/kernel_variants.py

@@ -16,7 +16,7 @@ from tiered_cache.device.kernel_source import kernel_dir
 from tiered_cache.device.pool import PagePool
 from tiered_cache.model.spec import DType, KVSpec, Layout
 
-HERE = Path(__file__).parent / "kernel_emulation"
+HERE = Path(__file__).resolve().parents[1] / "kernel_emulation"
 i64p = ctypes.POINTER(ctypes.c_int64)
 u8p = ctypes.POINTER(ctypes.c_uint8)
 

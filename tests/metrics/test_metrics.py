@@ -20,7 +20,7 @@ from tiered_cache.metrics.families import PREFIX, TIER_FIELDS
 from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.base import TierStats
 
-WORKER = Path(__file__).with_name("instance_worker.py")
+WORKER = Path(__file__).resolve().parents[1] / "instance_worker.py"
 
 
 def scrape(url: str, token: str | None = None) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -9,7 +9,7 @@ import pytest
 
 from workers.config import AUTO_HOST, ClusterConfig, RoutingPolicyName
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_are_a_small_cpu_cluster():

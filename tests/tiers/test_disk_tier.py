@@ -15,7 +15,7 @@ from tiered_cache.tiers.disk import DiskTier
 from tiered_cache.tiers.folder_lock import LOCK_NAME, FolderInUseError
 from tiered_cache.wire.codec import decode_page, verify_blob
 
-TESTS = os.path.dirname(__file__)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the helpers
 
 
 def python(script: str, *args: object) -> subprocess.Popen:

@@ -12,7 +12,7 @@ import sys
 import grpc
 import pytest
 
-from tests.test_arena_transport import pages
+from tests.shm.test_arena_transport import pages
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.server.process import StoreProcess
 from tiered_cache.shm.arena import Arena
@@ -252,7 +252,7 @@ def test_a_page_read_by_lookup_ref_must_be_of_the_tiers_model():
     would filter it on the server; read in place after a Lookup it is refused by the tier."""
     import torch
 
-    from tests.test_arena_transport import SPEC
+    from tests.shm.test_arena_transport import SPEC
     from tiered_cache.wire.codec import encode_page
 
     ours = pages(2, seed=39)
@@ -272,12 +272,12 @@ def test_a_page_read_by_lookup_ref_must_be_of_the_tiers_model():
 
 
 def test_segments_of_exited_clients_are_unmapped_and_the_count_is_bounded():
-    code = ("import sys; from tests.test_arena_transport import pages; from tiered_cache.client.store_client import "
-            "StoreClient; c = StoreClient(sys.argv[1]); assert c.put(pages(1, seed=32)).stored <= 1; "
-            "assert c.uses_shm_put")
+    code = ("import sys; from tests.shm.test_arena_transport import pages; "
+            "from tiered_cache.client.store_client import StoreClient; c = StoreClient(sys.argv[1]); "
+            "assert c.put(pages(1, seed=32)).stored <= 1; assert c.uses_shm_put")
     with StoreProcess(["--no-disk"]) as store, StoreClient(store.address) as client:
         subprocess.run([sys.executable, "-c", code, store.address], check=True, timeout=60,
-                       cwd=os.path.dirname(os.path.dirname(__file__)))
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         assert server_figures(store.address).shm_offers == 1  # the exited client's, not unmapped yet
         client.put(pages(1, seed=33))  # a new offer unmaps segments of exited processes
         assert server_figures(store.address).shm_offers == 1 and client.uses_shm_put

@@ -19,7 +19,7 @@ from tiered_cache.metrics.live import FetchMetrics
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.server.requests import ServerCounters
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "tiered-cache.json"
 _NAME = re.compile(r"\$\{prefix\}(tiered_cache_[a-z_]+)")
 

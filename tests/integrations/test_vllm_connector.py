@@ -21,7 +21,7 @@ from tiered_cache.integrations.vllm.forkserver import InstanceLauncher
 from tiered_cache.server.process import StoreProcess
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 BLOCK = 128  # vLLM's block size on the CPU
 Q1, Q2 = "In what year was the lighthouse's lamp first lit?", "In what year was the light automated?"

@@ -64,3 +64,14 @@ def test_every_module_is_named_in_the_readme_table():
 def test_every_path_the_table_names_exists():
     absent = sorted(p for p in _named_paths() if not (REPO / p).exists())
     assert not absent, f"README's module table names paths that do not exist: {absent}"
+
+
+def test_tests_are_laid_out_like_the_package():
+    """A folder of tests per folder of the package (or `workers/`), plus `project/` for the repo as a
+    whole; no test file loose in tests/."""
+    folders = {p.name for p in (REPO / "tiered_cache").iterdir() if (p / "__init__.py").exists()} | {"workers"}
+    for path in sorted((REPO / "tests").iterdir()):
+        if path.is_dir() and any(path.glob("test_*.py")):
+            assert path.name in folders | {"project"}, f"tests/{path.name}/ matches no folder of the package"
+    loose = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
+    assert not loose, f"test files loose in tests/ (move them beside their package folder's tests): {loose}"

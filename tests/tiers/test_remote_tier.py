@@ -107,7 +107,7 @@ def test_server_killed_mid_stream_gives_verified_blobs_then_misses():
 
 @pytest.mark.slow
 def test_two_instances_reuse_a_prefix_through_the_store(tmp_path):
-    worker = Path(__file__).with_name("instance_worker.py")
+    worker = Path(__file__).resolve().parents[1] / "instance_worker.py"
     env = {**os.environ, "PYTHONPATH": str(worker.parent)}
     with StoreProcess(["--disk", str(tmp_path / "store")]) as store:
         run = lambda role: subprocess.run([sys.executable, str(worker), role, store.address, str(tmp_path)],  # noqa: E731

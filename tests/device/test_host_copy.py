@@ -1,6 +1,6 @@
 """`HostCopier`: host RAM rows <-> pool pages, byte for byte, in any order of rows and pages, across
 chunk boundaries, touching no other page or row. The chunked path is the CUDA path's logic run on
-the CPU (a chunk buffer in memory, no streams); tests/test_kernels_gpu.py runs it on a GPU."""
+the CPU (a chunk buffer in memory, no streams); tests/device/test_kernels_gpu.py runs it on a GPU."""
 
 import numpy as np
 import pytest

@@ -12,11 +12,11 @@ import time
 
 import numpy as np
 
-from tests.test_arena import HOSTILE
-from tests.test_arena_transport import pages
-from tests.test_get_into import SPEC as INTO_SPEC
-from tests.test_get_into import assert_pages, destinations
-from tests.test_get_into import items as into_items
+from tests.cache.test_get_into import SPEC as INTO_SPEC
+from tests.cache.test_get_into import assert_pages, destinations
+from tests.cache.test_get_into import items as into_items
+from tests.shm.test_arena import HOSTILE
+from tests.shm.test_arena_transport import pages
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.server.process import StoreProcess
 from tiered_cache.shm.arena_map import ArenaViews
