@@ -7,8 +7,9 @@
 - `demoter.py`: room on the device: device -> host RAM, inline or above the watermark.
 - `lower_writer.py`: write-behind from host RAM to the blob tiers below.
 - `forks.py`, `swaps.py`, `compaction.py`: copy-on-write forks, preemption by swap, retention.
-- `handle.py`, `staging.py`, `spare_output.py`, `reuse.py`, `stats.py`, `tree_view.py`,
-  `background.py`, `lower_tiers.py`, `metrics_endpoint.py`: what those use.
+- `handle.py`, `staging.py`, `spare_output.py`, `reuse.py` + `rates.py`, `stats.py`,
+  `tree_view.py` + `page_tokens.py`, `background.py` + `foreground.py`, `lower_tiers.py`,
+  `metrics_endpoint.py`: what those use.
 
 `TieredCache` and `CacheHandle` are imported on first use, so `tiered_cache.config` can use the
 small modules here without loading the cache.

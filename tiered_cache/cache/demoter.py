@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from tiered_cache.cache.background import BackgroundQueue, QueueFigures
-from tiered_cache.cache.foreground import Foreground
+from tiered_cache.cache.foreground import YIELD_S, Foreground
 from tiered_cache.cache.ledger import PageLedger
-from tiered_cache.cache.lower_writer import YIELD_S, LowerWriter
+from tiered_cache.cache.lower_writer import LowerWriter
 from tiered_cache.cache.stats import Movements
 from tiered_cache.config import CacheConfig, WritePolicy
 from tiered_cache.device.host_copy import HostCopier

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+YIELD_S = 0.05  # longest a background step waits for requests in progress to finish
+
 
 class Foreground:
     """Counts requests in progress so that background work can step aside while one runs.

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue, QueueFigures
-from tiered_cache.cache.foreground import Foreground
+from tiered_cache.cache.foreground import YIELD_S, Foreground
 from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.chain import TierChain
@@ -32,7 +32,6 @@ _NO_PAGES = np.empty(0, dtype=np.int64)
 # Bytes the writer encodes and puts between looks for a quiet moment: a request that arrives
 # mid-chunk shares the cores with it for at most one chunk (docs/PERFORMANCE.md).
 _WRITE_CHUNK_BYTES = 1 << 20
-YIELD_S = 0.05  # longest a background step waits for requests in progress to finish
 _RETAIN_SHARE = 4  # at most 1/4 of host RAM slots wait for the writer; past that, pages are copied
 
 
