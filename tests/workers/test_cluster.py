@@ -259,10 +259,13 @@ def test_a_restarted_directory_finds_the_running_actors_again(actors):
         return {m["name"] for m in ray.get(ray.get_actor("directory").snapshot.remote())["members"]}
 
     wait_for(lambda: members() == running, timeout_s=30, what="the new directory to find every running actor")
+    # The new directory's version once it found them all (it counts up as each one joins).
+    version = ray.get(ray.get_actor("directory").snapshot.remote())["version"]
+    assert version > max(before[w]["ring_version"] for w in (a, b))
     shards = sorted(ray.get(ray.get_actor(n).ping.remote()) for n in running if n.startswith("shard-"))
-    for worker in (a, b):  # they follow the new directory (a newer version) and never lost a shard
-        info = wait_for(lambda w=worker: (i := ray.get(w.info.remote()))["ring_version"] > before[w]["ring_version"]
-                        and i, timeout_s=30, what="a worker to follow the new directory")
+    for worker in (a, b):  # they follow the new directory and never lost a shard
+        info = wait_for(lambda w=worker: (i := ray.get(w.info.remote()))["ring_version"] >= version and i,
+                        timeout_s=30, what="a worker to follow the new directory")
         assert info["shards"] == shards
 
 

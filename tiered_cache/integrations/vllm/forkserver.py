@@ -18,6 +18,8 @@ ends when its stdin closes (its caller exited).
 
 from __future__ import annotations
 
+import gc
+import importlib
 import json
 import os
 import select
@@ -28,6 +30,11 @@ import tempfile
 import time
 from pathlib import Path
 from typing import IO, Any
+
+PRELOADED = ("vllm", "vllm.entrypoints.llm", "vllm.v1.engine.llm_engine", "vllm.v1.engine.core",
+             "vllm.v1.executor.uniproc_executor", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner",
+             "vllm.model_executor.models.llama", "tiered_cache.integrations.vllm.instance",
+             "tiered_cache.integrations.vllm.connector")
 
 
 class InstanceLauncher:
@@ -153,10 +160,14 @@ def serve() -> int:
     replies = os.fdopen(os.dup(1), "w")  # the protocol's channel, kept apart from fd 1:
     os.dup2(2, 1)  # what vLLM's import prints goes to the log, and each child sets fd 1 to its file
     started = time.perf_counter()
-    import vllm  # noqa: F401  (the point: every child starts with it imported)
-
-    from tiered_cache.integrations.vllm import instance  # noqa: F401
-
+    # The point: every child starts with these imported. vLLM's top level is lazy: `LLM`, the
+    # engine, the CPU worker and the model's code import on first use, which would be in each
+    # child. Importing them creates no engine and starts no thread.
+    for module in PRELOADED:
+        importlib.import_module(module)
+    # The imported heap is large and never freed: out of the garbage collector's sight, each
+    # child's collections (vLLM calls gc.collect() while it starts) walk only what it made.
+    gc.freeze()
     print(f"vLLM imported in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     _reply(replies, {"ready": True})
     for line in sys.stdin:

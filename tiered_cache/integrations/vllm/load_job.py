@@ -117,7 +117,7 @@ class LoadJob:
         """Block until group `group` is copied in (or the job gave up on it)."""
         self._waited.add(layer_name)
         if not self.ready[group].wait(self.wait_s):
-            log.warning("tiered-cache: layer group %d not loaded within %.0f s; vLLM recomputes its blocks",
+            log.warning("tiered-cache: layer group %d not loaded within %.3g s; vLLM recomputes its blocks",
                         group, self.wait_s)
             self._cancel()
 
