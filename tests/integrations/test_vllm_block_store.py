@@ -171,14 +171,16 @@ def test_a_load_that_outlives_its_wait_is_failed_and_never_copied_in():
         assert not any(layer.any() for layer in dst)  # and none was copied in
 
 
-def test_a_stopped_store_server_fails_the_load_and_nothing_hangs():
-    """A store server that stops answering (SIGSTOP) mid-load: the job ends with every block
-    failed, whether the wait gave up first or the fetch failed first, and nothing is copied in
-    once the server answers again (SIGCONT)."""
+def test_a_stopped_store_server_never_hangs_the_forward_nor_gives_wrong_kv():
+    """A store server that stops answering (SIGSTOP) as the load starts: the forward's wait ends,
+    and the job ends either with every block failed and nothing copied in, even once the server
+    answers again (SIGCONT), or, where the pages were read before the stop took hold, with
+    exactly the saved blocks. Which one depends on the machine's timing; wrong KV never."""
     with StoreProcess(["--no-disk"]) as server:
         writer = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
         keys = writer.keys(list(range(2 * BS)), "")
-        writer.save(keys, gather_blocks(vllm_layers(), [0, 1], "cpu", DIM))
+        src = vllm_layers()
+        writer.save(keys, gather_blocks(src, [0, 1], "cpu", DIM))
         assert writer.flush(10)
         reader = BlockStore(SPEC, remote_config(server.address, remote_timeout_s=30.0), layers_per_page=2)
         assert reader.leading(keys) == 2
@@ -192,8 +194,11 @@ def test_a_stopped_store_server_fails_the_load_and_nothing_hangs():
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
         assert job.done.wait(30)
-        assert job.failed == {2, 3}
-        assert not any(layer.any() for layer in dst)
+        if job.failed:
+            assert job.failed == {2, 3}
+            assert not any(layer.any() for layer in dst)
+        else:
+            assert all(torch.equal(d[[2, 3]], s[[0, 1]]) for d, s in zip(dst, src, strict=True))
 
 
 def test_pages_lent_from_the_arena_and_written_over_before_the_check_are_fetched_again(tmp_path):
