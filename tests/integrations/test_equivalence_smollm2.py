@@ -13,7 +13,7 @@ from tiered_cache.server.process import StoreProcess
 pytestmark = pytest.mark.slow
 QUESTIONS = ["In what year was the lighthouse's lamp first lit?", "Who was the first keeper of the light?",
              "In what year was the light automated?"]
-NEW_TOKENS = 16
+NEW_TOKENS = 8  # wrong KV shows in the first logits (checked to 1e-3) long before the 8th token
 
 
 @pytest.fixture(scope="module")
