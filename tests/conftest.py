@@ -12,11 +12,22 @@ from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parent.parent
 
-# `ci` (the default) runs a few thousand random operations per state machine; `dev` is quicker.
-settings.register_profile("ci", max_examples=250, stateful_step_count=50, deadline=None,
+# How deep the property tests search. `ci` (the default) runs a hundred state-machine runs of 50
+# steps each, and each run of the suite draws new ones; `thorough` searches 4x deeper (run it
+# after changing a protocol, the index or the page ledger); `dev` is quicker.
+_PROFILES = {"ci": 100, "thorough": 400, "dev": 40}
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+settings.register_profile("ci", max_examples=_PROFILES["ci"], stateful_step_count=50, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile("dev", max_examples=40, stateful_step_count=30, deadline=None)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+settings.register_profile("thorough", max_examples=_PROFILES["thorough"], stateful_step_count=50, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=_PROFILES["dev"], stateful_step_count=30, deadline=None)
+settings.load_profile(PROFILE)
+
+
+def examples(ci: int) -> int:
+    """A property test's own example count at `ci` depth, scaled for the profile in use."""
+    return max(10, ci * _PROFILES.get(PROFILE, _PROFILES["ci"]) // _PROFILES["ci"])
 
 
 def ctrl_c_able() -> None:

@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from conftest import examples
 from google.protobuf.message import DecodeError
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
@@ -206,7 +207,7 @@ def expected_refusal(message_cls: Any, data: bytes) -> grpc.StatusCode | None:
     return None
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(data=lookup_requests)
 def test_lookup_survives_hostile_requests(store, data):
     lookup = store.channel.unary_unary(SERVICE + "Lookup")
@@ -227,7 +228,7 @@ def test_lookup_survives_hostile_requests(store, data):
     store.assert_intact()
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(data=get_requests)
 def test_get_survives_hostile_requests_and_serves_only_what_was_put(store, data):
     get = store.channel.unary_stream(SERVICE + "Get")
@@ -247,7 +248,7 @@ def test_get_survives_hostile_requests_and_serves_only_what_was_put(store, data)
     store.assert_intact()
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(75), deadline=None)
 @given(data=stats_requests)
 def test_stats_survives_hostile_requests(store, data):
     stats = store.channel.unary_unary(SERVICE + "Stats")
@@ -330,7 +331,7 @@ def put_streams(draw: st.DrawFn) -> PutStream:
     return PutStream(items, ending, draw(st.integers(0, len(items))))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(stream=put_streams())
 def test_put_survives_hostile_streams(store, stream):
     put = store.channel.stream_unary(SERVICE + "Put")
@@ -373,7 +374,7 @@ paths = st.one_of(method_names.map(lambda m: SERVICE + m),
                   st.from_regex(r"/[A-Za-z0-9_.]{1,30}/[A-Za-z0-9_]{1,24}", fullmatch=True))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(path=paths, shape=st.sampled_from(["unary_unary", "unary_stream", "stream_unary", "stream_stream"]),
        messages=st.lists(st.binary(max_size=64), min_size=1, max_size=3))
 def test_unknown_methods_and_wrong_call_shapes(store, path, shape, messages):
@@ -457,7 +458,7 @@ def test_every_truncation_of_every_codec_is_refused():
                 assert codec.expected_blob_size(blob[:n]) == len(blob) != n
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(150))
 @given(c=codecs, data=st.data())
 def test_bit_flips_are_refused(c, data):
     blob = bytearray(BLOBS[c])
@@ -467,7 +468,7 @@ def test_bit_flips_are_refused(c, data):
     assert_refused(bytes(blob))
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(150))
 @given(c=codecs, extra=st.binary(min_size=1, max_size=64), at=st.integers(0, 10**6),
        change=st.sampled_from(["append", "insert", "delete"]))
 def test_appended_inserted_and_deleted_bytes_are_refused(c, extra, at, change):
@@ -482,7 +483,7 @@ def test_appended_inserted_and_deleted_bytes_are_refused(c, extra, at, change):
     assert_refused(changed)
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(150))
 @given(prefix=st.sampled_from([b"", codec.MAGIC, codec.MAGIC + bytes([codec.VERSION])]), rest=st.binary(max_size=1200))
 def test_random_bytes_are_refused(prefix, rest):
     assert_refused(prefix + rest)
@@ -538,7 +539,7 @@ def checksummed_headers(draw: st.DrawFn) -> tuple[KVSpec, bytes]:
 
 
 @pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # int8 scales of NaN or inf: valid, if odd
-@settings(max_examples=400)
+@settings(max_examples=examples(200))
 @given(case=checksummed_headers())
 # Always tried first, whatever the random draws: honest blobs, so the "one page" branch is taken.
 @example(case=(FP8_SPEC, _honest_raw(FP8_SPEC)))
@@ -692,7 +693,7 @@ def related(draw: st.DrawFn, seqs: list[list[int]]) -> list[int]:
     return base[:keep] + draw(token_lists)
 
 
-@settings(max_examples=250)
+@settings(max_examples=examples(125))
 @given(data=st.data())
 def test_radix_matches_equal_brute_force_on_adversarial_tokens(data):
     oracle = RadixOracle()

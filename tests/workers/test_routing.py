@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +21,7 @@ def common(a: str, b: str) -> int:
     return n
 
 
-@settings(max_examples=300)
+@settings(max_examples=examples(150))
 @given(st.lists(st.tuples(texts, st.sampled_from(WORKERS)), max_size=25), texts)
 def test_matches_equal_the_brute_force_longest_common_prefix(inserts, query):
     tree = ApproxPrefixTree()
@@ -38,7 +39,7 @@ def test_matches_equal_the_brute_force_longest_common_prefix(inserts, query):
         assert tree.chars(worker) == len(mine)
 
 
-@settings(max_examples=100)
+@settings(max_examples=examples(50))
 @given(st.lists(st.tuples(texts, st.sampled_from(WORKERS)), min_size=1, max_size=30), st.integers(0, 20))
 def test_eviction_keeps_each_worker_within_budget_and_the_newest_text_whole(inserts, budget):
     tree = ApproxPrefixTree()
