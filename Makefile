@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 VLLM_STAMP := .venv-vllm/.installed
 
-.PHONY: demo test lint fmt bench check-kernels clean install install-vllm
+.PHONY: demo test lint fmt bench check-kernels clean install install-vllm wheel
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -28,6 +28,10 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP) lint check-kernels
 	$(BIN)/python -m pytest
 
+# The wheel `ray up` mounts on every node (deploy/cluster.yaml): dist/tiered_cache-<version>-py3-none-any.whl
+wheel: $(STAMP)
+	rm -rf dist && $(BIN)/pip wheel --no-deps --no-build-isolation -q -w dist .
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
@@ -47,4 +51,4 @@ check-kernels:
 	else echo "check-kernels: no .cu files yet"; fi
 
 clean:
-	rm -rf $(VENV) .venv-vllm build *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -121,16 +121,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """One real local Ray cluster for the whole session: a head and two more nodes, each with a
-    custom resource (`node0`, `node1`, `node2`) so a test can pin an actor to a node. The calling
-    process is not connected: tests call `ray.init(address=ray_cluster.address, namespace=...)`."""
+    """One real local Ray cluster for the whole session: a CPU head and two more nodes that each
+    advertise one GPU (Ray's resource only: the work runs on the CPU), each node with a custom
+    resource (`node0`, `node1`, `node2`) so a test can pin an actor to a node. The calling process
+    is not connected: tests call `ray.init(address=ray_cluster.address, namespace=...)`."""
     from ray.cluster_utils import Cluster
 
     object_store = 100 * 2**20  # the smallest Ray allows is 75 MiB; pages travel over gRPC, not Ray
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 4, "resources": {"node0": 100}, "object_store_memory": object_store})
     for i in (1, 2):
-        cluster.add_node(num_cpus=4, resources={f"node{i}": 100}, object_store_memory=object_store)
+        cluster.add_node(num_cpus=4, num_gpus=1, resources={f"node{i}": 100}, object_store_memory=object_store)
     cluster.wait_for_nodes()
     yield cluster
     import ray

@@ -21,7 +21,7 @@ import ray
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig, WritePolicy
 from tiered_cache.index.keys import PageKeyer
-from tiered_cache.integrations.hf_models import encode_prompt, load_causal_lm
+from tiered_cache.integrations.hf_models import encode_prompt, kv_dtype_for, load_causal_lm
 from tiered_cache.integrations.transformers import generate, spec_for
 from tiered_cache.metrics.families import cache_families, tier_families
 from tiered_cache.tiers.remote import RemoteTier
@@ -30,6 +30,7 @@ from tiered_cache.wire.auth import token_from
 from workers.config import ShardSettings, WorkerSettings
 from workers.directory import WORKER
 from workers.names import DIRECTORY
+from workers.placement import compute_device
 from workers.ray_metrics import RayMetrics
 
 _SUMMARY_PROMPTS = 256  # recent prompts kept for the router's picture of what this worker holds
@@ -46,9 +47,10 @@ class CacheWorker:
         self.settings = settings
         self.node_id = ray.get_runtime_context().get_node_id()
         self.node_ip = ray.util.get_node_ip_address()
-        self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.model, self.tokenizer = load_causal_lm(settings.model, self.device)
-        self.spec = spec_for(self.model, settings.kv_dtype, page_size=settings.page_size)
+        self.gpu_ids = [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+        self.device = compute_device(settings, self.gpu_ids, torch.cuda.is_available())
+        self.model, self.tokenizer = load_causal_lm(settings.model, self.device, settings.weights_dtype)
+        self.spec = spec_for(self.model, kv_dtype_for(settings.kv_dtype, self.model), page_size=settings.page_size)
         token = token_from(shard.token, dict(os.environ))
         self.remote = RemoteTier([], token=token, tls_ca=shard.tls_ca, allow_empty=True,
                                  fingerprint=bytes.fromhex(self.spec.fingerprint))
@@ -138,7 +140,9 @@ class CacheWorker:
 
     def info(self) -> dict[str, Any]:
         return {"kind": WORKER, "name": self.name, "node_id": self.node_id, "node_ip": self.node_ip,
-                "pid": os.getpid(), "device": self.device, "model_id": self.spec.model_id,
+                "pid": os.getpid(), "device": self.device, "gpu_ids": self.gpu_ids, "model_id": self.spec.model_id,
+                "weights_dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                "kv_dtype": self.spec.dtype.value,
                 "shards": self.remote.addresses, "ring_version": self.ring_version}
 
     def stats(self) -> dict[str, Any]:

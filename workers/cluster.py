@@ -30,10 +30,12 @@ from workers.names import (
     shard_name,
     worker_name,
 )
+from workers.placement import shard_strategy, start_timeout_message
 from workers.store_shard import StoreShard
 
 Progress = Callable[[str], None]
-START_TIMEOUT_S = 300.0  # a worker loads its model; a fresh node may need minutes on first use
+PROGRESS_S = 10.0  # how often a start that waits says what for
+START_TIMEOUT_S = 300.0  # benchmarks' warm-up calls: a worker loads its model on first use
 
 
 def connect(address: str, namespace: str) -> None:
@@ -72,11 +74,10 @@ def start_shard(name: str, config: ClusterConfig, **options: Any) -> Any:
 
 
 def start_worker(name: str, config: ClusterConfig, **options: Any) -> Any:
-    """The worker actor `name` (created unless alive): one GPU where the cluster has GPUs."""
+    """The worker actor `name` (created unless alive), holding `worker.num_gpus` GPUs."""
     w = config.worker
-    gpus = w.num_gpus if w.num_gpus is not None else (1 if ray.cluster_resources().get("GPU", 0) > 0 else 0)
     options.setdefault("num_cpus", w.num_cpus)
-    options.setdefault("num_gpus", gpus)
+    options.setdefault("num_gpus", w.num_gpus)
     if w.resources:
         options.setdefault("resources", dict(w.resources))
     return _existing(name) or _detached(CacheWorker, name, max_concurrency=4, **options).remote(
@@ -89,8 +90,9 @@ def start_router(config: ClusterConfig) -> Any:
     return _existing(ROUTER) or _detached(PrefixRouter, ROUTER, num_cpus=0, max_concurrency=64).remote(config.router)
 
 
-def _shard_group(config: ClusterConfig) -> Any:
-    """The shards' SPREAD placement group: one bundle per shard, on different nodes where possible."""
+def _shard_group(config: ClusterConfig, progress: Progress) -> Any:
+    """The shards' placement group: one bundle per shard, one shard per node where the cluster
+    has nodes enough (STRICT_SPREAD), else spread as far as they go (SPREAD)."""
     name = placement_group_name(config.namespace)
     try:
         group = get_placement_group(name)
@@ -100,30 +102,79 @@ def _shard_group(config: ClusterConfig) -> Any:
         raise ValueError(f"placement group {name!r} has {len(group.bundle_specs)} shard bundles but the config "
                          f"asks for {config.shards}: run `tiered-cache cluster stop` first")
     if group is None:
+        strategy, why = shard_strategy(config.shards, sum(n["Alive"] for n in ray.nodes()))
+        progress(f"{config.shards} store shard(s): {why}")
         bundle = {"CPU": config.shard.num_cpus, **config.shard.resources}
-        group = placement_group([dict(bundle) for _ in range(config.shards)], strategy="SPREAD", name=name,
+        group = placement_group([dict(bundle) for _ in range(config.shards)], strategy=strategy, name=name,
                                 lifetime="detached")
-    ray.get(group.ready(), timeout=START_TIMEOUT_S)
+    try:
+        ray.get(group.ready(), timeout=config.start_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise RuntimeError(f"the {config.shards} store shard(s) were not placed within {config.start_timeout_s:.0f} s: "
+                           f"each asks for {config.shard.num_cpus:g} CPU(s) and {dict(config.shard.resources)} "
+                           "(see `ray status`)") from None
     return group
+
+
+def _await_started(actors: dict[str, Any], config: ClusterConfig, progress: Progress) -> None:
+    """Wait until every actor answers, saying what it waits for every `PROGRESS_S`; past
+    `config.start_timeout_s` the actors still waiting are killed (a pending GPU actor would
+    otherwise hold its place in Ray's queue forever) and RuntimeError names them and why."""
+    pending = {actor.ping.remote(): name for name, actor in actors.items()}
+    deadline = time.monotonic() + config.start_timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=max(0.0, min(PROGRESS_S, left)))
+        for ref in done:
+            name = pending.pop(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                raise RuntimeError(f"{name} failed to start: {_cause(exc)}") from None
+        if not pending:
+            return
+        waiting = sorted(pending.values())
+        workers = sum(n.startswith(WORKER_PREFIX) for n in waiting)
+        node_gpus = [n["Resources"].get("GPU", 0.0) for n in ray.nodes() if n["Alive"]]
+        free = ray.available_resources().get("GPU", 0.0)
+        if time.monotonic() >= deadline:
+            for name in waiting:
+                with contextlib.suppress(ValueError):
+                    ray.kill(ray.get_actor(name), no_restart=True)
+            raise RuntimeError(start_timeout_message(waiting, config.start_timeout_s, config.worker.num_gpus,
+                                                     workers, node_gpus, free))
+        asks = f"; workers ask for {config.worker.num_gpus:g} GPU(s) each, {free:g} of {sum(node_gpus):g} free" \
+            if workers and config.worker.num_gpus else ""
+        progress(f"waiting for {', '.join(waiting)}{asks}")
+
+
+def _cause(exc: Exception) -> str:
+    """The last line of the error an actor's constructor raised (Ray wraps it in its traceback)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "Error: " in line or "Exception: " in line]
+    return (errors or lines or [type(exc).__name__])[-1]
 
 
 def start(config: ClusterConfig, progress: Progress = lambda _: None) -> list[dict[str, Any]]:
     """Create whatever of directory, shards, workers and router is not running; wait until every
     one answers. Returns each actor's info."""
     start_directory(config)
-    actors = []
+    actors: dict[str, Any] = {}
     if config.shards:
-        group = _shard_group(config)
-        progress(f"{config.shards} store shard(s), placement group {group.id.hex()[:8]} (SPREAD)")
+        group = _shard_group(config, progress)
         for i in range(config.shards):
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
-            actors.append(start_shard(shard_name(i), config, scheduling_strategy=strategy))
-        ray.get([a.ping.remote() for a in actors], timeout=START_TIMEOUT_S)  # workers find them registered
-    progress(f"{config.workers} cache worker(s) loading {config.worker.model} ...")
-    actors += [start_worker(worker_name(i), config) for i in range(config.workers)]
-    actors.append(start_router(config))
-    ray.get([a.ping.remote() for a in actors], timeout=START_TIMEOUT_S)
-    return [ray.get(a.info.remote()) for a in actors]
+            actors[shard_name(i)] = start_shard(shard_name(i), config, scheduling_strategy=strategy)
+        _await_started(actors, config, progress)  # workers find them registered
+    gpus = f", {config.worker.num_gpus:g} GPU(s) each" if config.worker.num_gpus else ""
+    progress(f"{config.workers} cache worker(s) loading {config.worker.model}{gpus} ...")
+    workers = {worker_name(i): start_worker(worker_name(i), config) for i in range(config.workers)}
+    _await_started(workers, config, progress)
+    actors.update(workers)
+    actors[ROUTER] = start_router(config)
+    _await_started({ROUTER: actors[ROUTER]}, config, progress)
+    return [ray.get(a.info.remote()) for a in actors.values()]
 
 
 def actor_names() -> list[str]:

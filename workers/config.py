@@ -15,6 +15,8 @@ from tiered_cache.model.units import parse_size
 from tiered_cache.wire.auth import check_token
 
 AUTO_HOST = "auto"  # a shard binds its node's IP address, reachable from the other nodes
+DEVICES = ("auto", "cuda", "cpu")
+WEIGHT_DTYPES = ("auto", "fp32", "fp16", "bf16")
 
 
 class RoutingPolicyName(enum.Enum):
@@ -48,13 +50,20 @@ class ShardSettings:
 @dataclass(frozen=True)
 class WorkerSettings:
     model: str = "smollm2"  # "smollm2" (the bundled SmolLM2-135M-Instruct) or a local HF model folder
-    kv_dtype: str = "fp16"
+    kv_dtype: str = "auto"  # "auto": the weights' dtype where it is 16-bit (bf16 on a GPU), else fp16
     page_size: int = 16
     pool_capacity: int = 256 * 2**20
     host_capacity: int = 2**30
     max_new_tokens: int = 32
-    num_cpus: float = 1  # on a CPU-only cluster; with GPUs each worker takes one GPU
-    num_gpus: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    num_cpus: float = 1
+    # GPUs each worker holds. A worker that asks for one waits for it (the autoscaler adds GPU
+    # nodes for pending GPU actors) and computes on it: it never falls back to a CPU by itself.
+    num_gpus: float = 0
+    # Where the worker computes: "auto" (its GPU when it holds one, else the CPU), "cuda" (a GPU,
+    # or it refuses to start), "cpu" (the CPU even when it holds a GPU: placement trials on
+    # nodes that only advertise GPUs).
+    device: str = "auto"
+    weights_dtype: str = "auto"  # "auto": bf16 on a GPU, fp32 on a CPU; or fp32, fp16, bf16
     resources: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -62,6 +71,17 @@ class WorkerSettings:
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if self.max_new_tokens <= 0 or self.page_size <= 0:
             raise ValueError("worker.max_new_tokens and worker.page_size must be positive")
+        if self.num_gpus < 0 or self.num_cpus < 0:
+            raise ValueError(f"worker.num_gpus and worker.num_cpus must be >= 0, got {self.num_gpus} and "
+                             f"{self.num_cpus}")
+        if self.device not in DEVICES:
+            raise ValueError(f"worker.device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device == "cuda" and not self.num_gpus:
+            raise ValueError("worker.device: cuda needs worker.num_gpus > 0 (Ray hands GPUs only to those "
+                             "who ask)")
+        if self.weights_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"worker.weights_dtype must be one of {', '.join(WEIGHT_DTYPES)}, "
+                             f"got {self.weights_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -82,6 +102,9 @@ class ClusterConfig:
     shards: int = 2
     workers: int = 2
     watch_interval_s: float = 1.0  # how often workers re-read the shard directory
+    # How long `cluster start` waits for every actor to be placed and answer: a GPU node the
+    # autoscaler brings takes minutes; past it, start fails naming what is missing.
+    start_timeout_s: float = 600.0
     shard: ShardSettings = field(default_factory=ShardSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     router: RouterSettings = field(default_factory=RouterSettings)
@@ -91,6 +114,8 @@ class ClusterConfig:
             raise ValueError(f"shards and workers must be >= 0, got {self.shards} and {self.workers}")
         if not self.namespace:
             raise ValueError("namespace must not be empty")
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s must be positive, got {self.start_timeout_s}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
@@ -131,4 +156,4 @@ def _known(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 # Keys whose YAML `null` means "none" rather than "use the default".
-_NULLABLE = {"disk_path", "redis_url", "token", "tls_cert", "tls_key", "tls_ca", "num_gpus"}
+_NULLABLE = {"disk_path", "redis_url", "token", "tls_cert", "tls_key", "tls_ca"}

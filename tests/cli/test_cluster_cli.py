@@ -29,25 +29,36 @@ def test_the_cluster_commands_start_use_report_and_stop(ray_cluster, tmp_path):
 
 
 def _walk(ray_cluster, where: list[str], tmp_path) -> None:
-    run_cli("cluster", "start", *where, "--shards", "2", "--workers", "1", "--disk", str(tmp_path))
+    # Two workers holding one GPU each (the session's nodes 1 and 2 advertise one; the work runs on
+    # the CPU, as `--device cpu` asks), two shards one per node.
+    started = run_cli("cluster", "start", *where, "--shards", "2", "--workers", "2", "--gpus", "1", "--device", "cpu",
+                      "--disk", str(tmp_path))
+    assert started.stdout.count("cpu (GPU 0)") == 2
+    assert "2 store shard(s): one per node" in started.stderr
     try:
         status = json.loads(run_cli("cluster", "status", *where, "--json").stdout)
         shards = [a for a in status["actors"] if a["kind"] == "shard"]
-        assert len(shards) == 2 and len({s["node_id"] for s in shards}) == 2  # SPREAD: different nodes
-        assert [a["kind"] for a in status["actors"]].count("worker") == 1
+        assert len(shards) == 2 and len({s["node_id"] for s in shards}) == 2  # one per node
+        workers = [a for a in status["actors"] if a["kind"] == "worker"]
+        assert len(workers) == 2 and len({w["node_id"] for w in workers}) == 2  # a GPU node each
+        assert all(w["gpu_ids"] == ["0"] and w["device"] == "cpu" for w in workers)
+        assert all(w["weights_dtype"] == "float32" and w["kv_dtype"] == "float16" for w in workers)  # CPU defaults
         table = run_cli("cluster", "status", *where).stdout
-        assert "shard-0" in table and "shard-1" in table and "worker-0" in table
+        assert "shard-0" in table and "shard-1" in table and "worker-1" in table
+        assert table.count("cpu (GPU 0)") == 2
 
         prompt = "Tiered KV caches keep hot pages on the GPU and cold ones below. " * 12 + "Summarise."
         first = json.loads(run_cli("cluster", "generate", *where, prompt, "--max-new-tokens", "6", "--json").stdout)
         again = json.loads(run_cli("cluster", "generate", *where, prompt, "--max-new-tokens", "6", "--json").stdout)
         assert first["reused_tokens"] == 0 and again["reused_tokens"] > 0 and again["tokens"] == first["tokens"]
-        assert again["route"] == {"worker": "worker-0", "reason": "prefix", "matched_chars": len(prompt)}
+        served = first["worker"]
+        assert again["route"] == {"worker": served, "reason": "prefix", "matched_chars": len(prompt)}
         text = run_cli("cluster", "generate", *where, prompt, "--max-new-tokens", "6").stdout
-        assert "worker-0" in text and "reused" in text
+        assert served in text and "reused" in text
         trees = json.loads(run_cli("tree", "--ray", ray_cluster.address, "--namespace", NAMESPACE, "--json").stdout)
-        assert [t["worker"] for t in trees] == ["worker-0"]
-        (branch,) = trees[0]["namespaces"][0]["children"]  # one prompt, asked three times: one node
+        assert [t["worker"] for t in trees] == ["worker-0", "worker-1"]
+        (tree,) = [t for t in trees if t["worker"] == served]
+        (branch,) = tree["namespaces"][0]["children"]  # one prompt, asked three times: one node
         assert branch["hits"] >= 2 and "Tiered KV caches keep hot pages" in branch["head_text"] + branch["tail_text"]
 
         figures = json.loads(run_cli("stats", "--ray", ray_cluster.address, "--namespace", NAMESPACE,
@@ -61,7 +72,8 @@ def _walk(ray_cluster, where: list[str], tmp_path) -> None:
         assert "cluster total" in run_cli("stats", "--ray", ray_cluster.address, "--namespace", NAMESPACE).stdout
     finally:
         stopped = run_cli("cluster", "stop", *where, "--json")
-    assert sorted(json.loads(stopped.stdout)["stopped"]) == ["directory", "router", "shard-0", "shard-1", "worker-0"]
+    assert sorted(json.loads(stopped.stdout)["stopped"]) == ["directory", "router", "shard-0", "shard-1", "worker-0",
+                                                             "worker-1"]
     assert ray.get_runtime_context().namespace == NAMESPACE  # the connection the commands made
     assert ray.util.list_named_actors() == []
     from ray.util.placement_group import get_placement_group

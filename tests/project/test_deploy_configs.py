@@ -55,25 +55,51 @@ def test_a_misspelt_key_is_rejected(name):
 
 def test_the_cluster_config_loads_with_the_documented_keys():
     data = load("tiered-cache-cluster.yaml")
-    assert set(data) == {"namespace", "shards", "workers", "shard", "worker", "router"}
+    assert set(data) == {"namespace", "shards", "workers", "start_timeout_s", "shard", "worker", "router"}
     assert set(data["shard"]) == {"ram_capacity", "disk_path", "disk_capacity", "redis_url", "host", "token",
                                   "tls_cert", "tls_key", "tls_ca"}
     config = ClusterConfig.from_yaml(DEPLOY / "tiered-cache-cluster.yaml")
     assert (config.shards, config.workers, config.shard.host) == (2, 2, "auto")
+    assert config.worker.num_gpus == 1 and config.worker.weights_dtype == "auto"  # a GPU each, bf16 there
+    assert not config.shard.disk_path.startswith("/tmp")  # the node's disk, not a folder a reboot empties
 
 
-def test_every_tiered_cache_command_in_the_start_commands_parses():
+@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-local.yaml"])
+def test_ray_up_mounts_the_token_and_the_wheel_and_starts_ray_with_token_auth(name):
+    """Ray's recipe for token auth under `ray up`: the token file at Ray's default path on every
+    node, RAY_AUTH_MODE=token for `ray start` and in the login shells `ray exec` runs in. The
+    project installs from the wheel `make wheel` built (mounted), after a pinned torch."""
+    config = load(name)
+    mounts = config["file_mounts"]
+    assert mounts["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert mounts["~/tiered-cache-dist"] == "dist" and mounts["~/tiered-cache-cluster.yaml"].startswith("deploy/")
+    setup = config["setup_commands"]
+    assert any("export RAY_AUTH_MODE=token" in line and "~/.bashrc" in line for line in setup)
+    torch_line = next(i for i, line in enumerate(setup) if "install -q torch" in line)
+    wheel_line = next(i for i, line in enumerate(setup) if "~/tiered-cache-dist/tiered_cache-" in line)
+    assert torch_line < wheel_line and "torch==2." in setup[torch_line]
+    assert not any("git+" in line or "OWNER" in line for line in setup)
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [line for line in config[key] if "ray start" in line]
+        assert starts and all(line.startswith("RAY_AUTH_MODE=token ray start") for line in starts)
+        # The cluster starts after `ray up`, with `ray exec`: not before the GPU nodes exist.
+        assert not any("tiered-cache" in line for line in config[key])
+
+
+def test_every_tiered_cache_command_the_launch_files_give_parses():
+    """The steps in the `ray up` files' headers and deploy/README.md: each `tiered-cache ...`
+    (inside `ray exec "..."` too) is a command the CLI has."""
     parser = build_parser()
     found = 0
-    for name in RAY_UP:
-        config = load(name)
-        for key in ("head_start_ray_commands", "worker_start_ray_commands", "setup_commands"):
-            for line in config.get(key, []):
-                words = shlex.split(line)
-                if words and words[0] == "tiered-cache":
-                    parser.parse_args(words[1:])  # SystemExit on an unknown command or flag
-                    found += 1
-        assert all("RAY_AUTH_MODE=token" in line for line in config.get("head_start_ray_commands", [])
-                   if "ray start" in line)
-    assert found == 2  # cluster.yaml and cluster-local.yaml start the cluster on the head
+    texts = [(DEPLOY / name).read_text() for name in RAY_UP] + [(DEPLOY / "README.md").read_text()]
+    for text in texts:
+        for line in text.splitlines():
+            line = line.lstrip("# ").strip()
+            if line.startswith("ray exec "):
+                line = shlex.split(line.split("#")[0])[-1]
+            words = shlex.split(line.split("  #")[0].split("&&")[0]) if line.startswith("tiered-cache ") else []
+            if words:
+                parser.parse_args(words[1:])  # SystemExit on an unknown command or flag
+                found += 1
+    assert found >= 6
     assert (DEPLOY / "tiered-cache-cluster.yaml").is_file()

@@ -25,6 +25,9 @@ def add_parser(commands: Any) -> None:
     start.add_argument("--workers", type=int, help="cache workers (overrides the config)")
     start.add_argument("--model", help="worker model: smollm2 or a local Hugging Face folder")
     start.add_argument("--disk", help="shards' disk folder (each shard uses a sub-folder)")
+    start.add_argument("--gpus", type=float, help="GPUs each worker holds (overrides worker.num_gpus)")
+    start.add_argument("--device", choices=["auto", "cuda", "cpu"], help="where workers compute (worker.device)")
+    start.add_argument("--start-timeout", type=float, help="seconds to wait for every actor (start_timeout_s)")
     _action(actions, "status", "each actor, its node, address and pages per tier")
     gen = _action(actions, "generate", "answer a prompt through the router")
     gen.add_argument("prompt")
@@ -52,8 +55,13 @@ def _config(args: argparse.Namespace) -> Any:
     for name in ("shards", "workers"):
         if getattr(args, name, None) is not None:
             changes[name] = getattr(args, name)
-    if getattr(args, "model", None):
-        changes["worker"] = dataclasses.replace(config.worker, model=args.model)
+    worker = {name: getattr(args, flag) for name, flag in (("model", "model"), ("num_gpus", "gpus"),
+                                                           ("device", "device"))
+              if getattr(args, flag, None) is not None}
+    if worker:
+        changes["worker"] = dataclasses.replace(config.worker, **worker)
+    if getattr(args, "start_timeout", None) is not None:
+        changes["start_timeout_s"] = args.start_timeout
     if getattr(args, "disk", None):
         changes["shard"] = dataclasses.replace(config.shard, disk_path=args.disk)
     return config.replace(**changes) if changes else config
@@ -91,9 +99,17 @@ def node_label(actor: dict[str, Any]) -> str:
     return f"{actor.get('node_ip', '')} {actor.get('node_id', '?')[-6:]}".strip()
 
 
+def compute_label(actor: dict[str, Any]) -> str:
+    """A worker's device and the GPUs Ray gave it: `cuda (GPU 0)`, `cpu`, `cpu (GPU 1)`."""
+    if "device" not in actor:
+        return "-"
+    gpus = actor.get("gpu_ids") or []
+    return f"{actor['device']} (GPU {', '.join(gpus)})" if gpus else actor["device"]
+
+
 def render_actors(infos: list[dict[str, Any]]) -> str:
-    rows = [[i["kind"], i["name"], node_label(i), i.get("address", "-") or "-"] for i in infos]
-    return render_table(rows, ["kind", "name", "node", "address"])
+    rows = [[i["kind"], i["name"], node_label(i), compute_label(i), i.get("address", "-") or "-"] for i in infos]
+    return render_table(rows, ["kind", "name", "node", "computes on", "address"])
 
 
 def render_status(figures: dict[str, Any]) -> str:
@@ -103,11 +119,12 @@ def render_status(figures: dict[str, Any]) -> str:
     rows = []
     for actor in figures["actors"]:
         if "error" in actor:
-            rows.append([actor["kind"], actor["name"], "-", "-", f"unreachable: {actor['error']}"])
+            rows.append([actor["kind"], actor["name"], "-", "-", "-", f"unreachable: {actor['error']}"])
             continue
         pages = ", ".join(f"{t['name']} {int(t['pages']):,}" for t in tiers_of(actor))
-        rows.append([actor["kind"], actor["name"], node_label(actor), actor.get("address", "-"), pages])
-    return render_table(rows, ["kind", "name", "node", "address", "pages per tier"])
+        rows.append([actor["kind"], actor["name"], node_label(actor), compute_label(actor), actor.get("address", "-"),
+                     pages])
+    return render_table(rows, ["kind", "name", "node", "computes on", "address", "pages per tier"])
 
 
 def render_answer(result: dict[str, Any]) -> str:

@@ -10,12 +10,17 @@ from typing import Any
 
 import torch
 
+from tiered_cache.model.dtype import DType
+
 BUNDLED = "smollm2"
+_WEIGHTS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def load_causal_lm(name: str = BUNDLED, device: str = "cpu") -> tuple[Any, Any]:
-    """(model, tokenizer): fp32 weights in eval mode on `device`. Raises ImportError or OSError
-    with the loader's message when the model cannot be found."""
+def load_causal_lm(name: str = BUNDLED, device: str = "cpu", dtype: str = "auto") -> tuple[Any, Any]:
+    """(model, tokenizer) in eval mode on `device`, weights in `dtype` ("auto": bf16 on a GPU,
+    where fp32 would take twice the memory for no better answers, fp32 on a CPU). Raises
+    ImportError or OSError with the loader's message when the model cannot be found."""
+    weights = weights_dtype(dtype, device)
     if name == BUNDLED:
         from tiered_cache.integrations.smollm2 import load_model
 
@@ -23,9 +28,27 @@ def load_causal_lm(name: str = BUNDLED, device: str = "cpu") -> tuple[Any, Any]:
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=weights).eval()
         tokenizer = AutoTokenizer.from_pretrained(name)
-    return model.to(device), tokenizer
+    return model.to(device=device, dtype=weights), tokenizer
+
+
+def weights_dtype(dtype: str, device: str) -> torch.dtype:
+    """The torch dtype for weights named `dtype` ("auto", "fp32", "fp16", "bf16") on `device`."""
+    if dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if dtype not in _WEIGHTS:
+        raise ValueError(f"unknown weights dtype {dtype!r}: use auto, fp32, fp16 or bf16")
+    return _WEIGHTS[dtype]
+
+
+def kv_dtype_for(kv_dtype: str, model: Any) -> str:
+    """The KV pages' dtype: `kv_dtype`, or for "auto" the weights' own where they are 16-bit
+    (bf16 KV from a bf16 model: fp16's narrower range could overflow) and fp16 under fp32 weights."""
+    if kv_dtype != "auto":
+        return kv_dtype
+    weights = next(model.parameters()).dtype
+    return DType.parse(weights).value if weights in (torch.float16, torch.bfloat16) else "fp16"
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
