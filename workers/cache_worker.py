@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -21,8 +23,8 @@ import ray
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig, WritePolicy
 from tiered_cache.index.keys import PageKeyer
-from tiered_cache.integrations.hf_models import encode_prompt, kv_dtype_for, load_causal_lm
-from tiered_cache.integrations.transformers import generate, spec_for
+from tiered_cache.integrations.hf_models import encode_messages, encode_prompt, kv_dtype_for, load_causal_lm
+from tiered_cache.integrations.transformers import GenerationResult, generate, spec_for
 from tiered_cache.metrics.families import cache_families, tier_families
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.tiers.remote_servers import owner
@@ -32,6 +34,7 @@ from workers.directory import WORKER
 from workers.names import DIRECTORY
 from workers.placement import compute_device
 from workers.ray_metrics import RayMetrics
+from workers.routing import Prompt, prompt_text
 
 _SUMMARY_PROMPTS = 256  # recent prompts kept for the router's picture of what this worker holds
 _SUMMARY_CHARS = 16384  # of each, the leading characters (the shared part is the leading part)
@@ -90,21 +93,73 @@ class CacheWorker:
                 self._refresh_ring()
 
     # --- serving ----------------------------------------------------------------------------------
-    def generate(self, prompt: str, max_new_tokens: int | None = None, use_cache: bool = True,
+    def generate(self, prompt: Prompt, max_new_tokens: int | None = None, use_cache: bool = True,
                  chat: bool = True) -> dict[str, Any]:
-        """Greedy answer to `prompt`. Returns the text and tokens, how many prompt tokens were
-        reused and from which tier (`sources`: device / host / remote), and the TTFT in seconds."""
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError("generate() needs a non-empty prompt string")
-        ids = encode_prompt(self.tokenizer, prompt, chat)
+        """Greedy answer to `prompt` (text, or chat messages: [{"role", "content"}]). Returns the
+        text and tokens, how many prompt tokens were reused and from which tier (`sources`:
+        device / host / remote), and the TTFT in seconds. ValueError names a bad prompt, or one
+        past the model's context."""
+        ids, max_new = self._encode(prompt, max_new_tokens, chat)
+        return self._answer(prompt, ids, self._run(ids, max_new, use_cache), use_cache)
+
+    def stream(self, prompt: Prompt, max_new_tokens: int | None = None, use_cache: bool = True,
+               chat: bool = True) -> Iterator[dict[str, Any]]:
+        """`generate`, token by token: {"token", "text"} as each is chosen (`text`: what it adds to
+        the decoded answer), then the whole answer as `generate` returns it."""
+        ids, max_new = self._encode(prompt, max_new_tokens, chat)
+        chosen: queue.Queue[int | None] = queue.Queue()
+        outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                outcome["result"] = self._run(ids, max_new, use_cache, chosen.put)
+            except BaseException as exc:  # raised to the caller below, on its thread
+                outcome["error"] = exc
+            finally:
+                chosen.put(None)
+
+        threading.Thread(target=run, daemon=True, name="tiered-cache-stream").start()
+        tokens: list[int] = []
+        text = ""
+        while (token := chosen.get()) is not None:
+            tokens.append(token)
+            now = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            yield {"token": token, "text": now[len(text):]}
+            text = now
+        if "error" in outcome:
+            raise outcome["error"]
+        yield self._answer(prompt, ids, outcome["result"], use_cache)
+
+    def _encode(self, prompt: Prompt, max_new_tokens: int | None, chat: bool) -> tuple[list[int], int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("generate() needs a non-empty prompt string")
+            ids = encode_prompt(self.tokenizer, prompt, chat)
+        else:
+            ids = encode_messages(self.tokenizer, prompt)
+        max_new = max_new_tokens or self.settings.max_new_tokens
+        if max_new <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {max_new}")
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        if context is not None and len(ids) + max_new > context:
+            raise ValueError(f"the prompt's {len(ids):,} tokens and {max_new:,} new ones are past the model's "
+                             f"context of {context:,} tokens")
+        return ids, max_new
+
+    def _run(self, ids: list[int], max_new: int, use_cache: bool,
+             on_token: Callable[[int], None] | None = None) -> GenerationResult:
         with self._generate_lock:
-            result = generate(self.model, ids, self.cache if use_cache else None,
-                              max_new_tokens or self.settings.max_new_tokens, self.tokenizer.eos_token_id)
+            result = generate(self.model, ids, self.cache if use_cache else None, max_new,
+                              self.tokenizer.eos_token_id, on_token=on_token)
             self.requests += 1
+        return result
+
+    def _answer(self, prompt: Prompt, ids: list[int], result: GenerationResult, use_cache: bool) -> dict[str, Any]:
         if use_cache:
+            key = prompt_text(prompt)[:_SUMMARY_CHARS]
             with self._summary_lock:
-                self._recent[prompt[:_SUMMARY_CHARS]] = None
-                self._recent.move_to_end(prompt[:_SUMMARY_CHARS])
+                self._recent[key] = None
+                self._recent.move_to_end(key)
                 while len(self._recent) > _SUMMARY_PROMPTS:
                     self._recent.popitem(last=False)
         data = asdict(result)

@@ -25,6 +25,7 @@ from workers.names import (
     ROUTER,
     SHARD_PREFIX,
     WORKER_PREFIX,
+    http_app_name,
     is_ours,
     placement_group_name,
     shard_name,
@@ -238,6 +239,8 @@ def generate(prompt: str, max_new_tokens: int | None = None, use_cache: bool = T
 def stop(namespace: str, progress: Progress = lambda _: None, timeout_s: float = 60.0) -> list[str]:
     """Shut every actor down (shards flush RAM to disk first), kill it, remove the placement group,
     and wait until no named actor of the cluster is left. Returns the names stopped."""
+    if stop_http(namespace):
+        progress("stopped the HTTP front end")
     names = sorted(actor_names(), key=_kind_order, reverse=True)  # router, workers, shards, directory
     for name in names:
         handle = _existing(name)
@@ -257,3 +260,32 @@ def stop(namespace: str, progress: Progress = lambda _: None, timeout_s: float =
     if left:
         raise RuntimeError(f"actors still alive after stop: {', '.join(left)}")
     return names
+
+
+def serve_http(config: ClusterConfig, host: str, port: int, token: str | None) -> str:
+    """Deploy the OpenAI-compatible front end (workers/http_frontend.py) in front of the router;
+    returns its base URL."""
+    from workers.http_frontend import deploy
+
+    return deploy(config.namespace, config.worker.model, host, port, token)
+
+
+def stop_http(namespace: str) -> bool:
+    """Delete this cluster's HTTP front end, and Ray Serve with it when no other application is
+    left. False when there was none (Serve is not installed, or not running)."""
+    try:
+        from ray import serve
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    except ImportError:
+        return False
+    try:
+        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return False
+    apps = serve.status().applications
+    if http_app_name(namespace) not in apps:
+        return False
+    serve.delete(http_app_name(namespace))
+    if set(apps) == {http_app_name(namespace)}:
+        serve.shutdown()
+    return True

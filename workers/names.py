@@ -7,7 +7,7 @@ DIRECTORY = "directory"
 ROUTER = "router"
 SHARD_PREFIX = "shard-"
 WORKER_PREFIX = "worker-"
-SHARD_GROUP = "shards"  # the SPREAD placement group of the shards (prefixed with the namespace)
+SHARD_GROUP = "shards"  # the placement group of the shards (prefixed with the namespace)
 
 
 def shard_name(index: int) -> str:
@@ -24,3 +24,8 @@ def is_ours(name: str) -> bool:
 
 def placement_group_name(namespace: str) -> str:
     return f"{namespace}-{SHARD_GROUP}"
+
+
+def http_app_name(namespace: str) -> str:
+    """The Ray Serve application of the cluster's HTTP front end (`cluster start --serve`)."""
+    return f"tiered-cache-{namespace}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
@@ -20,7 +21,7 @@ import ray
 from workers.config import RouterSettings, RoutingPolicyName
 from workers.directory import WORKER
 from workers.names import DIRECTORY
-from workers.routing import make_policy
+from workers.routing import Decision, Prompt, make_policy, prompt_text
 
 _REFRESH_S = 1.0
 
@@ -75,35 +76,69 @@ class PrefixRouter:
         self.loads.pop(name, None)
         self.policy.remove_worker(name)
 
-    async def generate(self, prompt: str, max_new_tokens: int | None = None,
-                       use_cache: bool = True) -> dict[str, Any]:
-        """Route `prompt` and return the worker's answer plus `route` (worker, reason, matched chars)."""
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError("generate() needs a non-empty prompt string")
-        await self._refresh()
+    async def generate(self, prompt: Prompt, max_new_tokens: int | None = None, use_cache: bool = True,
+                       chat: bool = True) -> dict[str, Any]:
+        """Route `prompt` (text, or chat messages) and return the worker's answer plus `route`
+        (worker, reason, matched chars)."""
+        text = _checked(prompt)
         for _attempt in range(self.settings.retries + 1):
-            if not self.workers:
-                await self._refresh(force=True)
-                if not self.workers:
-                    raise NoWorkerError("no live cache worker: run `tiered-cache cluster start`")
-            decision = self.policy.choose(prompt, {name: self.loads[name] for name in self.workers})
-            self.loads[decision.worker] += 1
-            self.routed[decision.worker] += 1
-            self.reasons[decision.reason] += 1
+            decision = await self._choose(text)
             started = time.perf_counter()
             try:
-                result = await self.workers[decision.worker].generate.remote(prompt, max_new_tokens, use_cache)
+                result = await self.workers[decision.worker].generate.remote(prompt, max_new_tokens, use_cache, chat)
             except ray.exceptions.RayActorError:
-                self.failures += 1
-                self._drop(decision.worker)
+                self._lost(decision.worker)
                 continue
             finally:
-                if decision.worker in self.loads:
-                    self.loads[decision.worker] -= 1
-            return {**result, "latency_s": time.perf_counter() - started,
-                    "route": {"worker": decision.worker, "reason": decision.reason,
-                              "matched_chars": decision.matched_chars}}
+                self._done(decision.worker)
+            return {**result, "latency_s": time.perf_counter() - started, "route": _route(decision)}
         raise NoWorkerError(f"every worker tried for this request died ({self.settings.retries + 1} attempts)")
+
+    async def stream(self, prompt: Prompt, max_new_tokens: int | None = None, use_cache: bool = True,
+                     chat: bool = True) -> AsyncIterator[dict[str, Any]]:
+        """`generate`, token by token (`CacheWorker.stream`'s items; the last one with `route`). A
+        worker that dies before its first token is replaced as in `generate`; after it, the
+        stream ends with the error (the tokens sent cannot be taken back)."""
+        text = _checked(prompt)
+        for _attempt in range(self.settings.retries + 1):
+            decision = await self._choose(text)
+            started = time.perf_counter()
+            sent = 0
+            try:
+                async for ref in self.workers[decision.worker].stream.remote(prompt, max_new_tokens, use_cache, chat):
+                    item = await ref
+                    if "token" not in item:  # the whole answer, last
+                        item = {**item, "latency_s": time.perf_counter() - started, "route": _route(decision)}
+                    yield item
+                    sent += 1
+                return
+            except ray.exceptions.RayActorError:
+                self._lost(decision.worker)
+                if sent:
+                    raise
+            finally:
+                self._done(decision.worker)
+        raise NoWorkerError(f"every worker tried for this request died ({self.settings.retries + 1} attempts)")
+
+    async def _choose(self, text: str) -> Decision:
+        await self._refresh()
+        if not self.workers:
+            await self._refresh(force=True)
+            if not self.workers:
+                raise NoWorkerError("no live cache worker: run `tiered-cache cluster start`")
+        decision = self.policy.choose(text, {name: self.loads[name] for name in self.workers})
+        self.loads[decision.worker] += 1
+        self.routed[decision.worker] += 1
+        self.reasons[decision.reason] += 1
+        return decision
+
+    def _done(self, worker: str) -> None:
+        if worker in self.loads:
+            self.loads[worker] -= 1
+
+    def _lost(self, worker: str) -> None:
+        self.failures += 1
+        self._drop(worker)
 
     async def ping(self) -> str:
         return "router"
@@ -119,3 +154,18 @@ class PrefixRouter:
 
     async def shutdown(self) -> None:
         await asyncio.sleep(0)
+
+
+def _checked(prompt: Prompt) -> str:
+    """The prompt's routing text; ValueError for an empty prompt or a malformed chat."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("generate() needs a non-empty prompt string")
+        return prompt
+    if not isinstance(prompt, (list, tuple)) or not prompt or not all(isinstance(m, dict) for m in prompt):
+        raise ValueError("a chat prompt must be a non-empty list of {role, content} objects")
+    return prompt_text(prompt)
+
+
+def _route(decision: Decision) -> dict[str, Any]:
+    return {"worker": decision.worker, "reason": decision.reason, "matched_chars": decision.matched_chars}

@@ -12,11 +12,21 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from workers.prefix_tree import ApproxPrefixTree
+
+Prompt = str | Sequence[Mapping[str, str]]  # text, or chat messages [{"role", "content"}]
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """The text routing and prefix summaries see: a chat's message contents, in order, each after
+    its role (two chats that share their leading messages share a leading text)."""
+    if isinstance(prompt, str):
+        return prompt
+    return "".join(f"<{m.get('role', '')}>{m.get('content', '')}" for m in prompt)
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The README's local walk, command for command, against the session's 3-node Ray cluster:
-`cluster start`, `cluster status`, `cluster generate` (twice: the repeat reuses the prefix),
+`cluster start` (two workers holding a GPU each, and the HTTP front end), `cluster status`,
+`cluster generate` (twice: the repeat reuses the prefix), the OpenAI-compatible endpoints,
 `stats --ray` (totals are the sums of the rows), `cluster stop` (nothing left behind).
 
 The commands run through `tiered-cache`'s own entry point in this process (conftest
@@ -31,9 +32,10 @@ def test_the_cluster_commands_start_use_report_and_stop(ray_cluster, tmp_path):
 def _walk(ray_cluster, where: list[str], tmp_path) -> None:
     # Two workers holding one GPU each (the session's nodes 1 and 2 advertise one; the work runs on
     # the CPU, as `--device cpu` asks), two shards one per node.
+    port = free_port()
     started = run_cli("cluster", "start", *where, "--shards", "2", "--workers", "2", "--gpus", "1", "--device", "cpu",
-                      "--disk", str(tmp_path))
-    assert started.stdout.count("cpu (GPU 0)") == 2
+                      "--disk", str(tmp_path), "--serve", "--http-port", str(port))
+    assert started.stdout.count("cpu (GPU 0)") == 2 and f"HTTP: http://127.0.0.1:{port}/v1" in started.stdout
     assert "2 store shard(s): one per node" in started.stderr
     try:
         status = json.loads(run_cli("cluster", "status", *where, "--json").stdout)
@@ -61,6 +63,8 @@ def _walk(ray_cluster, where: list[str], tmp_path) -> None:
         (branch,) = tree["namespaces"][0]["children"]  # one prompt, asked three times: one node
         assert branch["hits"] >= 2 and "Tiered KV caches keep hot pages" in branch["head_text"] + branch["tail_text"]
 
+        _http(f"http://127.0.0.1:{port}/v1")
+
         figures = json.loads(run_cli("stats", "--ray", ray_cluster.address, "--namespace", NAMESPACE,
                                      "--json").stdout)
         for name, total in figures["totals"].items():
@@ -72,6 +76,8 @@ def _walk(ray_cluster, where: list[str], tmp_path) -> None:
         assert "cluster total" in run_cli("stats", "--ray", ray_cluster.address, "--namespace", NAMESPACE).stdout
     finally:
         stopped = run_cli("cluster", "stop", *where, "--json")
+    with pytest.raises(OSError):  # the front end went with the cluster
+        post(f"http://127.0.0.1:{port}/v1", "/completions", {"prompt": "x"})
     assert sorted(json.loads(stopped.stdout)["stopped"]) == ["directory", "router", "shard-0", "shard-1", "worker-0",
                                                              "worker-1"]
     assert ray.get_runtime_context().namespace == NAMESPACE  # the connection the commands made
@@ -82,6 +88,73 @@ def _walk(ray_cluster, where: list[str], tmp_path) -> None:
         get_placement_group(f"{NAMESPACE}-shards")
     empty = run_cli("cluster", "status", *where, "--json", check=False)
     assert empty.returncode == 1 and json.loads(empty.stdout)["actors"] == []
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def post(base: str, path: str, body: dict | bytes) -> tuple[int, bytes]:
+    """(status, body) of a POST, as any HTTP client sends it."""
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def answer(base: str, path: str, body: dict) -> dict:
+    status, raw = post(base, path, body)
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def _http(base: str) -> None:
+    """The OpenAI-compatible front end: two completions sharing a long prefix (the second reuses
+    it, with the answer a no-cache request gives), a chat streamed as server-sent events equal to
+    the same chat answered whole, and bad requests refused with a 400 and their reason."""
+    doc = "The lighthouse at Corran Bay was built of granite and first lit in the winter storms. " * 8
+    first = answer(base, "/completions", {"prompt": doc + "It was first lit in", "max_tokens": 5})
+    assert first["object"] == "text_completion" and first["usage"]["completion_tokens"] == 5
+    second = answer(base, "/completions", {"prompt": doc + "It was built of", "max_tokens": 5})
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 64 and sum(second["tiered_cache"]["sources"].values()) == cached
+    assert second["tiered_cache"]["route"]["reason"] == "prefix"  # to the worker that holds the prefix
+    reference = answer(base, "/completions", {"prompt": doc + "It was built of", "max_tokens": 5, "cache": False})
+    assert reference["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["choices"][0]["text"] == reference["choices"][0]["text"]
+
+    chat = {"messages": [{"role": "system", "content": "Answer briefly."},
+                         {"role": "user", "content": doc + "What was it built of?"}], "max_tokens": 6}
+    whole = answer(base, "/chat/completions", chat)
+    assert whole["object"] == "chat.completion" and whole["choices"][0]["message"]["role"] == "assistant"
+    status, raw = post(base, "/chat/completions", {**chat, "stream": True})
+    events = [line.removeprefix(b"data: ") for line in raw.split(b"\n\n") if line.startswith(b"data: ")]
+    assert status == 200 and events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert len(chunks) >= 6 and streamed.strip() == whole["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # asked again: its prefix is held
+
+    for body, reason in ((b"{not json", "not JSON"), ({"prompt": ""}, "prompt must be a non-empty string"),
+                         ({"prompt": "word " * 9000, "max_tokens": 4}, "past the model's context"),
+                         ({"prompt": "x", "temperature": 0.7}, "temperature must be 0"),
+                         ({"prompt": "x", "max_tokens": -1}, "max_tokens must be a positive integer")):
+        status, raw = post(base, "/completions", body)
+        assert status == 400 and reason in json.loads(raw)["error"]["message"], raw
+    status, raw = post(base, "/chat/completions", {"messages": [{"role": "user"}], "stream": True})
+    assert status == 400 and "messages[0]" in json.loads(raw)["error"]["message"]
 
 
 def test_a_bad_cluster_config_is_refused_before_connecting(tmp_path):

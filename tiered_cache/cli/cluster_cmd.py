@@ -6,13 +6,16 @@ Ray is imported only here (and in `workers/`), when one of these commands runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from tiered_cache.report.table import render_table
+from tiered_cache.server.config import LOOPBACK
 
 
 def add_parser(commands: Any) -> None:
@@ -28,6 +31,12 @@ def add_parser(commands: Any) -> None:
     start.add_argument("--gpus", type=float, help="GPUs each worker holds (overrides worker.num_gpus)")
     start.add_argument("--device", choices=["auto", "cuda", "cpu"], help="where workers compute (worker.device)")
     start.add_argument("--start-timeout", type=float, help="seconds to wait for every actor (start_timeout_s)")
+    start.add_argument("--serve", action="store_true",
+                       help="also serve OpenAI-compatible /v1/completions and /v1/chat/completions (Ray Serve)")
+    start.add_argument("--http-host", default="127.0.0.1",
+                       help="address the HTTP front end listens on (default loopback; beyond it a token is needed)")
+    start.add_argument("--http-port", type=int, default=8000, help="its port (default 8000)")
+    start.add_argument("--http-token", help="bearer token every HTTP request must send (or TIERED_CACHE_HTTP_TOKEN)")
     _action(actions, "status", "each actor, its node, address and pages per tier")
     gen = _action(actions, "generate", "answer a prompt through the router")
     gen.add_argument("prompt")
@@ -73,25 +82,40 @@ def _progress(action: str) -> Callable[[str], None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Stdout carries the command's answer only (`--json` is parsed by tools): what Ray prints on
+    its own while the command runs (an actor's error, a shutdown notice) goes to stderr."""
+    answer = sys.stdout
+    with contextlib.redirect_stdout(sys.stderr):
+        code, text = _run(args)
+    print(text, file=answer)
+    return code
+
+
+def _run(args: argparse.Namespace) -> tuple[int, str]:
     from workers import cluster
 
     config = _config(args)
     cluster.connect(args.address, config.namespace)
     if args.action == "start":
-        infos = cluster.start(config, progress=_progress("start"))
-        print(json.dumps(infos, indent=2) if args.json else render_actors(infos))
-        return 0
+        progress = _progress("start")
+        infos = cluster.start(config, progress=progress)
+        url = None
+        if args.serve:
+            token = args.http_token or os.environ.get("TIERED_CACHE_HTTP_TOKEN") or None
+            url = cluster.serve_http(config, args.http_host, args.http_port, token)
+            progress(f"HTTP front end at {url} (/completions, /chat/completions)"
+                     + ("" if args.http_host in LOOPBACK else f": listening beyond loopback on {args.http_host}, "
+                        "every request must send the token"))
+        return 0, (json.dumps({"actors": infos, "http": url}, indent=2) if args.json
+                   else render_actors(infos) + (f"\nHTTP: {url}" if url else ""))
     if args.action == "status":
         figures = cluster.stats()
-        print(json.dumps(figures, indent=2) if args.json else render_status(figures))
-        return 0 if figures["actors"] else 1
+        return 0 if figures["actors"] else 1, json.dumps(figures, indent=2) if args.json else render_status(figures)
     if args.action == "generate":
         result = cluster.generate(args.prompt, args.max_new_tokens, use_cache=not args.no_cache)
-        print(json.dumps(result, indent=2) if args.json else render_answer(result))
-        return 0
+        return 0, json.dumps(result, indent=2) if args.json else render_answer(result)
     stopped = cluster.stop(config.namespace, progress=_progress("stop"))
-    print(json.dumps({"stopped": stopped}) if args.json else f"cluster stop: {len(stopped)} actor(s) stopped")
-    return 0
+    return 0, json.dumps({"stopped": stopped}) if args.json else f"cluster stop: {len(stopped)} actor(s) stopped"
 
 
 def node_label(actor: dict[str, Any]) -> str:

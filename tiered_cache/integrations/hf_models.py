@@ -58,3 +58,18 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
         encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
     return list(tokenizer(prompt).input_ids)
+
+
+def encode_messages(tokenizer: Any, messages: Any) -> list[int]:
+    """Token ids of a chat (`[{"role": ..., "content": ...}, ...]`) through the model's chat
+    template, ready for the assistant's turn. ValueError names what is wrong with the messages."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise ValueError(f"messages[{i}] must be an object with string role and content")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template: send a plain prompt")
+    encoded = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

@@ -9,7 +9,7 @@ it is plain generation with the same decoding code, the reference for equivalenc
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,8 +73,10 @@ def cache_of_kv(kv: torch.Tensor, model: Any) -> Any:
 
 @torch.inference_mode()
 def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None, max_new_tokens: int = 32,
-             eos_token_id: int | None = None, namespace: str | None = None) -> GenerationResult:
+             eos_token_id: int | None = None, namespace: str | None = None,
+             on_token: Callable[[int], None] | None = None) -> GenerationResult:
     """Greedy generation of up to `max_new_tokens` after `prompt` (token ids), reusing `cache`.
+    `on_token` is called with each new token as it is chosen (a server streams them).
 
     At least the prompt's last token is always computed (its logits give the first new token),
     so a fully cached prompt reuses all but that token.
@@ -121,12 +123,16 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
         if handle is not None:
             cache.release(handle)  # also when loading or the model raised: no lock may leak
     tokens = [next_token]
+    if on_token is not None:
+        on_token(next_token)
     past_kv = out.past_key_values
     decode_start = time.perf_counter()
     while len(tokens) < max_new_tokens and tokens[-1] != eos_token_id:
         step = model(torch.tensor([[tokens[-1]]], device=device), use_cache=True, **{keyword: past_kv})
         past_kv = step.past_key_values
         tokens.append(int(step.logits[0, -1].argmax()))
+        if on_token is not None:
+            on_token(tokens[-1])
     return GenerationResult(tokens, ttft, len(ids), reused, sources, loaded, stored,
                             time.perf_counter() - decode_start, logits)
 
