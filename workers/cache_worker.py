@@ -54,12 +54,9 @@ class CacheWorker:
         self.device = compute_device(settings, self.gpu_ids, torch.cuda.is_available())
         self.model, self.tokenizer = load_causal_lm(settings.model, self.device, settings.weights_dtype)
         self.spec = spec_for(self.model, kv_dtype_for(settings.kv_dtype, self.model), page_size=settings.page_size)
-        token = token_from(shard.token, dict(os.environ))
-        self.remote = RemoteTier([], token=token, tls_ca=shard.tls_ca, allow_empty=True,
-                                 fingerprint=bytes.fromhex(self.spec.fingerprint))
-        config = CacheConfig(device=self.device, pool_capacity=settings.pool_capacity,
-                             host_capacity=settings.host_capacity, write_policy=WritePolicy.WRITE_THROUGH)
-        self.cache = TieredCache(self.spec, config, lower=[self.remote])
+        self._shard = shard
+        self._use_shards = True
+        self.remote, self.cache = self._new_cache()
         self._generate_lock = threading.Lock()  # one forward at a time; stats never wait for it
         self._recent: OrderedDict[str, None] = OrderedDict()
         self._summary_lock = threading.Lock()
@@ -75,6 +72,30 @@ class CacheWorker:
         self.metrics = RayMetrics(name, self._metric_families).start()
         self.cache.chain.observe_fetches(self.metrics.fetched)
 
+    def _new_cache(self) -> tuple[RemoteTier, TieredCache]:
+        """An empty cache: the device pool, host RAM, and the shards as its remote tier."""
+        token = token_from(self._shard.token, dict(os.environ))
+        remote = RemoteTier([], token=token, tls_ca=self._shard.tls_ca, allow_empty=True,
+                            fingerprint=bytes.fromhex(self.spec.fingerprint))
+        config = CacheConfig(device=self.device, pool_capacity=self.settings.pool_capacity,
+                             host_capacity=self.settings.host_capacity, write_policy=WritePolicy.WRITE_THROUGH)
+        return remote, TieredCache(self.spec, config, lower=[remote])
+
+    def reset(self, use_shards: bool = True) -> int:
+        """A cold start without a new process (`bench cluster` runs each way from one): an empty
+        cache, the prompts it recorded forgotten, and as its ring the directory's shards, or none
+        (`use_shards=False`: a worker alone). Returns the ring's size."""
+        with self._generate_lock:
+            self.cache.close()
+            self._use_shards = use_shards
+            self.remote, self.cache = self._new_cache()
+            self.cache.chain.observe_fetches(self.metrics.fetched)
+            with self._summary_lock:
+                self._recent.clear()
+            self.ring_version = -1
+            self._refresh_ring()
+        return len(self.remote.addresses)
+
     # --- ring -------------------------------------------------------------------------------------
     def _refresh_ring(self) -> None:
         try:
@@ -83,7 +104,7 @@ class CacheWorker:
             self._directory = ray.get_actor(DIRECTORY)  # restarted: the old handle is dead for good
             raise
         if version != self.ring_version:
-            self.cache.set_remote_addresses(addresses)
+            self.cache.set_remote_addresses(addresses if self._use_shards else [])
             self.ring_version = version
 
     def _watch(self, interval_s: float) -> None:
