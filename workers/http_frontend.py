@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from tiered_cache.integrations.chat_messages import checked_messages
 from tiered_cache.server.config import LOOPBACK
 from workers.names import ROUTER, http_app_name
 
@@ -74,14 +75,10 @@ def read_request(body: dict[str, Any], chat: bool) -> tuple[Any, int, bool, bool
     """(prompt or messages, max tokens, stream, use the cache) from an OpenAI request body;
     BadRequest names the first field that is wrong."""
     if chat:
-        prompt = body.get("messages")
-        if not isinstance(prompt, list) or not prompt:
-            raise BadRequest("messages must be a non-empty list of {role, content} objects")
-        for i, message in enumerate(prompt):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                    or not isinstance(message.get("content"), str):
-                raise BadRequest(f"messages[{i}] must be an object with string role and content")
-        prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        try:
+            prompt = checked_messages(body.get("messages"))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):

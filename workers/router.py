@@ -18,6 +18,7 @@ from typing import Any
 
 import ray
 
+from tiered_cache.integrations.chat_messages import checked_messages
 from workers.config import RouterSettings, RoutingPolicyName
 from workers.directory import WORKER
 from workers.names import DIRECTORY
@@ -162,9 +163,7 @@ def _checked(prompt: Prompt) -> str:
         if not prompt:
             raise ValueError("generate() needs a non-empty prompt string")
         return prompt
-    if not isinstance(prompt, (list, tuple)) or not prompt or not all(isinstance(m, dict) for m in prompt):
-        raise ValueError("a chat prompt must be a non-empty list of {role, content} objects")
-    return prompt_text(prompt)
+    return prompt_text(checked_messages(prompt))
 
 
 def _route(decision: Decision) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import threading
 import grpc
 import pytest
 from service_helpers import FINGERPRINT, SPEC, large_items, make_items, with_codec_byte
+from tier_helpers import HeldDisk
 
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.server.process import StoreProcess
@@ -216,23 +217,9 @@ def test_blob_store_write_through_and_flush(tmp_path):
     assert BlobStore(MemoryTier(size)).flush() == 0
 
 
-class _HeldDisk(DiskTier):
-    """A disk tier whose `get` waits until the test releases it: a slow tier, deterministically."""
-
-    def __init__(self, path, capacity) -> None:
-        super().__init__(path, capacity, fsync=False)
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def get(self, keys):
-        self.entered.set()
-        assert self.release.wait(60), "the test never released the held disk get"
-        return super().get(keys)
-
-
 def test_a_lookup_from_ram_does_not_wait_behind_a_get_from_disk(tmp_path):
     size = _blob_size()
-    disk = _HeldDisk(tmp_path, 100 * size)
+    disk = HeldDisk(tmp_path, 100 * size)
     on_disk, in_ram = make_items(3, start=500), make_items(3, start=600)
     disk.put(on_disk)
     store = BlobStore(MemoryTier(100 * size), [disk])

@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+from tier_helpers import HeldDisk
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
@@ -32,50 +33,31 @@ def make_blobs(n: int, start: int = 0, seed: int = 0) -> list[tuple[bytes, bytes
 BLOB = entry_cost(make_blobs(1)[0][1])  # what one blob costs the RAM tier
 
 
-class CountingRam(MemoryTier):
-    """A real RAM tier that records what it is asked."""
+class Counting:
+    """Mixed into a real tier: records what it is asked (`contains` calls, keys put)."""
 
+    contains_calls: list[list[bytes]]
+    put_keys: list[bytes]
+
+    def contains(self, keys):
+        self.contains_calls.append(list(keys))
+        return super().contains(keys)
+
+    def put(self, items):
+        self.put_keys += [k for k, _ in items]
+        return super().put(items)
+
+
+class CountingRam(Counting, MemoryTier):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
-        self.contains_calls: list[list[bytes]] = []
-        self.put_keys: list[bytes] = []
-
-    def contains(self, keys):
-        self.contains_calls.append(list(keys))
-        return super().contains(keys)
-
-    def put(self, items):
-        self.put_keys += [k for k, _ in items]
-        return super().put(items)
+        self.contains_calls, self.put_keys = [], []
 
 
-class CountingDisk(DiskTier):
+class CountingDisk(Counting, DiskTier):
     def __init__(self, path, capacity) -> None:
         super().__init__(path, capacity, fsync=False)
-        self.contains_calls: list[list[bytes]] = []
-        self.put_keys: list[bytes] = []
-
-    def contains(self, keys):
-        self.contains_calls.append(list(keys))
-        return super().contains(keys)
-
-    def put(self, items):
-        self.put_keys += [k for k, _ in items]
-        return super().put(items)
-
-
-class HeldDisk(DiskTier):
-    """A disk tier whose `get` waits for `release` (a slow tier, deterministically)."""
-
-    def __init__(self, path, capacity) -> None:
-        super().__init__(path, capacity, fsync=False)
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def get(self, keys):
-        self.entered.set()
-        assert self.release.wait(60), "the test never released the held disk get"
-        return super().get(keys)
+        self.contains_calls, self.put_keys = [], []
 
 
 def test_eviction_from_ram_demotes_into_disk_and_residency_follows(tmp_path):

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from tiered_cache.integrations.chat_messages import checked_messages
 from tiered_cache.model.dtype import DType
 
 BUNDLED = "smollm2"
@@ -63,13 +64,8 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool = True) -> list[int]:
 def encode_messages(tokenizer: Any, messages: Any) -> list[int]:
     """Token ids of a chat (`[{"role": ..., "content": ...}, ...]`) through the model's chat
     template, ready for the assistant's turn. ValueError names what is wrong with the messages."""
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} objects")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
-            raise ValueError(f"messages[{i}] must be an object with string role and content")
+    messages = checked_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template: send a plain prompt")
-    encoded = tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True)
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
