@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 VLLM_STAMP := .venv-vllm/.installed
 
-.PHONY: demo test lint fmt bench check-kernels clean install install-vllm wheel
+.PHONY: demo test test-deploy lint fmt bench check-kernels clean install install-vllm wheel
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -27,6 +27,12 @@ demo: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP) lint check-kernels
 	$(BIN)/python -m pytest
+
+# The real `ray up deploy/cluster-local.yaml` over SSH to a user of its own on this machine (as
+# root: it adds the user and starts sshd). Apart from `make test`, whose Ray cluster it must not meet.
+test-deploy: $(STAMP)
+	bash scripts/install_deploy_test.sh
+	$(BIN)/python -m pytest --deploy -p no:cacheprovider tests/deploy
 
 # The wheel `ray up` mounts on every node (deploy/cluster.yaml): dist/tiered_cache-<version>-py3-none-any.whl
 wheel: $(STAMP)

@@ -67,9 +67,10 @@ def test_every_path_the_table_names_exists():
 
 
 def test_tests_are_laid_out_like_the_package():
-    """A folder of tests per folder of the package (or `workers/`), plus `project/` for the repo as a
-    whole; no test file loose in tests/."""
-    folders = {p.name for p in (REPO / "tiered_cache").iterdir() if (p / "__init__.py").exists()} | {"workers"}
+    """A folder of tests per folder of the package (or `workers/`, or `deploy/`'s launch files),
+    plus `project/` for the repo as a whole; no test file loose in tests/."""
+    package = {p.name for p in (REPO / "tiered_cache").iterdir() if (p / "__init__.py").exists()}
+    folders = package | {"workers", "deploy"}
     for path in sorted((REPO / "tests").iterdir()):
         if path.is_dir() and any(path.glob("test_*.py")):
             assert path.name in folders | {"project"}, f"tests/{path.name}/ matches no folder of the package"
