@@ -8,6 +8,7 @@ import torch
 
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
+from tiered_cache.wire import codec
 from tiered_cache.wire.codec import blob_checksum, encode_page
 
 SPEC = KVSpec("service-test", 2, 2, 32, page_size=4)  # 2 KiB pages
@@ -32,3 +33,12 @@ def large_items(num_pages: int) -> list[tuple[bytes, bytes]]:
     keys = PageKeyer(spec).keys(list(range(num_pages * spec.page_size)))
     page = torch.randn(spec.staging_shape(1)[1:]).half()
     return [(k, encode_page(page, spec, k)) for k in keys]
+
+
+def checksummed(spec: KVSpec, codec_id: int, dtype_id: int, shape: tuple[int, ...], raw_len: int,
+                payload: bytes, key: bytes) -> bytes:
+    """A blob with these header fields and a correct checksum, whatever the fields say."""
+    body = struct.pack("<4sBBBB32s32sIIQQ", codec.MAGIC, codec.VERSION, codec_id, dtype_id, len(shape),
+                       bytes.fromhex(spec.fingerprint), key, spec.page_size, 0, raw_len, len(payload))
+    body += struct.pack(f"<{len(shape)}I", *shape) + payload
+    return body + struct.pack("<I", codec.blob_checksum(body))

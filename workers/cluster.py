@@ -9,6 +9,7 @@ killed), and `stop` removes every actor and the shards' placement group.
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,16 +38,36 @@ from workers.store_shard import StoreShard
 Progress = Callable[[str], None]
 PROGRESS_S = 10.0  # how often a start that waits says what for
 START_TIMEOUT_S = 300.0  # benchmarks' warm-up calls: a worker loads its model on first use
+CONNECT_TIMEOUT_S = 10.0  # a wrong or dead Ray address fails within this
 
 
-def connect(address: str, namespace: str) -> None:
-    """Join the Ray cluster at `address` ("auto" on a cluster node) as a driver in `namespace`."""
+def connect(address: str, namespace: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Join the Ray cluster at `address` ("auto" on a cluster node) as a driver in `namespace`. A
+    HOST:PORT nobody answers on fails within `timeout_s`, naming the address (ray.init alone
+    retries for many minutes)."""
     if ray.is_initialized():
         current = ray.get_runtime_context().namespace
         if current != namespace:
             raise RuntimeError(f"this process is connected to Ray namespace {current!r}, not {namespace!r}")
         return
+    _reachable(address, timeout_s)
     ray.init(address=address, namespace=namespace, logging_level="WARNING", log_to_driver=False)
+
+
+def _reachable(address: str, timeout_s: float) -> None:
+    """RuntimeError unless a TCP connection to a HOST:PORT address opens within `timeout_s`
+    ("auto" and `ray://` addresses are left to Ray)."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"Ray address {address!r}: expected HOST:PORT (the head's GCS, port 6379 by default) or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = "no answer" if isinstance(exc, TimeoutError) else exc.strerror or type(exc).__name__
+        raise RuntimeError(f"no Ray cluster at {address} ({reason} within {timeout_s:g} s): "
+                           "is the head running, and is this its GCS address (`ray status` on it)?") from None
 
 
 def _existing(name: str) -> Any | None:
@@ -56,12 +77,17 @@ def _existing(name: str) -> Any | None:
         return None
 
 
-def _detached(cls: type, name: str, **options: Any) -> Any:
-    return ray.remote(cls).options(name=name, lifetime="detached", max_restarts=0, **options)
+def _detached(cls: type, name: str, config: ClusterConfig, retry_calls: bool = True, **options: Any) -> Any:
+    """A named, detached actor that Ray restarts in place when its process dies. With
+    `retry_calls`, a call in flight when it died runs again on the restarted actor (its methods
+    are safe to repeat); without, the caller sees the error and decides (the router, for workers)."""
+    retries = config.max_restarts if retry_calls else 0
+    return ray.remote(cls).options(name=name, lifetime="detached", max_restarts=config.max_restarts,
+                                   max_task_retries=retries, **options)
 
 
 def start_directory(config: ClusterConfig) -> Any:
-    return _existing(DIRECTORY) or _detached(ClusterDirectory, DIRECTORY, num_cpus=0).remote(
+    return _existing(DIRECTORY) or _detached(ClusterDirectory, DIRECTORY, config, num_cpus=0).remote(
         health_interval_s=config.watch_interval_s)
 
 
@@ -71,7 +97,7 @@ def start_shard(name: str, config: ClusterConfig, **options: Any) -> Any:
     options.setdefault("num_cpus", s.num_cpus)
     if s.resources:
         options.setdefault("resources", dict(s.resources))
-    return _existing(name) or _detached(StoreShard, name, max_concurrency=8, **options).remote(name, s)
+    return _existing(name) or _detached(StoreShard, name, config, max_concurrency=8, **options).remote(name, s)
 
 
 def start_worker(name: str, config: ClusterConfig, **options: Any) -> Any:
@@ -81,14 +107,15 @@ def start_worker(name: str, config: ClusterConfig, **options: Any) -> Any:
     options.setdefault("num_gpus", w.num_gpus)
     if w.resources:
         options.setdefault("resources", dict(w.resources))
-    return _existing(name) or _detached(CacheWorker, name, max_concurrency=4, **options).remote(
-        name, w, config.shard, config.watch_interval_s)
+    return _existing(name) or _detached(CacheWorker, name, config, retry_calls=False, max_concurrency=4,
+                                        **options).remote(name, w, config.shard, config.watch_interval_s)
 
 
 def start_router(config: ClusterConfig) -> Any:
     from workers.router import PrefixRouter
 
-    return _existing(ROUTER) or _detached(PrefixRouter, ROUTER, num_cpus=0, max_concurrency=64).remote(config.router)
+    return _existing(ROUTER) or _detached(PrefixRouter, ROUTER, config, num_cpus=0, max_concurrency=64).remote(
+        config.router)
 
 
 def _shard_group(config: ClusterConfig, progress: Progress) -> Any:
@@ -189,7 +216,8 @@ def _kind_order(name: str) -> tuple[int, str]:
 
 
 def stats(timeout_s: float = 30.0) -> dict[str, Any]:
-    """Every shard's and worker's own figures, plus cluster totals per tier (see `rollup`)."""
+    """Every shard's and worker's own figures, plus cluster totals per tier (see `rollup`), and
+    the directory and router (`control`); each with how often Ray restarted it."""
     names = [n for n in actor_names() if n.startswith((SHARD_PREFIX, WORKER_PREFIX))]
     refs = {n: ray.get_actor(n).stats.remote() for n in names}
     actors = []
@@ -199,7 +227,23 @@ def stats(timeout_s: float = 30.0) -> dict[str, Any]:
         except (ray.exceptions.RayError, TimeoutError) as exc:
             actors.append({"kind": "shard" if name.startswith(SHARD_PREFIX) else "worker", "name": name,
                            "error": f"{type(exc).__name__}: {exc}".splitlines()[0]})
-    return {"actors": actors, "totals": rollup(actors)}
+        actors[-1]["restarts"] = restarts(name)
+    control = [{"kind": name, "name": name, "restarts": restarts(name)}
+               for name in (DIRECTORY, ROUTER) if _existing(name) is not None]
+    return {"actors": actors, "control": control, "totals": rollup(actors)}
+
+
+def restarts(name: str) -> int | None:
+    """How often Ray restarted the named actor in place (the GCS's actor table); None if unknown."""
+    from ray._private import state  # the actor table has no public accessor that needs no dashboard
+
+    handle = _existing(name)
+    if handle is None:
+        return None
+    try:
+        return int(state.actors(actor_id=handle._actor_id.hex()).get("NumRestarts", 0))
+    except Exception:  # a private API: a figure that cannot be read is shown as unknown
+        return None
 
 
 _SUMMED = ("capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "promotions", "demotions",

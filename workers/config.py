@@ -105,6 +105,9 @@ class ClusterConfig:
     # How long `cluster start` waits for every actor to be placed and answer: a GPU node the
     # autoscaler brings takes minutes; past it, start fails naming what is missing.
     start_timeout_s: float = 600.0
+    # How often Ray restarts a crashed actor (killed, out of memory, its node lost) in place: same
+    # name, same handles, state recovered from the cluster; -1 for no limit, 0 for never.
+    max_restarts: int = 10
     shard: ShardSettings = field(default_factory=ShardSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     router: RouterSettings = field(default_factory=RouterSettings)
@@ -116,6 +119,8 @@ class ClusterConfig:
             raise ValueError("namespace must not be empty")
         if self.start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s must be positive, got {self.start_timeout_s}")
+        if self.max_restarts < -1:
+            raise ValueError(f"max_restarts must be -1 (no limit), 0 or more, got {self.max_restarts}")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:

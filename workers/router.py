@@ -25,6 +25,8 @@ from workers.names import DIRECTORY
 from workers.routing import Decision, Prompt, make_policy, prompt_text
 
 _REFRESH_S = 1.0
+_DIRECTORY_WAIT_S = 2.0  # one directory or worker look-up during a refresh, at most
+_NO_WORKER_WAIT_S = 30.0  # how long a request waits for a first live worker before it fails
 
 
 class NoWorkerError(RuntimeError):
@@ -46,6 +48,7 @@ class PrefixRouter:
         self.routed: Counter[str] = Counter()  # requests sent per worker
         self.reasons: Counter[str] = Counter()  # why: prefix / balance / least_cached / round_robin
         self.failures = 0  # requests that found their worker dead and were sent elsewhere
+        self.directory_misses = 0  # refreshes that could not reach the directory
         self._version = -1
         self._refreshed = 0.0
         self._refreshing = asyncio.Lock()
@@ -54,23 +57,27 @@ class PrefixRouter:
         async with self._refreshing:  # one refresh at a time; the others wait for its result
             if not force and time.monotonic() - self._refreshed < _REFRESH_S:
                 return
-            snapshot = await ray.get_actor(DIRECTORY).snapshot.remote()
             self._refreshed = time.monotonic()
-            if snapshot["version"] == self._version:
+            try:  # bounded: a directory that is restarting or gone must not hold every request
+                snapshot = await asyncio.wait_for(ray.get_actor(DIRECTORY).snapshot.remote(), _DIRECTORY_WAIT_S)
+            except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
+                self.directory_misses += 1  # keep routing to the workers known so far
+                return
+            live = {m["name"] for m in snapshot["members"] if m["kind"] == WORKER}
+            if snapshot["version"] == self._version and live <= set(self.workers):
                 return
             self._version = snapshot["version"]
-            live = {m["name"] for m in snapshot["members"] if m["kind"] == WORKER}
             for name in set(self.workers) - live:
                 self._drop(name)
-            joined = sorted(live - set(self.workers))
-            for name in joined:  # routable at once; what they hold is learnt below
-                self.workers[name] = ray.get_actor(name)
-                self.policy.add_worker(name)
-            for name in joined:
-                try:
-                    self.policy.observe(name, await self.workers[name].prefix_summary.remote())
-                except (ray.exceptions.RayError, KeyError):
-                    self._drop(name)
+            # New workers, and ones dropped after a failed call that Ray has restarted since (same
+            # name, same version): routable once they answer, with what they hold; asked all at once.
+            joining = sorted(live - set(self.workers))
+            summaries = await asyncio.gather(*(_summary(name) for name in joining))
+            for name, found in zip(joining, summaries, strict=True):
+                if found is not None:  # else still starting: asked again on the next refresh
+                    self.workers[name] = found[0]
+                    self.policy.add_worker(name)
+                    self.policy.observe(name, found[1])
 
     def _drop(self, name: str) -> None:
         self.workers.pop(name, None)
@@ -123,10 +130,19 @@ class PrefixRouter:
 
     async def _choose(self, text: str) -> Decision:
         await self._refresh()
-        if not self.workers:
+        deadline = time.monotonic() + _NO_WORKER_WAIT_S
+        while not self.workers and time.monotonic() < deadline:
+            # None known yet (a router just restarted, the directory or the workers restarting
+            # too): wait for them, bounded, rather than fail a request a moment too early.
             await self._refresh(force=True)
             if not self.workers:
-                raise NoWorkerError("no live cache worker: run `tiered-cache cluster start`")
+                await asyncio.sleep(_REFRESH_S / 2)
+        if not self.workers:
+            if self.directory_misses and self._version < 0:
+                raise NoWorkerError("no cache worker known: the cluster directory does not answer "
+                                    "(restarting, or gone: run `tiered-cache cluster start`)")
+            raise NoWorkerError(f"no live cache worker after {_NO_WORKER_WAIT_S:.0f} s: "
+                                "run `tiered-cache cluster start`")
         decision = self.policy.choose(text, {name: self.loads[name] for name in self.workers})
         self.loads[decision.worker] += 1
         self.routed[decision.worker] += 1
@@ -151,10 +167,20 @@ class PrefixRouter:
     async def stats(self) -> dict[str, Any]:
         await self._refresh()
         return {**(await self.info()), "workers": sorted(self.workers), "routed": dict(self.routed),
-                "in_flight": dict(self.loads), "reasons": dict(self.reasons), "failures": self.failures}
+                "in_flight": dict(self.loads), "reasons": dict(self.reasons), "failures": self.failures,
+                "directory_misses": self.directory_misses}
 
     async def shutdown(self) -> None:
         await asyncio.sleep(0)
+
+
+async def _summary(name: str) -> tuple[Any, list[str]] | None:
+    """A worker's handle and the prompts it holds; None when it is not there or does not answer."""
+    try:
+        handle = ray.get_actor(name)
+        return handle, await asyncio.wait_for(handle.prefix_summary.remote(), _DIRECTORY_WAIT_S)
+    except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
+        return None
 
 
 def _checked(prompt: Prompt) -> str:

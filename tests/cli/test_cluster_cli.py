@@ -57,6 +57,11 @@ def _walk(ray_cluster, where: list[str], tmp_path) -> None:
         assert again["route"] == {"worker": served, "reason": "prefix", "matched_chars": len(prompt)}
         text = run_cli("cluster", "generate", *where, prompt, "--max-new-tokens", "6").stdout
         assert served in text and "reused" in text
+        for bad_prompt, reason in (("", "non-empty prompt"), ("word " * 9000, "past the model's context")):
+            refused = run_cli("cluster", "generate", *where, bad_prompt, check=False)
+            last = refused.stderr.strip().splitlines()[-1]
+            assert refused.returncode == 2 and last.startswith("tiered-cache cluster: error: ") and reason in last
+            assert "Traceback" not in refused.stderr and "\x1b[" not in refused.stderr  # no remote traceback
         trees = json.loads(run_cli("tree", "--ray", ray_cluster.address, "--namespace", NAMESPACE, "--json").stdout)
         assert [t["worker"] for t in trees] == ["worker-0", "worker-1"]
         (tree,) = [t for t in trees if t["worker"] == served]
@@ -162,3 +167,16 @@ def test_a_bad_cluster_config_is_refused_before_connecting(tmp_path):
     bad.write_text("shards: 2\nworker:\n  modle: smollm2\n")
     result = run_cli("cluster", "start", "--address", "127.0.0.1:1", "--config", str(bad), check=False)
     assert result.returncode == 2 and "worker.modle" in result.stderr
+
+
+def test_a_ray_address_nobody_answers_on_fails_in_seconds_with_one_line():
+    ray.shutdown()  # not joined to any cluster: the commands must reach the address themselves
+    closed = free_port()  # bound and released: nothing listens there now
+    for command in (["cluster", "status", "--address", f"127.0.0.1:{closed}"],
+                    ["stats", "--ray", f"127.0.0.1:{closed}"]):
+        result = run_cli(*command, check=False)
+        assert result.returncode == 2, result.stderr
+        assert f"no Ray cluster at 127.0.0.1:{closed}" in result.stderr and "Traceback" not in result.stderr
+        assert not ray.is_initialized()
+    malformed = run_cli("cluster", "status", "--address", "localhost", check=False)
+    assert malformed.returncode == 2 and "expected HOST:PORT" in malformed.stderr

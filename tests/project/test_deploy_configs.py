@@ -55,7 +55,8 @@ def test_a_misspelt_key_is_rejected(name):
 
 def test_the_cluster_config_loads_with_the_documented_keys():
     data = load("tiered-cache-cluster.yaml")
-    assert set(data) == {"namespace", "shards", "workers", "start_timeout_s", "shard", "worker", "router"}
+    assert set(data) == {"namespace", "shards", "workers", "start_timeout_s", "max_restarts", "shard", "worker",
+                         "router"}
     assert set(data["shard"]) == {"ram_capacity", "disk_path", "disk_capacity", "redis_url", "host", "token",
                                   "tls_cert", "tls_key", "tls_ca"}
     config = ClusterConfig.from_yaml(DEPLOY / "tiered-cache-cluster.yaml")

@@ -6,7 +6,6 @@ TypeError), keep serving, and never hand out bytes other than those validly stor
 
 from __future__ import annotations
 
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from conftest import examples
 from google.protobuf.message import DecodeError
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
-from service_helpers import FINGERPRINT, SPEC, make_items
+from service_helpers import FINGERPRINT, SPEC, checksummed, make_items
 
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.index.keys import PageKeyer
@@ -493,15 +492,6 @@ FP8_SPEC = BLOB_SPEC.with_options(dtype="fp8")
 INT8_PAYLOAD = 32 * 2 + 32 * 16  # 32 rows of 16 (a scale each) for both specs: 1 KiB fp16, 512 B fp8
 
 
-def checksummed(spec: KVSpec, codec_id: int, dtype_id: int, shape: tuple[int, ...], raw_len: int,
-                payload: bytes, key: bytes = BLOB_KEY) -> bytes:
-    """A blob with these header fields and a correct checksum, whatever the fields say."""
-    body = struct.pack("<4sBBBB32s32sIIQQ", codec.MAGIC, codec.VERSION, codec_id, dtype_id, len(shape),
-                       bytes.fromhex(spec.fingerprint), key, spec.page_size, 0, raw_len, len(payload))
-    body += struct.pack(f"<{len(shape)}I", *shape) + payload
-    return body + struct.pack("<I", codec.blob_checksum(body))
-
-
 # What each codec's honest blob decodes to: a hostile blob that happens to be byte for byte an honest
 # one must give exactly this page, and a raw page of zeros with every field right gives zeros.
 PAGES = {blob: codec.decode_page(blob, BLOB_SPEC, BLOB_KEY).tobytes() for blob in BLOBS.values()}
@@ -509,7 +499,7 @@ PAGES = {blob: codec.decode_page(blob, BLOB_SPEC, BLOB_KEY).tobytes() for blob i
 
 def _honest_raw(spec: KVSpec) -> bytes:
     return checksummed(spec, Codec.RAW.wire_id, codec._DTYPES.index(spec.dtype), spec.staging_shape(1)[1:],
-                       spec.bytes_per_page, bytes(spec.bytes_per_page))
+                       spec.bytes_per_page, bytes(spec.bytes_per_page), BLOB_KEY)
 
 
 PAGES.update({_honest_raw(spec): bytes(spec.bytes_per_page) for spec in (BLOB_SPEC, FP8_SPEC)})
@@ -535,7 +525,7 @@ def checksummed_headers(draw: st.DrawFn) -> tuple[KVSpec, bytes]:
     dtype_id = right_or(codec._DTYPES.index(spec.dtype), st.integers(0, 5))
     shape = right_or(spec.staging_shape(1)[1:], st.lists(st.integers(0, 2**32 - 1), max_size=8).map(tuple))
     raw_len = right_or(spec.bytes_per_page, st.sampled_from([0, 1, 2**64 - 1, BLOB_SPEC.bytes_per_page]))
-    return spec, checksummed(spec, codec_id, dtype_id, shape, raw_len, payload)
+    return spec, checksummed(spec, codec_id, dtype_id, shape, raw_len, payload, BLOB_KEY)
 
 
 @pytest.mark.filterwarnings("ignore:.*encountered:RuntimeWarning")  # int8 scales of NaN or inf: valid, if odd
@@ -572,7 +562,7 @@ def test_an_int8_blob_for_an_fp8_model_is_a_blob_error():
     """int8 encodes only fp16, bf16 and fp32 pages; a well-formed int8 blob that claims fp8 KV
     once escaped as numpy's broadcast ValueError, past every `except BlobError` (a crash, not a miss)."""
     blob = checksummed(FP8_SPEC, Codec.INT8.wire_id, codec._DTYPES.index(FP8_SPEC.dtype),
-                       FP8_SPEC.staging_shape(1)[1:], FP8_SPEC.bytes_per_page, bytes(INT8_PAYLOAD))
+                       FP8_SPEC.staging_shape(1)[1:], FP8_SPEC.bytes_per_page, bytes(INT8_PAYLOAD), BLOB_KEY)
     codec.verify_blob(blob, BLOB_KEY)  # well-formed: only decoding can refuse it
     for read in (codec.decode_page, codec.page_view):
         with pytest.raises(BlobError, match="int8"):

@@ -189,7 +189,8 @@ def test_blob_store_demotes_promotes_and_counts(tmp_path):
     items = make_items(5, start=300)
     keys = [k for k, _ in items]
     assert store.put(items) == (5, 0)
-    assert store.put(items) == (2, 3)  # the 3 in RAM are held; the 2 on disk come back into RAM
+    assert store.put(items) == (2, 3)  # the 3 in RAM are held; the 2 on disk come back into RAM (their
+    # disk copies dropped: the newest Put of a page is the one kept, written down again from RAM)
     assert store.locate(keys) == ["ram", "ram", "disk", "disk", "ram"]
     assert store.get(keys[2:4]) == [b for _, b in items[2:4]]  # found on disk, promoted into RAM
     assert store.locate(keys) == ["disk", "ram", "ram", "ram", "disk"]
@@ -197,7 +198,7 @@ def test_blob_store_demotes_promotes_and_counts(tmp_path):
     ram, disk = store.stats()
     assert (ram.name, disk.name) == ("ram", "disk") and store.tiers == [store.ram, *store.lower]
     assert ram.promotions == 0 and disk.promotions == 2
-    assert disk.demotions == 5 and disk.pages == 5 and ram.evictions == 6  # k0 was on disk already: not re-put
+    assert disk.demotions == 6 and disk.pages == 4 and ram.evictions == 6  # k1 is in RAM only
     assert store.get(keys) == [b for _, b in items]
 
 
@@ -248,3 +249,51 @@ def test_a_lookup_from_ram_does_not_wait_behind_a_get_from_disk(tmp_path):
         getter.join(30)
     assert slow == [[b for _, b in on_disk]]
     assert store.locate([k for k, _ in on_disk]) == ["ram"] * 3
+
+
+def test_a_bad_blob_put_first_is_refused_or_replaced_by_the_real_page(store):
+    """A buggy or hostile writer gets to a key first. What the server can check without knowing
+    the model (the header's geometry holds together, the payload decodes) it refuses at Put; what
+    it cannot (a consistent page of another shape or model under this key) it stores, readers
+    refuse, and the real page's Put replaces it: the real page is then what every reader gets."""
+    from service_helpers import checksummed
+
+    from tiered_cache.wire import codec
+    from tiered_cache.wire.codec import Codec
+
+    (key, real), = make_items(1, start=7000)
+    header = codec.read_header(real)
+    raw = real[header.payload_offset:header.payload_offset + header.payload_len]
+    fp16 = codec._DTYPES.index(SPEC.dtype)
+    shape = SPEC.staging_shape(1)[1:]
+    size = SPEC.bytes_per_page
+
+    def forged(codec_id, dtype_id, page_shape, raw_len, payload, spec=SPEC):
+        return checksummed(spec, codec_id, dtype_id, page_shape, raw_len, payload, key)
+
+    refused_at_put = [
+        (forged(Codec.RAW.wire_id, fp16, shape, size + 2, raw + b"xy"), "raw length"),  # not shape x 2 bytes
+        (forged(Codec.RAW.wire_id, codec._DTYPES.index(codec.DType.FP32), shape, size, raw), "raw length"),
+        (forged(Codec.RAW.wire_id, fp16, (shape[0], 3, *shape[2:]), size // 2 * 3, raw + raw[:size // 2]),
+         "not (layers, 2"),
+        (forged(Codec.LZ4.wire_id, fp16, shape, size, b"\xff" * 64), "lz4 payload"),
+        (forged(Codec.INT8.wire_id, fp16, shape, size, bytes(10)), "int8 payload"),
+    ]
+    wrong_but_consistent = [  # readers of SPEC refuse these; only a reader can tell
+        forged(Codec.RAW.wire_id, fp16, (*shape[:-1], shape[-1] // 2), size // 2, raw[:size // 2]),
+        forged(Codec.RAW.wire_id, fp16, shape, size, raw, spec=SPEC.with_options(model_id="another model")),
+    ]
+    with StoreClient(store.address) as client:
+        for bad, reason in refused_at_put:
+            ack = client.put([(key, bad)])
+            assert ack.stored == 0 and [r.reason for r in ack.refused] == [pb.CORRUPT_BLOB], reason
+            assert reason in ack.refused[0].message
+            assert client.lookup([key]).leading == 0  # nothing stored under the key
+        for planted in wrong_but_consistent:
+            assert client.put([(key, planted)]).stored == 1
+            with pytest.raises(codec.BlobError):  # what a reader of SPEC makes of it
+                codec.decode_page(next(iter(client.get([key]))).blob, SPEC, key)
+            ack = client.put([(key, real)], FINGERPRINT)  # the reader recomputed the page and puts it
+            assert (ack.stored, ack.already_held, len(ack.refused)) == (1, 0, 0)
+            assert [g.blob for g in client.get([key], fingerprint=FINGERPRINT)] == [real]
+        assert client.put([(key, real)]).already_held == 1  # the same page again replaces nothing

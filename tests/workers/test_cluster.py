@@ -243,10 +243,17 @@ def test_workers_and_shards_export_the_cache_metrics_through_ray(actors):
 
 def test_a_restarted_directory_finds_the_running_actors_again(actors):
     a, b = actors["a"], actors["b"]
+    router = cluster.start_router(actors["config"])
+    routed = question("Who lit the lamp?", "A note about the harbour wall and its repairs. " * 40)
+    assert cluster.generate(routed)["tokens"]  # the router has met the workers
     before = {w: ray.get(w.info.remote()) for w in (a, b)}
-    ray.kill(ray.get_actor("directory"), no_restart=True)
+    misses = ray.get(router.stats.remote())["directory_misses"]
+    ray.kill(ray.get_actor("directory"), no_restart=True)  # gone for good: no restart
     wait_for(lambda: "directory" not in ray.util.list_named_actors(), what="the directory to go")
-    # Meanwhile the workers keep their ring and keep serving.
+    # Meanwhile the router routes to the workers it knows, and the workers keep their ring.
+    time.sleep(1.1)  # past the router's refresh window: it looks for the directory again
+    assert cluster.generate(routed)["tokens"]
+    assert ray.get(router.stats.remote())["directory_misses"] > misses
     prompt = question("Is the light still working?")
     assert ray.get(a.generate.remote(prompt), timeout=120)["tokens"]
     assert ray.get(a.flush.remote())
@@ -328,3 +335,49 @@ def test_chaos_a_worker_killed_mid_request_the_router_answers_from_another(actor
     assert len(answer["tokens"]) > 0
     stats = ray.get(router.stats.remote())
     assert stats["failures"] == before + 1 and victim not in stats["workers"]
+
+
+def test_chaos_each_actor_kind_killed_twice_is_restarted_in_place_and_every_request_is_answered(actors):
+    """Ray restarts a crashed directory, router, shard or worker in place (`max_restarts`): the
+    same name and handles, state recovered from the cluster: each kind killed alone, then all four
+    at once. Every request through the router, during each outage and after it, gets the no-cache
+    answer; a call in flight on the router when it dies runs again on the restarted router.
+    `cluster status` counts the restarts."""
+    config = actors["config"]
+    router = cluster.start_router(config)
+    prompt = question("Who keeps the lighthouse now?")
+    reference = ray.get(actors["b"].generate.remote(prompt, use_cache=False), timeout=120)["tokens"]
+
+    def ask() -> None:
+        assert cluster.generate(prompt, timeout_s=300)["tokens"] == reference
+
+    ask()
+    kinds = ("directory", "router", "shard-0", "worker-0")
+    for name in kinds:  # one at a time
+        restarted = cluster.restarts(name)
+        in_flight = router.generate.remote(prompt) if name == "router" else None
+        ray.kill(ray.get_actor(name), no_restart=False)  # a crash: Ray restarts it
+        ask()  # during the outage (or just after it: the restart is quick)
+        if in_flight is not None:
+            assert ray.get(in_flight, timeout=300)["tokens"] == reference
+        wait_for(lambda n=name, r=restarted: cluster.restarts(n) == r + 1 and _alive(n), timeout_s=180,
+                 what=f"{name} restarted")
+        ask()
+    # Then all four at once, a request in flight on the router: the restarted router waits for the
+    # restarted directory (bounded) to learn the workers, and the call it was running runs again.
+    in_flight = router.generate.remote(prompt)
+    for name in kinds:
+        ray.kill(ray.get_actor(name), no_restart=False)
+    assert ray.get(in_flight, timeout=300)["tokens"] == reference
+    ask()
+    for name in kinds:
+        wait_for(lambda n=name: cluster.restarts(n) == 2 and _alive(n), timeout_s=180, what=f"{name} restarted again")
+    ask()
+    figures = cluster.stats()
+    counted = {a["name"]: a["restarts"] for a in figures["actors"] + figures["control"]}
+    assert counted["shard-0"] == counted["worker-0"] == counted["router"] == 2
+    assert counted["directory"] == 2  # the one started after the kill for good, above
+    from tiered_cache.cli.cluster_cmd import render_status
+
+    row = next(line for line in render_status(figures).splitlines() if " shard-0 " in f" {line} ")
+    assert " 2 " in row

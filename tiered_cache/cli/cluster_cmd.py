@@ -137,18 +137,25 @@ def render_actors(infos: list[dict[str, Any]]) -> str:
 
 
 def render_status(figures: dict[str, Any]) -> str:
-    """One row per actor: node, address and pages per tier."""
+    """One row per actor: node, address, how often Ray restarted it, and pages per tier."""
     from workers.cluster import tiers_of
 
     rows = []
     for actor in figures["actors"]:
+        restarted = _restarts(actor)
         if "error" in actor:
-            rows.append([actor["kind"], actor["name"], "-", "-", "-", f"unreachable: {actor['error']}"])
+            rows.append([actor["kind"], actor["name"], "-", "-", "-", restarted, f"unreachable: {actor['error']}"])
             continue
         pages = ", ".join(f"{t['name']} {int(t['pages']):,}" for t in tiers_of(actor))
         rows.append([actor["kind"], actor["name"], node_label(actor), compute_label(actor), actor.get("address", "-"),
-                     pages])
-    return render_table(rows, ["kind", "name", "node", "computes on", "address", "pages per tier"])
+                     restarted, pages])
+    rows += [[c["kind"], c["name"], "-", "-", "-", _restarts(c), "-"] for c in figures.get("control", [])]
+    return render_table(rows, ["kind", "name", "node", "computes on", "address", "restarts", "pages per tier"])
+
+
+def _restarts(actor: dict[str, Any]) -> str:
+    value = actor.get("restarts")
+    return "?" if value is None else str(value)
 
 
 def render_answer(result: dict[str, Any]) -> str:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
+import traceback
 from collections.abc import Sequence
 
 from tiered_cache import __version__
@@ -61,10 +63,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         return 130
-    except (TieredCacheError, ValueError, KeyError, FileNotFoundError, OSError, RuntimeError) as exc:
-        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"tiered-cache {args.command}: error: {message}", file=sys.stderr)
+    except Exception as exc:
+        if not isinstance(exc, (TieredCacheError, ValueError, KeyError, OSError, RuntimeError)) and not _from_ray(exc):
+            raise
+        if getattr(args, "verbose", 0):
+            traceback.print_exc()
+        print(f"tiered-cache {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 2
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _from_ray(exc: BaseException) -> bool:
+    return type(exc).__module__.split(".")[0] == "ray"
+
+
+def one_line(exc: BaseException) -> str:
+    """What went wrong, in one line: for an error a Ray actor raised, the actor's own error (Ray
+    wraps it in the remote traceback, with colour codes); `-v` prints the whole traceback."""
+    cause = getattr(exc, "cause", None) if _from_ray(exc) else None
+    if isinstance(cause, BaseException):
+        exc = cause
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    text = _ANSI.sub("", str(exc)).strip()
+    if not _from_ray(exc):
+        return text or type(exc).__name__
+    lines = [line.strip() for line in text.splitlines() if line.strip()]  # Ray's own errors: the
+    errors = [line for line in lines if "Error" in line.split(":")[0]]     # last error line, after the traceback
+    return (errors or lines or [type(exc).__name__])[-1]
 
 
 if __name__ == "__main__":

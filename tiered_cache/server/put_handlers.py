@@ -21,6 +21,7 @@ from tiered_cache.server.store import BlobStore
 from tiered_cache.server.streams import BatchSizer
 from tiered_cache.shm.offers import OfferedSegments
 from tiered_cache.v1 import cache_pb2 as pb
+from tiered_cache.wire.blob_geometry import check_geometry
 from tiered_cache.wire.codec import BlobError, BlobFault, check_fingerprint, verify_blob
 from tiered_cache.wire.deadline import ProgressDeadline
 
@@ -221,6 +222,7 @@ class PutHandlers:
             header = verify_blob(blob, key)
             if fingerprint:
                 check_fingerprint(header, fingerprint)
+            check_geometry(blob, header)
         except BlobError as exc:
             return pb.Refusal(key=key, reason=_REFUSALS[exc.fault], message=str(exc))
         return None

@@ -17,6 +17,7 @@ from tiered_cache.tiers.arena import ArenaTier
 from tiered_cache.tiers.base import BlobTier, TierStats
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.memory import ENTRY_OVERHEAD_BYTES, MemoryTier
+from tiered_cache.wire.codec import IDENTITY_BYTES, BlobError, page_identity
 
 _FETCH_ROUNDS = 3  # a key that moved tier between locate and fetch (an eviction) is looked up again
 
@@ -28,6 +29,7 @@ class BlobStore:
         self.lower = list(lower)
         self.write_through = write_through
         self.chain = TierChain([ram, *self.lower])
+        self.replaced = 0  # held blobs a Put replaced with another page identity
 
     @property
     def tiers(self) -> list[BlobTier]:
@@ -79,18 +81,44 @@ class BlobStore:
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> tuple[int, int]:
         """Store verified (key, blob) pairs: (new pages stored, pages already held). Every item is
-        one or the other: a key repeated within `items` counts once as stored, then as held."""
+        one or the other: a key repeated within `items` counts once as stored, then as held.
+
+        The newest Put of a page is the one kept: a key held in RAM whose blob claims another page
+        identity (`codec.page_identity`: another model, shape, dtype or length) is replaced, and
+        copies of a stored key in the tiers below are dropped (they are written again from RAM). So
+        a blob that passed the server's checks but that readers refuse (a page of another model
+        under this key) blocks nothing: the reader recomputes the page and its Put replaces it."""
         unique: dict[bytes, bytes] = {}
         for key, blob in items:
             unique.setdefault(key, blob)
         keys = list(unique)
         held = self.chain.contains(keys, 0)
-        fresh = [(k, unique[k]) for k, h in zip(keys, held, strict=True) if not h]
+        fresh = []
+        for key, was_held in zip(keys, held, strict=True):
+            if not was_held:
+                fresh.append((key, unique[key]))
+            elif self._claims_another_page(key, unique[key]):
+                self.delete([key])
+                self.replaced += 1
+                fresh.append((key, unique[key]))
+        for index in range(1, len(self.chain.tiers)):  # the residency this chain knows: no tier's lock
+            below = [k for k, _ in fresh if self.chain.known_in(k, index)]
+            if below:
+                self.chain.delete(below, index)
         if fresh:
             self.chain.put(fresh, 0)  # a blob too big for RAM goes straight to the tier below
         if self.write_through and self.lower and fresh:
             self.chain.put(fresh, 1)
         return len(fresh), len(items) - len(fresh)
+
+    def _claims_another_page(self, key: bytes, blob: bytes) -> bool:
+        head = self.ram.head(key, IDENTITY_BYTES)
+        if head is None:
+            return False  # gone meanwhile: stored as new
+        try:
+            return page_identity(head) != page_identity(blob)
+        except BlobError:
+            return True  # what is held is not even a blob header
 
     def delete(self, keys: Sequence[bytes]) -> None:
         """Forget `keys` in every tier (blobs stored that must not be served)."""

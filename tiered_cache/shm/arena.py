@@ -179,6 +179,15 @@ class Arena:
         at = DATA + record.position % self.capacity
         return self._map[at:at + record.length]
 
+    def head(self, key: bytes, n: int) -> bytes | None:
+        """The first `n` bytes of `key`'s blob, or None; not a read (no figures, no second chance)."""
+        with self._lock:
+            record = self._records.get(key)
+            if record is None:
+                return None
+            at = DATA + record.position % self.capacity
+            return bytes(self._map[at:at + min(n, record.length)])
+
     def matches(self, ref: Ref, test: Callable[[memoryview], bool]) -> bool:
         """`test` of the blob at `ref`, read in place (a Get's fingerprint filter)."""
         position, length = ref

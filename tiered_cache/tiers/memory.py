@@ -49,12 +49,19 @@ class MemoryTier:
         self._stats.record_reads(out)
         return out
 
+    def head(self, key: bytes, n: int) -> bytes | None:
+        """The first `n` bytes of `key`'s blob, or None; not a read (no figures, no LRU move)."""
+        blob = self.index.get(key)
+        return None if blob is None else bytes(blob[:n])
+
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         stored = 0
         for key, blob in items:
             if key in self.index:
                 self.index.move_to_end(key)
                 continue
+            if type(blob) is not bytes:  # a view into a received message would hold all of it
+                blob = bytes(blob)
             cost = entry_cost(blob)
             if cost > self.capacity:
                 if self.on_evict:

@@ -161,7 +161,7 @@ def _blosc2_encode(raw: np.ndarray, itemsize: int) -> bytes:
                             filters=[blosc2.Filter.BITSHUFFLE], nthreads=1)
 
 
-def _blosc2_decode(payload: memoryview, raw_len: int, out: np.ndarray) -> None:
+def blosc2_decode(payload: memoryview, raw_len: int, out: np.ndarray) -> None:
     """Decode a blosc2 chunk into `out`, after checking its own sizes against the header's: a
     chunk that claims more bytes than the page would write past `out`. Without the blosc2
     package here the blob is refused (a miss), like any blob this reader cannot decode."""
@@ -316,6 +316,21 @@ def expected_blob_size(head: Any) -> int:
     return _HEADER.size + 4 * ndim + payload_len + _CRC.size
 
 
+def page_identity(head: Any) -> tuple[Any, ...]:
+    """Which page of which model a blob claims to be, from its first `IDENTITY_BYTES` bytes (or
+    all of it): (fingerprint, key, dtype, tokens, raw length, shape). Equal for two blobs of one
+    page under different codecs. Raises BlobError for a head that is not a blob header."""
+    view = memoryview(head).cast("B")
+    expected_blob_size(view)  # magic and version
+    _, _, _, dtype_id, ndim, fp, key, tokens, _, raw_len, _ = _HEADER.unpack_from(view)
+    if len(view) < _HEADER.size + 4 * ndim:
+        raise BlobError(f"blob truncated: {len(view)} bytes is shorter than its header")
+    return bytes(fp), bytes(key), dtype_id, tokens, raw_len, struct.unpack_from(f"<{ndim}I", view, _HEADER.size)
+
+
+IDENTITY_BYTES = _HEADER.size + 4 * 255  # the longest header (ndim is one byte)
+
+
 def verify_blob(blob: Any, key: bytes, check_crc: bool = True) -> BlobHeader:
     """Header and checksum are intact and the blob is the page keyed `key`. Raises BlobError."""
     header = read_header(blob, check_crc)
@@ -383,7 +398,7 @@ def decode_page(blob: Any, spec: KVSpec, key: bytes, out: np.ndarray | None = No
     elif header.codec is Codec.INT8:
         _int8_decode(payload, spec, out)
     elif header.codec is Codec.BLOSC2:
-        _blosc2_decode(payload, header.raw_len, out)
+        blosc2_decode(payload, header.raw_len, out)
     else:
         import lz4.block
 
