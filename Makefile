@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 VLLM_STAMP := .venv-vllm/.installed
 
-.PHONY: demo test test-deploy lint fmt bench check-kernels clean install install-vllm wheel
+.PHONY: demo test test-long lint fmt bench check-kernels clean install install-vllm wheel
 
 $(STAMP): pyproject.toml scripts/install.sh
 	bash scripts/install.sh
@@ -28,11 +28,13 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP) lint check-kernels
 	$(BIN)/python -m pytest
 
-# The real `ray up deploy/cluster-local.yaml` over SSH to a user of its own on this machine (as
-# root: it adds the user and starts sshd). Apart from `make test`, whose Ray cluster it must not meet.
-test-deploy: $(STAMP)
-	bash scripts/install_deploy_test.sh
-	$(BIN)/python -m pytest --deploy -p no:cacheprovider tests/deploy
+# The tests marked `long` (CI runs them after `make test`): the real `ray up
+# deploy/cluster-local.yaml` over SSH to a user of its own on this machine (as root: it adds the
+# user and starts sshd; apart from `make test`, whose Ray cluster it must not meet), and soaks
+# past the suite's time budget (a store server's memory under millions of small pages).
+test-long: $(STAMP)
+	bash scripts/install_long_tests.sh
+	$(BIN)/python -m pytest --long -m long -p no:cacheprovider
 
 # The wheel `ray up` mounts on every node (deploy/cluster.yaml): dist/tiered_cache-<version>-py3-none-any.whl
 wheel: $(STAMP)

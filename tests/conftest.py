@@ -104,22 +104,22 @@ def redis_prefix(request) -> str:
 
 
 def pytest_addoption(parser):
-    parser.addoption("--deploy", action="store_true",
-                     help="run the tests marked `deploy` (`ray up` over SSH as root: make test-deploy)")
+    parser.addoption("--long", action="store_true",
+                     help="run the tests marked `long` too (the real `ray up` as root, soaks: make test-long)")
 
 
 def pytest_collection_modifyitems(config, items):
     """The modules that use the session's Ray cluster run last, so that its idle daemons (a tenth
     of a core for three nodes) run beside those tests only, not beside the whole suite. Tests
     marked `gpu` need CUDA and CuPy; without them they are skipped, and say so. Tests marked
-    `deploy` run only under --deploy (`make test-deploy`)."""
+    `long` run only under --long (`make test-long`)."""
     import torch
 
-    if not config.getoption("--deploy"):
-        skip_deploy = pytest.mark.skip(reason="a `ray up` over SSH: runs in make test-deploy")
+    if not config.getoption("--long"):
+        skip_long = pytest.mark.skip(reason="past the suite's time budget or needs root: runs in make test-long")
         for item in items:
-            if "deploy" in item.keywords:
-                item.add_marker(skip_deploy)
+            if "long" in item.keywords:
+                item.add_marker(skip_long)
 
     ray_modules = {item.module for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
     items[:] = [i for i in items if i.module not in ray_modules] + [i for i in items if i.module in ray_modules]

@@ -56,6 +56,7 @@ class CacheWorker:
         self.spec = spec_for(self.model, kv_dtype_for(settings.kv_dtype, self.model), page_size=settings.page_size)
         self._shard = shard
         self._use_shards = True
+        self._namespace = ""  # of the page keys (CacheConfig.namespace)
         self.remote, self.cache = self._new_cache()
         self._generate_lock = threading.Lock()  # one forward at a time; stats never wait for it
         self._recent: OrderedDict[str, None] = OrderedDict()
@@ -78,16 +79,20 @@ class CacheWorker:
         remote = RemoteTier([], token=token, tls_ca=self._shard.tls_ca, allow_empty=True,
                             fingerprint=bytes.fromhex(self.spec.fingerprint))
         config = CacheConfig(device=self.device, pool_capacity=self.settings.pool_capacity,
-                             host_capacity=self.settings.host_capacity, write_policy=WritePolicy.WRITE_THROUGH)
+                             host_capacity=self.settings.host_capacity, write_policy=WritePolicy.WRITE_THROUGH,
+                             namespace=self._namespace)
         return remote, TieredCache(self.spec, config, lower=[remote])
 
-    def reset(self, use_shards: bool = True) -> int:
+    def reset(self, use_shards: bool = True, namespace: str | None = None) -> int:
         """A cold start without a new process (`bench cluster` runs each way from one): an empty
         cache, the prompts it recorded forgotten, and as its ring the directory's shards, or none
-        (`use_shards=False`: a worker alone). Returns the ring's size."""
+        (`use_shards=False`: a worker alone). A new `namespace` makes the shards cold for it too
+        (page keys carry it: nothing stored before is found). Returns the ring's size."""
         with self._generate_lock:
             self.cache.close()
             self._use_shards = use_shards
+            if namespace is not None:
+                self._namespace = namespace
             self.remote, self.cache = self._new_cache()
             self.cache.chain.observe_fetches(self.metrics.fetched)
             with self._summary_lock:

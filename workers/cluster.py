@@ -187,6 +187,34 @@ def _cause(exc: Exception) -> str:
 def start(config: ClusterConfig, progress: Progress = lambda _: None) -> list[dict[str, Any]]:
     """Create whatever of directory, shards, workers and router is not running; wait until every
     one answers. Returns each actor's info."""
+    asked = config.shards * config.shard.num_cpus + config.workers * config.worker.num_cpus
+    total = ray.cluster_resources().get("CPU", 0.0)
+    if asked > total:  # no autoscaler: this would only wait, then time out
+        progress(f"the shards and workers ask for {asked:g} CPU(s), the cluster has {total:g}: waiting up to "
+                 f"{config.start_timeout_s:.0f} s for nodes to join (lower --shards/--workers, or add nodes)")
+    before = set(actor_names())
+    try:
+        return _start(config, progress)
+    except BaseException:  # a start that fails (or is interrupted) leaves what was running, only
+        _remove_new(before, config.namespace, progress)
+        raise
+
+
+def _remove_new(before: set[str], namespace: str, progress: Progress) -> None:
+    """Kill the actors of this cluster that were not running before a start that failed, and the
+    shards' placement group when none of its shards were."""
+    new = [n for n in actor_names() if n not in before]
+    for name in sorted(new, key=_kind_order, reverse=True):
+        with contextlib.suppress(ValueError, ray.exceptions.RayError):
+            ray.kill(ray.get_actor(name), no_restart=True)
+    if not any(n.startswith(SHARD_PREFIX) for n in before):
+        with contextlib.suppress(ValueError):
+            remove_placement_group(get_placement_group(placement_group_name(namespace)))
+    if new:
+        progress(f"stopped what this start had started: {', '.join(sorted(new, key=_kind_order))}")
+
+
+def _start(config: ClusterConfig, progress: Progress) -> list[dict[str, Any]]:
     start_directory(config)
     actors: dict[str, Any] = {}
     if config.shards:

@@ -36,7 +36,9 @@ class ShardSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None  # what workers verify the shards' certificates with
-    num_cpus: float = 1
+    # Ray's scheduling share, not a thread count: a shard mostly waits on its sockets and disk,
+    # and two shards and a worker then fit a 2-core machine (`ray start --head` offers 2 CPUs).
+    num_cpus: float = 0.5
     resources: Mapping[str, float] = field(default_factory=dict)  # e.g. {"shard_node": 0.01} to pin
 
     def __post_init__(self) -> None:

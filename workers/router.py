@@ -35,6 +35,11 @@ class NoWorkerError(RuntimeError):
 
 class PrefixRouter:
     def __init__(self, settings: RouterSettings | None = None) -> None:
+        self._refreshing = asyncio.Lock()
+        self._begin(settings)
+
+    def _begin(self, settings: RouterSettings | None) -> None:
+        """Its policy from `settings`, and no worker, load or figure yet."""
         self.settings = settings or RouterSettings()
         s = self.settings
         if s.policy is RoutingPolicyName.PREFIX:
@@ -51,7 +56,6 @@ class PrefixRouter:
         self.directory_misses = 0  # refreshes that could not reach the directory
         self._version = -1
         self._refreshed = 0.0
-        self._refreshing = asyncio.Lock()
 
     async def _refresh(self, force: bool = False) -> None:
         async with self._refreshing:  # one refresh at a time; the others wait for its result
@@ -156,6 +160,11 @@ class PrefixRouter:
     def _lost(self, worker: str) -> None:
         self.failures += 1
         self._drop(worker)
+
+    async def reset(self, settings: RouterSettings | None = None) -> None:
+        """Forget every worker, load and figure, with `settings`' policy (a benchmark's cold start)."""
+        async with self._refreshing:
+            self._begin(settings)
 
     async def ping(self) -> str:
         return "router"

@@ -93,6 +93,7 @@ def _walk(ray_cluster, where: list[str], tmp_path) -> None:
         get_placement_group(f"{NAMESPACE}-shards")
     empty = run_cli("cluster", "status", *where, "--json", check=False)
     assert empty.returncode == 1 and json.loads(empty.stdout)["actors"] == []
+    assert f"no tiered-cache actors in Ray namespace '{NAMESPACE}'" in empty.stderr
 
 
 def free_port() -> int:
@@ -180,3 +181,18 @@ def test_a_ray_address_nobody_answers_on_fails_in_seconds_with_one_line():
         assert not ray.is_initialized()
     malformed = run_cli("cluster", "status", "--address", "localhost", check=False)
     assert malformed.returncode == 2 and "expected HOST:PORT" in malformed.stderr
+
+
+def test_a_start_that_fails_says_why_in_one_line_and_leaves_nothing_behind(ray_cluster, tmp_path):
+    ray.shutdown()
+    try:
+        failed = run_cli("cluster", "start", "--address", ray_cluster.address, "--namespace", "bad-model",
+                         "--shards", "0", "--workers", "1", "--model", str(tmp_path / "no-such-model"), check=False)
+        assert failed.returncode == 2, failed.stderr
+        last = failed.stderr.strip().splitlines()[-1]
+        assert last.startswith("tiered-cache cluster: error: worker-0 failed to start") and "no-such-model" in last
+        assert "Traceback" not in failed.stderr
+        assert "stopped what this start had started: directory" in failed.stderr, failed.stderr  # worker-0 died
+        assert ray.util.list_named_actors() == []  # in the namespace the command joined
+    finally:
+        ray.shutdown()

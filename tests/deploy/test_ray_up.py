@@ -11,7 +11,7 @@ the SSH proxy (Ray's local provider always dials
 port 22). The node user's Python already holds the project's dependencies (as a machine image
 would): the recipe's pinned `pip install`s find them installed, and what it installs is the wheel.
 
-Runs as root (it adds a user and starts `sshd`), in `make test-deploy`, not in `make test`: the
+Runs as root (it adds a user and starts `sshd`), in `make test-long`, not in `make test`: the
 node user's `ray stop` is what `ray down` runs, and it must not meet the suite's own Ray cluster.
 """
 
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.deploy
+pytestmark = pytest.mark.long
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -67,7 +67,7 @@ def make_node_user() -> None:
     """A user of its own for the node: its `ray stop` cannot touch root's processes, and its home
     holds what `ray up` writes. Recreated each run so nothing from a previous run is reused."""
     if shutil.which("sshd") is None and not Path("/usr/sbin/sshd").exists():
-        pytest.fail("sshd is missing: `make test-deploy` installs openssh-server")
+        pytest.fail("sshd is missing: `make test-long` installs openssh-server")
     subprocess.run(["pkill", "-KILL", "-u", NODE_USER], capture_output=True)
     subprocess.run(["userdel", "-r", NODE_USER], capture_output=True)
     run(["useradd", "-m", "-d", str(NODE_HOME), "-s", "/bin/bash", NODE_USER])
@@ -106,7 +106,7 @@ def provision_node_python() -> None:
 def sshd(tmp_path_factory):
     """An sshd on a loopback port that lets the node user in with a key made here."""
     if os.geteuid() != 0:
-        pytest.skip("the ray up test adds a user and starts sshd: run it as root (make test-deploy)")
+        pytest.skip("the ray up test adds a user and starts sshd: run it as root (make test-long)")
     folder = tmp_path_factory.mktemp("sshd")
     make_node_user()
     run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / "host_key")])

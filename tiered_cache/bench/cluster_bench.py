@@ -4,8 +4,9 @@ a shared store with round robin, and a shared store with the prefix router.
 
 The workload is D documents x Q questions in a seeded random order, `concurrency` requests in
 flight at once (as a service sees them). One cluster runs every way, in the bench's own namespace,
-and is stopped afterwards; before each way it is made cold (`cold_start`: fresh shards, workers
-reset to empty caches, a new router), so workers load their model once, not once per way.
+and is stopped afterwards; before each way it is made cold (`cold_start`: workers reset to empty
+caches keyed in a namespace of that way's own, so the shards hold none of its pages, and the
+router reset to that way's policy), so workers load their model once, not once per way.
 Reported per way: prefill tokens saved (prompt tokens whose KV came from a cache), mean and p99
 TTFT, and the TTFT ratio to recompute. Greedy answers must be identical in every way: a cache
 changes speed, never text.
@@ -133,21 +134,21 @@ def bench_cluster(address: str | None = None, workers: int = 2, shards: int = 1,
     results = []
     with tempfile.TemporaryDirectory(prefix="tiered-cache-bench-cluster-") as folder:
 
-        def config_for(way: str, policy: RoutingPolicyName) -> ClusterConfig:
+        def config_for(policy: RoutingPolicyName) -> ClusterConfig:
             return ClusterConfig(namespace=NAMESPACE, shards=shards, workers=workers, worker=worker,
-                                 shard=ShardSettings(disk_path=f"{folder}/{way}", ram_capacity="1GiB"),
+                                 shard=ShardSettings(disk_path=folder, ram_capacity="1GiB"),
                                  router=replace(RouterSettings(), policy=policy))
 
         # One cluster for every way (the workers load their model once); each way then starts
         # cold: empty shards, workers with empty caches and rings of the shards or none, a router
         # with that way's policy and nothing recorded.
         progress(f"starting {workers} worker(s) and {shards} shard(s) ...")
-        cluster.start(config_for("start", RoutingPolicyName.ROUND_ROBIN))
+        cluster.start(config_for(RoutingPolicyName.ROUND_ROBIN))
         try:
             for way, use_shards, policy in ways:
-                config = config_for(way, policy)
+                config = config_for(policy)
                 progress(f"{way}: cold caches, {'the' if use_shards else 'no'} shards, {policy.value} routing ...")
-                cold_start(config, use_shards)
+                cold_start(config, use_shards, f"bench-cluster-{way}-{seed}")
                 if not results:  # the baseline, on the first (cold) cluster: caches untouched
                     progress(f"recompute: {len(requests)} requests, no cache ...")
                     results.append(_drive(requests, "recompute", False, concurrency, max_new_tokens))
@@ -158,37 +159,20 @@ def bench_cluster(address: str | None = None, workers: int = 2, shards: int = 1,
     return results
 
 
-def cold_start(config: Any, use_shards: bool) -> None:
-    """Make the running cluster cold for the next way: fresh shards (stopped, then started again
-    over an empty folder), every worker reset (`CacheWorker.reset`) with the shards as its ring
-    or none, and a new router with `config`'s policy."""
+def cold_start(config: Any, use_shards: bool, namespace: str) -> None:
+    """Make the running cluster cold for the next way, with no new process: every worker reset
+    (`CacheWorker.reset`) to an empty cache whose pages live in `namespace` (so the shards hold
+    none of them), with the shards as its ring or none, and the router reset to `config`'s policy."""
     import ray
 
-    from workers import cluster
-    from workers.names import ROUTER, shard_name, worker_name
+    from workers.names import ROUTER, worker_name
 
-    for i in range(config.shards):
-        old = ray.get_actor(shard_name(i))
-        ray.get(old.shutdown.remote())  # leaves the directory at once: no worker rings it again
-        ray.kill(old, no_restart=True)
-    router = ray.get_actor(ROUTER)
-    ray.kill(router, no_restart=True)
-    _gone([shard_name(i) for i in range(config.shards)] + [ROUTER])
-    cluster.start(config)  # the shards and the router again, in the placement group; workers are alive
-    sizes = ray.get([ray.get_actor(worker_name(i)).reset.remote(use_shards) for i in range(config.workers)])
+    ray.get(ray.get_actor(ROUTER).reset.remote(config.router))
+    sizes = ray.get([ray.get_actor(worker_name(i)).reset.remote(use_shards, namespace)
+                     for i in range(config.workers)])
     expected = config.shards if use_shards else 0
     if any(size != expected for size in sizes):
         raise RuntimeError(f"workers' rings after the reset: {sizes}, expected {expected} shard(s) each")
-
-
-def _gone(names: list[str], timeout_s: float = 60.0) -> None:
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    while left := sorted(set(names) & set(ray.util.list_named_actors())):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"still alive after being killed: {', '.join(left)}")
-        time.sleep(0.1)
 
 
 def render(results: list[WayResult]) -> str:

@@ -110,6 +110,9 @@ def _run(args: argparse.Namespace) -> tuple[int, str]:
                    else render_actors(infos) + (f"\nHTTP: {url}" if url else ""))
     if args.action == "status":
         figures = cluster.stats()
+        if not figures["actors"] and not figures["control"]:
+            print(f"cluster status: no tiered-cache actors in Ray namespace {config.namespace!r} "
+                  "(start them with `tiered-cache cluster start`, or name --namespace)", file=sys.stderr)
         return 0 if figures["actors"] else 1, json.dumps(figures, indent=2) if args.json else render_status(figures)
     if args.action == "generate":
         result = cluster.generate(args.prompt, args.max_new_tokens, use_cache=not args.no_cache)

@@ -6,6 +6,7 @@ is handed to `from_pretrained` (a local folder, or a Hub id where the machine ca
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -29,7 +30,11 @@ def load_causal_lm(name: str = BUNDLED, device: str = "cpu", dtype: str = "auto"
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=weights).eval()
+        folder = os.path.expanduser(name)
+        if (os.path.isabs(folder) or name.startswith(".")) and not os.path.isdir(folder):
+            raise FileNotFoundError(f"model {name!r}: no such folder (give a local Hugging Face model folder, "
+                                    f"a Hub id, or {BUNDLED!r})")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=weights).eval()
         tokenizer = AutoTokenizer.from_pretrained(name)
     return model.to(device=device, dtype=weights), tokenizer
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What `make test-deploy` needs beyond .venv: an SSH server for the "node" `ray up` reaches, and
+# What `make test-long` needs beyond .venv: an SSH server for the "node" `ray up` reaches, and
 # `nc` as its SSH proxy (tests/deploy/test_ray_up.py). Installed through apt where missing; as root.
 set -euo pipefail
 
@@ -11,7 +11,7 @@ command -v runuser >/dev/null 2>&1 || missing+=(util-linux)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
-    echo "test-deploy needs ${missing[*]} and cannot install them here (not root or no apt)" >&2
+    echo "test-long needs ${missing[*]} and cannot install them here (not root or no apt)" >&2
     exit 1
 fi
 echo "==> installing ${missing[*]} with apt"
