@@ -21,6 +21,7 @@ from tiered_cache.index.radix_node import EvictionPolicy
 from tiered_cache.model.units import parse_size
 from tiered_cache.wire.auth import check_token
 from tiered_cache.wire.codec import Codec
+from tiered_cache.wire.options import normalize_address
 
 ENV_PREFIX = "TIERED_CACHE_"
 # Variables under the prefix that are not cache settings (read elsewhere).
@@ -237,9 +238,9 @@ def _coerce(name: str, value: Any) -> Any:
                 return int(value)
             except (ValueError, TypeError):
                 raise ValueError(f"expected an integer, got {value!r}") from None
-        if name == "remote_addresses":
+        if name == "remote_addresses":  # HOST:PORT each; `serve`'s port where none is given
             items = value.split(",") if isinstance(value, str) else value
-            return tuple(str(v).strip() for v in items if str(v).strip())
+            return tuple(normalize_address(str(v)) for v in items if str(v).strip())
         if name in {"remote_token", "metrics_token"}:
             return None if value is None else check_token(str(value), name)
         if name == "remote_tls_ca":

@@ -62,3 +62,14 @@ def test_the_example_config_in_deploy_loads():
 
     cfg = CacheConfig.from_yaml(REPO / "deploy" / "cache.example.yaml")
     assert cfg.lower_tiers == (LowerTier.DISK, LowerTier.REDIS) and cfg.disk_capacity == 20 * 2**30
+
+
+def test_remote_addresses_get_serves_port_and_urls_or_bad_ports_are_refused():
+    from tiered_cache.wire.options import DEFAULT_PORT
+
+    config = CacheConfig(remote_addresses="localhost, 127.0.0.1:7000")
+    assert config.remote_addresses == (f"localhost:{DEFAULT_PORT}", "127.0.0.1:7000")
+    for bad, reason in (("127.0.0.1:abc", "must be a number"), ("http://127.0.0.1:50551", "not a URL"),
+                        ("host:70000", "must be a number")):
+        with pytest.raises(ValueError, match=reason):
+            CacheConfig(remote_addresses=[bad])

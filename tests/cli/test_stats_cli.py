@@ -14,10 +14,9 @@ import pytest
 from conftest import REPO, ctrl_c_able, run_cli
 from tier_helpers import SPEC, blobs_for
 
-from tiered_cache.client.stats import normalize_address
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.server.process import StoreProcess
-from tiered_cache.wire.options import DEFAULT_PORT
+from tiered_cache.wire.options import DEFAULT_PORT, normalize_address
 
 
 def test_addresses_get_serves_port_and_bad_ports_are_named():
@@ -125,3 +124,22 @@ def test_every_command_takes_the_logging_flags():
         assert args.verbose >= 1 or args.log_level in ("info", "debug"), argv
     down = run_cli("stats", "--address", "127.0.0.1:1", "--timeout", "0.5", "-v", check=False)
     assert down.returncode == 1 and "unreachable" in down.stdout
+
+
+def test_tree_at_a_store_servers_metrics_port_and_an_unknown_tokenizer_say_what_is_wrong():
+    from tiered_cache.cli.tree_cmd import _decoder
+
+    port = _free_port()
+    with StoreProcess(["--no-disk", "--ram", "8MiB", "--metrics-port", str(port)]):
+        result = run_cli("tree", "--url", f"http://127.0.0.1:{port}", check=False)
+    assert result.returncode == 2 and "not a tree" in result.stderr and "Expecting value" not in result.stderr
+    with pytest.raises(RuntimeError, match="tokenizer 'nope': not a local folder"):
+        _decoder("nope")  # local files only: no minute of retries against a Hub it cannot reach
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

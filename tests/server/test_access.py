@@ -194,3 +194,19 @@ def test_two_namespaces_with_the_same_tokens_never_share_a_page_on_any_tier(tmp_
         n, got = same.get(tokens)
         assert n == len(tokens) and torch.equal(got, kv)
         same.close()
+
+
+def test_a_cache_with_a_wrong_token_is_told_the_server_refuses_it_not_that_it_is_down(guarded, caplog):
+    import logging
+
+    from tiered_cache.tiers.remote import RemoteTier
+
+    tier = RemoteTier([guarded.address], token="not-the-token", fingerprint=FINGERPRINT)
+    try:
+        with caplog.at_level(logging.WARNING, logger="tiered_cache"):
+            assert tier.get([k for k, _ in make_items(1, start=950)]) == [None]  # a miss, never an exception
+    finally:
+        tier.close()
+    lines = [r.getMessage() for r in caplog.records if guarded.address in r.getMessage()]
+    assert lines and "is up and refuses this client's token (UNAUTHENTICATED" in lines[0], lines
+    assert "is down" not in lines[0]

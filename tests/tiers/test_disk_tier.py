@@ -268,3 +268,15 @@ def test_room_taken_by_someone_else_is_made_from_the_oldest_pages_or_the_write_d
         if path.name != LOCK_NAME:
             verify_blob(path.read_bytes(), bytes.fromhex(path.name))
     disk.close()
+
+
+def test_a_filesystem_smaller_than_the_capacity_is_said_at_start_and_bounds_the_tier(small_fs, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="tiered_cache"):
+        disk = DiskTier(small_fs / "disk", "1GiB")
+    try:
+        assert disk.capacity <= 4 * 2**20 and disk.stats().capacity_bytes == disk.capacity  # the real bound
+        assert any("less than its capacity of 1 GiB" in r.getMessage() for r in caplog.records)
+    finally:
+        disk.close()

@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
     """Exit 0 when every server (or actor) answered, 1 when any did not."""
     import os
 
-    from tiered_cache.client.stats import normalize_address
     from tiered_cache.wire.auth import token_from
+    from tiered_cache.wire.options import normalize_address
 
     args.token = token_from(args.token, dict(os.environ))
     if args.address:

@@ -42,7 +42,12 @@ def _from_url(url: str, token: str | None, timeout_s: float = 10.0) -> dict[str,
     request = urllib.request.Request(f"{base}/tree", headers={"authorization": f"Bearer {token}"} if token else {})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            return json.loads(response.read())
+            body = response.read()
+        return json.loads(body)
+    except json.JSONDecodeError:
+        start = body[:60].decode("utf-8", "replace").splitlines()[0] if body.strip() else "an empty body"
+        raise RuntimeError(f"{base}/tree answered {start!r}, not a tree: is this an engine cache's metrics "
+                           "endpoint (CacheConfig.metrics_port)? A store server's metrics have no tree") from None
     except urllib.error.HTTPError as exc:
         hint = "; pass --token" if exc.code == 401 else ""
         raise RuntimeError(f"{base}/tree answered {exc.code} {exc.reason}{hint}") from None
@@ -59,7 +64,13 @@ def _decoder(name: str) -> Any:
     else:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        # Local files only: a folder, or a Hub id already in the local cache. Where the Hub cannot
+        # be reached the loader would retry for a minute before failing.
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(name), local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"tokenizer {name!r}: not a local folder nor a Hub id in the local cache "
+                               f"({type(exc).__name__}); give a folder, or smollm2") from None
     return tokenizer.decode
 
 

@@ -99,11 +99,11 @@ class ArenaFigures:
     evictions: int = 0
 
 
-# Ring bytes each blob takes beyond its own: the server's record of it (key, position, lease: about
-# 350 bytes of Python objects) lives outside the arena, so each record also takes twice that in
-# the ring. The records of an arena full of tiny blobs then stay under half its capacity; for a
-# page of 64 KiB it is about 1%.
-RECORD_PAD = 768
+# Capacity per record the arena may hold at most: the server's record of a blob (key, position,
+# lease: some 350 bytes of Python objects) lives outside the arena, so an arena of tiny blobs
+# would take several times its capacity. With this bound the records stay under half of it; pages
+# of 1 KiB and more never meet it, and blobs stay back to back (a run of pages is one copy).
+CAPACITY_PER_RECORD = 1024
 
 
 @dataclass(slots=True)
@@ -127,6 +127,7 @@ class Arena:
         self.on_evict = on_evict
         self.lease_s = lease_s
         self.max_blob = largest_blob(self.capacity)
+        self.max_records = max(1, self.capacity // CAPACITY_PER_RECORD)
         self.fd, self._map = sealed_segment(ARENA_NAME, self.size, writers_only_me=True)
         self.id = os.urandom(16)
         self._map[:8] = MAGIC
@@ -262,8 +263,11 @@ class Arena:
             return False
         while True:
             position, end = self._slot(n)
+            limit = end - self.capacity
+            if len(self._records) >= self.max_records:  # and the oldest record goes too
+                limit = max(limit, next(iter(self._records.values())).position + 1)
             again: list[tuple[bytes, bytes]] = []
-            if not self._erase_before(end - self.capacity, again, below):
+            if not self._erase_before(limit, again, below):
                 self.lease_blocked += 1
                 below.extend(again)
                 return False
@@ -287,13 +291,13 @@ class Arena:
             self.second_chances += 1
 
     def _slot(self, n: int) -> tuple[int, int]:
-        """Where a blob of `n` bytes goes: (position, end) at the head, `end` past its
-        `RECORD_PAD`; a blob never wraps, so it skips the end of the data instead."""
+        """Where a blob of `n` bytes goes: (position, end) at the head; a blob never wraps, so
+        it skips the end of the data instead."""
         position = self._head
         offset = position % self.capacity
         if offset + n > self.capacity:
             position += self.capacity - offset
-        return position, position + n + RECORD_PAD
+        return position, position + n
 
     def _write(self, key: bytes, blob: bytes | memoryview, position: int, end: int) -> None:
         """Copy the blob in at `position` (its way erased: the tail is at or past end - capacity)."""

@@ -105,8 +105,10 @@ class CircuitBreaker:
         if recovered and self.name:  # once per outage: when it ends
             log.warning("%s is back", self.name)
 
-    def failed(self) -> bool:
-        """Count a failed call; returns whether this opened the breaker (a trip)."""
+    def failed(self, why: str = "is down") -> bool:
+        """Count a failed call (`why`: what it says of the server, for the log line when the
+        breaker opens: "is down (UNAVAILABLE)", "is up and refuses ..."); returns whether this
+        opened the breaker (a trip)."""
         with self._lock:
             if self._state is BreakerState.CLOSED:
                 self._failures += 1
@@ -124,8 +126,8 @@ class CircuitBreaker:
             self._failures = 0
             self.trips += 1
         if went_down and self.name:  # once per outage: when it starts
-            log.warning("%s is down: its calls answer misses until it is back (next try in %.1f s)",
-                        self.name, cooldown)
+            log.warning("%s %s: its calls answer misses until it answers again (next try in %.1f s)",
+                        self.name, why, cooldown)
         return True
 
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import enum
 import errno
+import logging
 import os
+import shutil
 import threading
 import uuid
 from collections import OrderedDict
@@ -27,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.model.units import parse_size
+from tiered_cache.model.units import format_binary, parse_size
 from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
 from tiered_cache.tiers.folder_lock import LOCK_NAME, FolderLock
 from tiered_cache.tiers.private import make_private_folder, open_private
@@ -43,6 +45,8 @@ from tiered_cache.wire.codec import (
     raw_header_size,
     verify_blob,
 )
+
+log = logging.getLogger("tiered_cache.tiers.disk")
 
 _TMP_SUFFIX = ".tmp"
 _FULL = (errno.ENOSPC, errno.EDQUOT)  # the filesystem (or the user's quota) is full
@@ -117,7 +121,22 @@ class DiskTier:
         for _, key, size in sorted(found):
             self.index[key] = size
             self.used += size
+        self._bound_by_filesystem()
         self._evict_to(self.capacity)
+
+    def _bound_by_filesystem(self) -> None:
+        """A filesystem with less room than the capacity would make the tier evict on ENOSPC with
+        no word: the capacity becomes what fits (its blobs plus the free space), said once."""
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return
+        room = self.used + free
+        if room < self.capacity:
+            log.warning("disk tier %s: the filesystem has room for %s, less than its capacity of %s; "
+                        "using %s", self.root, format_binary(room), format_binary(self.capacity), format_binary(room))
+            self.capacity = room
+            self._stats.capacity_bytes = room
 
     @staticmethod
     def _intact_size(file: Path, size: int) -> bool:

@@ -118,9 +118,9 @@ class StoreServers:
             return default
         try:
             result = fn(server.client)
-        except grpc.RpcError:
+        except grpc.RpcError as exc:
             self.errors += 1
-            if server.breaker.failed():
+            if server.breaker.failed(_why(exc)):
                 self.breaker_trips += 1
             return default
         server.breaker.succeeded()
@@ -144,3 +144,14 @@ class StoreServers:
         for server in ring.servers:
             server.client.close()
         self._fanout.shutdown(wait=False)
+
+
+def _why(exc: grpc.RpcError) -> str:
+    """What an operator should read first when a server's calls fail: a refused token or TLS
+    is not an outage (the server is up, and says no)."""
+    code = exc.code() if hasattr(exc, "code") else None
+    if code is grpc.StatusCode.UNAUTHENTICATED:
+        return "is up and refuses this client's token (UNAUTHENTICATED: check remote_token)"
+    if code is grpc.StatusCode.PERMISSION_DENIED:
+        return "is up and refuses this client (PERMISSION_DENIED)"
+    return f"is down ({code.name if code is not None else type(exc).__name__})"

@@ -49,3 +49,26 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Server options: those shared with clients, and no port sharing (a busy port is an error)."""
     return [*message_options(max_message_bytes), ("grpc.so_reuseport", 0)]
+
+
+def normalize_address(address: str) -> str:
+    """HOST:PORT with `serve`'s port when none is given ("localhost" would be port 443 to gRPC).
+    Raises ValueError for a port that is not a number in 1..65535."""
+    address = address.strip()
+    if "://" in address:
+        raise ValueError(f"store server address {address!r}: give HOST:PORT, not a URL")
+    if not address:
+        raise ValueError("an empty --address: give HOST:PORT, e.g. 127.0.0.1:50551")
+    if address.startswith("["):  # [IPv6] or [IPv6]:PORT
+        host, _, rest = address.partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+        host += "]"
+    elif address.count(":") == 1:
+        host, port = address.split(":")
+    else:  # a bare IPv6 address or a host name
+        host, port = (f"[{address}]" if ":" in address else address), ""
+    if not port:
+        return f"{host}:{DEFAULT_PORT}"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"port of {address!r} must be a number in 1..65535, got {port!r}")
+    return f"{host}:{int(port)}"
