@@ -139,6 +139,8 @@ def sshd(tmp_path_factory):
     yield {"port": port, "key": folder / "user_key"}
     server.terminate()
     server.wait(timeout=10)
+    subprocess.run(["pkill", "-KILL", "-u", NODE_USER], capture_output=True)
+    subprocess.run(["userdel", "-r", NODE_USER], capture_output=True)  # the machine as it was
 
 
 def readme_steps() -> list[str]:
