@@ -35,7 +35,7 @@ def load_causal_lm(name: str = BUNDLED, device: str = "cpu", dtype: str = "auto"
             raise FileNotFoundError(f"model {name!r}: no such folder (give a local Hugging Face model folder, "
                                     f"a Hub id, or {BUNDLED!r})")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=weights).eval()
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
     return model.to(device=device, dtype=weights), tokenizer
 
 

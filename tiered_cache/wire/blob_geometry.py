@@ -20,10 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from tiered_cache.model.spec import DType
-from tiered_cache.wire.codec import BlobError, BlobFault, BlobHeader, Codec, blosc2_decode
-
-_INT8_SOURCES = (DType.FP16, DType.BF16, DType.FP32)  # what the int8 codec encodes
+from tiered_cache.wire.codec import (
+    BlobError,
+    BlobFault,
+    BlobHeader,
+    Codec,
+    blosc2_decode,
+    check_int8_payload,
+    lz4_decompress,
+)
 
 
 def check_geometry(blob: Any, header: BlobHeader) -> None:
@@ -46,23 +51,11 @@ def _check_decodes(header: BlobHeader, payload: memoryview) -> None:
         if len(payload) != raw_len:
             raise BlobError(f"raw payload is {len(payload):,} bytes, expected {raw_len:,}")
     elif codec is Codec.INT8:
-        if header.dtype not in _INT8_SOURCES:
-            raise BlobError(f"an int8 blob cannot hold {header.dtype.value} KV", BlobFault.UNKNOWN_CODEC)
-        head_dim = header.shape[-1]
-        rows = raw_len // header.dtype.itemsize // head_dim
-        if len(payload) != rows * (2 + head_dim):
-            raise BlobError(f"int8 payload is {len(payload):,} bytes, expected {rows * (2 + head_dim):,}")
+        check_int8_payload(header.dtype, header.shape[-1], raw_len, len(payload))
     elif codec is Codec.BLOSC2:
         _check_blosc2(payload, raw_len)
     else:  # lz4, lz4-shuffle (the shuffle only reorders the decompressed bytes)
-        import lz4.block
-
-        try:
-            data = lz4.block.decompress(payload, uncompressed_size=raw_len)
-        except lz4.block.LZ4BlockError as exc:
-            raise BlobError(f"lz4 payload does not decompress: {exc}") from None
-        if len(data) != raw_len:
-            raise BlobError(f"lz4 payload gave {len(data):,} bytes, expected {raw_len:,}")
+        lz4_decompress(payload, raw_len)
 
 
 def _check_blosc2(payload: memoryview, raw_len: int) -> None:

@@ -251,13 +251,33 @@ def _int8_encode(raw: np.ndarray, spec: KVSpec) -> bytes:
     return scales.tobytes() + quant.tobytes()
 
 
-def _int8_decode(payload: memoryview, spec: KVSpec, out: np.ndarray) -> None:
-    if spec.dtype not in (DType.FP16, DType.BF16, DType.FP32):  # what _int8_encode accepts
-        raise BlobError(f"an int8 blob cannot hold {spec.dtype.value} KV (int8 is for fp16, bf16, fp32)",
+def check_int8_payload(dtype: DType, head_dim: int, raw_len: int, payload_len: int) -> int:
+    """Raise BlobError unless an int8 payload of `payload_len` bytes can hold `raw_len` bytes of
+    `dtype` KV in rows of `head_dim`; returns the rows (each one fp16 scale, head_dim int8s)."""
+    if dtype not in (DType.FP16, DType.BF16, DType.FP32):  # what _int8_encode accepts
+        raise BlobError(f"an int8 blob cannot hold {dtype.value} KV (int8 is for fp16, bf16, fp32)",
                         BlobFault.UNKNOWN_CODEC)
-    rows = spec.bytes_per_page // spec.dtype.itemsize // spec.head_dim
-    if len(payload) != rows * 2 + rows * spec.head_dim:
-        raise BlobError(f"int8 payload is {len(payload)} bytes, expected {rows * (2 + spec.head_dim)}")
+    rows = raw_len // dtype.itemsize // head_dim
+    if payload_len != rows * (2 + head_dim):
+        raise BlobError(f"int8 payload is {payload_len} bytes, expected {rows * (2 + head_dim)}")
+    return rows
+
+
+def lz4_decompress(payload: Any, raw_len: int) -> bytes:
+    """The `raw_len` bytes an lz4 block payload holds; BlobError when it does not decompress to them."""
+    import lz4.block
+
+    try:
+        data = lz4.block.decompress(payload, uncompressed_size=raw_len)
+    except lz4.block.LZ4BlockError as exc:
+        raise BlobError(f"lz4 payload does not decompress: {exc}") from None
+    if len(data) != raw_len:
+        raise BlobError(f"lz4 payload gave {len(data)} bytes, expected {raw_len}")
+    return data
+
+
+def _int8_decode(payload: memoryview, spec: KVSpec, out: np.ndarray) -> None:
+    rows = check_int8_payload(spec.dtype, spec.head_dim, spec.bytes_per_page, len(payload))
     scales = np.frombuffer(payload, dtype=np.float16, count=rows).astype(np.float32)
     quant = np.frombuffer(payload, dtype=np.int8, offset=rows * 2).reshape(rows, spec.head_dim)
     _from_float32((quant.astype(np.float32) * scales[:, None]).reshape(-1), spec.dtype, out)
@@ -400,15 +420,7 @@ def decode_page(blob: Any, spec: KVSpec, key: bytes, out: np.ndarray | None = No
     elif header.codec is Codec.BLOSC2:
         blosc2_decode(payload, header.raw_len, out)
     else:
-        import lz4.block
-
-        try:
-            data = lz4.block.decompress(payload, uncompressed_size=header.raw_len)
-        except lz4.block.LZ4BlockError as exc:
-            raise BlobError(f"lz4 payload does not decompress: {exc}") from None
-        if len(data) != header.raw_len:
-            raise BlobError(f"lz4 payload gave {len(data)} bytes, expected {header.raw_len}")
-        flat = np.frombuffer(data, dtype=np.uint8)
+        flat = np.frombuffer(lz4_decompress(payload, header.raw_len), dtype=np.uint8)
         if header.codec is Codec.LZ4_SHUFFLE:
             _unshuffle(flat, spec.dtype.itemsize, out)
         else:
