@@ -39,7 +39,10 @@ def bench_gpu(model_name: str, tokens: list[int], device: str, dtype: str, round
              "bytes_per_page": spec.bytes_per_page, "suffix_tokens": SUFFIX, "rounds": rounds, "rows": list(rows)}
     longest = spec.bytes_for_tokens(max(tokens))
     pool = longest + 4 * spec.bytes_per_page
-    servers = Servers.start(rows, longest)
+    # Every length's prefix stays in the shared tiers while the next is measured: sized for all of
+    # them together, so none is evicted (a RAM tier's second chance keeps the prefixes read
+    # before and drops the new one's first pages, which would make the row a miss).
+    servers = Servers.start(rows, sum(spec.bytes_for_tokens(n) for n in tokens))
     try:
         results = []
         for n in sorted(tokens):

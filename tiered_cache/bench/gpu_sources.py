@@ -47,7 +47,7 @@ def cache_config(device: str, pool_bytes: int, host_bytes: int) -> CacheConfig:
 @dataclass
 class Servers:
     """The store servers (with and without the shared-memory arena) and Redis, started once for
-    the whole run and sized for its longest prefix; `folder` holds the disk rows' folders."""
+    the whole run and sized for all its prefixes together; `folder` holds the disk rows' folders."""
 
     folder: Path
     store: str | None = None

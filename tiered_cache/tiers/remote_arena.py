@@ -98,6 +98,7 @@ class ArenaReads:
         a Lookup now, and for the rest a Get that first brings them into the arena and answers
         with refs (`RemoteTier.arena_pages`)."""
         refs = self.take_refs(keys)
+        self.pages_from_lookup += len(refs)  # placed with no Get: the caller reads them in place
         missing = [key for key in dict.fromkeys(keys) if key not in refs]
         servers = self._servers
         ring = servers.ring
