@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tiered_cache.bench.gpu_args import MODELS
+from tiered_cache.integrations.grouped_attention import use_grouped_attention
 from tiered_cache.model.hf_config import read_hf_config, spec_from_hf_config
 
 GiB = 2**30
@@ -95,6 +96,7 @@ def build_random_model(config: dict[str, Any], device: str, dtype: torch.dtype, 
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, std, generator=generator)
+    use_grouped_attention(model)  # as load_causal_lm does: GQA over a reused prefix, heads not repeated
     return model.eval()
 
 

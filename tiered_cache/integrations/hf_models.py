@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from tiered_cache.integrations.chat_messages import checked_messages
+from tiered_cache.integrations.grouped_attention import use_grouped_attention
 from tiered_cache.model.dtype import DType
 
 BUNDLED = "smollm2"
@@ -36,7 +37,9 @@ def load_causal_lm(name: str = BUNDLED, device: str = "cpu", dtype: str = "auto"
                                     f"a Hub id, or {BUNDLED!r})")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=weights).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder)
-    return model.to(device=device, dtype=weights), tokenizer
+    model = model.to(device=device, dtype=weights)
+    use_grouped_attention(model)  # GQA over a reused prefix without repeating its heads
+    return model, tokenizer
 
 
 def weights_dtype(dtype: str, device: str) -> torch.dtype:

@@ -1,7 +1,8 @@
 """Hugging Face transformers <-> `TieredCache`: reuse a cached prefix in a causal LM's generation.
 
-`generate()` looks the prompt up in the cache, loads the cached prefix into a `DynamicCache`,
-prefills only the rest, stores the prompt's new full pages, and decodes greedily. It reports
+`generate()` looks the prompt up in the cache, reads the cached prefix out of the pool straight
+into the model's past (`hf_context`: buffers with room for the rest, so no forward copies the
+context again), prefills only the rest, stores the prompt's new full pages, and decodes greedily. It reports
 time to first token (TTFT) and how many prompt tokens came from which tier. With `cache=None`
 it is plain generation with the same decoding code, the reference for equivalence tests.
 """
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from tiered_cache.cache import TieredCache
+from tiered_cache.integrations.hf_context import context_from_pool
 from tiered_cache.integrations.model_identity import derived_model_id
 from tiered_cache.model.hf_config import spec_from_hf_config
 from tiered_cache.model.spec import DType, KVSpec
@@ -95,8 +97,11 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
             pages = cache.load(handle)
             reused = min(len(pages) * cache.spec.page_size, len(ids) - 1)
             if reused > 0:
-                kv = cache.pool.read_tokens(pages, len(pages) * cache.spec.page_size)[:, :, :reused]
-                past = cache_of_kv(kv, model)
+                # Room for the rest of the prompt and the answer: the model appends there, no copy.
+                past = context_from_pool(model, cache.pool, pages, reused, len(ids) + max_new_tokens)
+                if past is None:
+                    kv = cache.pool.read_tokens(pages, len(pages) * cache.spec.page_size)[:, :, :reused]
+                    past = cache_of_kv(kv, model)
                 loaded = reused * cache.spec.bytes_per_token
                 sources = {tier: n * cache.spec.page_size for tier, n in handle.sources.items() if n}
                 _trim_sources(sources, reused)
