@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU path in one go, on a machine with CUDA, CuPy and torch (e.g. an H100 or H200):
 # compile every kernel for sm_90, run the `gpu` tests and the pool/cache tests with CUDA present,
-# then `bench kernels`, the kernel variants (scripts/kernel_variants.py), `bench engine
-# --device cuda` beside `--device cpu`, and `bench gpu` (TTFT on the Llama-3.1-8B shape with random
-# weights at 2k/8k/32k tokens, then the Llama-3-70B shape cut to the layers that fit, at 8k).
+# then `bench gpu` (TTFT on the Llama-3.1-8B shape with random weights at 2k/8k/32k tokens), `bench
+# kernels`, `bench gpu` on the Llama-3-70B shape cut to the layers that fit (8k), the store-hit and
+# device-hit profiles (scripts/profile_*.py), the CPU tests with CUDA present, the kernel variants
+# (scripts/kernel_variants.py), and `bench engine --device cuda` beside `--device cpu`. About 6
+# minutes on an H100.
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (logs land in OUTDIR, default ./gpu-check)
 # Packages the machine lacks may sit as wheels in .whl/ (see docs/PERFORMANCE.md, "GPU path"), made
 # on a machine with network access with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
@@ -48,6 +50,8 @@ step gpu_tests.log python3 -m pytest -p no:cacheprovider -q -rs tests/device/tes
 step bench_gpu.txt cli bench gpu --model llama-3.1-8b
 step bench_kernels.txt cli bench kernels
 step bench_gpu.txt cli bench gpu --model llama-3-70b --tokens 8192 --rounds 2
+step profile.txt python3 scripts/profile_store_hit.py --tokens 8192
+step profile.txt python3 scripts/profile_device_hit.py --tokens 32768
 step cpu_tests_with_cuda.log python3 -m pytest -p no:cacheprovider -q tests/device/test_offload.py tests/device/test_pool.py tests/cache/test_cache.py \
     tests/cache/test_cache_engine_path.py tests/cache/test_cache_machine.py tests/device/test_kernels_cpu.py tests/device/test_allocator.py \
     tests/tiers/test_host_tier.py tests/tiers/test_disk_tier.py tests/tiers/test_tier_chain.py tests/wire/test_codec.py \
