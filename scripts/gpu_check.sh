@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU path in one go, on a machine with CUDA, CuPy and torch (e.g. an H100 or H200):
-# compile every kernel for sm_90, run the `gpu` tests and the pool/cache tests with CUDA present,
+# compile every kernel for sm_90, run the `gpu` tests,
 # then `bench gpu` (TTFT on the Llama-3.1-8B shape with random weights at 2k/8k/32k tokens), `bench
 # kernels`, `bench gpu` on the Llama-3-70B shape cut to the layers that fit (8k), the store-hit and
 # device-hit profiles (scripts/profile_*.py), the CPU tests with CUDA present, the kernel variants
