@@ -21,6 +21,7 @@ from tiered_cache.index.radix_node import EvictionPolicy
 from tiered_cache.model.units import parse_size
 from tiered_cache.wire.auth import check_token
 from tiered_cache.wire.codec import Codec
+from tiered_cache.wire.namespaces import check_namespace
 from tiered_cache.wire.options import normalize_address
 
 ENV_PREFIX = "TIERED_CACHE_"
@@ -58,6 +59,9 @@ class CacheConfig:
     redis_timeout_s: float = 1.0
     remote_addresses: tuple[str, ...] = ()  # HOST:PORT of store servers; keys spread over them
     remote_token: str | None = None
+    # The store servers' namespace this cache reads and writes: its token must allow it (a server
+    # with a token file, server/tenants.py); None: the token's first namespace.
+    remote_namespace: str | None = None
     remote_tls_ca: str | None = None  # PEM of the CA that signed the servers' certificates
     remote_timeout_s: float = 5.0  # progress deadline: a stream fails when nothing moves this long
     remote_budget_s: float | None = None  # optional bound on one whole get/put stream
@@ -243,6 +247,8 @@ def _coerce(name: str, value: Any) -> Any:
             return tuple(normalize_address(str(v)) for v in items if str(v).strip())
         if name in {"remote_token", "metrics_token"}:
             return None if value is None else check_token(str(value), name)
+        if name == "remote_namespace":
+            return None if value in (None, "") else check_namespace(str(value), name)
         if name == "remote_tls_ca":
             return None if value in (None, "") else str(value)
         if name == "redis_ttl_s":

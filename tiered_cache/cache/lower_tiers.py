@@ -20,6 +20,7 @@ def build_lower_tiers(config: CacheConfig, fingerprint_hex: str) -> list[BlobTie
         disk_path=c.disk_path or "", disk_capacity=c.disk_capacity, disk_fsync=c.disk_fsync,
         redis_url=c.redis_url, redis_prefix=c.redis_prefix, redis_ttl_s=c.redis_ttl_s,
         redis_timeout_s=c.redis_timeout_s, remote_addresses=c.remote_addresses, remote_token=c.remote_token,
-        remote_tls_ca=c.remote_tls_ca, remote_timeout_s=c.remote_timeout_s, remote_budget_s=c.remote_budget_s,
+        remote_namespace=c.remote_namespace, remote_tls_ca=c.remote_tls_ca, remote_timeout_s=c.remote_timeout_s,
+        remote_budget_s=c.remote_budget_s,
         fingerprint=bytes.fromhex(fingerprint_hex))
     return build_tiers([kind.value for kind in c.lower_tiers], settings)

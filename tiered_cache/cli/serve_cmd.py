@@ -13,8 +13,10 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--config", help="a YAML file of ServerConfig settings (flags win)")
     p.add_argument("--host", help="interface to bind (default 127.0.0.1; anything else is announced)")
     p.add_argument("--port", type=int, help="port (default 50551; 0 picks a free one and prints it)")
-    p.add_argument("--token", help="require `authorization: Bearer TOKEN` on every call "
-                                   "(default: $TIERED_CACHE_SERVE_TOKEN if set)")
+    p.add_argument("--token", help="require `authorization: Bearer TOKEN` on every call (visible to every local "
+                                   "user in the process list: prefer $TIERED_CACHE_SERVE_TOKEN or --token-file)")
+    p.add_argument("--token-file", help="tokens scoped to namespaces, one 'TOKEN NAMESPACE[, NAMESPACE...]' per "
+                                        "line ('TOKEN *': every namespace); default $TIERED_CACHE_SERVE_TOKEN_FILE")
     p.add_argument("--tls-cert", help="PEM certificate (with --tls-key) to serve TLS")
     p.add_argument("--tls-key", help="PEM private key")
     p.add_argument("--ram", dest="ram_capacity", help="RAM tier size, e.g. 4GiB (default 1GiB)")
@@ -44,16 +46,22 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import os
+    import sys
 
     from tiered_cache.server.config import ServerConfig
     from tiered_cache.server.serve import serve
-    from tiered_cache.wire.auth import token_from
+    from tiered_cache.wire.auth import TOKEN_ENV, TOKEN_FILE_ENV, token_from
 
     overrides = {name: getattr(args, name) for name in
                  ("host", "port", "token", "tls_cert", "tls_key", "ram_capacity", "disk_path", "disk_capacity",
                   "redis_url", "max_page_bytes", "write_through", "workers", "max_streams", "stream_idle_s",
                   "metrics_port", "metrics_host", "shm", "arena_lease_s")}
-    overrides["token"] = token_from(args.token, dict(os.environ))
+    if args.token is not None:
+        print("tiered-cache serve: WARNING: --token is visible to every local user (/proc/<pid>/cmdline); "
+              f"give it as ${TOKEN_ENV} or in a --token-file", file=sys.stderr, flush=True)
+    token_file = args.token_file or os.environ.get(TOKEN_FILE_ENV) or None
+    overrides["token"] = None if token_file and args.token is None else token_from(args.token, dict(os.environ))
+    overrides["token_file"] = token_file
     if args.no_disk:
         overrides["disk_path"] = ""
     if args.config:

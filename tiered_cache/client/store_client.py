@@ -28,6 +28,7 @@ from tiered_cache.v1 import cache_pb2_grpc
 from tiered_cache.wire.auth import check_token
 from tiered_cache.wire.deadline import BudgetSpent, ProgressDeadline
 from tiered_cache.wire.framing import ReceivedBlob, page_blob_message
+from tiered_cache.wire.namespaces import NAMESPACE_METADATA, check_namespace
 from tiered_cache.wire.options import DEFAULT_MAX_MESSAGE, channel_options
 
 PUT_RING_BYTES = 64 * 2**20  # a client's ring for same-host Put: Puts of up to half of it each
@@ -39,9 +40,11 @@ _NO_SHM_PUT = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, g
 class StoreClient:
     def __init__(self, address: str, token: str | None = None, tls_ca: str | None = None,
                  timeout_s: float = 5.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE, shm: bool = True,
-                 put_ring_bytes: int = PUT_RING_BYTES) -> None:
+                 put_ring_bytes: int = PUT_RING_BYTES, namespace: str | None = None) -> None:
         """`shm`: on the server's host, read pages in place in its arena (shm/arena.py) and send
-        Puts through a put ring of this client's own (`put_ring_bytes`, mapped by the server)."""
+        Puts through a put ring of this client's own (`put_ring_bytes`, mapped by the server).
+        `namespace`: the server's namespace this client reads and writes (its token must allow
+        it; None: the token's first, server/tenants.py)."""
         self.address = address
         self.shm = shm
         self.timeout_s = timeout_s
@@ -58,6 +61,8 @@ class StoreClient:
                                               response_deserializer=pb.PutResponse.FromString)
         token = check_token(token, "the store server token")
         self.metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        if namespace is not None:
+            self.metadata += ((NAMESPACE_METADATA, check_namespace(namespace, "remote namespace")),)
         self._options, self._tls_ca = options, tls_ca  # for the aio channel of Get
         self._fetcher: Fetcher | None = None  # the aio channel of Get, opened on first use
         self._attached = False  # whether the first get_all asked for the server's arena

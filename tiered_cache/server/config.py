@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from tiered_cache.model.units import parse_size
+from tiered_cache.server.tenants import Grants
 from tiered_cache.wire.auth import check_token
 from tiered_cache.wire.options import DEFAULT_MAX_PAGE_BYTES, DEFAULT_PORT, max_message_bytes
 
@@ -59,6 +60,8 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     token: str | None = None  # clients must send `authorization: Bearer <token>`
+    # Tokens scoped to namespaces, one per line (server/tenants.py); instead of `token`.
+    token_file: str | None = None
     tls_cert: str | None = None  # PEM files; both or neither
     tls_key: str | None = None
     ram_capacity: int = 2**30
@@ -107,6 +110,23 @@ class ServerConfig:
         if not float(self.stream_idle_s) > 0:
             raise ValueError(f"stream_idle_s must be positive, got {self.stream_idle_s}")
         check_token(self.token, "token")
+        if self.token and self.token_file:
+            raise ValueError("give token or token_file, not both (a token file can list the token with '*')")
+        grants = Grants.from_file(Path(self.token_file).expanduser()) if self.token_file else Grants.single(self.token)
+        object.__setattr__(self, "_grants", grants)
+        if self.token_file and self.metrics_port is not None and not grants.operator_tokens():
+            raise ValueError(f"metrics need a token that grants every namespace: add a line 'TOKEN *' to "
+                             f"{self.token_file}")
+
+    @property
+    def grants(self) -> Grants:
+        """The tokens the server takes and the namespaces each may use (empty: no token needed)."""
+        return self._grants  # type: ignore[attr-defined, no-any-return]
+
+    @property
+    def metrics_token(self) -> str | None:
+        """The token metrics scrapes must send: the server's token, or a token file's first '*' token."""
+        return self.token or next(iter(self.grants.operator_tokens()), None)
 
     @property
     def max_message_bytes(self) -> int:

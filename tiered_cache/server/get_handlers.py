@@ -23,6 +23,7 @@ from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.codec import BlobError, check_fingerprint, read_header
 from tiered_cache.wire.deadline import ProgressDeadline
 from tiered_cache.wire.framing import page_blob_message, page_ref_message
+from tiered_cache.wire.namespaces import scoped_keys
 
 _TIERS = {"ram": pb.TIER_RAM, "disk": pb.TIER_DISK, "redis": pb.TIER_REDIS}
 
@@ -37,8 +38,9 @@ class GetHandlers:
         r = self.requests
         r.counters.requests += 1
         keys = await r.check_keys(request, context)
-        arena = self._arena_for(request)
-        where, refs = await r.run(r.meta, self._locate, keys, arena)
+        namespace = await r.namespace(context)
+        arena = self._arena_for(request, namespace)
+        where, refs = await r.run(r.meta, self._locate, scoped_keys(namespace, keys), arena)
         handed = sum(ref is not None for ref in refs)
         r.counters.shm_pages += handed
         r.counters.shm_pages_reused += handed
@@ -47,10 +49,11 @@ class GetHandlers:
         return pb.LookupResponse(leading=leading, tiers=tiers, shm_positions=[ref[0] if ref else 0 for ref in refs],
                                  shm_lengths=[ref[1] if ref else 0 for ref in refs])
 
-    def _arena_for(self, request: Any) -> ArenaTier | None:
-        """The arena, when the request names it (a client on this host that mapped it)."""
+    def _arena_for(self, request: Any, namespace: str) -> ArenaTier | None:
+        """The arena, when the request names it (a client on this host that mapped it) and acts in
+        the empty namespace (a mapped arena shows every namespace's pages: server/tenants.py)."""
         arena = self.arena
-        return arena if arena is not None and request.shm_segment == arena.id else None
+        return arena if arena is not None and not namespace and request.shm_segment == arena.id else None
 
     def _locate(self, keys: list[bytes], arena: ArenaTier | None) -> tuple[list[str | None], list[Ref | None]]:
         """Where each key is held, and (for a client that mapped `arena`) where those in the
@@ -72,7 +75,9 @@ class GetHandlers:
         fingerprint = bytes(request.fingerprint)
         if fingerprint and len(fingerprint) != KEY_BYTES:
             await r.reject(context, f"fingerprint is {len(fingerprint)} bytes; expected 32 raw bytes")
-        arena = self._arena_for(request)
+        namespace = await r.namespace(context)
+        arena = self._arena_for(request, namespace)
+        keys = list(zip(keys, scoped_keys(namespace, keys), strict=True))
         await r.slots.acquire(context)
         watch = ProgressDeadline.of_task(r.config.stream_idle_s, "the client read nothing")
         try:
@@ -85,10 +90,12 @@ class GetHandlers:
             watch.close()
             r.slots.release()
 
-    async def _stream_blobs(self, keys: list[bytes], fingerprint: bytes, context: grpc.aio.ServicerContext,
-                            watch: ProgressDeadline, arena: ArenaTier | None) -> None:
+    async def _stream_blobs(self, keys: list[tuple[bytes, bytes]], fingerprint: bytes,
+                            context: grpc.aio.ServicerContext, watch: ProgressDeadline,
+                            arena: ArenaTier | None) -> None:
         """Read the next batch from the store while the current one is sent: at most two batches
-        of about `stream_buffer_bytes` each are held per stream. A write waits while the client
+        of about `stream_buffer_bytes` each are held per stream. `keys`: (as the client sent it,
+        as the store keeps it in the call's namespace). A write waits while the client
         is not reading (HTTP/2 flow control); the watch ends the stream when that lasts. With
         `arena`, pages go as refs into it (no copy), those held below brought into it first."""
         r = self.requests
@@ -117,17 +124,18 @@ class GetHandlers:
             if pending is not None:
                 pending.cancel()
 
-    def _read_batch(self, chunk: list[bytes], fingerprint: bytes, sizer: BatchSizer,
+    def _read_batch(self, chunk: list[tuple[bytes, bytes]], fingerprint: bytes, sizer: BatchSizer,
                     arena: ArenaTier | None) -> tuple[list[bytes], int, int]:
         """The Get messages of one batch (on the io pool: reads and framing off the loop), with
         how many pages went as refs into the arena and how many of those were there already."""
+        stored = [kept for _, kept in chunk]
         if arena is None:
             refs: list[Ref | None] = [None] * len(chunk)
-            blobs, reused = self.store.get(chunk), 0
+            blobs, reused = self.store.get(stored), 0
         else:
-            refs, blobs, reused = self.store.arena_refs(chunk)
+            refs, blobs, reused = self.store.arena_refs(stored)
         messages = []
-        for key, ref, blob in zip(chunk, refs, blobs, strict=True):
+        for (key, _), ref, blob in zip(chunk, refs, blobs, strict=True):
             if ref is not None:
                 if fingerprint and not arena.matches(ref, lambda blob: _fingerprint_ok(blob, fingerprint)):
                     continue

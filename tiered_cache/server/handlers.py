@@ -77,9 +77,12 @@ class KVCacheService:
         return await self.puts.PutOffered(request, context)
 
     async def Attach(self, request: Any, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
-        """Where a client on this host finds the arena (empty when shared memory is off)."""
+        """Where a client on this host finds the arena (empty when shared memory is off, and for a
+        call in a namespace other than the empty one: server/tenants.py)."""
         await self.requests.take_unary(request, context)
         arena = self.arena
+        if await self.requests.namespace(context):  # shared memory shows every namespace: not offered
+            return pb.AttachResponse()
         if arena is None:
             return pb.AttachResponse(host=host_identity() if self.offers is not None else "")
         return pb.AttachResponse(path=arena.path, size=arena.size, segment=arena.id, host=host_identity())

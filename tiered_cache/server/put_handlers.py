@@ -24,6 +24,7 @@ from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.blob_geometry import check_geometry
 from tiered_cache.wire.codec import BlobError, BlobFault, check_fingerprint, verify_blob
 from tiered_cache.wire.deadline import ProgressDeadline
+from tiered_cache.wire.namespaces import scoped_key, scoped_keys
 
 _REFUSALS = {
     BlobFault.CORRUPT: pb.CORRUPT_BLOB, BlobFault.WRONG_KEY: pb.KEY_MISMATCH,
@@ -44,6 +45,9 @@ class PutHandlers:
         await r.take_unary(request, context)
         if self.offers is None:
             return pb.OfferResponse(accepted=False, reason="shared memory is off on this server (serve --shm off)")
+        if await r.namespace(context):
+            return pb.OfferResponse(accepted=False, reason="same-host shared memory is offered only to calls in the "
+                                                           "empty namespace: send pages by Put")
         reason = await r.run(r.meta, self.offers.offer, request.path, request.size, bytes(request.segment),
                              request.host, context.peer())
         return pb.OfferResponse(accepted=not reason, reason=reason)
@@ -51,6 +55,7 @@ class PutHandlers:
     async def Put(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> pb.PutResponse:
         r = self.requests
         r.counters.requests += 1
+        namespace = await r.namespace(context)
         await r.slots.acquire(context)
         response = pb.PutResponse()
         sizer = BatchSizer(r.config.stream_buffer_bytes)
@@ -66,19 +71,19 @@ class PutHandlers:
                     break
                 if isinstance(item, Malformed):
                     await self._after(storing)
-                    await self._store_batch(batch, response)
+                    await self._store_batch(batch, response, namespace)
                     await r.reject(context, f"stream item is not a valid {item.message_type} "
                                             f"({item.size} bytes); {response.stored} pages stored before it")
                 batch.append(item)
                 nbytes += len(item.blob)
                 if sizer.full(len(batch), nbytes):
                     await self._after(storing)
-                    storing = asyncio.ensure_future(self._store_batch(batch[:], response))
+                    storing = asyncio.ensure_future(self._store_batch(batch[:], response, namespace))
                     batch.clear()
                     nbytes = 0
             await self._after(storing)
             storing = None
-            await self._store_batch(batch, response)
+            await self._store_batch(batch, response, namespace)
         except asyncio.CancelledError:
             if not watch.stalled:
                 raise  # the client cancelled, or the server is stopping
@@ -97,13 +102,13 @@ class PutHandlers:
         if storing is not None:
             await storing
 
-    async def _store_batch(self, batch: list[Any], response: pb.PutResponse) -> None:
+    async def _store_batch(self, batch: list[Any], response: pb.PutResponse, namespace: str) -> None:
         if not batch:
             return
         r = self.requests
         items = [(item.key, item.blob, item.fingerprint) for item in batch]
         batch.clear()
-        refused, stored, held = await r.run(r.io, self._check_and_store, items)
+        refused, stored, held = await r.run(r.io, self._check_and_store, items, namespace)
         response.refused.extend(refused)
         response.stored += stored
         response.already_held += held
@@ -116,20 +121,21 @@ class PutHandlers:
         r = self.requests
         r.counters.requests += 1
         await r.refuse_malformed(request, context)
+        namespace = await r.namespace(context)
         if len(request.pages) > r.config.max_keys:
             await r.reject(context, f"{len(request.pages)} pages in one request; "
                                     f"the limit is {r.config.max_keys}")
         await r.slots.acquire(context)
         try:
             response = pb.PutResponse()
-            copied = await r.run(r.io, self._store_offered, request, response)
+            copied = await r.run(r.io, self._store_offered, request, response, namespace)
             r.counters.shm_put_pages += copied
             r.counters.refused_blobs += len(response.refused)
             return response
         finally:
             r.slots.release()
 
-    def _store_offered(self, request: Any, response: pb.PutResponse) -> int:
+    def _store_offered(self, request: Any, response: pb.PutResponse, namespace: str = "") -> int:
         """On the io pool: check and store the offered pages where they lie in the client's ring,
         batch by batch (one copy each, into the store); a refusal for each page lost, before or
         during its copy (then dropped from the store again). Returns how many were taken."""
@@ -145,14 +151,14 @@ class PutHandlers:
 
         def store() -> None:
             nonlocal nbytes
-            refused, stored, held = self._check_and_store(batch)
+            refused, stored, held = self._check_and_store(batch, namespace)
             # Copied where they lay: a page the client's ring came round over meanwhile may be
             # torn in the store. Dropped again, and refused as lost (the client sends it as bytes).
             refused_keys = {r.key for r in refused}
             lost = [key for (key, _, _), (ring, position, length) in zip(batch, where, strict=True)
                     if key not in refused_keys and not ring.intact(position, length)]
             if lost:
-                self.store.delete(lost)
+                self.store.delete(scoped_keys(namespace, lost))
                 refused += [pb.Refusal(key=key, reason=pb.SHM_LOST, message="the client's ring came round over the "
                                        "page while the server copied it") for key in lost]
                 from_stored = min(stored, len(lost))  # the ack still counts each page once
@@ -193,14 +199,15 @@ class PutHandlers:
             store()
         return copied
 
-    def _check_and_store(self, items: Sequence[tuple[bytes, bytes | memoryview, bytes]]
+    def _check_and_store(self, items: Sequence[tuple[bytes, bytes | memoryview, bytes]], namespace: str
                          ) -> tuple[list[pb.Refusal], int, int]:
-        """On the io pool: verify each blob (checksums are CPU work), store those that pass."""
+        """On the io pool: verify each blob (checksums are CPU work), store those that pass under
+        their keys in `namespace` (a blob still carries the key its client sent)."""
         refused, good = [], []
         for key, blob, fingerprint in items:
             refusal = self._validate(key, blob, fingerprint)
             if refusal is None:
-                good.append((key, blob))
+                good.append((scoped_key(namespace, key), blob))
             else:
                 refused.append(refusal)
         stored, held = self.store.put(good) if good else (0, 0)

@@ -24,6 +24,7 @@ from tiered_cache.server.streams import StreamSlots
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.deadline import ProgressDeadline
 from tiered_cache.wire.framing import parse_page_blob
+from tiered_cache.wire.namespaces import NAMESPACE_METADATA, check_namespace
 
 T = TypeVar("T")
 
@@ -101,6 +102,28 @@ class Requests:
             if len(key) != KEY_BYTES:
                 await self.reject(context, f"key {i} is {len(key)} bytes; page keys are {KEY_BYTES} bytes (SHA-256)")
         return keys
+
+    async def namespace(self, context: grpc.aio.ServicerContext) -> str:
+        """The namespace a call acts in (server/tenants.py): the one its metadata names, else its
+        token's first; a call whose token may not use the namespace it names is refused
+        (PERMISSION_DENIED), one that names no usable namespace too (INVALID_ARGUMENT)."""
+        metadata = dict(context.invocation_metadata() or ())
+        asked = metadata.get(NAMESPACE_METADATA)
+        if asked is not None:
+            try:
+                check_namespace(str(asked), f"metadata {NAMESPACE_METADATA}:")
+            except ValueError as exc:
+                await self.reject(context, str(exc))
+        grants = self.config.grants
+        if not grants:
+            return asked or ""
+        grant = grants.grant_for(metadata.get("authorization", ""))
+        try:
+            return grant.namespace(asked) if grant is not None else ""
+        except PermissionError as exc:
+            self.counters.rejected += 1
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            raise  # abort raises; this line is never reached
 
     def count_stalled(self, context: grpc.aio.ServicerContext, watch: ProgressDeadline) -> None:
         """A stream made no progress: count it and say why in its status, if one can still be

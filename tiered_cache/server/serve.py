@@ -28,7 +28,7 @@ def serve(config: ServerConfig) -> int:
     port = server.start()
     where = f"{config.host}:{port}"
     print(f"tiered-cache serve: listening on {where} ({'TLS' if config.tls_cert else 'plaintext'}, "
-          f"{'token required' if config.token else 'no token'})", flush=True)
+          f"{_tokens(config)})", flush=True)
     from tiered_cache.server.startup import describe_tiers, redis_problem
 
     print(f"tiered-cache serve: tiers: {describe_tiers(config)}", flush=True)
@@ -37,14 +37,14 @@ def serve(config: ServerConfig) -> int:
               file=sys.stderr, flush=True)
     if not config.loopback_only:
         print(f"tiered-cache serve: WARNING: listening beyond loopback on {config.host}"
-              + ("" if config.token else "; set --token so only your instances can read and write pages"),
+              + ("" if config.grants else "; set --token-file so only your instances can read and write pages"),
               file=sys.stderr, flush=True)
     if server.metrics is not None:
         print(f"tiered-cache serve: metrics at {server.metrics.url}"
-              f"{' (token required)' if config.token else ''}", flush=True)
+              f"{' (token required)' if config.metrics_token else ''}", flush=True)
         if not server.metrics.loopback_only:
             print(f"tiered-cache serve: WARNING: metrics listen beyond loopback on {config.metrics_host}"
-                  + ("" if config.token else "; anyone who can reach it reads the cache's figures"),
+                  + ("" if config.metrics_token else "; anyone who can reach it reads the cache's figures"),
                   file=sys.stderr, flush=True)
     # Wake twice a second: a signal the kernel hands to another thread (gRPC's, say) runs its
     # Python handler only when the main thread runs, and an untimed wait might never return.
@@ -54,3 +54,10 @@ def serve(config: ServerConfig) -> int:
     flushed = server.stop()
     print(f"tiered-cache serve: flushed {flushed} pages; bye", flush=True)
     return 0
+
+
+def _tokens(config: ServerConfig) -> str:
+    """What the listening line says about tokens."""
+    if config.token_file:
+        return f"{len(config.grants)} tokens from {config.token_file}, each scoped to its namespaces"
+    return "token required" if config.token else "no token"

@@ -102,11 +102,11 @@ class StoreServer:
                                      self.counters.shm_pages_reused)]
 
         config = self.config
-        return MetricsServer(registry_of(build), config.metrics_host, config.metrics_port or 0, config.token)
+        return MetricsServer(registry_of(build), config.metrics_host, config.metrics_port or 0, config.metrics_token)
 
     async def _start(self) -> int:
         config = self.config
-        interceptors = [TokenInterceptor(config.token, self.counters)] if config.token else []
+        interceptors = [TokenInterceptor(config.grants, self.counters)] if config.grants else []
         server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
         server.add_generic_rpc_handlers([_handlers(self.service)])
         self._health = health.aio.HealthServicer()

@@ -1,21 +1,23 @@
-"""`TokenInterceptor`: with a token set, the store answers only calls that carry it (health
-checks stay open); each refusal is counted."""
+"""`TokenInterceptor`: with tokens set, the store answers only calls that carry one of them
+(health checks stay open); each refusal is counted. Which namespaces a known token may use is
+checked by the handlers (`Requests.namespace`)."""
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 import grpc
 
 from tiered_cache.server.requests import ServerCounters
+from tiered_cache.server.tenants import Grants
 
 
 class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Refuse calls to the store without `authorization: Bearer <token>` (health checks stay open)."""
+    """Refuse calls to the store without `authorization: Bearer <token>` of a known token (health
+    checks stay open)."""
 
-    def __init__(self, token: str, counters: ServerCounters) -> None:
-        self.expected = f"Bearer {token}".encode()
+    def __init__(self, grants: Grants, counters: ServerCounters) -> None:
+        self.grants = grants
         self.counters = counters
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
@@ -30,7 +32,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         if details.method.startswith("/grpc.health."):
             return await continuation(details)
         sent = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(str(sent).encode(), self.expected):
+        if self.grants.grant_for(sent) is not None:
             return await continuation(details)
         self.counters.unauthenticated += 1
         return self._deny.get(details.method[details.method.rfind("/"):], self._deny_unary)

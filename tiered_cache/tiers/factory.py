@@ -25,6 +25,7 @@ class TierSettings:
     redis_timeout_s: float = 1.0
     remote_addresses: Sequence[str] = ()
     remote_token: str | None = None
+    remote_namespace: str | None = None  # the store servers' namespace (server/tenants.py)
     remote_tls_ca: str | None = None
     remote_timeout_s: float = 5.0
     remote_budget_s: float | None = None
@@ -47,7 +48,7 @@ def build_tier(kind: str, settings: TierSettings) -> BlobTier:
 
         return RemoteTier(settings.remote_addresses, settings.remote_token, settings.remote_tls_ca,
                           settings.remote_timeout_s, fingerprint=settings.fingerprint,
-                          budget_s=settings.remote_budget_s)
+                          budget_s=settings.remote_budget_s, namespace=settings.remote_namespace)
     raise ValueError(f"unknown tier kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 

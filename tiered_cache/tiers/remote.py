@@ -52,10 +52,12 @@ class RemoteTier:
 
     def __init__(self, addresses: Sequence[str], token: str | None = None, tls_ca: str | None = None,
                  timeout_s: float = 5.0, fingerprint: bytes = b"", breaker: BreakerPolicy | None = None,
-                 budget_s: float | None = None, allow_empty: bool = False, shm: bool = True) -> None:
+                 budget_s: float | None = None, allow_empty: bool = False, shm: bool = True,
+                 namespace: str | None = None) -> None:
         """`allow_empty`: start with no server (every call a miss) until `set_addresses` names some,
         as a cluster worker does before its shard directory answers. `shm`: read a same-host
-        server's pages in place in its arena (off: every page comes over gRPC as bytes)."""
+        server's pages in place in its arena (off: every page comes over gRPC as bytes).
+        `namespace`: the servers' namespace to read and write (None: the token's first)."""
         if not addresses and not allow_empty:
             raise ValueError("the remote tier needs at least one store server address (HOST:PORT)")
         self.budget_s = budget_s  # overall bound of one get or put stream; None: progress only
@@ -66,7 +68,7 @@ class RemoteTier:
         self._checker = ThreadPoolExecutor(max_workers=_CHECKERS, thread_name_prefix="remote-tier-crc")
         for _ in range(_CHECKERS):  # started now, not by the first fetch
             self._checker.submit(time.sleep, 0.01)
-        self.stores = StoreServers(token, tls_ca, timeout_s, shm, breaker or BreakerPolicy())
+        self.stores = StoreServers(token, tls_ca, timeout_s, shm, breaker or BreakerPolicy(), namespace)
         self.arena_reads = ArenaReads(self.stores)
         self.stores.set_addresses(addresses)
 

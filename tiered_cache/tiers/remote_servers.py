@@ -70,8 +70,9 @@ class StoreServers:
     every call returns its default."""
 
     def __init__(self, token: str | None, tls_ca: str | None, timeout_s: float, shm: bool,
-                 policy: BreakerPolicy) -> None:
+                 policy: BreakerPolicy, namespace: str | None = None) -> None:
         self._client_args = (token, tls_ca, timeout_s)
+        self._namespace = namespace
         self._shm = shm
         self._policy = policy
         self._lock = threading.Lock()
@@ -93,7 +94,8 @@ class StoreServers:
                 return False
             kept = dict(zip(old.addresses, old.servers, strict=True))
             token, tls_ca, timeout_s = self._client_args
-            servers = tuple(kept.pop(a, None) or Server(StoreClient(a, token, tls_ca, timeout_s, shm=self._shm),
+            servers = tuple(kept.pop(a, None) or Server(StoreClient(a, token, tls_ca, timeout_s, shm=self._shm,
+                                                                     namespace=self._namespace),
                                                         self._policy, a)
                             for a in wanted)
             self.ring = Ring(wanted, servers)
@@ -153,5 +155,5 @@ def _why(exc: grpc.RpcError) -> str:
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return "is up and refuses this client's token (UNAUTHENTICATED: check remote_token)"
     if code is grpc.StatusCode.PERMISSION_DENIED:
-        return "is up and refuses this client (PERMISSION_DENIED)"
+        return "is up and refuses this client's namespace (PERMISSION_DENIED: check remote_namespace)"
     return f"is down ({code.name if code is not None else type(exc).__name__})"

@@ -9,6 +9,7 @@ it as "no token" and starts an open store by accident. A token travels as gRPC m
 from __future__ import annotations
 
 TOKEN_ENV = "TIERED_CACHE_SERVE_TOKEN"
+TOKEN_FILE_ENV = "TIERED_CACHE_SERVE_TOKEN_FILE"  # tokens scoped to namespaces (server/tenants.py)
 
 
 def check_token(token: str | None, where: str = "token") -> str | None:
