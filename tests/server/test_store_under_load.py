@@ -284,3 +284,21 @@ def test_stats_never_waits_for_a_data_call_and_reports_fresh_figures():
         assert client.stats(timeout_s=2).tiers[0].pages == 5  # not a cached figure
     finally:
         server.stop()
+
+
+def test_a_get_its_client_cancels_is_counted_and_logs_no_error():
+    """A client that has what it needs stops reading a Get: routine, so the server counts it in
+    its stats and logs nothing above debug level (tracebacks for it would bury real errors)."""
+    items = large_items(64)  # 16 MiB: still streaming when the client walks away
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk", "--ram", "64MiB"]) as store:
+        with StoreClient(store.address, shm=False, timeout_s=10) as client:
+            client.put(items)
+            for _ in range(3):
+                stream = client.get(keys)
+                next(stream)
+                stream.close()  # cancels the call mid-stream
+            _wait_for(lambda: _stats(store.address).cancelled_streams >= 3, 15, "cancelled Gets to be counted")
+            assert _stats(store.address).stalled_streams == 0
+        log = "\n".join(store.output)
+    assert "Traceback" not in log and "ERROR" not in log, log

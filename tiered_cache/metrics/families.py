@@ -137,6 +137,8 @@ def server_families(counters: Any, streams_open: int, shm_pages: int = 0, shm_pa
         ("server_refused_blobs", "counter", "Blobs a Put refused (too big, wrong fingerprint, bad checksum)",
          counters.refused_blobs),
         ("server_stalled_streams", "counter", "Streams ended for making no progress", counters.stalled_streams),
+        ("server_cancelled_streams", "counter", "Get and Put streams their client cancelled",
+         counters.cancelled_streams),
         ("server_open_streams", "gauge", "Get and Put streams open now", streams_open),
         ("server_shm_pages", "counter", "Pages handed to same-host clients by reference into the arena (Lookup, Get)",
          shm_pages),

@@ -35,6 +35,7 @@ def render_stats(result: dict[str, Any], rates: dict[str, dict[str, float]] | No
             f"{int(s.get('unauthenticated', 0)):,} unauthenticated, {int(s.get('refused_blobs', 0)):,} blobs refused, "
             f"{int(s.get('active_streams', 0))} streams open, {int(s.get('refused_streams', 0)):,} refused "
             f"(max_streams), {int(s.get('stalled_streams', 0)):,} ended stalled, "
+            f"{int(s.get('cancelled_streams', 0)):,} cancelled by their client, "
             f"{int(s.get('shm_pages', 0)):,} pages handed out in place in the arena "
             f"({int(s.get('shm_pages_reused', 0)):,} with no copy), "
             f"{int(s.get('shm_put_pages', 0)):,} Put pages from clients' shared memory "

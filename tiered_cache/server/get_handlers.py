@@ -85,6 +85,8 @@ class GetHandlers:
         except asyncio.CancelledError:
             if watch.stalled:
                 r.count_stalled(context, watch)
+            else:
+                r.count_cancelled("Get")
             raise  # the call is cancelled (RST_STREAM): nothing waits behind the unread data
         finally:
             watch.close()

@@ -94,6 +94,7 @@ class KVCacheService:
                                 rejected_requests=c.rejected, unauthenticated=c.unauthenticated,
                                 refused_blobs=c.refused_blobs, active_streams=self.slots.active,
                                 refused_streams=self.slots.refused, stalled_streams=c.stalled_streams,
+                                cancelled_streams=c.cancelled_streams,
                                 shm_pages=c.shm_pages, shm_pages_reused=c.shm_pages_reused,
                                 shm_put_pages=c.shm_put_pages,
                                 shm_offers=len(self.offers) if self.offers is not None else 0)

@@ -86,6 +86,7 @@ class PutHandlers:
             await self._store_batch(batch, response, namespace)
         except asyncio.CancelledError:
             if not watch.stalled:
+                r.count_cancelled("Put")
                 raise  # the client cancelled, or the server is stopping
             r.count_stalled(context, watch)
             # The way back is open (only the client's side is idle): end with the status.

@@ -9,6 +9,7 @@ INTERNAL). Every refusal is counted in the server's stats.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -27,6 +28,7 @@ from tiered_cache.wire.framing import parse_page_blob
 from tiered_cache.wire.namespaces import NAMESPACE_METADATA, check_namespace
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,6 +62,7 @@ class ServerCounters:
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.requests = self.rejected = self.unauthenticated = self.refused_blobs = self.stalled_streams = 0
+        self.cancelled_streams = 0  # Get/Put streams the client cancelled: routine, so counted, not logged
         self.shm_put_pages = 0  # Put pages read from clients' offered segments
         self.shm_pages = 0  # pages handed to same-host clients as refs into the arena (Lookup or Get)
         self.shm_pages_reused = 0  # of which already in the arena: handed out with no copy at all
@@ -124,6 +127,12 @@ class Requests:
             self.counters.rejected += 1
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
             raise  # abort raises; this line is never reached
+
+    def count_cancelled(self, method: str) -> None:
+        """A client cancelled its stream (it stopped reading a Get it had enough of, or went away):
+        counted, and logged at debug level only, so real errors stay visible."""
+        self.counters.cancelled_streams += 1
+        _log.debug("a client cancelled its %s stream", method)
 
     def count_stalled(self, context: grpc.aio.ServicerContext, watch: ProgressDeadline) -> None:
         """A stream made no progress: count it and say why in its status, if one can still be
