@@ -92,6 +92,10 @@ class CacheConfig:
     # everything is loaded.
     reuse: ReusePolicy = ReusePolicy.FASTER
     prefill_tokens_per_s: float | None = None
+    # The correctness canary (cache/canary.py): the share of cache hits an integration with the
+    # model recomputes off the request path and compares with the reused KV; a tier whose pages
+    # differ is quarantined for the namespace. 0: off.
+    verify_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -117,6 +121,8 @@ class CacheConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in 0..65535 or None, got {self.metrics_port}")
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ValueError(f"verify_fraction must be between 0 and 1 (a share of hits), got {self.verify_fraction}")
         if self.prefill_tokens_per_s is not None and not (0 < self.prefill_tokens_per_s < float("inf")):
             raise ValueError(f"prefill_tokens_per_s must be a positive number of tokens per second or None "
                              f"(learned), got {self.prefill_tokens_per_s}")
@@ -229,7 +235,8 @@ def _coerce(name: str, value: Any) -> Any:
             if text not in _TRUE | _FALSE:
                 raise ValueError(f"expected true or false, got {value!r}")
             return text in _TRUE
-        if name in {"codec_min_saving", "redis_timeout_s", "remote_timeout_s", "high_watermark", "low_watermark"}:
+        if name in {"codec_min_saving", "redis_timeout_s", "remote_timeout_s", "high_watermark", "low_watermark",
+                    "verify_fraction"}:
             return _number(value)
         if name in {"remote_budget_s", "prefill_tokens_per_s"}:
             return None if value is None or str(value).strip().lower() in {"", "none"} else _number(value)

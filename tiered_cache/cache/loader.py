@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiered_cache.cache.canary import Canary
 from tiered_cache.cache.demoter import Demoter
 from tiered_cache.cache.handle import HOST, CacheHandle
 from tiered_cache.cache.ledger import PageLedger
@@ -28,7 +29,9 @@ class Loader:
     """The fill-then-adopt path of one cache (see the module doc)."""
 
     def __init__(self, ledger: PageLedger, demoter: Demoter, promoter: Promoter, host: HostTier,
-                 in_flight: Mapping[bytes, Any], moves: Movements, lock: threading.RLock) -> None:
+                 in_flight: Mapping[bytes, Any], moves: Movements, lock: threading.RLock,
+                 canary: Canary | None = None) -> None:
+        self.canary = canary or Canary()  # keys found wrong are never reused; quarantined tiers not loaded from
         self.ledger = ledger
         self.spec, self.pool, self.tree = ledger.spec, ledger.pool, ledger.tree
         self.demoter = demoter
@@ -41,23 +44,25 @@ class Loader:
 
     def lookup(self, ns: str, keys: list[bytes]) -> int:
         """Tokens `match` would give for `keys`; nothing is moved or counted."""
+        usable = keys[:self.canary.first_poisoned(keys)]
         with self._lock:
             self.demoter.await_keys(keys)
-            on_device = self.tree.match_prefix(keys, ns).num_pages
-            in_host = self._in_host(keys[on_device:])
-        plan = self.promoter.plan(keys[on_device:], in_host)
+            on_device = self.tree.match_prefix(usable, ns).num_pages
+            in_host = self._in_host(usable[on_device:])
+        plan = self.promoter.plan(usable[on_device:], in_host, self.canary.quarantined(ns))
         return (on_device + self.promoter.reuse_cut(plan)) * self.spec.page_size
 
     def match(self, ns: str, keys: list[bytes], tokens: Any, reuse_policy: bool) -> CacheHandle:
         """Lock the device prefix of `keys` and plan the rest; see `TieredCache.match`."""
+        usable = keys[:self.canary.first_poisoned(keys)]  # a page found wrong ends what can be reused
         with self._lock:
             self.demoter.await_keys(keys)
-            result = self.tree.match_prefix(keys, ns)
+            result = self.tree.match_prefix(usable, ns)
             self.ledger.count_device(result.num_pages, len(keys))
             self.tree.lock(result.node)
-            in_host = self._in_host(keys[result.num_pages:])
+            in_host = self._in_host(usable[result.num_pages:])
         try:
-            plan = self.promoter.plan(keys[result.num_pages:], in_host)
+            plan = self.promoter.plan(usable[result.num_pages:], in_host, self.canary.quarantined(ns))
         except BaseException:
             with self._lock:
                 self.tree.unlock(result.node)

@@ -109,15 +109,16 @@ class Promoter:
         self._executor: ThreadPoolExecutor | None = None
 
     # --- where the pages are ------------------------------------------------------------------
-    def plan(self, keys: Sequence[bytes], in_host: Sequence[bool]) -> list[int]:
+    def plan(self, keys: Sequence[bytes], in_host: Sequence[bool], skip: frozenset[str] = frozenset()) -> list[int]:
         """Where each page of the leading run of `keys` found below the device lives: HOST, or
-        the index of the lower tier to fetch it from. Each lower tier is asked at most once."""
-        plan: list[int] = [HOST if held else _NOWHERE for held in in_host]
+        the index of the lower tier to fetch it from. Each lower tier is asked at most once.
+        Tiers named in `skip` (quarantined by the canary) count as not holding anything."""
+        plan: list[int] = [HOST if held and self.host.name not in skip else _NOWHERE for held in in_host]
         ask = [i for i, p in enumerate(plan) if p == _NOWHERE]
         if ask and self.chain.tiers:
             where = self.chain.locate([keys[i] for i in ask])
             for i, w in zip(ask, where, strict=True):
-                if w is not None:
+                if w is not None and self.chain.tiers[w].name not in skip:
                     plan[i] = w
         first_miss = next((i for i, p in enumerate(plan) if p == _NOWHERE), len(plan))
         return plan[:first_miss]
@@ -128,16 +129,16 @@ class Promoter:
         re-measured in the background."""
         keep = self.reuse_cut(plan)
         if keep < len(plan):  # the rest arrives later than the engine would compute it
-            self.reuse.count_skipped([self._tier_name(where) for where in plan[keep:]])
+            self.reuse.count_skipped([self.tier_name(where) for where in plan[keep:]])
             self._probe_skipped(list(keys[keep:len(plan)]), plan[keep:])
         return plan[:keep]
 
     def reuse_cut(self, plan: list[int]) -> int:
         """How many leading pages of `plan` to load under the reuse policy (reuse.py)."""
-        names = {where: self._tier_name(where) for where in set(plan)}
+        names = {where: self.tier_name(where) for where in set(plan)}
         return self.reuse.cut(plan, names, self.spec.bytes_per_page, self.spec.page_size)
 
-    def _tier_name(self, where: int) -> str:
+    def tier_name(self, where: int) -> str:
         return self.host.name if where == HOST else self.chain.tiers[where].name
 
     def _probe_skipped(self, keys: list[bytes], plan: list[int]) -> None:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from tiered_cache.cache.background import QueueFigures
+from tiered_cache.cache.canary import CanaryFigures
 from tiered_cache.cache.reuse import ReuseFigures
 from tiered_cache.tiers.base import TierStats
 
@@ -57,6 +58,7 @@ class CacheStats:
     skipped_puts: int = 0  # lower-tier puts avoided: the tier was known to hold the page
     dropped_pages: int = 0  # pages whose write below was dropped: the write-behind was full
     reuse: ReuseFigures | None = None  # load and prefill rate estimates, pages left to recompute
+    canary: CanaryFigures | None = None  # hits checked against recomputation, tiers quarantined
 
     def queue(self, name: str) -> QueueFigures:
         return next(q for q in self.queues if q.name == name)
@@ -88,4 +90,5 @@ class CacheStats:
             "skipped_puts": self.skipped_puts,
             "dropped_pages": self.dropped_pages,
             "reuse": self.reuse.to_dict() if self.reuse is not None else None,
+            "canary": self.canary.to_dict() if self.canary is not None else None,
         }

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from tiered_cache.cache.canary import Canary
 from tiered_cache.cache.compaction import Compaction
 from tiered_cache.cache.demoter import Demoter
 from tiered_cache.cache.foreground import Foreground
@@ -119,8 +120,9 @@ class TieredCache:
         self.reuse = self.promoter.reuse  # the reuse policy's estimates (promoter.py, reuse.py)
         self.demoter = Demoter(config, self.ledger, self.host, self.promoter.copier, self.writer, self.moves,
                                self._lock, self._foreground, demotions_idle)
+        self.canary = Canary(config.verify_fraction)  # checks a sample of hits (integrations with the model)
         self.loader = Loader(self.ledger, self.demoter, self.promoter, self.host, self.writer.in_flight, self.moves,
-                             self._lock)
+                             self._lock, self.canary)
         self.forks = Forks(self.ledger, self.demoter)
         self.swaps = Swaps(self.ledger, self.demoter, self.host, self.promoter.staging, self._lock)
         self.compaction = Compaction(self.ledger, self.forks)
@@ -201,6 +203,11 @@ class TieredCache:
         if self._closed:
             raise ValueError("this TieredCache is closed")
         return self.loader.match(ns, keys, toks, reuse_policy)
+
+    def page_sources(self, handle: CacheHandle) -> list[str]:
+        """The tier each page of `handle`'s prefix was planned from, in order: "device", "host" or
+        a lower tier's name (the canary blames a wrong page on its tier)."""
+        return ["device"] * handle.sources["device"] + [self.promoter.tier_name(where) for where in handle.plan]
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """Tell the reuse policy that the engine prefilled `num_tokens` tokens in `seconds` (the
@@ -410,14 +417,16 @@ class TieredCache:
         return self.writer.set_remote_addresses(addresses)
 
     def stats(self) -> CacheStats:
-        """Figures of every tier, the pool, the tree, the background queues and the reuse policy."""
+        """Figures of every tier, the pool, the tree, the background queues, the reuse policy and
+        the canary."""
         with self._lock:
             device, pool, size, nodes = self.ledger.figures()
             tiers = [device, self.moves.apply(self.host.stats())]
         tiers += [replace(t, corrupt=t.corrupt + self.moves.refused[t.name]) for t in self.chain.stats()]
         return CacheStats(tiers, pool, self.spec.page_size, nodes, size.evictable, size.protected,
                           [self.demoter.figures(), self.writer.figures()], self.promoter.declined,
-                          self.chain.skipped_puts, self.writer.pages_dropped, self.reuse.figures())
+                          self.chain.skipped_puts, self.writer.pages_dropped, self.reuse.figures(),
+                          self.canary.figures())
 
     def prefix_tree(self, max_nodes: int = 500, decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
         """The radix tree of prefixes as plain data (tree_view.py), for `tiered-cache tree`; with
@@ -441,6 +450,7 @@ class TieredCache:
         """Finish queued background work, then close the lower tiers' connections."""
         if self._closed:
             return
+        self.canary.close()
         self.demoter.close()  # runs what is queued first (it may queue writes below)
         self.writer.close()
         self._closed = self.demoter.closed = self.writer.closed = True

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from tiered_cache.cache import TieredCache
+from tiered_cache.cache.canary import pages_differ
 from tiered_cache.integrations.hf_context import context_from_pool
 from tiered_cache.integrations.model_identity import derived_model_id
 from tiered_cache.model.hf_config import spec_from_hf_config
@@ -89,6 +90,7 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
     start = time.perf_counter()
     past, reused, sources, loaded = None, 0, {}, 0
     handle = cache.match(ids, namespace) if cache is not None else None
+    planned = cache.page_sources(handle) if handle is not None and cache.canary.fraction else []  # before load
     try:
         if handle is not None:
             # An engine prefetches at admission and loads when the request is scheduled; here the
@@ -124,6 +126,8 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
         if cache is not None:
             full = kv_of_cache(out.past_key_values).to(cache.spec.dtype.torch)
             stored = cache.put(ids, full, namespace)
+            if handle is not None and reused >= cache.spec.page_size and cache.canary.due():
+                _check_reuse(model, cache, handle, planned, ids, reused // cache.spec.page_size, full)
     finally:
         if handle is not None:
             cache.release(handle)  # also when loading or the model raised: no lock may leak
@@ -140,6 +144,25 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
             on_token(tokens[-1])
     return GenerationResult(tokens, ttft, len(ids), reused, sources, loaded, stored,
                             time.perf_counter() - decode_start, logits)
+
+
+def _check_reuse(model: Any, cache: TieredCache, handle: Any, planned: list[str], ids: list[int], pages: int,
+                 kv: torch.Tensor) -> None:
+    """Hand the canary (cache/canary.py) this hit: off the request path, the first `pages` pages
+    of `ids` are recomputed and compared with the KV that was reused (`kv`'s first tokens, as the
+    model saw them); `planned`: the tier of each page. Dropped when a check is already waiting."""
+    tokens = pages * cache.spec.page_size
+    keys, tiers = list(handle.keys[:pages]), planned[:pages]
+    reused, prefix, namespace, canary = kv[:, :, :tokens], ids[:tokens], handle.namespace, cache.canary
+    device = getattr(model, "device", None)
+
+    def check() -> None:
+        with torch.inference_mode():
+            out = model(torch.tensor([prefix], device=device), use_cache=True, **last_logits_only(model))
+            fresh = kv_of_cache(out.past_key_values).to(reused.dtype)
+        canary.record(namespace, keys, tiers, pages_differ(reused, fresh, cache.spec.page_size))
+
+    canary.submit(check)
 
 
 def last_logits_only(model: Any) -> dict[str, int]:

@@ -79,7 +79,8 @@ def cache_families(stats: Any) -> list[Metric]:
     for q in stats.queues:
         depth.add_metric([q.name], q.depth)
         dropped.add_metric([q.name], q.dropped)
-    return [pages, depth, dropped, *reuse_families(stats.reuse), *(_single(*row) for row in (
+    return [pages, depth, dropped, *reuse_families(stats.reuse), *canary_families(stats.canary),
+            *(_single(*row) for row in (
         ("pool_utilisation_ratio", "gauge", "Used device pool pages over all", pool.utilisation),
         ("pool_unused_slots", "gauge", "Token slots allocated in used pages but holding no token", pool.unused_slots),
         ("pool_fragmentation_ratio", "gauge", "Unused token slots over all slots of the pages in use",
@@ -97,6 +98,25 @@ def cache_families(stats: Any) -> list[Metric]:
          stats.skipped_puts),
         ("dropped_pages", "counter", "Pages whose write below was dropped: the write-behind was full",
          stats.dropped_pages),
+    ))]
+
+
+def canary_families(canary: Any) -> list[Metric]:
+    """The correctness canary's figures (a `CanaryFigures`, or None): hits checked against
+    recomputation, mismatches, checks dropped while busy, and the tiers quarantined."""
+    if canary is None:
+        return []
+    quarantined = GaugeMetricFamily(PREFIX + "canary_quarantined", "Tiers not loaded from because the canary found "
+                                    "their pages wrong (1 per namespace and tier)", labels=["namespace", "tier"])
+    for namespace, tiers in canary.quarantined.items():
+        for tier in tiers:
+            quarantined.add_metric([namespace, tier], 1)
+    return [quarantined, *(_single(*row) for row in (
+        ("canary_checks", "counter", "Cache hits recomputed and compared with the reused KV", canary.checks),
+        ("canary_mismatches", "counter", "Checked hits with a page that differed from recomputation",
+         canary.mismatches),
+        ("canary_dropped", "counter", "Hits due a check that found the canary busy", canary.dropped),
+        ("canary_pages_wrong", "counter", "Reused pages that differed from recomputation", canary.pages_wrong),
     ))]
 
 
