@@ -61,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune_malloc()
     try:
         return int(args.run(args) or 0)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # what the command started is stopped on the way out (its finally blocks)
+        print(f"tiered-cache {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
         if not isinstance(exc, (TieredCacheError, ValueError, KeyError, OSError, RuntimeError)) and not _from_ray(exc):
