@@ -80,7 +80,7 @@ class CacheWorker:
                             fingerprint=bytes.fromhex(self.spec.fingerprint))
         config = CacheConfig(device=self.device, pool_capacity=self.settings.pool_capacity,
                              host_capacity=self.settings.host_capacity, write_policy=WritePolicy.WRITE_THROUGH,
-                             namespace=self._namespace)
+                             namespace=self._namespace, verify_fraction=self.settings.verify_fraction)
         return remote, TieredCache(self.spec, config, lower=[remote])
 
     def reset(self, use_shards: bool = True, namespace: str | None = None) -> int:

@@ -67,8 +67,13 @@ class WorkerSettings:
     device: str = "auto"
     weights_dtype: str = "auto"  # "auto": bf16 on a GPU, fp32 on a CPU; or fp32, fp16, bf16
     resources: Mapping[str, float] = field(default_factory=dict)
+    # The correctness canary (cache/canary.py): the share of cache hits recomputed off the request
+    # path and compared with the reused KV (a worker has the model, so it can afford a little).
+    verify_fraction: float = 0.01
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.verify_fraction <= 1.0:
+            raise ValueError(f"worker.verify_fraction must be between 0 and 1, got {self.verify_fraction}")
         for name in ("pool_capacity", "host_capacity"):
             object.__setattr__(self, name, parse_size(getattr(self, name)))
         if self.max_new_tokens <= 0 or self.page_size <= 0:

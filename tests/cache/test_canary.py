@@ -124,3 +124,13 @@ def test_a_quarantined_tier_is_not_loaded_from_for_any_page_of_its_namespace(tin
         cache.release(handle)
         cache.canary.clear(tier="disk")
         assert cache.lookup(tokens) == len(tokens)
+
+
+def test_the_canary_line_says_what_was_checked_and_quarantined():
+    from tiered_cache.report.tree import canary_line
+
+    canary = Canary(0.01)
+    canary.record("tenant", [b"\1" * 32, b"\2" * 32], ["disk", "disk"], [True, False])
+    line = canary_line(canary.figures().to_dict())
+    assert "1% of hits" in line and "1 checked, 1 wrong (1 pages)" in line and "quarantined: tenant: disk" in line
+    assert canary_line(Canary(0.0).figures().to_dict()) == ""

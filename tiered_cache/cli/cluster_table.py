@@ -22,7 +22,7 @@ def _row(actor: str, node: str, tier: dict[str, Any]) -> list[str]:
 
 def render_cluster(figures: dict[str, Any]) -> str:
     from tiered_cache.cli.cluster_cmd import node_label
-    from tiered_cache.report.tree import reuse_line
+    from tiered_cache.report.tree import canary_line, reuse_line
     from workers.cluster import tiers_of
 
     rows, notes = [], []
@@ -35,6 +35,8 @@ def render_cluster(figures: dict[str, Any]) -> str:
             rows.append(_row(label, node_label(actor), tier))
         if reuse := reuse_line(actor.get("cache", {}).get("reuse")):
             notes.append(f"{actor['name']}: {reuse}")
+        if canary := canary_line(actor.get("cache", {}).get("canary")):
+            notes.append(f"{actor['name']}: {canary}")
     for name, tier in figures["totals"].items():
         rows.append(_row("cluster total", "", {"name": name, **tier}))
     workers = sum(a["kind"] == "worker" and "error" not in a for a in figures["actors"])

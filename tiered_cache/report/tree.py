@@ -57,6 +57,16 @@ def reuse_line(reuse: dict[str, Any] | None) -> str:
     return f"reuse {reuse['policy']}: {said}; load {rates or 'not measured yet'}; {left}"
 
 
+def canary_line(canary: dict[str, Any] | None) -> str:
+    """One line on the correctness canary (`CanaryFigures.to_dict()`); empty when it is off."""
+    if not canary or not canary.get("fraction"):
+        return ""
+    quarantined = "; ".join(f"{ns or '(default)'}: {', '.join(tiers)}" for ns, tiers in canary["quarantined"].items())
+    return (f"canary: {canary['fraction']:.0%} of hits recomputed; {canary['checks']:,} checked, "
+            f"{canary['mismatches']:,} wrong ({canary['pages_wrong']:,} pages), {canary['dropped']:,} dropped while "
+            f"busy; quarantined: {quarantined or 'none'}")
+
+
 def render_tree(view: dict[str, Any], title: str = "") -> str:
     lines = [title] if title else []
     tiers = view.get("tiers", {})
