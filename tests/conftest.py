@@ -103,6 +103,25 @@ def redis_prefix(request) -> str:
     return f"test-{request.node.name}"
 
 
+def pytest_configure(config):
+    """Store servers started without --disk use $TIERED_CACHE_DIR/store: a folder of this run's
+    own, removed afterwards, never the user's ~/.cache/tiered-cache (which earlier runs filled)."""
+    if "TIERED_CACHE_DIR" not in os.environ:
+        import tempfile
+
+        config._tiered_cache_dir = tempfile.mkdtemp(prefix="tiered-cache-tests-")
+        os.environ["TIERED_CACHE_DIR"] = config._tiered_cache_dir
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_tiered_cache_dir", None)
+    if folder is not None:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        os.environ.pop("TIERED_CACHE_DIR", None)
+
+
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true",
                      help="run the tests marked `long` too (the real `ray up` as root, soaks: make test-long)")
