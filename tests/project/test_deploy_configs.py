@@ -65,6 +65,16 @@ def test_the_cluster_config_loads_with_the_documented_keys():
     assert not config.shard.disk_path.startswith("/tmp")  # the node's disk, not a folder a reboot empties
 
 
+def test_the_fake_multinode_cluster_config_pins_actors_to_the_node_types_the_fake_nodes_advertise():
+    nodes = load("fake-multinode.yaml")["available_node_types"]
+    config = ClusterConfig.from_yaml(DEPLOY / "fake-multinode-cluster.yaml")
+    shard_nodes, worker_nodes = nodes["shard_node"], nodes["worker_node"]
+    assert set(config.shard.resources) <= set(shard_nodes["resources"])
+    assert set(config.worker.resources) <= set(worker_nodes["resources"])
+    assert config.shards <= shard_nodes["max_workers"] and config.workers <= worker_nodes["max_workers"]
+    assert config.worker.num_gpus <= worker_nodes["resources"].get("GPU", 0) and config.worker.device == "cpu"
+
+
 @pytest.mark.parametrize("name", ["cluster.yaml", "cluster-local.yaml"])
 def test_ray_up_mounts_the_token_and_the_wheel_and_starts_ray_with_token_auth(name):
     """Ray's recipe for token auth under `ray up`: the token file at Ray's default path on every
