@@ -12,7 +12,7 @@ import sys
 
 import grpc
 import pytest
-from service_helpers import FINGERPRINT, make_items
+from service_helpers import FINGERPRINT, large_items, make_items
 
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.config import CacheConfig
@@ -164,3 +164,20 @@ def test_serve_takes_the_token_file_from_the_environment_and_warns_about_a_token
     env[TOKEN_FILE_ENV] = str(tmp_path / "missing")
     from_env = subprocess.run(args, capture_output=True, text=True, env=env, timeout=60)
     assert from_env.returncode == 2 and "missing" in from_env.stderr and "listening" not in from_env.stdout
+
+
+def test_a_tenants_pages_evicted_to_disk_come_back_whole_and_apart(tmp_path):
+    """Below RAM every tier checks the key a blob carries: a namespace's page is stored carrying
+    the namespace's key, and comes back to its client carrying the key it asked for, byte-exact."""
+    (tmp_path / "tokens").write_text(TOKENS)
+    items = large_items(12)  # 3 MiB of 256 KiB pages: most of it evicted from a 1 MiB RAM tier
+    keys = [k for k, _ in items]
+    args = ["--disk", str(tmp_path / "disk"), "--ram", "1MiB", "--shm", "off", "--token-file", str(tmp_path / "tokens")]
+    with StoreProcess(args) as proc, client(proc, "token-a") as a, client(proc, "token-b") as b, \
+            client(proc, "token-op") as op:
+        assert a.put(items).stored == 12
+        tiers = {t.name: t for t in op.stats().tiers}
+        assert tiers["disk"].pages > 0 and tiers["ram"].evictions > 0
+        assert blobs(a.get_all(keys)) == dict(items)
+        assert b.lookup(keys).leading == 0 and blobs(b.get_all(keys)) == {}
+        assert all(t.corrupt == 0 for t in op.stats().tiers), op.stats().tiers

@@ -17,6 +17,9 @@ from typing import Any
 import torch
 
 NAME = "tiered_cache_grouped_sdpa"
+# Attention arguments some models pass that this does not implement: with any of them set, the
+# call goes to transformers' own sdpa (which applies or refuses them).
+_NOT_HERE = ("position_bias", "softcap", "s_aux", "sinks", "sliding_window", "head_mask", "output_attentions")
 _registered = False
 
 
@@ -33,7 +36,9 @@ def grouped_sdpa(module: Any, query: torch.Tensor, key: torch.Tensor, value: tor
     mask_fits = (attention_mask is None and q == 1) or (
         isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
         and attention_mask.shape[2] == q)
-    if (group <= 1 or heads != group * kv_heads or not mask_fits or dropout or kwargs.get("position_bias") is not None
+    # Anything this does not implement (position bias, softcap, sinks, ...) goes to transformers' own.
+    extra = any(kwargs.get(name) is not None for name in _NOT_HERE)
+    if (group <= 1 or heads != group * kv_heads or not mask_fits or dropout or extra
             or key.shape[-1] != value.shape[-1]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

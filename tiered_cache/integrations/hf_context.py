@@ -80,7 +80,8 @@ def context_from_pool(model: Any, pool: Any, pages: Any, tokens: int, room: int)
     spec = pool.spec
     cache = DynamicCache(config=model.config)
     weights = next(model.parameters())
-    if (len(cache.layers) != spec.num_layers or any(type(layer) is not DynamicLayer for layer in cache.layers)
+    if (len({p.device for p in model.parameters()}) > 1  # layers spread over devices: their past too
+            or len(cache.layers) != spec.num_layers or any(type(layer) is not DynamicLayer for layer in cache.layers)
             or weights.dtype != pool.kv.dtype or room < tokens):
         return None
     if _ROOMY is None:

@@ -20,7 +20,7 @@ from tiered_cache.server.streams import BatchSizer
 from tiered_cache.shm.arena import Ref
 from tiered_cache.tiers.arena import ArenaTier
 from tiered_cache.v1 import cache_pb2 as pb
-from tiered_cache.wire.codec import BlobError, check_fingerprint, read_header
+from tiered_cache.wire.codec import BlobError, check_fingerprint, read_header, rekeyed
 from tiered_cache.wire.deadline import ProgressDeadline
 from tiered_cache.wire.framing import page_blob_message, page_ref_message
 from tiered_cache.wire.namespaces import scoped_keys
@@ -137,13 +137,15 @@ class GetHandlers:
         else:
             refs, blobs, reused = self.store.arena_refs(stored)
         messages = []
-        for (key, _), ref, blob in zip(chunk, refs, blobs, strict=True):
+        for (key, kept), ref, blob in zip(chunk, refs, blobs, strict=True):
             if ref is not None:
                 if fingerprint and not arena.matches(ref, lambda blob: _fingerprint_ok(blob, fingerprint)):
                     continue
                 sizer.see(ref[1])
                 messages.append(page_ref_message(key, *ref))
             elif blob is not None and not (fingerprint and not _fingerprint_ok(blob, fingerprint)):
+                if key != kept:  # a namespace's page: the client gets it with the key it asked for
+                    blob = rekeyed(blob, key)
                 sizer.see(len(blob))
                 messages.append(page_blob_message(key, blob))
         return messages, sum(ref is not None for ref in refs), reused

@@ -22,7 +22,7 @@ from tiered_cache.server.streams import BatchSizer
 from tiered_cache.shm.offers import OfferedSegments
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.blob_geometry import check_geometry
-from tiered_cache.wire.codec import BlobError, BlobFault, check_fingerprint, verify_blob
+from tiered_cache.wire.codec import BlobError, BlobFault, check_fingerprint, rekeyed, verify_blob
 from tiered_cache.wire.deadline import ProgressDeadline
 from tiered_cache.wire.namespaces import scoped_key, scoped_keys
 
@@ -122,7 +122,10 @@ class PutHandlers:
         r = self.requests
         r.counters.requests += 1
         await r.refuse_malformed(request, context)
-        namespace = await r.namespace(context)
+        if await r.namespace(context):  # as Offer: shared memory only in the empty namespace
+            await r.reject(context, "same-host shared memory is offered only to calls in the empty namespace: "
+                                    "send pages by Put")
+        namespace = ""
         if len(request.pages) > r.config.max_keys:
             await r.reject(context, f"{len(request.pages)} pages in one request; "
                                     f"the limit is {r.config.max_keys}")
@@ -207,8 +210,9 @@ class PutHandlers:
         refused, good = [], []
         for key, blob, fingerprint in items:
             refusal = self._validate(key, blob, fingerprint)
-            if refusal is None:
-                good.append((scoped_key(namespace, key), blob))
+            if refusal is None:  # kept under the namespace's key, which the blob then carries (tiers check it)
+                kept = scoped_key(namespace, key)
+                good.append((kept, rekeyed(blob, kept) if namespace else blob))
             else:
                 refused.append(refusal)
         stored, held = self.store.put(good) if good else (0, 0)

@@ -12,9 +12,11 @@ A token file lists one token per line with the namespaces it may read and write:
 namespace for `*` and for a server with one `--token`, which is today's single shared space).
 
 The server keeps each namespace's pages under keys of their own: the key a client sends, hashed
-with the namespace (`wire/namespaces.py`: `scoped_key`; the empty namespace keeps keys as they are). So a client of
-tenant A asking for tenant B's page keys finds nothing, and its Puts of those keys land in A's
-space, never over B's pages. Blobs still carry the client's key (every reader checks it).
+with the namespace (`wire/namespaces.py`: `scoped_key`; the empty namespace keeps keys as they
+are). So a client of tenant A asking for tenant B's page keys finds nothing, and its Puts of those
+keys land in A's space, never over B's pages. A blob stored that way carries the namespace's key
+(`codec.rekeyed`: every tier checks the key a blob carries) and goes back to its client carrying
+the key the client asked for.
 Same-host shared memory (the arena a client maps, the client's ring the server reads Puts from)
 is not scoped: the server offers it only to calls acting in the empty namespace, so a scoped
 tenant's pages travel as bytes over gRPC.

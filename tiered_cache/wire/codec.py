@@ -193,6 +193,20 @@ def _assemble(spec: KVSpec, key: bytes, codec: Codec, payload: Any) -> bytes:
     return b"".join((header, data, _CRC.pack(blob_checksum(header, data))))
 
 
+_KEY_AT = struct.calcsize("<4sBBBB32s")  # where a blob's page key starts in its header
+
+
+def rekeyed(blob: Any, key: bytes) -> bytes:
+    """A copy of the (verified) `blob` carrying page key `key` instead, its checksum made anew: a
+    store server keeps a namespace's pages under keys of that namespace (wire/namespaces.py), and
+    every tier it reads them from checks the key the blob carries."""
+    if len(key) != 32:
+        raise ValueError(f"a page key is 32 bytes, got {len(key)}")
+    body = bytearray(memoryview(blob).cast("B")[:-_CRC.size])
+    body[_KEY_AT:_KEY_AT + 32] = key
+    return bytes(body) + _CRC.pack(blob_checksum(body))
+
+
 def blob_checksum(*parts: Any) -> int:
     """CRC-32C of `parts` (contiguous buffers) as if joined, without joining them: a blob's trailer."""
     crc = 0
