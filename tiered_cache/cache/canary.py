@@ -71,7 +71,6 @@ class Canary:
         self._hits = 0
         self._checks = self._mismatches = self._dropped = self._pages_checked = self._pages_wrong = 0
         self._quarantine: dict[str, set[str]] = {}
-        self._logged: set[tuple[str, str]] = set()
         self._poisoned: dict[bytes, None] = {}  # insertion-ordered: the oldest forgotten first
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=1)
         self._busy = 0  # jobs queued or running
@@ -136,12 +135,9 @@ class Canary:
             by_tier: dict[str, list[bytes]] = {}
             for key, tier in bad:
                 by_tier.setdefault(tier, []).append(key)
-            fresh = []
-            for tier, tier_keys in by_tier.items():
-                self._quarantine.setdefault(namespace, set()).add(tier)
-                if (namespace, tier) not in self._logged:
-                    self._logged.add((namespace, tier))
-                    fresh.append((tier, tier_keys))
+            quarantined = self._quarantine.setdefault(namespace, set())
+            fresh = [(tier, tier_keys) for tier, tier_keys in by_tier.items() if tier not in quarantined]
+            quarantined.update(by_tier)
         for tier, tier_keys in fresh:
             _log.error("tiered-cache canary: %d reused page(s) from tier %r in namespace %r differ from "
                        "recomputation (keys %s%s); tier %r quarantined for this namespace until cleared",
@@ -168,7 +164,6 @@ class Canary:
                 tiers.difference_update([tier] if tier is not None else list(tiers))
                 if not tiers:
                     self._quarantine.pop(ns, None)
-                self._logged = {(n, t) for n, t in self._logged if n != ns or (tier is not None and t != tier)}
 
     def figures(self) -> CanaryFigures:
         with self._lock:

@@ -12,11 +12,13 @@ does, so a longer generation stays correct, only slower.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 
+@functools.cache
 def _layer_class() -> type:
     from transformers.cache_utils import DynamicLayer
 
@@ -65,15 +67,11 @@ def _layer_class() -> type:
     return RoomyLayer
 
 
-_ROOMY: type | None = None
-
-
 def context_from_pool(model: Any, pool: Any, pages: Any, tokens: int, room: int) -> Any | None:
     """A `DynamicCache` holding the first `tokens` tokens' KV stored over `pool` `pages`, read
     straight into buffers of `room` >= `tokens` tokens per layer on the model's device; None where
     this model's cache is not one plain layer per pool layer in the pool's dtype (the caller then
     builds one from a tensor)."""
-    global _ROOMY
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -84,11 +82,10 @@ def context_from_pool(model: Any, pool: Any, pages: Any, tokens: int, room: int)
             or len(cache.layers) != spec.num_layers or any(type(layer) is not DynamicLayer for layer in cache.layers)
             or weights.dtype != pool.kv.dtype or room < tokens):
         return None
-    if _ROOMY is None:
-        _ROOMY = _layer_class()
     heads, dim = spec.num_kv_heads, spec.head_dim
     buffer = torch.empty((spec.num_layers, 2, 1, heads, room, dim), dtype=weights.dtype, device=weights.device)
     # (layers, 2, tokens, heads, dim) as the pool reads it, lying in the buffers' layout.
     pool.read_tokens(pages, tokens, out=buffer[:, :, 0, :, :tokens].permute(0, 1, 3, 2, 4))
-    cache.layers = [_ROOMY(buffer[i, 0], buffer[i, 1], tokens) for i in range(spec.num_layers)]
+    roomy = _layer_class()
+    cache.layers = [roomy(buffer[i, 0], buffer[i, 1], tokens) for i in range(spec.num_layers)]
     return cache

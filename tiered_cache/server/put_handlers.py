@@ -24,7 +24,7 @@ from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.blob_geometry import check_geometry
 from tiered_cache.wire.codec import BlobError, BlobFault, check_fingerprint, rekeyed, verify_blob
 from tiered_cache.wire.deadline import ProgressDeadline
-from tiered_cache.wire.namespaces import scoped_key, scoped_keys
+from tiered_cache.wire.namespaces import scoped_key
 
 _REFUSALS = {
     BlobFault.CORRUPT: pb.CORRUPT_BLOB, BlobFault.WRONG_KEY: pb.KEY_MISMATCH,
@@ -125,21 +125,20 @@ class PutHandlers:
         if await r.namespace(context):  # as Offer: shared memory only in the empty namespace
             await r.reject(context, "same-host shared memory is offered only to calls in the empty namespace: "
                                     "send pages by Put")
-        namespace = ""
         if len(request.pages) > r.config.max_keys:
             await r.reject(context, f"{len(request.pages)} pages in one request; "
                                     f"the limit is {r.config.max_keys}")
         await r.slots.acquire(context)
         try:
             response = pb.PutResponse()
-            copied = await r.run(r.io, self._store_offered, request, response, namespace)
+            copied = await r.run(r.io, self._store_offered, request, response)
             r.counters.shm_put_pages += copied
             r.counters.refused_blobs += len(response.refused)
             return response
         finally:
             r.slots.release()
 
-    def _store_offered(self, request: Any, response: pb.PutResponse, namespace: str = "") -> int:
+    def _store_offered(self, request: Any, response: pb.PutResponse) -> int:
         """On the io pool: check and store the offered pages where they lie in the client's ring,
         batch by batch (one copy each, into the store); a refusal for each page lost, before or
         during its copy (then dropped from the store again). Returns how many were taken."""
@@ -155,14 +154,14 @@ class PutHandlers:
 
         def store() -> None:
             nonlocal nbytes
-            refused, stored, held = self._check_and_store(batch, namespace)
+            refused, stored, held = self._check_and_store(batch, "")
             # Copied where they lay: a page the client's ring came round over meanwhile may be
             # torn in the store. Dropped again, and refused as lost (the client sends it as bytes).
             refused_keys = {r.key for r in refused}
             lost = [key for (key, _, _), (ring, position, length) in zip(batch, where, strict=True)
                     if key not in refused_keys and not ring.intact(position, length)]
             if lost:
-                self.store.delete(scoped_keys(namespace, lost))
+                self.store.delete(lost)
                 refused += [pb.Refusal(key=key, reason=pb.SHM_LOST, message="the client's ring came round over the "
                                        "page while the server copied it") for key in lost]
                 from_stored = min(stored, len(lost))  # the ack still counts each page once
@@ -206,7 +205,7 @@ class PutHandlers:
     def _check_and_store(self, items: Sequence[tuple[bytes, bytes | memoryview, bytes]], namespace: str
                          ) -> tuple[list[pb.Refusal], int, int]:
         """On the io pool: verify each blob (checksums are CPU work), store those that pass under
-        their keys in `namespace` (a blob still carries the key its client sent)."""
+        their keys in `namespace` (`scoped_key`; the blob is made to carry that key)."""
         refused, good = [], []
         for key, blob, fingerprint in items:
             refusal = self._validate(key, blob, fingerprint)

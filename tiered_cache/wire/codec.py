@@ -202,9 +202,10 @@ def rekeyed(blob: Any, key: bytes) -> bytes:
     every tier it reads them from checks the key the blob carries."""
     if len(key) != 32:
         raise ValueError(f"a page key is 32 bytes, got {len(key)}")
-    body = bytearray(memoryview(blob).cast("B")[:-_CRC.size])
-    body[_KEY_AT:_KEY_AT + 32] = key
-    return bytes(body) + _CRC.pack(blob_checksum(body))
+    out = bytearray(blob)
+    out[_KEY_AT:_KEY_AT + 32] = key
+    _CRC.pack_into(out, len(out) - _CRC.size, blob_checksum(memoryview(out)[:-_CRC.size]))
+    return bytes(out)
 
 
 def blob_checksum(*parts: Any) -> int:
