@@ -162,3 +162,27 @@ def test_forks_copy_on_write_and_swap_on_a_cuda_pool(spec):
         c.check_integrity()
     finally:
         c.close()
+
+
+def test_a_host_hit_whose_slots_are_reused_at_once_still_loads_the_old_kv():
+    """On CUDA `load` returns once the host RAM -> pool copies are queued. Writing new pages into
+    the very slots they read, straight after, must wait for them (the slab's fence): the pool
+    then holds the prefix's KV, not the new pages'."""
+    spec = KVSpec("gpu-large-pages", 16, 8, 128, DType.FP16, 16)  # 1 MiB pages: the DMA takes a while
+    n = 128
+    c = _cache(spec, pool_pages=2 * n + 8, host_pages=n)
+    prompt, kv = list(range(n * spec.page_size)), _kv(spec, n * spec.page_size, seed=11)
+    try:
+        c.put(prompt, kv)
+        c.evict()
+        assert c.flush(timeout=60) and c.stats().tier("host").pages == n
+        handle = c.match(prompt)
+        pages = c.load(handle)
+        other = torch.randn(spec.staging_shape(n)).to(spec.dtype.torch)
+        with c._lock:  # what a demotion or a promotion into host RAM does, on the slots just read
+            c.host.put([bytes([7]) * 31 + i.to_bytes(1, "big") for i in range(n)], other)
+        assert c.host.contains_prefix(handle.keys) == 0  # every slot of the prefix was reused
+        assert torch.equal(c.pool.read_tokens(pages, len(prompt)), kv)
+        c.release(handle)
+    finally:
+        c.close()

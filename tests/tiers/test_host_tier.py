@@ -83,3 +83,47 @@ def test_where_the_pretouch_writes_zeros_put_waits_for_it(monkeypatch):
     host.put(keys, pages)
     assert not host.pretouch.is_alive()
     assert torch.equal(host.get(keys)[1], pages)
+
+
+class _GatedCopy:
+    """A real copy out of slab rows, run by a thread that starts only when `gate` opens: what a
+    device copy still queued behind other work looks like to the host tier (`reading`)."""
+
+    def __init__(self, host, slots, gate):
+        self.out = torch.empty(SPEC.staging_shape(len(slots)), dtype=SPEC.dtype.torch)
+
+        def copy():
+            gate.wait()
+            self.out.copy_(host.slab[torch.tensor(slots)])
+
+        self._thread = threading.Thread(target=copy, daemon=True)
+        self._thread.start()
+
+    def finished(self):
+        return not self._thread.is_alive()
+
+    def wait(self):
+        self._thread.join()
+
+
+def test_a_write_into_the_slab_waits_for_a_copy_out_of_it_still_in_flight():
+    """A load's copy out of host RAM may still run when its slots are evicted and reused (on CUDA
+    the load returns once the DMA is queued): the write must wait for it, or the copy reads the
+    new page's bytes as the old one's KV."""
+    host = HostTier(SPEC, 2 * SPEC.bytes_per_page)
+    keys, pages = keys_for(4), pages_for(4)
+    host.put(keys[:2], pages[:2])
+    gate = threading.Event()
+    copy = _GatedCopy(host, host.leading_slots(keys[:2]), gate)
+    host.reading(copy)
+    writer = threading.Thread(target=host.put, args=(keys[2:], pages[2:]), daemon=True)
+    writer.start()  # evicts both pages and reuses their slots
+    writer.join(timeout=0.5)
+    assert writer.is_alive(), "the write did not wait for the copy out of the slab"
+    gate.set()
+    writer.join(timeout=30)
+    assert not writer.is_alive()
+    assert torch.equal(copy.out, pages[:2])
+    assert host.get(keys[2:])[0] == 2 and host.contains_prefix(keys[:2]) == 0
+    host.reading(copy)  # a finished copy costs a later write nothing
+    host.put(keys[:1], pages[:1])

@@ -14,7 +14,8 @@ The load (promotion) path of `TieredCache`, in one place:
   outside it (`TierChain.fetch_into`: no blob in between, each page verified where it lands).
   A page that moved meanwhile is looked for again, a bounded number of times.
 - `host_to_pool`: host RAM slots straight into device pages, one DMA per run of slots on CUDA
-  (`device/host_copy.py`), with no staging copy.
+  (`device/host_copy.py`), with no staging copy; it returns once the copies are queued (the
+  caller's stream waits for them, the host slab's fence keeps their slots unwritten meanwhile).
 - On CUDA, pages in a same-host store server's arena (shm/arena.py) go straight from there into
   device pages, one DMA per run of adjacent blobs (`device/arena_copy.py`), checked on CPU
   threads meanwhile (`from_arenas`, `fetch(pages=)`).
@@ -33,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import MutableMapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ from tiered_cache.cache.staging import StagingBuffers
 from tiered_cache.cache.stats import Movements
 from tiered_cache.config import CacheConfig
 from tiered_cache.device.arena_copy import ArenaCopier
+from tiered_cache.device.copy_stream import QueuedCopy
 from tiered_cache.device.host_copy import HostCopier
 from tiered_cache.device.pool import PagePool
 from tiered_cache.model.spec import KVSpec
@@ -85,6 +88,9 @@ class Promoter:
         self.moves = moves
         self.staging = StagingBuffers(spec, pin=pool.kv.device.type == "cuda")
         self.copier = HostCopier(pool)
+        # Host RAM -> pool copies queued and not yet sampled for the reuse policy (oldest first;
+        # bounded: a caller that never looks again loses samples, not memory).
+        self._host_copies: deque[tuple[QueuedCopy, int]] = deque(maxlen=64)
         self.arena_copier: ArenaCopier | None = None  # on CUDA, made when a same-host store is first used
         self._arena_dma = True  # False once the driver refused to register an arena
         # On a CPU pool, pages from below land straight in their device pages: the pool is memory
@@ -162,10 +168,25 @@ class Promoter:
     # --- moving them up -------------------------------------------------------------------------
     def host_to_pool(self, slots: np.ndarray, pages: np.ndarray) -> None:
         """Copy host RAM `slots` into device `pages` (caller holds the cache's lock, so the slots
-        stay put): one DMA per run of slots on CUDA, one strided copy per run on the CPU."""
+        stay put until the copy is noted): one DMA per run of slots on CUDA, one strided copy per
+        run on the CPU. On CUDA this returns once the copies are queued, the current stream waiting
+        for them: the engine's forward is queued while the DMA runs. The slab's fence
+        (`HostTier.reading`) keeps the slots unwritten until the copies end; their time on the
+        copy stream is the rate sample, taken when they have finished."""
+        self._observe_host_copies()
         started = time.perf_counter()
-        self.copier.to_pool(self.host.slab, slots, pages)
-        self._observe("host", len(pages), time.perf_counter() - started)
+        queued = self.copier.to_pool(self.host.slab, slots, pages, wait=False)
+        if queued is None:
+            self._observe("host", len(pages), time.perf_counter() - started)
+            return
+        self.host.reading(queued)
+        self._host_copies.append((queued, len(pages)))
+
+    def _observe_host_copies(self) -> None:
+        """Rate samples of the host copies that have finished since the last look (lock held)."""
+        while self._host_copies and self._host_copies[0][0].finished():
+            queued, n = self._host_copies.popleft()
+            self._observe("host", n, queued.seconds())
 
     def staged_to_pool(self, fetched: Fetched, pages: np.ndarray) -> None:
         """Copy the first `len(pages)` fetched pages from their staging buffer into device `pages`."""

@@ -211,7 +211,7 @@ class TieredCache:
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """Tell the reuse policy that the engine prefilled `num_tokens` tokens in `seconds` (the
-        forward of the uncached part alone, not the load; on CUDA after a synchronize). The
+        forward of the uncached part alone, not the load; on CUDA timed by events around it). The
         FASTER policy plans with this rate unless `CacheConfig.prefill_tokens_per_s` fixes one.
         Raises ValueError for a negative count or time."""
         num_tokens = _count("num_tokens", num_tokens)
@@ -234,7 +234,12 @@ class TieredCache:
         """Bring the handle's pages found below the device into device pages; returns all the
         prefix's device pages, in order. Pages that turn out missing or corrupt end the prefix,
         and so does a full pool: the prefix then ends where the room did (the engine computes
-        the rest). Never raises PoolExhaustedError."""
+        the rest). Never raises PoolExhaustedError.
+
+        On CUDA the copies out of host RAM may still be running when this returns: the current
+        stream waits for them, so kernels queued on it afterwards (the forward) read the loaded
+        pages; work on another stream first waits for this one
+        (`other.wait_stream(torch.cuda.current_stream())`)."""
         with self._lock:
             self.ledger.check_live(handle)
         return self.loader.load(handle)

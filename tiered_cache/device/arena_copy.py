@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from tiered_cache.device.copy_stream import CopyStream
-from tiered_cache.device.pool import PagePool
+from tiered_cache.device.pool import PagePool, device_index
 from tiered_cache.shm.arena import DATA
 from tiered_cache.shm.arena_map import ArenaMap
 from tiered_cache.wire.codec import BlobError, raw_blob_size, raw_header_size, verify_raw_blob
@@ -141,7 +141,7 @@ class ArenaCopier:
         self._ready()
         buffer = self._buffer
         assert buffer is not None and self._copies is not None
-        index = torch.from_numpy(pages).to(self.pool.device)
+        index = device_index(pages, self.pool.device)
         self._copies.run(len(where), self.chunk_blobs,
                          lambda start, end: self._chunk(buffer, where[start:end], index[start:end]))
 

@@ -8,15 +8,39 @@ when a chunk raised, the caller's stream waits for the copies and so does the ho
 may reuse its source or free its pages after. A background transfer waits for each chunk before
 queueing the next, so a request's transfer queues behind one chunk, not a whole transfer. On the
 CPU the chunks just run in turn under the lock.
+
+`wait=False` leaves the host free as soon as the copies are queued: the caller's stream still waits
+for them (work queued there after sees the pages), and the caller gets a `QueuedCopy` to learn when
+they are done, keeping its source untouched until then. An engine queues its forward while the
+DMA runs, so the kernel launches of a short prefill overlap the load instead of following it.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class QueuedCopy:
+    """Copies queued on a copy stream, bracketed by two timing events."""
+
+    started: Any  # torch.cuda.Event
+    done: Any  # torch.cuda.Event
+
+    def finished(self) -> bool:
+        return bool(self.done.query())
+
+    def wait(self) -> None:
+        self.done.synchronize()
+
+    def seconds(self) -> float:
+        """How long the copies ran on the stream (call once `finished`)."""
+        return float(self.started.elapsed_time(self.done)) / 1e3
 
 
 class CopyStream:
@@ -28,16 +52,22 @@ class CopyStream:
         # while waiting for anything but the copy itself.
         self._busy = threading.Lock()
 
-    def run(self, n: int, size: int, chunk: Callable[[int, int], None], background: bool = False) -> None:
+    def run(self, n: int, size: int, chunk: Callable[[int, int], None], background: bool = False,
+            wait: bool = True) -> QueuedCopy | None:
         """`chunk(start, end)` for each chunk of `size` of `n` items, queued on the copy stream
-        (see the module doc); returns when every copy has finished."""
+        (see the module doc); returns when every copy has finished, or with `wait=False` (and no
+        chunk raising) as soon as they are queued, with the `QueuedCopy` (None on the CPU, where
+        they ran already)."""
         if not self.cuda:
             for start, end in chunks(n, size):
                 with self._busy:
                     chunk(start, end)
-            return
+            return None
         stream, caller = self._stream, torch.cuda.current_stream(self.device)
         stream.wait_stream(caller)
+        started = torch.cuda.Event(enable_timing=True)
+        started.record(stream)
+        queued = False
         try:
             for start, end in chunks(n, size):
                 with self._busy, torch.cuda.stream(stream):
@@ -45,10 +75,14 @@ class CopyStream:
                     done = stream.record_event() if background else None
                 if done is not None:
                     done.synchronize()  # a request's chunks queue behind this one only
+            queued = True
         finally:
-            event = stream.record_event()
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
             caller.wait_event(event)
-            event.synchronize()
+            if wait or not queued:
+                event.synchronize()
+        return None if wait else QueuedCopy(started, event)
 
 
 def chunks(n: int, size: int) -> Iterator[tuple[int, int]]:

@@ -15,7 +15,8 @@ one stream, and a background transfer (`background=True`: demotion, write-throug
 chunk before queueing the next, so a request's load queues behind one chunk, not a whole
 transfer. The consumer's stream waits on an event recorded after the last kernel, and the call
 returns only when the copy is done (also when it raised), because the caller's slab rows are
-guaranteed to stay put, and its pages allocated, only until then.
+guaranteed to stay put, and its pages allocated, only until then; a caller that keeps them so
+itself (the host tier's fence on its slab) passes `wait=False` and returns once the copies are queued.
 
 On a CPU pool the pool is memory too: rows move into pages with one strided copy per run of
 consecutive rows and pages, with no intermediate buffer. `chunked=True` there runs the CUDA
@@ -31,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_cache.device.copy_stream import CopyStream
-from tiered_cache.device.pool import PagePool, consecutive_runs
+from tiered_cache.device.copy_stream import CopyStream, QueuedCopy
+from tiered_cache.device.pool import PagePool, consecutive_runs, device_index
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
@@ -50,16 +51,19 @@ class HostCopier:
         if self.cuda and self.chunked:
             self._copy_stream_ready()  # made now: the first request that loads pays nothing for it
 
-    def to_pool(self, source: torch.Tensor, rows: Any, pages: Any, background: bool = False) -> None:
+    def to_pool(self, source: torch.Tensor, rows: Any, pages: Any, background: bool = False,
+                wait: bool = True) -> QueuedCopy | None:
         """pool page `pages[i]` = `source[rows[i]]` for page-first `source` (host memory: pinned on
         CUDA, for the DMA to run asynchronously at full speed). `background`: wait for each chunk
-        before queueing the next, so a request's copy queues behind one chunk, not a transfer."""
+        before queueing the next, so a request's copy queues behind one chunk, not a transfer.
+        `wait=False` (CUDA): return once queued, the current stream waiting for the copies; the
+        caller keeps `source`'s rows untouched until the returned `QueuedCopy` is finished."""
         rows, pages = _as_index(rows), _as_index(pages)
         if not len(rows):
-            return
+            return None
         if not self.chunked or source.device != torch.device("cpu"):
             self.pool.scatter_rows(pages, source, rows)
-            return
+            return None
         index = self._device_index(pages)
 
         def chunk(buffer: torch.Tensor, start: int, end: int) -> None:
@@ -67,7 +71,7 @@ class HostCopier:
                 buffer[i:i + count].copy_(source[row:row + count], non_blocking=True)
             self.pool.ops.scatter(self.pool.kv, index[start:end], buffer[:end - start])
 
-        self._transfer(len(rows), chunk, background)
+        return self._transfer(len(rows), chunk, background, wait)
 
     def from_pool(self, pages: Any, dest: torch.Tensor, rows: Any, background: bool = False) -> None:
         """`dest[rows[i]]` = pool page `pages[i]`, for page-first `dest` in host memory (the slab).
@@ -93,14 +97,15 @@ class HostCopier:
         chunks then index slices of it, so no chunk waits on a small pageable upload of its own
         (which would stall the host until the copy stream drained, between every two chunks)."""
         self.pool.check_pages(pages)
-        return torch.from_numpy(pages).to(self.pool.device)
+        return device_index(pages, self.pool.device)
 
-    def _transfer(self, n: int, chunk: Callable[[torch.Tensor, int, int], None], background: bool) -> None:
+    def _transfer(self, n: int, chunk: Callable[[torch.Tensor, int, int], None], background: bool,
+                  wait: bool = True) -> QueuedCopy | None:
         """Run `chunk(buffer, start, end)` over `n` pages on the copy stream (copy_stream.py)."""
         self._copy_stream_ready()
         buffer = self._buffer
         assert buffer is not None and self._copies is not None
-        self._copies.run(n, self.chunk_pages, lambda start, end: chunk(buffer, start, end), background)
+        return self._copies.run(n, self.chunk_pages, lambda start, end: chunk(buffer, start, end), background, wait)
 
     def _copy_stream_ready(self) -> None:
         if self._buffer is None:

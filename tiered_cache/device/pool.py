@@ -294,10 +294,21 @@ class PagePool:
         return arr
 
     def _index(self, arr: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(arr).to(self.device)
+        return device_index(arr, self.device)
 
     def _check_tensor(self, what: str, tensor: Any, shape: tuple[int, ...]) -> None:
         check_tensor(what, tensor, shape, self.kv.dtype, self.spec.model_id)
+
+
+def device_index(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Integer `arr` as a tensor on `device`. On CUDA it goes up from pinned memory without the
+    host waiting for the current stream (a plain upload would wait for all work queued there, such
+    as a load still in flight); the copy is queued on the current stream, so work queued after it
+    there, or on a stream that waits for it, reads it."""
+    index = torch.from_numpy(np.ascontiguousarray(arr))
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 def usable_device(device: str | torch.device) -> torch.device:

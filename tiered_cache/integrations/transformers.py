@@ -109,16 +109,20 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
                 _trim_sources(sources, reused)
         device = getattr(model, "device", None)  # inputs go where the weights are (a GPU worker)
         keyword = cache_keyword(model)
-        inputs = torch.tensor([ids[reused:]], device=device)
+        inputs = _upload([ids[reused:]], device)
         on_cuda = inputs.device.type == "cuda"
-        if on_cuda:  # the load's copies may still run: they are not prefill
-            torch.cuda.synchronize(inputs.device)
         forward_started = time.perf_counter()
+        if on_cuda:  # the load's copies may still run (queued before): its forward is timed on the GPU
+            timing = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            timing[0].record()
         out = model(inputs, use_cache=True, **{keyword: past}, **last_logits_only(model))
         if on_cuda:
-            torch.cuda.synchronize(inputs.device)
+            timing[1].record()
+            timing[1].synchronize()
         if cache is not None:  # the reuse policy weighs loads against this rate
-            cache.observe_prefill(len(ids) - reused, time.perf_counter() - forward_started)
+            forward_s = (timing[0].elapsed_time(timing[1]) / 1e3 if on_cuda
+                         else time.perf_counter() - forward_started)
+            cache.observe_prefill(len(ids) - reused, forward_s)
         logits = out.logits[0, -1].float()
         next_token = int(logits.argmax())
         ttft = time.perf_counter() - start
@@ -180,6 +184,16 @@ def cache_keyword(model: Any) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
+def _upload(ids: list[list[int]], device: Any) -> torch.Tensor:
+    """Token ids on the model's device. On CUDA from pinned memory, without the host waiting for
+    the stream: a load's copies may still be running there, and the forward's kernel launches are
+    meant to be queued meanwhile."""
+    tokens = torch.tensor(ids)
+    if device is None or torch.device(device).type != "cuda":
+        return tokens.to(device) if device is not None else tokens
+    return tokens.pin_memory().to(device, non_blocking=True)
 
 
 def _trim_sources(sources: dict[str, int], reused: int) -> None:

@@ -6,12 +6,18 @@ is allocated once and pinned when CUDA is present so device copies can be asynch
 faults the memory in, and an unpinned slab is pre-touched by a daemon thread instead (first
 touch is far slower than a copy: docs/PERFORMANCE.md), so construction returns at once. Only slots `put` wrote are
 ever read.
+
+Device copies out of the slab may still be running when a load returns (the engine queues its
+forward meanwhile): each is noted with `reading`, and every write into the slab first waits for
+those in flight (`before_write`), so a slot freed and reused can never change under a copy.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +53,8 @@ class HostTier:
         self.on_evict = on_evict
         self.retain = retain
         self.num_retained = 0  # slots dropped from the index but still held by `retain`'s owner
+        self._reads: list[Any] = []  # device copies out of the slab that may be running (`reading`)
+        self._reads_lock = threading.Lock()
         self._stats = TierStats(self.name, capacity_bytes=num_slots * spec.bytes_per_page)
 
     @property
@@ -157,9 +165,24 @@ class HostTier:
             _copy_into_slots(self.slab, slots, pages)
 
     def before_write(self) -> None:
-        """Call before writing into reserved slots of `slab` directly (e.g. a device copy)."""
+        """Call before writing into reserved slots of `slab` directly (e.g. a device copy): waits
+        for the device copies out of the slab still in flight (`reading`)."""
         if self.pretouch is not None:
             self.pretouch.before_write()
+        with self._reads_lock:
+            reads = list(self._reads)
+        for copy in reads:  # not popped first: a concurrent writer must wait for them too
+            copy.wait()
+        if reads:
+            with self._reads_lock:
+                self._reads = [copy for copy in self._reads if not copy.finished()]
+
+    def reading(self, copy: Any) -> None:
+        """Note a device copy out of slab slots still in flight (`finished()`, `wait()`: a
+        `QueuedCopy`), noted before its slots can be freed; until it finishes no write lands in the slab."""
+        with self._reads_lock:
+            self._reads = [read for read in self._reads if not read.finished()]
+            self._reads.append(copy)
 
     def fill(self, keys: Sequence[bytes], slots: np.ndarray) -> None:
         """Index reserved `slots`, now written, under `keys`. A key stored meanwhile by another
