@@ -134,3 +134,42 @@ def test_the_canary_line_says_what_was_checked_and_quarantined():
     line = canary_line(canary.figures().to_dict())
     assert "1% of hits" in line and "1 checked, 1 wrong (1 pages)" in line and "quarantined: tenant: disk" in line
     assert canary_line(Canary(0.0).figures().to_dict()) == ""
+
+
+def _held_in_host_and_on_disk(cache, spec):
+    tokens = list(range(7000, 7000 + 4 * spec.page_size))
+    kv = torch.randn(spec.kv_shape(len(tokens)), generator=torch.Generator().manual_seed(4)).half()
+    cache.put(tokens, kv)
+    assert cache.flush(30)
+    cache.evict()  # now in host RAM, and on disk (written through)
+    return tokens
+
+
+def test_a_page_looked_for_again_is_not_read_from_a_quarantined_tier(tiny, tmp_path):
+    """Planned from host RAM, gone from it before the load (demoted meanwhile): the load looks
+    for the rest below again, and must skip the disk quarantined for this namespace there too."""
+    _, spec, _ = tiny
+    with TieredCache(spec, config(tmp_path)) as cache:
+        tokens = _held_in_host_and_on_disk(cache, spec)
+        cache.canary.record("tenant", [b"\0" * 32], ["disk"], [True])
+        handle = cache.match(tokens)
+        assert cache.page_sources(handle) == ["host"] * 4
+        cache.host.delete(list(cache.host.index))
+        try:
+            assert len(cache.load(handle)) == 0 and handle.sources["disk"] == 0
+        finally:
+            cache.release(handle)
+
+
+def test_the_canary_is_told_the_tier_a_page_was_read_from_not_the_one_planned(tiny, tmp_path):
+    _, spec, _ = tiny
+    with TieredCache(spec, config(tmp_path)) as cache:
+        tokens = _held_in_host_and_on_disk(cache, spec)
+        handle = cache.match(tokens)
+        assert cache.page_sources(handle) == ["host"] * 4
+        cache.host.delete(list(cache.host.index))
+        try:
+            assert len(cache.load(handle)) == 4
+            assert cache.page_sources(handle) == ["disk"] * 4
+        finally:
+            cache.release(handle)

@@ -100,6 +100,15 @@ def test_a_namespace_the_token_may_not_use_is_refused_with_its_name(store):
     assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_only_the_operators_token_sees_the_server_wide_figures(store):
+    with client(store, "token-op") as operator, client(store, "token-a") as tenant:
+        assert operator.stats().server.requests > 0
+        with pytest.raises(grpc.RpcError) as caught:
+            tenant.stats()
+        assert caught.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert "Stats" in caught.value.details() and "'*'" in caught.value.details()
+
+
 def test_shared_memory_is_offered_only_in_the_empty_namespace(store):
     items = make_items(2, start=3000, seed=6)
     keys = [k for k, _ in items]

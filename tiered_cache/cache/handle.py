@@ -48,6 +48,7 @@ class CacheHandle:
     own_written: int = 0  # of those, tokens whose KV was written
     released: bool = False
     sources: Counter[str] = field(default_factory=Counter)  # tier name -> prefix pages it supplied
+    loaded_from: list[str] = field(default_factory=list)  # per page `load` brought up, in order: its tier
     prefetch: Prefetch | None = field(default=None, repr=False)
     tokens: Any = field(default=None, repr=False)  # the matched token ids: pages it loads get their tokens shown
     # Retention (compaction.py): own-token indices dropped but still inside a live page, and

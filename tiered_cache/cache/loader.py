@@ -125,7 +125,7 @@ class Loader:
             return False
         if all(where == HOST for where in plan) or self.promoter.in_arenas(plan):
             return False  # `load` copies these straight into the pool: nothing to stage
-        handle.prefetch = self.promoter.prefetch(wanted, plan)
+        handle.prefetch = self.promoter.prefetch(wanted, plan, self.canary.quarantined(handle.namespace))
         return handle.prefetch is not None
 
     def load(self, handle: CacheHandle) -> np.ndarray:
@@ -152,6 +152,7 @@ class Loader:
                 fetched = None
             if self.fetch_metrics is not None:
                 self.fetch_metrics.prefetch_wait.observe(time.perf_counter() - waited)
+        skip = self.canary.quarantined(handle.namespace)  # also when a page is looked for again
         if fetched is None and HOST not in plan and (self.promoter.fills_pool or self.promoter.from_arenas(plan)):
             # Every page below host RAM, and a CPU pool (or, on CUDA, pages in same-host store
             # arenas): device pages first, then each page lands straight in its own (one copy or
@@ -159,8 +160,9 @@ class Loader:
             # allocating first could evict them before they are copied: the staged path copies
             # them out first.)
             return self._install(handle, start, len(wanted),
-                                 lambda pages: self.promoter.fetch(wanted[:len(pages)], plan[:len(pages)], pages=pages))
-        staged = fetched if fetched is not None else self.promoter.fetch(wanted, plan)
+                                 lambda pages: self.promoter.fetch(wanted[:len(pages)], plan[:len(pages)], pages=pages,
+                                                                   skip=skip))
+        staged = fetched if fetched is not None else self.promoter.fetch(wanted, plan, skip=skip)
 
         def from_staging(pages: np.ndarray) -> Fetched:
             self.promoter.staged_to_pool(staged, pages)
@@ -227,6 +229,7 @@ class Loader:
         n = len(pages)
         for name in tiers:
             handle.sources[name] += 1
+        handle.loaded_from += tiers[:n]
         self.moves.promotions["host"] += tiers.count("host")
         if n:
             self.ledger.device.bytes_in += n * self.spec.bytes_per_page

@@ -192,7 +192,7 @@ class Promoter:
         """Copy the first `len(pages)` fetched pages from their staging buffer into device `pages`."""
         self.copier.to_pool(fetched.buffer, np.arange(len(pages), dtype=np.int64), pages)
 
-    def prefetch(self, keys: list[bytes], plan: list[int]) -> Prefetch | None:
+    def prefetch(self, keys: list[bytes], plan: list[int], skip: frozenset[str] = frozenset()) -> Prefetch | None:
         """Start fetching `keys` (located by `plan`) in the background; None when `max_prefetches`
         are already in flight (counted in `declined`)."""
         if not self._slots.acquire(blocking=False):
@@ -204,14 +204,14 @@ class Promoter:
 
         def job() -> Fetched:
             try:
-                return self.fetch(keys, plan, cancel)
+                return self.fetch(keys, plan, cancel, skip=skip)
             finally:
                 self._slots.release()
 
         return Prefetch(self._executor.submit(job), cancel)
 
     def fetch(self, keys: list[bytes], plan: list[int], cancel: threading.Event | None = None,
-              pages: np.ndarray | None = None) -> Fetched:
+              pages: np.ndarray | None = None, skip: frozenset[str] = frozenset()) -> Fetched:
         """Bring the leading pages of `keys` (located by `plan`) up, page-first: into device
         `pages` (one per key) when given, for a plan with no page in host RAM on a CPU pool
         (`fills_pool`) or, on CUDA, one whose pages lie in same-host arenas (`from_arenas`; the
@@ -219,11 +219,12 @@ class Promoter:
         pages are copied under the lock (memory), lower-tier pages go straight into their
         destinations outside it (one batched call per tier, each page verified where it lands).
         A page that left host RAM since `match` (demoted meanwhile) is looked for below again;
-        the fetch stops at the first page that no longer arrives intact."""
+        the fetch stops at the first page that no longer arrives intact. Tiers named in `skip`
+        (quarantined by the canary) are not looked in then either, as in `plan`."""
         started = time.perf_counter()
         buffer: torch.Tensor | None = None
         if pages is not None and not self.fills_pool:
-            return self._fetch_from_arena(keys, plan, pages, started)
+            return self._fetch_from_arena(keys, plan, pages, started, skip)
         if pages is not None:
             assert len(pages) >= len(keys) and HOST not in plan, \
                 "fetch into device pages: one page per key, none from host RAM"
@@ -260,7 +261,8 @@ class Promoter:
                     break
                 replans += 1
                 where = self.chain.locate(keys[pos:], leading=True)
-                cut = next((i for i, w in enumerate(where) if w is None), len(where))
+                cut = next((i for i, w in enumerate(where) if w is None or self.chain.tiers[w].name in skip),
+                           len(where))
                 keys, plan = keys[:pos + cut], plan[:pos] + [w for w in where[:cut] if w is not None]
                 arrived.update(self._fetch_below(keys, plan, pos, dests))
         if tiers and len(set(tiers)) == 1:  # a rate per tier: mixed fetches tell none
@@ -282,7 +284,8 @@ class Promoter:
         into its device pages (`fetch(pages=)`)."""
         return not self.fills_pool and self._arena_dma and self.in_arenas(plan)
 
-    def _fetch_from_arena(self, keys: list[bytes], plan: list[int], pages: np.ndarray, started: float) -> Fetched:
+    def _fetch_from_arena(self, keys: list[bytes], plan: list[int], pages: np.ndarray, started: float,
+                          skip: frozenset[str]) -> Fetched:
         """The leading pages that lie in one tier's same-host arenas, DMA'd from there into
         `pages` (device/arena_copy.py: checked on CPU threads meanwhile, intact after); from the
         first page that did not arrive that way (not in an arena, written over, refused, or a map
@@ -302,7 +305,7 @@ class Promoter:
             self._observe(tier.name, arrived, time.perf_counter() - started)
         tiers = [tier.name] * arrived
         if arrived < len(keys):
-            rest = self.fetch(keys[arrived:], plan[arrived:])
+            rest = self.fetch(keys[arrived:], plan[arrived:], skip=skip)
             try:
                 self.staged_to_pool(rest, pages[arrived:arrived + rest.n])
             finally:

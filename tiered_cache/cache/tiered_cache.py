@@ -205,9 +205,12 @@ class TieredCache:
         return self.loader.match(ns, keys, toks, reuse_policy)
 
     def page_sources(self, handle: CacheHandle) -> list[str]:
-        """The tier each page of `handle`'s prefix was planned from, in order: "device", "host" or
-        a lower tier's name (the canary blames a wrong page on its tier)."""
-        return ["device"] * handle.sources["device"] + [self.promoter.tier_name(where) for where in handle.plan]
+        """The tier each page of `handle`'s prefix came from, in order: "device", "host" or a lower
+        tier's name (the canary blames a wrong page on its tier). After `load`, where each page was
+        actually read (a page that moved meanwhile is read from where it was found); before, where
+        it is planned from."""
+        below = handle.loaded_from or [self.promoter.tier_name(where) for where in handle.plan]
+        return ["device"] * handle.sources["device"] + below
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """Tell the reuse policy that the engine prefilled `num_tokens` tokens in `seconds` (the

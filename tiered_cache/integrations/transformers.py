@@ -88,15 +88,15 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
     if not ids:
         raise ValueError("generate() needs a non-empty prompt")
     start = time.perf_counter()
-    past, reused, sources, loaded = None, 0, {}, 0
+    past, reused, sources, loaded, planned = None, 0, {}, 0, []
     handle = cache.match(ids, namespace) if cache is not None else None
-    planned = cache.page_sources(handle) if handle is not None and cache.canary.fraction else []  # before load
     try:
         if handle is not None:
             # An engine prefetches at admission and loads when the request is scheduled; here the
             # two are back to back, so load() simply waits for the prefetch it started.
             cache.prefetch(handle)
             pages = cache.load(handle)
+            planned = cache.page_sources(handle) if cache.canary.fraction else []  # where each page was read
             reused = min(len(pages) * cache.spec.page_size, len(ids) - 1)
             if reused > 0:
                 # Room for the rest of the prompt and the answer: the model appends there, no copy.

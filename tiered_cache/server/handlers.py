@@ -89,6 +89,7 @@ class KVCacheService:
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         await self.requests.take_unary(request, context)
+        await self.requests.require_operator(context, "Stats")
         c = self.counters
         server = pb.ServerStats(version=__version__, uptime_s=time.monotonic() - c.started, requests=c.requests,
                                 rejected_requests=c.rejected, unauthenticated=c.unauthenticated,

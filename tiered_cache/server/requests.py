@@ -128,6 +128,20 @@ class Requests:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
             raise  # abort raises; this line is never reached
 
+    async def require_operator(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        """Refuse (PERMISSION_DENIED) a call showing `what` of every namespace unless its token may
+        use every namespace ('*' in the token file, or the one `--token`): a tenant sees its own
+        pages, not how busy or full the others are."""
+        grants = self.config.grants
+        if not grants:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        grant = grants.grant_for(metadata.get("authorization", ""))
+        if grant is not None and not grant.every:
+            self.counters.rejected += 1
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"{what} shows every namespace: it needs an operator's token ('*' in the token file)")
+
     def count_cancelled(self, method: str) -> None:
         """A client cancelled its stream (it stopped reading a Get it had enough of, or went away):
         counted, and logged at debug level only, so real errors stay visible."""
