@@ -164,6 +164,20 @@ def test_forks_copy_on_write_and_swap_on_a_cuda_pool(spec):
         c.close()
 
 
+def _in_host_ram(c, prompt, kv):
+    """`prompt` in host RAM only, after one load of it: the small pinned uploads a load makes are
+    then cached, so the next load queues its copies without waiting for the device."""
+    c.put(prompt, kv)
+    c.evict()
+    assert c.flush(timeout=60)
+    handle = c.match(prompt)
+    c.load(handle)
+    c.release(handle)
+    c.evict()  # still in host RAM: the device pages are just dropped
+    assert c.flush(timeout=60)
+    torch.cuda.synchronize()
+
+
 def test_a_host_hit_whose_slots_are_reused_at_once_still_loads_the_old_kv():
     """On CUDA `load` returns once the host RAM -> pool copies are queued. Writing new pages into
     the very slots they read, straight after, must wait for them (the slab's fence): the pool
@@ -173,16 +187,46 @@ def test_a_host_hit_whose_slots_are_reused_at_once_still_loads_the_old_kv():
     c = _cache(spec, pool_pages=2 * n + 8, host_pages=n)
     prompt, kv = list(range(n * spec.page_size)), _kv(spec, n * spec.page_size, seed=11)
     try:
-        c.put(prompt, kv)
-        c.evict()
-        assert c.flush(timeout=60) and c.stats().tier("host").pages == n
-        handle = c.match(prompt)
-        pages = c.load(handle)
+        _in_host_ram(c, prompt, kv)
+        assert c.stats().tier("host").pages == n
         other = torch.randn(spec.staging_shape(n)).to(spec.dtype.torch)
+        keys = [bytes([7]) * 31 + i.to_bytes(1, "big") for i in range(n)]
+        handle = c.match(prompt)
+        torch.cuda._sleep(2_000_000_000)  # the stream is busy: the load's copies wait behind it
+        pages = c.load(handle)
+        assert not c.promoter.last_host_copy.finished()  # load returned with its copies still queued
         with c._lock:  # what a demotion or a promotion into host RAM does, on the slots just read
-            c.host.put([bytes([7]) * 31 + i.to_bytes(1, "big") for i in range(n)], other)
+            c.host.put(keys, other)
         assert c.host.contains_prefix(handle.keys) == 0  # every slot of the prefix was reused
         assert torch.equal(c.pool.read_tokens(pages, len(prompt)), kv)
         c.release(handle)
+        c.check_integrity()
+    finally:
+        c.close()
+
+
+def test_a_device_hit_on_another_stream_waits_for_pages_still_arriving():
+    """Pages loaded from host RAM are in the tree while their copies still run (queued behind a
+    busy stream here). Another request, on a stream of its own, that matches them as a device
+    hit must read them only after they arrived."""
+    spec = KVSpec("gpu-large-pages", 16, 8, 128, DType.FP16, 16)
+    n = 64
+    c = _cache(spec, pool_pages=2 * n, host_pages=2 * n)
+    prompt, kv = list(range(n * spec.page_size)), _kv(spec, n * spec.page_size, seed=12)
+    try:
+        _in_host_ram(c, prompt, kv)
+        first = c.match(prompt)
+        torch.cuda._sleep(2_000_000_000)
+        c.load(first)
+        assert not c.promoter.last_host_copy.finished()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            second = c.match(prompt)
+            assert second.num_device_pages == n  # a device hit: nothing to load
+            got = c.pool.read_tokens(c.load(second), len(prompt))
+        side.synchronize()
+        assert torch.equal(got, kv)
+        c.release(second)
+        c.release(first)
     finally:
         c.close()

@@ -55,7 +55,9 @@ class Loader:
     def match(self, ns: str, keys: list[bytes], tokens: Any, reuse_policy: bool) -> CacheHandle:
         """Lock the device prefix of `keys` and plan the rest; see `TieredCache.match`."""
         usable = keys[:self.canary.first_poisoned(keys)]  # a page found wrong ends what can be reused
+        self.promoter.stream_waits_for_host_copies()  # device pages found here may still be arriving
         with self._lock:
+            self.promoter.settle_host_copies()
             self.demoter.await_keys(keys)
             result = self.tree.match_prefix(usable, ns)
             self.ledger.count_device(result.num_pages, len(keys))
@@ -130,7 +132,9 @@ class Loader:
 
     def load(self, handle: CacheHandle) -> np.ndarray:
         """Bring the handle's pages below the device into device pages; see `TieredCache.load`."""
+        self.promoter.stream_waits_for_host_copies()  # also when there is nothing to load
         with self._lock:
+            self.promoter.settle_host_copies()
             start = handle.num_device_pages
             wanted, plan = handle.keys[start:handle.available_pages], handle.plan[:handle.available_pages - start]
             if wanted and handle.own_pages:

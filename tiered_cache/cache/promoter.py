@@ -88,9 +88,10 @@ class Promoter:
         self.moves = moves
         self.staging = StagingBuffers(spec, pin=pool.kv.device.type == "cuda")
         self.copier = HostCopier(pool)
-        # Host RAM -> pool copies queued and not yet sampled for the reuse policy (oldest first;
-        # bounded: a caller that never looks again loses samples, not memory).
-        self._host_copies: deque[tuple[QueuedCopy, int]] = deque(maxlen=64)
+        # Host RAM -> pool copies queued (CUDA), oldest first, with the pages they fill (pinned
+        # until settled: `settle_host_copies`, at every match and load).
+        self._host_copies: deque[tuple[QueuedCopy, np.ndarray]] = deque()
+        self.last_host_copy: QueuedCopy | None = None  # the newest of them, done or not
         self.arena_copier: ArenaCopier | None = None  # on CUDA, made when a same-host store is first used
         self._arena_dma = True  # False once the driver refused to register an arena
         # On a CPU pool, pages from below land straight in their device pages: the pool is memory
@@ -170,23 +171,40 @@ class Promoter:
         """Copy host RAM `slots` into device `pages` (caller holds the cache's lock, so the slots
         stay put until the copy is noted): one DMA per run of slots on CUDA, one strided copy per
         run on the CPU. On CUDA this returns once the copies are queued, the current stream waiting
-        for them: the engine's forward is queued while the DMA runs. The slab's fence
-        (`HostTier.reading`) keeps the slots unwritten until the copies end; their time on the
-        copy stream is the rate sample, taken when they have finished."""
-        self._observe_host_copies()
+        for them: the engine's forward is queued while the DMA runs. Until the copies end, the
+        slab's fence (`HostTier.reading`) keeps the slots unwritten and a pin keeps the pages from
+        being handed out again, should they be freed meanwhile (adopted as duplicates of pages
+        another request loaded, or evicted); `settle_host_copies` lifts the pin and takes their
+        time on the copy stream as the rate sample."""
+        self.settle_host_copies()
         started = time.perf_counter()
         queued = self.copier.to_pool(self.host.slab, slots, pages, wait=False)
         if queued is None:
             self._observe("host", len(pages), time.perf_counter() - started)
             return
+        self.pool.pin(pages)
         self.host.reading(queued)
-        self._host_copies.append((queued, len(pages)))
+        self._host_copies.append((queued, pages))
+        self.last_host_copy = queued
 
-    def _observe_host_copies(self) -> None:
-        """Rate samples of the host copies that have finished since the last look (lock held)."""
-        while self._host_copies and self._host_copies[0][0].finished():
-            queued, n = self._host_copies.popleft()
-            self._observe("host", n, queued.seconds())
+    def settle_host_copies(self, wait: bool = False) -> None:
+        """The host RAM -> pool copies that have finished (all, after waiting, with `wait`): their
+        pages unpinned, their time sampled for the reuse policy (lock held)."""
+        if wait and self.last_host_copy is not None:
+            self.last_host_copy.wait()
+        while self._host_copies and self._host_copies[0][0].finished():  # they finish in order
+            queued, pages = self._host_copies.popleft()
+            self.pool.unpin(pages)
+            self._observe("host", len(pages), queued.seconds())
+
+    def stream_waits_for_host_copies(self) -> None:
+        """Make the current stream wait for the host RAM -> pool copies still running (the newest
+        stands for all: they run in order on one copy stream). Pages are in the tree once their
+        copy is queued, so a request on another stream that finds them, as a device hit, first
+        waits here (`Loader.match`, `Loader.load`); the host does not block."""
+        last = self.last_host_copy
+        if last is not None and not last.finished():
+            torch.cuda.current_stream(self.pool.device).wait_event(last.done)
 
     def staged_to_pool(self, fetched: Fetched, pages: np.ndarray) -> None:
         """Copy the first `len(pages)` fetched pages from their staging buffer into device `pages`."""
@@ -329,6 +347,8 @@ class Promoter:
         future.add_done_callback(done)
 
     def close(self) -> None:
+        with self._lock:
+            self.settle_host_copies(wait=True)
         if self._executor is not None:
             self._executor.shutdown(wait=True, cancel_futures=True)
         if self.arena_copier is not None:

@@ -452,6 +452,7 @@ class TieredCache:
         holds has exactly that many holders in the pool; pages allocated with no holder are only
         those a copy is filling now (background demotion, a put or load under way)."""
         with self._lock:
+            self.promoter.settle_host_copies(wait=True)  # pages pinned for a copy: released once it ended
             self.ledger.check_integrity()
 
     def close(self) -> None:

@@ -112,15 +112,20 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
         inputs = _upload([ids[reused:]], device)
         on_cuda = inputs.device.type == "cuda"
         forward_started = time.perf_counter()
-        if on_cuda:  # the load's copies may still run (queued before): its forward is timed on the GPU
-            timing = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            timing[0].record()
-        out = model(inputs, use_cache=True, **{keyword: past}, **last_logits_only(model))
+        # On CUDA the load's copies may still run: the forward's kernels are launched meanwhile and
+        # run once the copies end. What it costs alone is the longer of its launching (host) and
+        # its run on the GPU from the copies' end (events), not the wall time that includes the load.
         if on_cuda:
-            timing[1].record()
+            stream = torch.cuda.current_stream(inputs.device)
+            timing = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            timing[0].record(stream)
+        out = model(inputs, use_cache=True, **{keyword: past}, **last_logits_only(model))
+        launched = time.perf_counter() - forward_started
+        if on_cuda:
+            timing[1].record(stream)
             timing[1].synchronize()
         if cache is not None:  # the reuse policy weighs loads against this rate
-            forward_s = (timing[0].elapsed_time(timing[1]) / 1e3 if on_cuda
+            forward_s = (max(launched, timing[0].elapsed_time(timing[1]) / 1e3) if on_cuda
                          else time.perf_counter() - forward_started)
             cache.observe_prefill(len(ids) - reused, forward_s)
         logits = out.logits[0, -1].float()
