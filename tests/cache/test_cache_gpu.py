@@ -165,8 +165,8 @@ def test_forks_copy_on_write_and_swap_on_a_cuda_pool(spec):
 
 
 def _in_host_ram(c, prompt, kv):
-    """`prompt` in host RAM only, after one load of it: the small pinned uploads a load makes are
-    then cached, so the next load queues its copies without waiting for the device."""
+    """`prompt` in host RAM only, the pool zeroed, after one load of it: the small pinned uploads a
+    load makes are then cached, so the next load queues its copies without waiting for the device."""
     c.put(prompt, kv)
     c.evict()
     assert c.flush(timeout=60)
@@ -175,6 +175,7 @@ def _in_host_ram(c, prompt, kv):
     c.release(handle)
     c.evict()  # still in host RAM: the device pages are just dropped
     assert c.flush(timeout=60)
+    c.pool.kv.zero_()  # the free pages the next load gets held this KV: a read too early must see zeros
     torch.cuda.synchronize()
 
 
@@ -228,5 +229,26 @@ def test_a_device_hit_on_another_stream_waits_for_pages_still_arriving():
         assert torch.equal(got, kv)
         c.release(second)
         c.release(first)
+    finally:
+        c.close()
+
+
+def test_pages_still_filling_when_evicted_come_back_to_the_pool_for_the_next_allocation():
+    """`get` releases its pages while their copies from host RAM may still run; they stay pinned
+    until the copies end. A put that needs the whole pool right after must still get it (the
+    copies are waited for), not fail as if the pool were full."""
+    spec = KVSpec("gpu-large-pages", 16, 8, 128, DType.FP16, 16)
+    n = 32
+    c = _cache(spec, pool_pages=n, host_pages=2 * n)
+    prompt, kv = list(range(n * spec.page_size)), _kv(spec, n * spec.page_size, seed=13)
+    other, other_kv = list(range(10**6, 10**6 + n * spec.page_size)), _kv(spec, n * spec.page_size, seed=14)
+    try:
+        _in_host_ram(c, prompt, kv)
+        torch.cuda._sleep(2_000_000_000)
+        got_n, got = c.get(prompt)
+        assert got_n == len(prompt) and not c.promoter.last_host_copy.finished()
+        assert c.put(other, other_kv) == len(other)
+        assert torch.equal(got, kv)
+        c.check_integrity()
     finally:
         c.close()

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -38,8 +39,11 @@ class Demoter:
 
     def __init__(self, config: CacheConfig, ledger: PageLedger, host: HostTier, copier: HostCopier,
                  writer: LowerWriter, moves: Movements, lock: threading.RLock, foreground: Foreground,
-                 idle: threading.Event) -> None:
+                 idle: threading.Event, settle_copies: Callable[[], None] | None = None) -> None:
         self.config = config
+        # Waits for copies into device pages still running and releases the pages they pinned
+        # (freed meanwhile, such pages are neither free nor evictable until then).
+        self._settle_copies = settle_copies
         self.ledger = ledger
         self.spec, self.pool, self.tree = ledger.spec, ledger.pool, ledger.tree
         self.host = host
@@ -61,6 +65,8 @@ class Demoter:
         shortfall = n - self.pool.num_free
         if shortfall > 0:
             self.demote_now(self.tree.evict(shortfall))
+        if not self.pool.can_allocate(n) and self.pool.allocator.num_pending and self._settle_copies is not None:
+            self._settle_copies()
         if not self.pool.can_allocate(n):
             raise PoolExhaustedError(n, self.pool.num_free, self.pool.num_pages)
         return self.pool.allocate(n)
@@ -69,6 +75,9 @@ class Demoter:
         """Up to `n` device pages: as many as free and evictable pages allow."""
         self._await_demoter(n)
         room = self.pool.num_free + self.tree.size_info().evictable
+        if n > room and self.pool.allocator.num_pending and self._settle_copies is not None:
+            self._settle_copies()
+            room = self.pool.num_free + self.tree.size_info().evictable
         return self.allocate(min(n, room)) if n else _NO_PAGES
 
     def await_keys(self, keys: list[bytes]) -> None:

@@ -55,11 +55,11 @@ class Loader:
     def match(self, ns: str, keys: list[bytes], tokens: Any, reuse_policy: bool) -> CacheHandle:
         """Lock the device prefix of `keys` and plan the rest; see `TieredCache.match`."""
         usable = keys[:self.canary.first_poisoned(keys)]  # a page found wrong ends what can be reused
-        self.promoter.stream_waits_for_host_copies()  # device pages found here may still be arriving
         with self._lock:
             self.promoter.settle_host_copies()
             self.demoter.await_keys(keys)
             result = self.tree.match_prefix(usable, ns)
+            self.promoter.stream_waits_for_host_copies()  # device pages found here may still be arriving
             self.ledger.count_device(result.num_pages, len(keys))
             self.tree.lock(result.node)
             in_host = self._in_host(usable[result.num_pages:])
@@ -225,7 +225,11 @@ class Loader:
                 if self.pool.num_free < n:
                     return None
             pages = self.pool.allocate(n)
-            self.promoter.host_to_pool(self.host.leading_slots(wanted), pages)
+            try:
+                self.promoter.host_to_pool(self.host.leading_slots(wanted), pages)
+            except BaseException:
+                self.pool.free(pages)
+                raise
             return self._adopt_loaded(handle, start, pages, ["host"] * len(pages))
 
     def _adopt_loaded(self, handle: CacheHandle, start: int, pages: np.ndarray, tiers: list[str]) -> np.ndarray:

@@ -119,7 +119,8 @@ class TieredCache:
                                  self.moves, config)
         self.reuse = self.promoter.reuse  # the reuse policy's estimates (promoter.py, reuse.py)
         self.demoter = Demoter(config, self.ledger, self.host, self.promoter.copier, self.writer, self.moves,
-                               self._lock, self._foreground, demotions_idle)
+                               self._lock, self._foreground, demotions_idle,
+                               settle_copies=lambda: self.promoter.settle_host_copies(wait=True))
         self.canary = Canary(config.verify_fraction)  # checks a sample of hits (integrations with the model)
         self.loader = Loader(self.ledger, self.demoter, self.promoter, self.host, self.writer.in_flight, self.moves,
                              self._lock, self.canary)
