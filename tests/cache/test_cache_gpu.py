@@ -252,3 +252,25 @@ def test_pages_still_filling_when_evicted_come_back_to_the_pool_for_the_next_all
         c.check_integrity()
     finally:
         c.close()
+
+
+def test_a_host_hit_from_match_to_reading_its_pages_never_makes_the_host_wait_for_the_device():
+    """The overlap of a load with the forward rests on nothing between `match` and the forward
+    synchronizing (one blocking upload would make the host wait for the copies): torch's sync
+    debug mode turns any such call into an error."""
+    spec = KVSpec("gpu-large-pages", 16, 8, 128, DType.FP16, 16)
+    n = 32
+    c = _cache(spec, pool_pages=2 * n, host_pages=2 * n)
+    prompt, kv = list(range(n * spec.page_size)), _kv(spec, n * spec.page_size, seed=15)
+    try:
+        _in_host_ram(c, prompt, kv)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            handle = c.match(prompt)
+            got = c.pool.read_tokens(c.load(handle), len(prompt))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(got, kv)
+        c.release(handle)
+    finally:
+        c.close()
