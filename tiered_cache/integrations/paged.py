@@ -29,8 +29,9 @@ import torch
 
 from tiered_cache.cache import TieredCache
 from tiered_cache.cache.handle import CacheHandle
+from tiered_cache.device.pool import device_index
 from tiered_cache.integrations.paged_attention import attention_received, paged_cache, rotary_inv_freq, rotate_half
-from tiered_cache.integrations.transformers import cache_keyword, last_logits_only
+from tiered_cache.integrations.transformers import cache_keyword, last_logits_only, upload_tokens
 from tiered_cache.model.spec import Layout
 
 
@@ -95,15 +96,16 @@ class PagedSequence:
         step = cache.writable_slots(handle, n)
         live = cache.live_slots(handle)
         self._past = len(live)
-        self._write = torch.from_numpy(step).to(cache.pool.device)
-        self._read = torch.from_numpy(np.concatenate([live, step])).to(cache.pool.device)
+        # Uploaded without the host waiting for the stream: a load's copies may still be running.
+        self._write = device_index(step, cache.pool.device)
+        self._read = device_index(np.concatenate([live, step]), cache.pool.device)
         self._rotation = self._re_rotation()
         needs_scores = getattr(self.policy, "needs_scores", False)
         device = getattr(self.model, "device", None)
         positions = torch.arange(self._past, self._past + n, device=device)[None]
         try:
             cache_arg = {cache_keyword(self.model): self.hf_cache}
-            out = self.model(torch.tensor([list(token_ids)], device=device), position_ids=positions, use_cache=True,
+            out = self.model(upload_tokens([list(token_ids)], device), position_ids=positions, use_cache=True,
                              output_attentions=needs_scores, **cache_arg, **last_logits_only(self.model))
         finally:
             self._read = self._write = self._rotation = None

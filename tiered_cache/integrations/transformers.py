@@ -109,7 +109,7 @@ def generate(model: Any, prompt: Sequence[int], cache: TieredCache | None = None
                 _trim_sources(sources, reused)
         device = getattr(model, "device", None)  # inputs go where the weights are (a GPU worker)
         keyword = cache_keyword(model)
-        inputs = _upload([ids[reused:]], device)
+        inputs = upload_tokens([ids[reused:]], device)
         on_cuda = inputs.device.type == "cuda"
         forward_started = time.perf_counter()
         # On CUDA the load's copies may still run: the forward's kernels are launched meanwhile and
@@ -191,7 +191,7 @@ def cache_keyword(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
-def _upload(ids: list[list[int]], device: Any) -> torch.Tensor:
+def upload_tokens(ids: list[list[int]], device: Any) -> torch.Tensor:
     """Token ids on the model's device. On CUDA from pinned memory, without the host waiting for
     the stream: a load's copies may still be running there, and the forward's kernel launches are
     meant to be queued meanwhile."""
