@@ -45,7 +45,8 @@ def default_checkers() -> int:
     """CRC threads beside the copies: half the cores, 2 to 8. One thread checks ~10-22 GB/s
     (CPU-dependent) and the link brings ~55 GB/s, so two threads can hold a GPU node's DMA back;
     more than 8 would only take cores from the engine."""
-    return max(2, min(8, (os.cpu_count() or 2) // 2))
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return max(2, min(8, usable // 2))  # the cores this process may run on, not the machine's
 
 
 class ArenaCopier:
