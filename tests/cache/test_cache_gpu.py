@@ -4,6 +4,7 @@ RAM and on to disk, and bring it back with get, the paged API and prefetch. Ever
 compared bit for bit with what was put; the same workload runs on a CPU pool in
 test_cache.py and test_cache_machine.py."""
 
+import contextlib
 import random
 
 import pytest
@@ -164,36 +165,45 @@ def test_forks_copy_on_write_and_swap_on_a_cuda_pool(spec):
         c.close()
 
 
-def _in_host_ram(c, prompt, kv):
-    """`prompt` in host RAM only, the pool zeroed, after one load of it: the small pinned uploads a
-    load makes are then cached, so the next load queues its copies without waiting for the device."""
-    c.put(prompt, kv)
-    c.evict()
-    assert c.flush(timeout=60)
-    handle = c.match(prompt)
-    c.load(handle)
-    c.release(handle)
-    c.evict()  # still in host RAM: the device pages are just dropped
-    assert c.flush(timeout=60)
-    c.pool.kv.zero_()  # the free pages the next load gets held this KV: a read too early must see zeros
-    torch.cuda.synchronize()
+LARGE_PAGES = KVSpec("gpu-large-pages", 16, 8, 128, DType.FP16, 16)  # 1 MiB pages: a load's DMA takes a while
+BUSY = 2_000_000_000  # GPU cycles of `torch.cuda._sleep`: the stream stays busy, copies queued behind it
+
+
+@contextlib.contextmanager
+def _in_host_ram(n, pool_pages, host_pages, seed):
+    """A cache of `LARGE_PAGES` whose prompt of `n` pages is in host RAM only, with the pool zeroed,
+    after one load of it: the small pinned uploads a load makes are then cached, so the next load
+    queues its copies without waiting for the device. Yields (cache, prompt, its KV)."""
+    spec = LARGE_PAGES
+    c = _cache(spec, pool_pages=pool_pages, host_pages=host_pages)
+    prompt, kv = list(range(n * spec.page_size)), _kv(spec, n * spec.page_size, seed=seed)
+    try:
+        c.put(prompt, kv)
+        c.evict()
+        assert c.flush(timeout=60)
+        handle = c.match(prompt)
+        c.load(handle)
+        c.release(handle)
+        c.evict()  # still in host RAM: the device pages are just dropped
+        assert c.flush(timeout=60)
+        c.pool.kv.zero_()  # the free pages the next load gets held this KV: a read too early must see zeros
+        torch.cuda.synchronize()
+        yield c, prompt, kv
+    finally:
+        c.close()
 
 
 def test_a_host_hit_whose_slots_are_reused_at_once_still_loads_the_old_kv():
     """On CUDA `load` returns once the host RAM -> pool copies are queued. Writing new pages into
     the very slots they read, straight after, must wait for them (the slab's fence): the pool
     then holds the prefix's KV, not the new pages'."""
-    spec = KVSpec("gpu-large-pages", 16, 8, 128, DType.FP16, 16)  # 1 MiB pages: the DMA takes a while
     n = 128
-    c = _cache(spec, pool_pages=2 * n + 8, host_pages=n)
-    prompt, kv = list(range(n * spec.page_size)), _kv(spec, n * spec.page_size, seed=11)
-    try:
-        _in_host_ram(c, prompt, kv)
+    with _in_host_ram(n, pool_pages=2 * n + 8, host_pages=n, seed=11) as (c, prompt, kv):
         assert c.stats().tier("host").pages == n
-        other = torch.randn(spec.staging_shape(n)).to(spec.dtype.torch)
+        other = torch.randn(LARGE_PAGES.staging_shape(n)).to(LARGE_PAGES.dtype.torch)
         keys = [bytes([7]) * 31 + i.to_bytes(1, "big") for i in range(n)]
         handle = c.match(prompt)
-        torch.cuda._sleep(2_000_000_000)  # the stream is busy: the load's copies wait behind it
+        torch.cuda._sleep(BUSY)  # the stream is busy: the load's copies wait behind it
         pages = c.load(handle)
         assert not c.promoter.last_host_copy.finished()  # load returned with its copies still queued
         with c._lock:  # what a demotion or a promotion into host RAM does, on the slots just read
@@ -202,22 +212,16 @@ def test_a_host_hit_whose_slots_are_reused_at_once_still_loads_the_old_kv():
         assert torch.equal(c.pool.read_tokens(pages, len(prompt)), kv)
         c.release(handle)
         c.check_integrity()
-    finally:
-        c.close()
 
 
 def test_a_device_hit_on_another_stream_waits_for_pages_still_arriving():
     """Pages loaded from host RAM are in the tree while their copies still run (queued behind a
     busy stream here). Another request, on a stream of its own, that matches them as a device
     hit must read them only after they arrived."""
-    spec = KVSpec("gpu-large-pages", 16, 8, 128, DType.FP16, 16)
     n = 64
-    c = _cache(spec, pool_pages=2 * n, host_pages=2 * n)
-    prompt, kv = list(range(n * spec.page_size)), _kv(spec, n * spec.page_size, seed=12)
-    try:
-        _in_host_ram(c, prompt, kv)
+    with _in_host_ram(n, pool_pages=2 * n, host_pages=2 * n, seed=12) as (c, prompt, kv):
         first = c.match(prompt)
-        torch.cuda._sleep(2_000_000_000)
+        torch.cuda._sleep(BUSY)
         c.load(first)
         assert not c.promoter.last_host_copy.finished()
         side = torch.cuda.Stream()
@@ -229,41 +233,30 @@ def test_a_device_hit_on_another_stream_waits_for_pages_still_arriving():
         assert torch.equal(got, kv)
         c.release(second)
         c.release(first)
-    finally:
-        c.close()
 
 
 def test_pages_still_filling_when_evicted_come_back_to_the_pool_for_the_next_allocation():
     """`get` releases its pages while their copies from host RAM may still run; they stay pinned
     until the copies end. A put that needs the whole pool right after must still get it (the
     copies are waited for), not fail as if the pool were full."""
-    spec = KVSpec("gpu-large-pages", 16, 8, 128, DType.FP16, 16)
     n = 32
-    c = _cache(spec, pool_pages=n, host_pages=2 * n)
-    prompt, kv = list(range(n * spec.page_size)), _kv(spec, n * spec.page_size, seed=13)
-    other, other_kv = list(range(10**6, 10**6 + n * spec.page_size)), _kv(spec, n * spec.page_size, seed=14)
-    try:
-        _in_host_ram(c, prompt, kv)
-        torch.cuda._sleep(2_000_000_000)
+    with _in_host_ram(n, pool_pages=n, host_pages=2 * n, seed=13) as (c, prompt, kv):
+        other = list(range(10**6, 10**6 + len(prompt)))
+        other_kv = _kv(LARGE_PAGES, len(prompt), seed=14)
+        torch.cuda._sleep(BUSY)
         got_n, got = c.get(prompt)
         assert got_n == len(prompt) and not c.promoter.last_host_copy.finished()
         assert c.put(other, other_kv) == len(other)
         assert torch.equal(got, kv)
         c.check_integrity()
-    finally:
-        c.close()
 
 
 def test_a_host_hit_from_match_to_reading_its_pages_never_makes_the_host_wait_for_the_device():
     """The overlap of a load with the forward rests on nothing between `match` and the forward
     synchronizing (one blocking upload would make the host wait for the copies): torch's sync
     debug mode turns any such call into an error."""
-    spec = KVSpec("gpu-large-pages", 16, 8, 128, DType.FP16, 16)
     n = 32
-    c = _cache(spec, pool_pages=2 * n, host_pages=2 * n)
-    prompt, kv = list(range(n * spec.page_size)), _kv(spec, n * spec.page_size, seed=15)
-    try:
-        _in_host_ram(c, prompt, kv)
+    with _in_host_ram(n, pool_pages=2 * n, host_pages=2 * n, seed=15) as (c, prompt, kv):
         torch.cuda.set_sync_debug_mode("error")
         try:
             handle = c.match(prompt)
@@ -272,5 +265,3 @@ def test_a_host_hit_from_match_to_reading_its_pages_never_makes_the_host_wait_fo
             torch.cuda.set_sync_debug_mode("default")
         assert torch.equal(got, kv)
         c.release(handle)
-    finally:
-        c.close()

@@ -65,8 +65,8 @@ class Demoter:
         shortfall = n - self.pool.num_free
         if shortfall > 0:
             self.demote_now(self.tree.evict(shortfall))
-        if not self.pool.can_allocate(n) and self.pool.allocator.num_pending and self._settle_copies is not None:
-            self._settle_copies()
+        if not self.pool.can_allocate(n):
+            self._release_pinned()
         if not self.pool.can_allocate(n):
             raise PoolExhaustedError(n, self.pool.num_free, self.pool.num_pages)
         return self.pool.allocate(n)
@@ -75,10 +75,17 @@ class Demoter:
         """Up to `n` device pages: as many as free and evictable pages allow."""
         self._await_demoter(n)
         room = self.pool.num_free + self.tree.size_info().evictable
-        if n > room and self.pool.allocator.num_pending and self._settle_copies is not None:
-            self._settle_copies()
+        if n > room and self._release_pinned():
             room = self.pool.num_free + self.tree.size_info().evictable
         return self.allocate(min(n, room)) if n else _NO_PAGES
+
+    def _release_pinned(self) -> bool:
+        """Pages freed while a copy into them still ran are neither free nor evictable: wait for
+        those copies so they are free again. Whether there were any."""
+        if not self.pool.allocator.num_pending or self._settle_copies is None:
+            return False
+        self._settle_copies()
+        return True
 
     def await_keys(self, keys: list[bytes]) -> None:
         """Wait (briefly, lock released meanwhile) while the background demoter is moving any of

@@ -14,10 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from tiered_cache.cache import TieredCache
 from tiered_cache.cache.canary import pages_differ
+from tiered_cache.device.pool import device_index
 from tiered_cache.integrations.hf_context import context_from_pool
 from tiered_cache.integrations.model_identity import derived_model_id
 from tiered_cache.model.hf_config import spec_from_hf_config
@@ -192,13 +194,11 @@ def cache_keyword(model: Any) -> str:
 
 
 def upload_tokens(ids: list[list[int]], device: Any) -> torch.Tensor:
-    """Token ids on the model's device. On CUDA from pinned memory, without the host waiting for
-    the stream: a load's copies may still be running there, and the forward's kernel launches are
-    meant to be queued meanwhile."""
-    tokens = torch.tensor(ids)
-    if device is None or torch.device(device).type != "cuda":
-        return tokens.to(device) if device is not None else tokens
-    return tokens.pin_memory().to(device, non_blocking=True)
+    """Token ids on the model's device (`device_index`: on CUDA the host does not wait for the
+    stream, where a load's copies may still be running and the forward is meant to queue meanwhile)."""
+    if device is None:
+        return torch.tensor(ids)
+    return device_index(np.asarray(ids, dtype=np.int64), torch.device(device))
 
 
 def _trim_sources(sources: dict[str, int], reused: int) -> None:

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 from tiered_cache.index.keys import KEY_BYTES
 from tiered_cache.server.config import ServerConfig
 from tiered_cache.server.streams import StreamSlots
+from tiered_cache.server.tenants import Grant
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.deadline import ProgressDeadline
 from tiered_cache.wire.framing import parse_page_blob
@@ -117,10 +118,9 @@ class Requests:
                 check_namespace(str(asked), f"metadata {NAMESPACE_METADATA}:")
             except ValueError as exc:
                 await self.reject(context, str(exc))
-        grants = self.config.grants
-        if not grants:
+        if not self.config.grants:
             return asked or ""
-        grant = grants.grant_for(metadata.get("authorization", ""))
+        grant = self._grant(metadata)
         try:
             return grant.namespace(asked) if grant is not None else ""
         except PermissionError as exc:
@@ -132,15 +132,18 @@ class Requests:
         """Refuse (PERMISSION_DENIED) a call showing `what` of every namespace unless its token may
         use every namespace ('*' in the token file, or the one `--token`): a tenant sees its own
         pages, not how busy or full the others are."""
-        grants = self.config.grants
-        if not grants:
+        if not self.config.grants:
             return
-        metadata = dict(context.invocation_metadata() or ())
-        grant = grants.grant_for(metadata.get("authorization", ""))
+        grant = self._grant(dict(context.invocation_metadata() or ()))
         if grant is not None and not grant.every:
             self.counters.rejected += 1
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"{what} shows every namespace: it needs an operator's token ('*' in the token file)")
+
+    def _grant(self, metadata: dict[str, Any]) -> Grant | None:
+        """What the call's token may do (None: a token the server does not know; the interceptor
+        has refused those already)."""
+        return self.config.grants.grant_for(metadata.get("authorization", ""))
 
     def count_cancelled(self, method: str) -> None:
         """A client cancelled its stream (it stopped reading a Get it had enough of, or went away):
