@@ -3,13 +3,16 @@ one run: recompute (no cache, the baseline), each worker alone (no shared store,
 a shared store with round robin, and a shared store with the prefix router.
 
 The workload is D documents x Q questions in a seeded random order, `concurrency` requests in
-flight at once (as a service sees them). One cluster runs every way, in the bench's own namespace,
-and is stopped afterwards; before each way it is made cold (`cold_start`: workers reset to empty
-caches keyed in a namespace of that way's own, so the shards hold none of its pages, and the
-router reset to that way's policy), so workers load their model once, not once per way.
-Reported per way: prefill tokens saved (prompt tokens whose KV came from a cache), mean and p99
-TTFT, and the TTFT ratio to recompute. Greedy answers must be identical in every way: a cache
-changes speed, never text.
+flight at once (as a service sees them). With one in flight, each request's pages reach the store
+(write-through, in the background) before the next request is sent, as for requests further apart
+than a write: what each way reuses is then the same in every run, not a race with the writer.
+One cluster runs every way, in the bench's own namespace, and is stopped afterwards; before each
+way it is made cold (`cold_start`: workers reset to empty caches keyed in a namespace of that
+way's own, so the shards hold none of its pages, and the router reset to that way's policy), so
+workers load their model once, not once per way. Reported per way: prefill tokens saved (prompt
+tokens whose KV came from a cache) and the tier they came from (device, host, remote: the store),
+mean and p99 TTFT, and the TTFT ratio to recompute. Greedy answers must be identical in every
+way: a cache changes speed, never text.
 
 Ray and `workers/` are imported when the bench runs, so the module imports without them.
 """
@@ -42,6 +45,7 @@ class WayResult:
     ttft_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     routes: Counter[str] = field(default_factory=Counter)  # worker -> requests
+    reused_from: Counter[str] = field(default_factory=Counter)  # tier -> reused tokens
     answers: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     @property
@@ -61,7 +65,7 @@ class WayResult:
         out = {"way": self.way, "requests": len(self.ttft_s), "prompt_tokens": self.prompt_tokens,
                "reused_tokens": self.reused_tokens, "saved_share": self.saved_share,
                "mean_ttft_s": self.mean_ttft_s, "p99_ttft_s": self.p99_ttft_s, "wall_s": self.wall_s,
-               "routes": dict(self.routes)}
+               "routes": dict(self.routes), "reused_from": dict(self.reused_from)}
         if recompute is not None:
             out["mean_ttft_vs_recompute"] = recompute.mean_ttft_s / self.mean_ttft_s
             out["answers_match_recompute"] = self.answers == recompute.answers
@@ -82,7 +86,9 @@ def workload(docs: int, questions: int, doc_chars: int, seed: int) -> list[tuple
 
 def _drive(requests: list[tuple[int, int, str]], way: str, use_cache: bool, concurrency: int,
            max_new_tokens: int) -> WayResult:
-    """Send every request through the router, `concurrency` in flight at once."""
+    """Send every request through the router, `concurrency` in flight at once. With one in flight,
+    the worker that answered writes its new pages through to the store before the next request
+    (`CacheWorker.flush`, not counted in `wall_s`)."""
     import ray
 
     from workers.names import ROUTER
@@ -91,6 +97,7 @@ def _drive(requests: list[tuple[int, int, str]], way: str, use_cache: bool, conc
     result = WayResult(way)
     pending: dict[Any, tuple[int, int]] = {}
     queue = list(requests)
+    settling = 0.0  # seconds waiting for write-through between requests
     started = time.perf_counter()
     while queue or pending:
         while queue and len(pending) < concurrency:
@@ -104,7 +111,13 @@ def _drive(requests: list[tuple[int, int, str]], way: str, use_cache: bool, conc
             result.reused_tokens += answer["reused_tokens"]
             result.ttft_s.append(answer["ttft_s"])
             result.routes[answer["worker"]] += 1
-    result.wall_s = time.perf_counter() - started
+            result.reused_from.update(answer["sources"])
+            if use_cache and concurrency == 1:
+                flushed = time.perf_counter()
+                if not ray.get(ray.get_actor(answer["worker"]).flush.remote()):
+                    raise RuntimeError(f"{answer['worker']}: its write-through did not finish in 60 s")
+                settling += time.perf_counter() - flushed
+    result.wall_s = time.perf_counter() - started - settling
     return result
 
 
