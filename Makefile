@@ -8,7 +8,7 @@ VLLM_STAMP := .venv-vllm/.installed
 
 .PHONY: demo test test-long lint fmt bench check-kernels clean install install-vllm wheel
 
-$(STAMP): pyproject.toml scripts/install.sh
+$(STAMP): pyproject.toml setup.py tiered_cache/wire/_checked_copy.c scripts/install.sh
 	bash scripts/install.sh
 	@touch $@
 
@@ -36,9 +36,10 @@ test-long: $(STAMP)
 	bash scripts/install_long_tests.sh
 	$(BIN)/python -m pytest --long -m long -p no:cacheprovider
 
-# The wheel `ray up` mounts on every node (deploy/cluster.yaml): dist/tiered_cache-<version>-py3-none-any.whl
+# The wheel `ray up` mounts on every node (deploy/cluster.yaml): dist/tiered_cache-<version>-py3-none-any.whl,
+# pure Python (TIERED_CACHE_PURE=1: no native page copy, so one wheel fits every node's Python).
 wheel: $(STAMP)
-	rm -rf dist && $(BIN)/pip wheel --no-deps --no-build-isolation -q -w dist .
+	rm -rf dist && TIERED_CACHE_PURE=1 $(BIN)/pip wheel --no-deps --no-build-isolation -q -w dist .
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

