@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_cache.device.copy_stream import CopyStream
+from tiered_cache.device.copy_stream import CopyStream, QueuedCopy
 from tiered_cache.device.pool import PagePool, device_index
 from tiered_cache.shm.arena import DATA
 from tiered_cache.shm.arena_map import ArenaMap
@@ -101,12 +101,19 @@ class ArenaCopier:
             return 0
         pages = np.asarray(pages[:n], dtype=np.int64)
         self.pool.check_pages(pages)
-        # Checked on CPU threads while the copies run: a blob that fails is a miss, whatever the DMA did.
-        checks = [self._checker.submit(self._check, key, page) for key, page in zip(keys, where, strict=True)]
+        # The copies are queued first, then checked on CPU threads while they run (a blob that
+        # fails is a miss, whatever the DMA did): one share of the pages per thread, every k-th,
+        # so the host hands out a few tasks, not one per page, before the DMA starts.
+        queued = self._copy(where, pages)
         try:
-            self._copy(where, pages)
+            k = min(self.checkers, n)
+            shares = [self._checker.submit(self._check_share, keys[i::k], where[i::k]) for i in range(k)]
+            ok = [False] * n
+            for i, share in enumerate(shares):
+                ok[i::k] = share.result()
         finally:
-            ok = [check.result() for check in checks]  # every check ends before the caller reuses anything
+            if queued is not None:
+                queued.wait()  # the caller may free or reuse the pages once this returns
         arrived = 0
         for good, (arena, position, length) in zip(ok, where, strict=True):
             if not good:
@@ -117,6 +124,9 @@ class ArenaCopier:
             arrived += 1
         self.copied += arrived
         return arrived
+
+    def _check_share(self, keys: Sequence[bytes], where: Sequence[ArenaPage]) -> list[bool]:
+        return [self._check(key, page) for key, page in zip(keys, where, strict=True)]
 
     def _check(self, key: bytes, page: ArenaPage) -> bool:
         arena, position, length = page
@@ -136,15 +146,17 @@ class ArenaCopier:
             view.release()
         return True
 
-    def _copy(self, where: Sequence[ArenaPage], pages: np.ndarray) -> None:
+    def _copy(self, where: Sequence[ArenaPage], pages: np.ndarray) -> QueuedCopy | None:
         """Queue the copies chunk by chunk (runs of adjacent blobs in one arena: one DMA each) on
-        the copy stream and wait for them (copy_stream.py)."""
+        the copy stream (copy_stream.py); the caller's stream waits for them, and so must the host
+        before the pages are used or freed (the `QueuedCopy`; None on the CPU: done already)."""
         self._ready()
         buffer = self._buffer
         assert buffer is not None and self._copies is not None
         index = device_index(pages, self.pool.device)
-        self._copies.run(len(where), self.chunk_blobs,
-                         lambda start, end: self._chunk(buffer, where[start:end], index[start:end]))
+        return self._copies.run(len(where), self.chunk_blobs,
+                                lambda start, end: self._chunk(buffer, where[start:end], index[start:end]),
+                                wait=False)
 
     def _chunk(self, buffer: torch.Tensor, where: Sequence[ArenaPage], index: torch.Tensor) -> None:
         """One chunk: each run of adjacent blobs DMA'd into the buffer as it lies (headers too),
