@@ -32,7 +32,7 @@ def test_the_native_copy_is_built_where_it_can_be():
 
 @pytest.mark.parametrize("way", WAYS)
 @pytest.mark.parametrize("inner", [1, 7, 8, 23, 24, 25, 47, 48, 100, 4097, 32768])
-@pytest.mark.parametrize("outer", [(), (3,), (2, 3)])
+@pytest.mark.parametrize("outer", [(), (3,), (4,), (2, 3), (2, 5)])
 def test_same_bytes_and_crc_as_a_copy_and_the_crc32c_package(way, inner, outer):
     rng = np.random.default_rng(inner * 7 + len(outer))
     src = rng.integers(0, 256, int(np.prod(outer, dtype=np.int64)) * inner, dtype=np.uint8)
