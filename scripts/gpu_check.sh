@@ -29,7 +29,7 @@ fi
 export PYTHONUNBUFFERED=1
 # The native page copy (tiered_cache/wire/_checked_copy.c) built in place, where a compiler and
 # Python's headers are at hand; without it the numpy fallback runs (the log says which).
-python3 setup.py -q build_ext --inplace >/dev/null 2>&1 || true
+python3 setup.py -q build_ext --inplace >"$out/native_build.log" 2>&1 || tail -5 "$out/native_build.log"
 python3 -c "from tiered_cache.wire.checked_copy import NATIVE; print('native page copy:', NATIVE)"
 cli() { python3 -m tiered_cache.cli.main "$@"; }
 status=0

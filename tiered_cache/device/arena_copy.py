@@ -23,7 +23,7 @@ import os
 import threading
 import warnings
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import numpy as np
@@ -105,13 +105,16 @@ class ArenaCopier:
         # fails is a miss, whatever the DMA did): one share of the pages per thread, every k-th,
         # so the host hands out a few tasks, not one per page, before the DMA starts.
         queued = self._copy(where, pages)
+        shares: list[Future[list[bool]]] = []
         try:
             k = min(self.checkers, n)
-            shares = [self._checker.submit(self._check_share, keys[i::k], where[i::k]) for i in range(k)]
+            for i in range(k):
+                shares.append(self._checker.submit(self._check_share, keys[i::k], where[i::k]))
             ok = [False] * n
             for i, share in enumerate(shares):
                 ok[i::k] = share.result()
         finally:
+            wait(shares)  # no check outlives this call, also when one raised
             if queued is not None:
                 queued.wait()  # the caller may free or reuse the pages once this returns
         arrived = 0

@@ -72,19 +72,25 @@ static uint32_t shift_for(size_t nbytes) {
 }
 
 #if HAVE_CRC_INSN
-/* The raw CRC register over n bytes (no pre/post inversion). */
-HOT static uint32_t crc_bytes(uint32_t state, const uint8_t *src, size_t n) {
+/* The raw CRC register (no pre/post inversion) continued over n bytes, each copied to dst as it
+   is read: every byte is read once, so what is stored is what is checksummed. */
+HOT static uint32_t copy_crc_bytes(uint32_t state, const uint8_t *src, uint8_t *dst, size_t n) {
     uint64_t state64 = state;
     while (n >= 8) {
         uint64_t v;
         memcpy(&v, src, 8);
         state64 = _mm_crc32_u64(state64, v);
+        memcpy(dst, &v, 8);
         src += 8;
+        dst += 8;
         n -= 8;
     }
     state = (uint32_t)state64;
-    while (n--)
-        state = _mm_crc32_u8(state, *src++);
+    while (n--) {
+        uint8_t b = *src++;
+        state = _mm_crc32_u8(state, b);
+        *dst++ = b;
+    }
     return state;
 }
 
@@ -115,10 +121,8 @@ HOT static uint32_t copy_run(uint32_t crc, const uint8_t *src, uint8_t *dst, siz
         crc = multmodp(shift, ab) ^ ~(uint32_t)sc;
         done = 3 * seg;
     }
-    if (done < n) {
-        memcpy(dst + done, src + done, n - done);
-        crc = ~crc_bytes(~crc, src + done, n - done);
-    }
+    if (done < n)
+        crc = ~copy_crc_bytes(~crc, src + done, dst + done, n - done);
     return crc;
 }
 
