@@ -141,6 +141,8 @@ HOT static uint32_t copy_crc_strided(const uint8_t *src, uint8_t *dst, Py_ssize_
 }
 #endif
 
+static int has_crc_insn; /* this CPU has SSE4.2's crc32 (found once, at import) */
+
 static int cpu_has_crc(void) {
 #if HAVE_CRC_INSN
     __builtin_cpu_init();
@@ -153,7 +155,7 @@ static int cpu_has_crc(void) {
 static PyObject *available(PyObject *self, PyObject *noargs) {
     (void)self;
     (void)noargs;
-    return PyBool_FromLong(cpu_has_crc());
+    return PyBool_FromLong(has_crc_insn);
 }
 
 static PyObject *copy_crc(PyObject *self, PyObject *args) {
@@ -162,7 +164,7 @@ static PyObject *copy_crc(PyObject *self, PyObject *args) {
     unsigned long crc_in;
     if (!PyArg_ParseTuple(args, "OOk", &src_obj, &dst_obj, &crc_in))
         return NULL;
-    if (!cpu_has_crc()) {
+    if (!has_crc_insn) {
         PyErr_SetString(PyExc_RuntimeError, "copy_crc: this CPU lacks the crc32 instruction (SSE4.2)");
         return NULL;
     }
@@ -217,5 +219,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_checked_copy", NULL
 
 PyMODINIT_FUNC PyInit__checked_copy(void) {
     init_x2n_table();
+    has_crc_insn = cpu_has_crc();
     return PyModule_Create(&module);
 }

@@ -29,10 +29,7 @@ NATIVE = _native is not None and bool(_native.available()) and os.environ.get("T
 
 def copy_crc_two_pass(src: Any, dest: np.ndarray, crc: int = 0) -> int:
     """`copy_crc` as two passes: numpy's copy, then the checksum of the source."""
-    flat = np.frombuffer(src, dtype=np.uint8)
-    if flat.size != dest.size:
-        raise ValueError(f"copy_crc: destination holds {dest.size} bytes, source {flat.size}")
-    np.copyto(dest, flat.reshape(dest.shape))
+    _numpy_copy(src, dest)
     return crc32c_extend(crc, src)
 
 
@@ -40,6 +37,26 @@ def copy_crc(src: Any, dest: np.ndarray, crc: int = 0) -> int:
     """Copy `src` (a contiguous buffer) into `dest` (uint8, of the same size, up to 3 dimensions
     with the last contiguous) in order, and return the CRC-32C of `src` continued from `crc`.
     They must not overlap."""
-    if NATIVE and dest.ndim <= 3 and dest.dtype == np.uint8 and dest.strides[-1:] in ((1,), ()):
+    if _takes_native(dest):
         return _native.copy_crc(src, dest, crc)
     return copy_crc_two_pass(src, dest, crc)
+
+
+def copy_bytes(src: Any, dest: np.ndarray) -> None:
+    """`copy_crc` for a caller that needs no checksum: the native copy (its checksum costs
+    nothing beside the copy), else numpy's copy alone."""
+    if _takes_native(dest):
+        _native.copy_crc(src, dest, 0)
+    else:
+        _numpy_copy(src, dest)
+
+
+def _numpy_copy(src: Any, dest: np.ndarray) -> None:
+    flat = np.frombuffer(src, dtype=np.uint8)
+    if flat.size != dest.size:
+        raise ValueError(f"copy_crc: destination holds {dest.size} bytes, source {flat.size}")
+    np.copyto(dest, flat.reshape(dest.shape))
+
+
+def _takes_native(dest: np.ndarray) -> bool:
+    return NATIVE and dest.ndim <= 3 and dest.dtype == np.uint8 and dest.strides[-1:] in ((1,), ())

@@ -35,7 +35,7 @@ import numpy as np
 
 from tiered_cache.errors import TieredCacheError
 from tiered_cache.model.spec import DType, KVSpec
-from tiered_cache.wire.checked_copy import copy_crc
+from tiered_cache.wire.checked_copy import copy_bytes, copy_crc
 from tiered_cache.wire.checksum import crc32c_extend
 
 MAGIC = b"TCKV"
@@ -209,6 +209,12 @@ def rekeyed(blob: Any, key: bytes) -> bytes:
     return bytes(out)
 
 
+def _require_residue(crc: int) -> None:
+    """A whole blob, trailer included, checksums to the residue iff the trailer is its CRC."""
+    if crc != _CRC_RESIDUE:
+        raise BlobError("blob checksum mismatch: the bytes were corrupted")
+
+
 def blob_checksum(*parts: Any) -> int:
     """CRC-32C of `parts` (contiguous buffers) as if joined, without joining them: a blob's trailer."""
     crc = 0
@@ -307,8 +313,8 @@ def read_header(blob: Any, check_crc: bool = True) -> BlobHeader:
     header = _parse_header(view, len(view))
     # The whole blob, trailer included, checksums to the residue iff the trailer is the CRC of the
     # rest: no slice, so a bytes blob is read in place (and without the GIL from 1 MiB).
-    if check_crc and blob_checksum(blob if isinstance(blob, bytes) else view) != _CRC_RESIDUE:
-        raise BlobError("blob checksum mismatch: the bytes were corrupted")
+    if check_crc:
+        _require_residue(blob_checksum(blob if isinstance(blob, bytes) else view))
     return header
 
 
@@ -493,8 +499,7 @@ def check_raw_pieces(header: Any, payload: Any, trailer: Any, spec: KVSpec, key:
     if found.codec is not Codec.RAW or found.payload_offset != len(view):
         raise BlobError(f"blob is {found.codec.value} with its payload at {found.payload_offset}, read as a raw "
                         f"page at {len(view)}")
-    if blob_checksum(view, *data, trailer) != _CRC_RESIDUE:
-        raise BlobError("blob checksum mismatch: the bytes were corrupted")
+    _require_residue(blob_checksum(view, *data, trailer))
 
 
 def decode_into(blob: Any, spec: KVSpec, key: bytes, dest: PageDest, check_crc: bool = True) -> None:
@@ -508,11 +513,12 @@ def decode_into(blob: Any, spec: KVSpec, key: bytes, dest: PageDest, check_crc: 
     # `blob` meanwhile (the arena's writer) is checked for by its caller after it.
     header, payload = _checked_payload(blob, spec, key, check_crc=False)
     if header.codec is Codec.RAW:
+        if not check_crc:
+            copy_bytes(payload, dest)
+            return
         view = memoryview(blob).cast("B")
-        end = header.payload_offset + header.payload_len
-        crc = copy_crc(payload, dest, crc32c_extend(0, view[:header.payload_offset]) if check_crc else 0)
-        if check_crc and crc32c_extend(crc, view[end:]) != _CRC_RESIDUE:
-            raise BlobError("blob checksum mismatch: the bytes were corrupted")
+        crc = copy_crc(payload, dest, crc32c_extend(0, view[:header.payload_offset]))
+        _require_residue(crc32c_extend(crc, view[header.payload_offset + header.payload_len:]))
         return
     if check_crc:
         read_header(blob)
