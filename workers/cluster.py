@@ -54,6 +54,16 @@ def connect(address: str, namespace: str, timeout_s: float = CONNECT_TIMEOUT_S) 
     ray.init(address=address, namespace=namespace, logging_level="WARNING", log_to_driver=False)
 
 
+def driver_prints_to_stderr() -> contextlib.AbstractContextManager[Any]:
+    """While connected, Ray's driver prints other processes' task failures ("(raylet) Task X
+    failed. There are N retries remaining ...", e.g. a health check of an actor being stopped) to
+    `sys.stdout`, whatever `log_to_driver` says. Inside this, they go to stderr, so a command whose
+    stdout is its result (`--json`) stays parseable."""
+    import sys
+
+    return contextlib.redirect_stdout(sys.stderr)
+
+
 def _reachable(address: str, timeout_s: float) -> None:
     """RuntimeError unless a TCP connection to a HOST:PORT address opens within `timeout_s`
     ("auto" and `ray://` addresses are left to Ray)."""
