@@ -6,7 +6,6 @@ Ray is imported only here (and in `workers/`), when one of these commands runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -84,8 +83,10 @@ def _progress(action: str) -> Callable[[str], None]:
 def run(args: argparse.Namespace) -> int:
     """Stdout carries the command's answer only (`--json` is parsed by tools): what Ray prints on
     its own while the command runs (an actor's error, a shutdown notice) goes to stderr."""
+    from workers.cluster import driver_prints_to_stderr
+
     answer = sys.stdout
-    with contextlib.redirect_stdout(sys.stderr):
+    with driver_prints_to_stderr():
         code, text = _run(args)
     print(text, file=answer)
     return code

@@ -56,8 +56,9 @@ def _cluster(args: argparse.Namespace) -> tuple[str, bool]:
     from tiered_cache.cli.cluster_table import render_cluster
     from workers import cluster
 
-    cluster.connect(args.ray, args.namespace)
-    figures = cluster.stats(args.timeout)
+    with cluster.driver_prints_to_stderr():  # stdout carries the figures alone (`--json`)
+        cluster.connect(args.ray, args.namespace)
+        figures = cluster.stats(args.timeout)
     if args.json:
         text = json.dumps(figures, separators=(",", ":")) if args.watch else json.dumps(figures, indent=2)
     else:

@@ -80,16 +80,17 @@ def _from_ray(address: str, namespace: str, worker: str | None, max_nodes: int) 
     from workers import cluster
     from workers.names import WORKER_PREFIX
 
-    cluster.connect(address, namespace)
-    names = [n for n in cluster.actor_names() if n.startswith(WORKER_PREFIX)]
-    if worker is not None:
-        if worker not in names:
-            known = ", ".join(names) or "none"
-            raise RuntimeError(f"no worker {worker!r} in namespace {namespace!r}; workers: {known}")
-        names = [worker]
-    if not names:
-        raise RuntimeError(f"no cache worker in Ray namespace {namespace!r}: run `tiered-cache cluster start`")
-    return ray.get([ray.get_actor(n).tree.remote(max_nodes) for n in names], timeout=60)
+    with cluster.driver_prints_to_stderr():  # stdout carries the trees alone (`--json`)
+        cluster.connect(address, namespace)
+        names = [n for n in cluster.actor_names() if n.startswith(WORKER_PREFIX)]
+        if worker is not None:
+            if worker not in names:
+                known = ", ".join(names) or "none"
+                raise RuntimeError(f"no worker {worker!r} in namespace {namespace!r}; workers: {known}")
+            names = [worker]
+        if not names:
+            raise RuntimeError(f"no cache worker in Ray namespace {namespace!r}: run `tiered-cache cluster start`")
+        return ray.get([ray.get_actor(n).tree.remote(max_nodes) for n in names], timeout=60)
 
 
 def run(args: argparse.Namespace) -> int:
