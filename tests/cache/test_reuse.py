@@ -122,6 +122,25 @@ def test_a_tiers_latency_is_paid_once_per_load():
     assert cut([0] * 10, {0: remote}) == 10  # ten pages: 50.7 ms against 160 ms
 
 
+def test_a_rate_measured_on_small_fetches_is_not_extrapolated_to_bigger_ones():
+    # One cold first fetch of one page: 50 ms, almost all of it a round trip. As a rate with no
+    # latency that is 1.3 MB/s; priced per byte, ten pages would cost 500 ms and be skipped.
+    link = Rate(2 * MB, latency_s=0.050 - PAGE_BYTES / (2 * MB))  # 17 ms a call + 33 ms a page
+    fit = RateEstimator()
+    fit.add(PAGE_BYTES, link.seconds(PAGE_BYTES))
+    first = fit.estimate()
+    assert first.latency_s == 0 and first.known_up_to == PAGE_BYTES
+    assert first.seconds(10 * PAGE_BYTES) == pytest.approx(0.050)  # at least one page's cost; more unknown
+    assert cut([0], {0: first}) == 0  # one page: measured, 50 ms against 16 ms of prefill
+    assert cut([0] * 10, {0: first}) == 10  # ten: loaded, so the bigger call gets measured
+    # Measured at ten pages too: the sizes spread, latency and rate are fitted, extrapolation is linear.
+    fit.add(10 * PAGE_BYTES, link.seconds(10 * PAGE_BYTES))
+    fitted = fit.estimate()
+    assert fitted.known_up_to == float("inf") and fitted.per_s == pytest.approx(link.per_s)
+    assert cut([0] * 10, {0: fitted}) == 0  # now known slow: 345 ms against 160 ms of prefill
+    assert cut([0] * 40, {0: fitted}) == 0  # and not extrapolated as free past ten pages
+
+
 def test_always_loads_everything_whatever_the_estimates():
     names = {HOST: "host", 0: "remote"}
     plan = [HOST] * 4 + [0] * 4
@@ -220,11 +239,11 @@ def slow_store():
         yield store, proxy
 
 
-def _cache_with_host_head(proxy: ThrottledProxy, reuse: str) -> TieredCache:
+def _cache_with_host_head(proxy: ThrottledProxy, reuse: str, prefill: float = PREFILL) -> TieredCache:
     """A cache over host RAM and the store through the slow link, with PROMPT's first 4 pages in
     host RAM (put, then evicted from the device) and nothing on the device."""
     config = CacheConfig(pool_capacity="4MiB", host_capacity="4MiB", lower_tiers=["remote"],
-                         remote_addresses=[proxy.address], reuse=reuse, prefill_tokens_per_s=PREFILL)
+                         remote_addresses=[proxy.address], reuse=reuse, prefill_tokens_per_s=prefill)
     cache = TieredCache(SPEC, config)
     head = PROMPT[:4 * PAGE_TOKENS]
     cache.put(head, torch.randn(SPEC.kv_shape(len(head))).half())
@@ -310,6 +329,35 @@ def test_always_loads_through_the_slow_link_as_before(slow_store):
     recompute = len(PROMPT) / PREFILL
     print(f"\nalways: match+load {1e3 * seconds:.1f} ms = {seconds / recompute:.2f}x of recomputing all "
           f"{len(PROMPT)} tokens ({1e3 * recompute:.0f} ms)")
+
+
+def test_a_tier_first_seen_on_one_page_is_loaded_at_a_bigger_size_then_judged(slow_store):
+    # A first fetch of one page through the link (~70 ms) says little about four: at 500 tokens/s
+    # of prefill (32 ms a page) the four store pages after host RAM are loaded (and timed), and
+    # with two sizes seen the link's rate is fitted (65 ms a page), so the next prompt's store
+    # pages are recomputed. Priced per byte from the first fetch, the four would have been skipped.
+    _, proxy = slow_store
+    with _cache_with_host_head(proxy, "faster", prefill=500.0) as cache:
+        handle = cache.match(WARM[:PAGE_TOKENS])
+        try:
+            assert len(cache.load(handle)) == 1 and handle.sources["remote"] == 1
+        finally:
+            cache.release(handle)
+        assert SPEC.bytes_per_page <= cache.stats().reuse.load_rates["remote"].known_up_to < 2 * SPEC.bytes_per_page
+        handle = cache.match(PROMPT)
+        try:
+            assert handle.plan == [HOST] * 4 + [0] * 4  # all of it: past one page the link is not known
+            assert len(cache.load(handle)) == 8 and dict(handle.sources) == {"device": 0, "host": 4, "remote": 4}
+        finally:
+            cache.release(handle)
+        fitted = cache.stats().reuse.load_rates["remote"]
+        assert fitted.known_up_to == float("inf") and fitted.per_s < 4 * LINK  # the link's rate, not a round trip's
+        handle = cache.match(WARM)  # its first page now in the pool, three more only in the store
+        try:
+            assert handle.available_pages == 1 and handle.plan == []
+        finally:
+            cache.release(handle)
+        assert cache.stats().reuse.skipped_pages == {"remote": 3}
 
 
 def test_a_tier_skipped_as_slow_is_measured_again_in_the_background(slow_store, monkeypatch):

@@ -21,9 +21,11 @@ The estimates: `RateEstimator` fits `seconds = latency + amount / rate` to recen
 sample weighing (1 - alpha) less per newer one. A latency is fitted only when the samples differ
 enough in size to tell it from the rate (gRPC and Redis calls pay a fixed cost per call, which
 makes a one-page fetch look many times slower per byte than a big one); otherwise it is 0 and the rate
-is total amount over total seconds. Prefill samples are fitted the same way, and only the rate
-(the slope: seconds per extra token) is used, since the engine pays a forward's fixed cost for
-the suffix anyway.
+is total amount over total seconds, trusted only up to the largest amount measured: past it, a
+load is priced as that amount (`Rate.known_up_to`), so a tier first seen on a small, mostly
+round-trip fetch is loaded (and so measured) at the larger size instead of being judged by it.
+Prefill samples are fitted the same way, and only the rate (the slope: seconds per extra token)
+is used, since the engine pays a forward's fixed cost for the suffix anyway.
 
 Until an estimate exists nothing is skipped: with no prefill rate every page is loaded, and a
 tier never measured is taken as free, so it is loaded and measured.
@@ -32,6 +34,7 @@ tier never measured is taken as free, so it is loaded and measured.
 from __future__ import annotations
 
 import enum
+import math
 import threading
 import time
 from collections import Counter
@@ -70,7 +73,8 @@ class ReuseFigures:
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "prefill_tokens_per_s": self.prefill_tokens_per_s,
                 "prefill_configured": self.prefill_configured,
-                "load_rates": {t: {"bytes_per_s": r.per_s, "latency_s": r.latency_s}
+                "load_rates": {t: {"bytes_per_s": r.per_s, "latency_s": r.latency_s,
+                                   "known_up_to_bytes": None if math.isinf(r.known_up_to) else r.known_up_to}
                                for t, r in self.load_rates.items()},
                 "skipped_pages": dict(self.skipped_pages)}
 
@@ -164,16 +168,15 @@ def pages_to_load(plan: Sequence[int], rates: Mapping[int, Rate | None], page_by
         return len(plan)
     assert prefill_tokens_per_s > 0 and page_bytes > 0 and page_tokens > 0
     compute_page = page_tokens / prefill_tokens_per_s
-    best, best_saved, spent = 0, 0.0, 0.0
-    used: set[int] = set()
+    best, best_saved = 0, 0.0
+    amounts: dict[int, int] = {}  # tier -> bytes so far: one batched call per tier, its latency paid once
+    spent_by: dict[int, float] = {}
     for i, where in enumerate(plan):
         rate = rates.get(where)
         if rate is not None:
-            spent += page_bytes / rate.per_s
-            if where not in used:  # one batched call per tier: its latency is paid once
-                used.add(where)
-                spent += rate.latency_s
-        saved = (i + 1) * compute_page - spent
+            amounts[where] = amounts.get(where, 0) + page_bytes
+            spent_by[where] = rate.seconds(amounts[where])
+        saved = (i + 1) * compute_page - sum(spent_by.values())
         if saved >= best_saved:
             best, best_saved = i + 1, saved
     return best
