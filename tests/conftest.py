@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -103,14 +104,22 @@ def redis_prefix(request) -> str:
     return f"test-{request.node.name}"
 
 
+_USER_CACHE = Path("~/.cache/tiered-cache").expanduser()
+_SMOLLM2 = "smollm2-135m-instruct"  # integrations/smollm2.py's MODEL_DIR (not imported here: no torch yet)
+
+
 def pytest_configure(config):
     """Store servers started without --disk use $TIERED_CACHE_DIR/store: a folder of this run's
-    own, removed afterwards, never the user's ~/.cache/tiered-cache (which earlier runs filled)."""
+    own, removed afterwards, never the user's ~/.cache/tiered-cache (which earlier runs filled).
+    SmolLM2's safetensors copy (converted from the GGUF once: ~16 s of parsing) is the one thing
+    shared: the run links the user's copy where there is one, and leaves its own there otherwise."""
     if "TIERED_CACHE_DIR" not in os.environ:
         import tempfile
 
         config._tiered_cache_dir = tempfile.mkdtemp(prefix="tiered-cache-tests-")
         os.environ["TIERED_CACHE_DIR"] = config._tiered_cache_dir
+        if (_USER_CACHE / _SMOLLM2 / "model.safetensors").is_file():
+            os.symlink(_USER_CACHE / _SMOLLM2, Path(config._tiered_cache_dir) / _SMOLLM2)
 
 
 def pytest_unconfigure(config):
@@ -118,6 +127,14 @@ def pytest_unconfigure(config):
     if folder is not None:
         import shutil
 
+        converted = Path(folder) / _SMOLLM2
+        if (converted / "model.safetensors").is_file() and not converted.is_symlink():
+            with contextlib.suppress(OSError):  # the next run links it instead of converting again
+                _USER_CACHE.mkdir(parents=True, exist_ok=True)
+                if not (_USER_CACHE / _SMOLLM2).exists():  # whole or not at all: moved beside it, then renamed
+                    incoming = _USER_CACHE / f".{_SMOLLM2}.{os.getpid()}"
+                    shutil.move(converted, incoming)
+                    os.rename(incoming, _USER_CACHE / _SMOLLM2)
         shutil.rmtree(folder, ignore_errors=True)
         os.environ.pop("TIERED_CACHE_DIR", None)
 
