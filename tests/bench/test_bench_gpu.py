@@ -116,3 +116,26 @@ def test_the_host_row_times_the_demotion_that_put_the_prefix_there_beside_a_copy
         # every page of the prefix was copied device -> host RAM in each measured round
         assert row["evict_bytes"] == row["tokens"] // 16 * page and len(row["evict_s"]) == 2
         assert min(row["evict_s"]) > 0 and row["evict_limit_s"] > 0 and row["evict_GBps"] > 0
+
+
+def test_a_store_row_says_how_its_pages_came_from_the_arena(bench):
+    """On CUDA a store row's pages are DMA'd from the arena (`ArenaCopier`), and each round records
+    what that took; on a CPU pool they come by `get_into`, with no copier, so no figures here."""
+    from tiered_cache.bench.gpu_rows import GpuRow, arena_round, describe_arena
+    from tiered_cache.bench.gpu_table import render
+
+    assert all(r["arena"] == [] for r in bench["rows"])
+    before = {"calls": 3, "copied": 24, "refused": 0, "lost": 1, "copy_s": 0.5, "check_s": 0.25, "call_s": 0.75,
+              "checkers": 8, "registered": 1}
+    after = {**before, "calls": 4, "copied": 32, "copy_s": 0.52, "check_s": 0.26, "call_s": 0.775}
+    one = arena_round(before, after)
+    assert (one["calls"], one["copied"], one["lost"], one["checkers"], one["registered"]) == (1, 8, 0, 8, 1)
+    assert one["copy_s"] == pytest.approx(0.02) and one["check_s"] == pytest.approx(0.01)
+    assert arena_round(None, after) == after and arena_round(before, None) is None
+    line = describe_arena(one, 2**20)  # 8 MiB: copies in 20 ms, checks in 10 ms
+    assert "arena DMA 8 pages in 1 call(s): copies 20.0 ms (0.4 GB/s), checks 10.0 ms (0.8 GB/s on 8" in line
+    names = {f.name for f in fields(GpuRow)}
+    rows = [GpuRow(**{k: v for k, v in r.items() if k in names}) for r in bench["rows"]]
+    store = next(r for r in rows if r.row == "store")
+    store.arena = [one]
+    assert f"store at {store.tokens:,} tokens, last round: arena DMA 8 pages" in render(bench["setup"], rows)

@@ -50,6 +50,9 @@ def test_pages_lying_in_the_arena_land_in_their_pool_pages_exactly(chunk_pages):
             assert copier.to_pool(keys, where, targets) == N
             assert torch.equal(pool.gather(targets), pages)
             assert (copier.refused, copier.lost) == (0, 0)
+            figures = copier.figures()  # what `bench gpu` prints beside the store rows; no CUDA, no map registered
+            assert (figures["calls"], figures["copied"], figures["registered"]) == (1, N, 0)
+            assert 0 < figures["copy_s"] < figures["call_s"] and 0 < figures["check_s"] < figures["call_s"]
         finally:
             copier.close()
             tier.close()
@@ -173,6 +176,8 @@ def test_pages_go_from_the_arena_to_a_cuda_pool_by_dma_exactly():
             targets = pool.allocate(N)[::-1].copy()
             assert copier.to_pool(keys, where, targets) == N
             assert torch.equal(pool.gather(targets).cpu(), pages)
+            figures = copier.figures()  # the DMA ran from the registered map, timed on the stream
+            assert (figures["registered"], figures["copied"]) == (1, N) and figures["copy_s"] > 0
         finally:
             copier.close()
             tier.close()

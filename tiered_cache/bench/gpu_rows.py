@@ -50,6 +50,9 @@ class GpuRow:
     evict_s: list[float] = field(default_factory=list)
     evict_bytes: int = 0
     evict_limit_s: float | None = None
+    # Pages DMA'd from a same-host store's arena (CUDA), per round: what `ArenaCopier.figures`
+    # gained in that round (pages copied, seconds of copies on the stream and of checks, ...)
+    arena: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def p50_s(self) -> float:
@@ -158,6 +161,34 @@ class TimedLoad:
         return self._wall[1] - self._wall[0]
 
 
+def arena_figures(cache: TieredCache) -> dict[str, Any] | None:
+    """The cache's `ArenaCopier.figures()`, or None before it DMA'd from an arena (CUDA only)."""
+    copier = getattr(getattr(cache, "promoter", None), "arena_copier", None)
+    return copier.figures() if copier is not None else None
+
+
+def arena_round(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What one round added to the arena copier's figures (gauges as they are after it)."""
+    if after is None:
+        return None
+    gauges = ("checkers", "registered")
+    return {k: v if k in gauges or before is None else v - before[k] for k, v in after.items()}
+
+
+def describe_arena(figures: dict[str, Any], page_bytes: int) -> str:
+    """One round's arena DMA as a phrase: pages, then the copies' and the checks' rates."""
+    moved = figures["copied"] * page_bytes
+
+    def rate(seconds: float) -> str:
+        return f"{moved / seconds / 1e9:.1f} GB/s" if moved and seconds > 0 else "-"
+
+    f = figures
+    return (f"arena DMA {f['copied']} pages in {f['calls']} call(s): copies {f['copy_s'] * 1e3:.1f} ms "
+            f"({rate(f['copy_s'])}), checks {f['check_s'] * 1e3:.1f} ms ({rate(f['check_s'])} on "
+            f"{f['checkers']} threads), whole {f['call_s'] * 1e3:.1f} ms; maps registered "
+            f"{figures['registered']}, refused {figures['refused']}, lost {figures['lost']}")
+
+
 def fidelity(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, bool]:
     """(max |logit difference|, same greedy token) of a row's first token against recompute's."""
     return float((logits.float() - reference.float()).abs().max()), int(logits.argmax()) == int(reference.argmax())
@@ -196,10 +227,14 @@ def measure_reuse(model: Any, source: Source, tier: str, prompt: list[int], pref
         source.reset()
         timed = TimedLoad(source.cache, device)
         synchronize(device)  # before the clock starts: the GPU is idle when match begins
+        arena_before = arena_figures(source.cache)
         result = generate(model, prompt, cast(TieredCache, timed), 1)
+        arena = arena_round(arena_before, arena_figures(source.cache))
         if i < 0:
             row.first_s = result.ttft_s
             continue
+        if arena is not None:
+            row.arena.append(arena)
         row.ttft_s.append(result.ttft_s)
         row.load_s.append(timed.seconds)
         row.load_bytes.append(timed.moved)
@@ -209,6 +244,7 @@ def measure_reuse(model: Any, source: Source, tier: str, prompt: list[int], pref
         diff, same = fidelity(result.first_logits, reference_logits)
         worst, agrees = max(worst, diff), agrees and same
         progress(f"  {source.row} {i + 1}/{rounds}: TTFT {result.ttft_s * 1e3:,.1f} ms, load "
-                 f"{timed.seconds * 1e3:,.1f} ms, reused {result.reused_tokens:,} from {result.sources}")
+                 f"{timed.seconds * 1e3:,.1f} ms, reused {result.reused_tokens:,} from {result.sources}"
+                 + (f"; {describe_arena(arena, source.cache.spec.bytes_per_page)}" if arena else ""))
     row.max_abs_diff, row.greedy_agrees = worst, agrees
     return row

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from tiered_cache.bench.gpu_rows import GpuRow
+from tiered_cache.bench.gpu_rows import GpuRow, describe_arena
 
 HEADERS = ["tokens", "row", "TTFT p50", "min-max", "max/p50", "first", "speed-up", "reused from", "load", "load GB/s",
            "limit GB/s", "load/limit", "max|dlogit|", "greedy"]
@@ -63,6 +63,8 @@ def render(setup: dict[str, Any], rows: list[GpuRow]) -> str:
                  f"{r.evict_gbps:.2f} GB/s, {'pinned device->host copy' if 'pinned' in limit else 'memcpy'} "
                  f"{r.evict_limit_gbps:.2f} GB/s, {r.evict_gbps / r.evict_limit_gbps:.2f}x"
                  for r in rows if r.evict_gbps and r.evict_limit_gbps]
+    arena = [f"{r.row} at {r.tokens:,} tokens, last round: {describe_arena(r.arena[-1], setup['bytes_per_page'])}"
+             for r in rows if r.arena]
     odd = [f"!! {r.row} at {r.tokens:,}: reused {r.reused_tokens} tokens from {r.sources}, expected {r.tokens:,} "
            f"from {r.tier} every round" for r in rows if r.tier is not None and _reused(r).startswith("UNEXPECTED")]
-    return "\n".join([head, table, *demotions, *odd])
+    return "\n".join([head, table, *demotions, *arena, *odd])

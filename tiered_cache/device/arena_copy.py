@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -68,6 +69,11 @@ class ArenaCopier:
         self.refused = 0  # pages whose blob failed its checks (counted, then a miss)
         self.lost = 0  # pages the arena wrote over during the copy (a miss)
         self.copied = 0  # pages that arrived verified and intact
+        # Where `to_pool`'s time goes, summed over calls (`figures`): the copies as the stream ran
+        # them (on the CPU: as they ran, before the checks), the checks from the first handed out
+        # to the last done, and the whole call.
+        self.calls = 0
+        self.copy_s = self.check_s = self.call_s = 0.0
 
     def usable(self, arena: ArenaMap) -> bool:
         """Whether pages of `arena` can be copied straight from it (on CUDA: registered with the
@@ -104,7 +110,9 @@ class ArenaCopier:
         # The copies are queued first, then checked on CPU threads while they run (a blob that
         # fails is a miss, whatever the DMA did): one share of the pages per thread, every k-th,
         # so the host hands out a few tasks, not one per page, before the DMA starts.
+        started = time.perf_counter()
         queued = self._copy(where, pages)
+        checking = time.perf_counter()
         shares: list[Future[list[bool]]] = []
         try:
             k = min(self.checkers, n)
@@ -115,8 +123,12 @@ class ArenaCopier:
                 ok[i::k] = share.result()
         finally:
             wait(shares)  # no check outlives this call, also when one raised
+            self.check_s += time.perf_counter() - checking
             if queued is not None:
                 queued.wait()  # the caller may free or reuse the pages once this returns
+            self.copy_s += queued.seconds() if queued is not None else checking - started
+            self.calls += 1
+            self.call_s += time.perf_counter() - started
         arrived = 0
         for good, (arena, position, length) in zip(ok, where, strict=True):
             if not good:
@@ -127,6 +139,13 @@ class ArenaCopier:
             arrived += 1
         self.copied += arrived
         return arrived
+
+    def figures(self) -> dict[str, Any]:
+        """Counters and where the time went, summed over `to_pool` calls (see __init__), and
+        whether the driver took the arenas (`registered`: on CUDA; the DMA path needs it)."""
+        return {"calls": self.calls, "copied": self.copied, "refused": self.refused, "lost": self.lost,
+                "copy_s": self.copy_s, "check_s": self.check_s, "call_s": self.call_s,
+                "checkers": self.checkers, "registered": len(self._registered)}
 
     def _check_share(self, keys: Sequence[bytes], where: Sequence[ArenaPage]) -> list[bool]:
         return [self._check(key, page) for key, page in zip(keys, where, strict=True)]
