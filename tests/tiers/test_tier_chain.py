@@ -238,3 +238,20 @@ def test_a_held_disk_get_does_not_block_ram(tmp_path):
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
+
+
+def test_fetch_observers_get_blob_bytes_or_pages_as_they_asked(tmp_path):
+    # Compressed blobs are smaller than the pages they hold; the reuse policy prices pages, so it
+    # asks for a count of pages; the metrics ask for the bytes that came.
+    keys = PageKeyer(SPEC, "observed").keys(list(range(3 * SPEC.page_size)))
+    zeros = np.zeros(SPEC.bytes_per_page, dtype=np.uint8)  # compresses well
+    items = [(k, encode_page(zeros, SPEC, k, "lz4")) for k in keys]
+    assert all(len(blob) < SPEC.bytes_per_page for _, blob in items)
+    chain = TierChain([DiskTier(tmp_path, 1 << 20, fsync=False)])
+    seen_bytes, seen_pages = [], []
+    chain.observe_fetches(lambda tier, seconds, n: seen_bytes.append((tier, n)))
+    chain.observe_fetches(lambda tier, seconds, n: seen_pages.append((tier, n)), pages=True)
+    chain.put(items, 0)
+    blobs = chain.fetch(keys + [b"\0" * 32])  # three pages and one the tier does not hold
+    assert [b is not None for b in blobs] == [True, True, True, False]
+    assert seen_bytes == [("disk", sum(len(b) for _, b in items))] and seen_pages == [("disk", 3)]

@@ -32,6 +32,7 @@ ledger); the promoter only fills pages it is given and staging buffers it leased
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections import deque
@@ -59,8 +60,11 @@ from tiered_cache.wire.codec import PageDest
 
 _NOWHERE = -2  # in a plan being built: no tier found the page (HOST is -1, lower tiers >= 0)
 # Reuse policy: a lower tier skipped as slower than recompute is re-measured (a background fetch of
-# up to _PROBE_PAGES of the pages skipped) once its estimate is this old.
+# up to _PROBE_PAGES of the pages skipped) once its estimate is this old; at once (one probe a
+# second at most) where the estimate priced more than it has seen (`Rate.extrapolates`), with
+# enough of the skipped pages to see a larger size.
 REUSE_REMEASURE_S = 30.0
+REUSE_EXTRAPOLATED_PROBE_S = 1.0
 _PROBE_PAGES = 8
 _MAX_REPLANS = 3  # times one fetch looks again for pages that moved down while it ran
 
@@ -108,7 +112,7 @@ class Promoter:
         # pool, a whole fetch from one tier) and every batched fetch below (also inside mixed
         # fetches); prefill samples from the engine (`TieredCache.observe_prefill`).
         self.reuse = ReuseEstimates(config.reuse, config.prefill_tokens_per_s)
-        self.chain.observe_fetches(self.reuse.observe_fetch)
+        self.chain.observe_fetches(self._fetched_pages, pages=True)
         self._lock = lock  # the cache's: guards host RAM metadata and `in_flight`
         self._in_flight = in_flight  # pages on their way below, still served from memory
         self._workers = config.prefetch_workers
@@ -149,16 +153,28 @@ class Promoter:
         return self.host.name if where == HOST else self.chain.tiers[where].name
 
     def _probe_skipped(self, keys: list[bytes], plan: list[int]) -> None:
-        """Re-measure lower tiers skipped as slow whose estimate is `REUSE_REMEASURE_S` old: a
-        skipped tier is never fetched from, so nothing else would ever update it (a first fetch
-        slowed by connecting, a link that recovered). A few of the skipped pages are fetched in the
-        background and thrown away; the fetch observers take the sample. Host RAM is not probed:
-        its copies run at memory speed, which does not drift the way a network does."""
+        """Re-measure lower tiers skipped as slow whose estimate is `REUSE_REMEASURE_S` old, or
+        that priced the skipped pages past what they have seen: a skipped tier is never fetched
+        from, so nothing else would ever update it (a first fetch slowed by connecting, a link
+        that recovered). Some of the skipped pages are fetched in the background and thrown
+        away; the fetch observers take the sample. Host RAM is not probed: its copies run at
+        memory speed, which does not drift the way a network does."""
         for index in sorted(set(plan) - {HOST}):
             tier = self.chain.tiers[index].name
-            if not self.reuse.due_for_probe(tier, REUSE_REMEASURE_S):
+            skipped = [k for k, where in zip(keys, plan, strict=True) if where == index]
+            rate = self.reuse.load_rate(tier)
+            size = len(skipped) * self.spec.bytes_per_page
+            if rate is not None and rate.extrapolates(size):
+                # Judged on smaller loads only (a one-page first fetch is mostly its round trip):
+                # measure this size now rather than skip the tier for REUSE_REMEASURE_S on a guess.
+                if not self.reuse.due_for_probe(tier, REUSE_EXTRAPOLATED_PROBE_S, since_sample=False):
+                    continue
+                count = max(_PROBE_PAGES, 2 * math.ceil(rate.known_up_to / self.spec.bytes_per_page))
+            elif self.reuse.due_for_probe(tier, REUSE_REMEASURE_S):
+                count = _PROBE_PAGES
+            else:
                 continue
-            chosen = [k for k, where in zip(keys, plan, strict=True) if where == index][:_PROBE_PAGES]
+            chosen = skipped[:count]
 
             def probe(chosen: list[bytes] = chosen, index: int = index) -> None:
                 with contextlib.suppress(Exception):  # a tier closed meanwhile: nothing to learn
@@ -384,6 +400,10 @@ class Promoter:
                 break
             n += run
         return n
+
+    def _fetched_pages(self, tier: str, seconds: float, pages: int) -> None:
+        """A batched fetch from a lower tier, for the reuse policy: in page bytes, as plans count."""
+        self.reuse.observe_fetch(tier, seconds, pages * self.spec.bytes_per_page)
 
     def _observe(self, tier: str, num_pages: int, seconds: float) -> None:
         if num_pages:

@@ -16,18 +16,22 @@ class Rate:
     """A fitted cost: `latency_s` per call plus `amount / per_s` (bytes or tokens).
 
     `known_up_to`: the largest amount the fit saw, where no latency could be fitted (samples of
-    one size). Such a rate is total amount over total seconds, latency included, so it would
-    overstate what a bigger call costs per byte: a first fetch of one page, mostly round trip,
-    would price a hundred pages at a hundred round trips. Past `known_up_to`, `seconds` stays at
-    what `known_up_to` costs (a bigger call costs at least that much; more is not known until one
-    is measured)."""
+    one size; infinite where one was). Such a rate is total amount over total seconds, latency
+    included, so past `known_up_to` it may overstate what a bigger call costs: a first fetch of
+    one page, mostly round trip, prices a hundred pages at a hundred round trips. `seconds` still
+    prices them so (pessimistic: a request never waits for a load on a guess), and the reuse
+    policy measures the bigger size aside (`Promoter._probe_skipped`)."""
 
     per_s: float
     latency_s: float = 0.0
     known_up_to: float = math.inf
 
     def seconds(self, amount: float) -> float:
-        return self.latency_s + min(amount, self.known_up_to) / self.per_s
+        return self.latency_s + amount / self.per_s
+
+    def extrapolates(self, amount: float) -> bool:
+        """Whether pricing `amount` goes past what the fit has seen (see `known_up_to`)."""
+        return amount > self.known_up_to
 
 
 class RateEstimator:
@@ -38,7 +42,7 @@ class RateEstimator:
         assert 0 < alpha <= 1
         self.alpha = alpha
         self.samples = 0
-        self.largest = 0.0  # the largest amount any sample had: how far a fit with no latency is known
+        self.largest = 0.0  # the largest amount of recent samples: how far a fit with no latency is known
         self.last_at: float | None = None  # time.monotonic() of the newest sample
         # Exponentially weighted sums: weight, x, y, x*x, x*y.
         self._w = self._x = self._y = self._xx = self._xy = 0.0
@@ -55,7 +59,8 @@ class RateEstimator:
         self._xx = self._xx * keep + amount * amount
         self._xy = self._xy * keep + amount * seconds
         self.samples += 1
-        self.largest = max(self.largest, amount)
+        # Fades as the sums do: a large load many samples ago no longer vouches for the fit.
+        self.largest = max(amount, self.largest * keep)
         self.last_at = time.monotonic()
 
     def estimate(self, min_spread: float = 0.0) -> Rate | None:
@@ -73,5 +78,5 @@ class RateEstimator:
             if latency >= 0:
                 return Rate(1.0 / slope, latency)
         # Samples of one size (or a fit with a negative latency, which noise gives): no latency,
-        # so no telling what a larger call costs beyond "at least as much" (Rate.known_up_to).
+        # so what a larger call costs is a guess (Rate.known_up_to).
         return Rate(mx / my, known_up_to=self.largest)

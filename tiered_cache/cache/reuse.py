@@ -21,9 +21,10 @@ The estimates: `RateEstimator` fits `seconds = latency + amount / rate` to recen
 sample weighing (1 - alpha) less per newer one. A latency is fitted only when the samples differ
 enough in size to tell it from the rate (gRPC and Redis calls pay a fixed cost per call, which
 makes a one-page fetch look many times slower per byte than a big one); otherwise it is 0 and the rate
-is total amount over total seconds, trusted only up to the largest amount measured: past it, a
-load is priced as that amount (`Rate.known_up_to`), so a tier first seen on a small, mostly
-round-trip fetch is loaded (and so measured) at the larger size instead of being judged by it.
+is total amount over total seconds. Past the largest amount measured that is a guess, and a
+pessimistic one (`Rate.known_up_to`: a first fetch of one page, mostly round trip, prices many
+pages at many round trips): the request still recomputes them (never slower than recompute on a
+guess), and the promoter fetches those pages aside at once, so the next plan knows the tier.
 Prefill samples are fitted the same way, and only the rate (the slope: seconds per extra token)
 is used, since the engine pays a forward's fixed cost for the suffix anyway.
 
@@ -99,7 +100,9 @@ class ReuseEstimates:
             self._loads.setdefault(tier, RateEstimator()).add(nbytes, seconds)
 
     def observe_fetch(self, tier: str, seconds: float, nbytes: int) -> None:
-        """A batched get from a lower tier (a `TierChain` fetch observer: argument order as there)."""
+        """A batched get from a lower tier (a `TierChain` fetch observer: argument order as there),
+        in the bytes of the pages it brought as the plan counts them (`page_bytes` each: a
+        compressed blob is smaller, yet costs the engine a whole page)."""
         self.observe_load(tier, nbytes, seconds)
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
@@ -133,15 +136,15 @@ class ReuseEstimates:
         with self._lock:
             self._skipped.update(tiers)
 
-    def due_for_probe(self, tier: str, after_s: float) -> bool:
-        """Whether the skipped `tier`'s estimate is older than `after_s` and no probe started in
-        that time: a tier judged slow is never loaded, so nothing else would ever re-measure it
-        (a slow first fetch, a link that recovered). Marks the probe as started."""
+    def due_for_probe(self, tier: str, after_s: float, since_sample: bool = True) -> bool:
+        """Whether the skipped `tier`'s estimate is older than `after_s` (with `since_sample`) and
+        no probe started in that time: a tier judged slow is never loaded, so nothing else would
+        ever re-measure it (a slow first fetch, a link that recovered). Marks the probe as started."""
         now = time.monotonic()
         with self._lock:
             estimator = self._loads.get(tier)
             measured = estimator.last_at if estimator is not None and estimator.last_at is not None else 0.0
-            last = max(measured, self._probed.get(tier, 0.0))
+            last = max(measured if since_sample else 0.0, self._probed.get(tier, 0.0))
             if now - last < after_s:
                 return False
             self._probed[tier] = now
@@ -168,15 +171,16 @@ def pages_to_load(plan: Sequence[int], rates: Mapping[int, Rate | None], page_by
         return len(plan)
     assert prefill_tokens_per_s > 0 and page_bytes > 0 and page_tokens > 0
     compute_page = page_tokens / prefill_tokens_per_s
-    best, best_saved = 0, 0.0
-    amounts: dict[int, int] = {}  # tier -> bytes so far: one batched call per tier, its latency paid once
-    spent_by: dict[int, float] = {}
+    best, best_saved, spent = 0, 0.0, 0.0
+    used: set[int] = set()
     for i, where in enumerate(plan):
         rate = rates.get(where)
         if rate is not None:
-            amounts[where] = amounts.get(where, 0) + page_bytes
-            spent_by[where] = rate.seconds(amounts[where])
-        saved = (i + 1) * compute_page - sum(spent_by.values())
+            spent += page_bytes / rate.per_s
+            if where not in used:  # one batched call per tier: its latency is paid once
+                used.add(where)
+                spent += rate.latency_s
+        saved = (i + 1) * compute_page - spent
         if saved >= best_saved:
             best, best_saved = i + 1, saved
     return best

@@ -43,9 +43,9 @@ class TierChain:
         self.demotions: Counter[str] = Counter()  # blobs written into a tier from the one above
         self.skipped_puts = 0  # puts avoided because the tier was known to hold the key
         self.refused: Counter[str] = Counter()  # verified blobs `fetch_into` found were no page it asked for
-        # Called after each batched fetch from a tier with (tier name, seconds, bytes): metrics and
-        # the reuse policy's load-rate estimates both listen (`observe_fetches`).
-        self._fetch_observers: list[Callable[[str, float, int], None]] = []
+        # Called after each batched fetch from a tier with (tier name, seconds, bytes or pages):
+        # metrics and the reuse policy's load-rate estimates both listen (`observe_fetches`).
+        self._fetch_observers: list[tuple[Callable[[str, float, int], None], bool]] = []
         # Tiers that are safe to call from several threads (a Redis client pool, gRPC channels)
         # get no lock: a lookup must not queue behind another thread's multi-MiB put.
         self._tier_locks = [contextlib.nullcontext() if getattr(tier, "thread_safe", False) else threading.RLock()
@@ -60,10 +60,12 @@ class TierChain:
     def __len__(self) -> int:
         return len(self.tiers)
 
-    def observe_fetches(self, observer: Callable[[str, float, int], None]) -> None:
+    def observe_fetches(self, observer: Callable[[str, float, int], None], pages: bool = False) -> None:
         """Call `observer(tier name, seconds, bytes)` after each batched fetch from a tier (on the
-        fetching thread; it must be quick and must not raise)."""
-        self._fetch_observers.append(observer)
+        fetching thread; it must be quick and must not raise): the blobs' bytes as they came, or
+        with `pages` the number of pages that arrived (whatever their blobs' sizes: compressed,
+        or raw with a header)."""
+        self._fetch_observers.append((observer, pages))
 
     # --- residency -------------------------------------------------------------------------------
     def known_in(self, key: bytes, index: int) -> bool:
@@ -142,7 +144,8 @@ class TierChain:
             with self._tier_locks[index]:
                 lends = lease is not None and getattr(tier, "lends_views", False)
                 blobs = tier.get(wanted, lease=lease) if lends else tier.get(wanted)
-            self._fetched(tier.name, started, sum(len(b) for b in blobs if b is not None))
+            self._fetched(tier.name, started, sum(len(b) for b in blobs if b is not None),
+                          sum(1 for b in blobs if b is not None))
             for i, blob in zip(positions, blobs, strict=True):
                 out[i] = blob
             self._mark([k for k, b in zip(wanted, blobs, strict=True) if b is None], index, False)
@@ -174,18 +177,19 @@ class TierChain:
                     got = get_into(wanted, targets, spec)
             else:
                 got = self._decoded_into(index, wanted, targets, spec)
-            self._fetched(tier.name, started, sum(got))  # blob bytes, as `fetch` counts
+            self._fetched(tier.name, started, sum(got), sum(1 for size in got if size))  # blob bytes, as `fetch` counts
             for i, size in zip(positions, got, strict=True):
                 arrived[i] = size > 0
             self._mark([k for k, size in zip(wanted, got, strict=True) if not size], index, False)
             self._count(self.promotions, tier.name, sum(1 for size in got if size))
         return arrived
 
-    def _fetched(self, tier: str, started: float, nbytes: int) -> None:
-        """Tell the fetch observers that a batched fetch from `tier` begun at `started` brought `nbytes`."""
+    def _fetched(self, tier: str, started: float, nbytes: int, pages: int) -> None:
+        """Tell the fetch observers that a batched fetch from `tier` begun at `started` brought
+        `pages` pages in `nbytes` bytes of blobs."""
         seconds = time.perf_counter() - started
-        for observe in self._fetch_observers:
-            observe(tier, seconds, nbytes)
+        for observe, in_pages in self._fetch_observers:
+            observe(tier, seconds, pages if in_pages else nbytes)
 
     def _decoded_into(self, index: int, keys: list[bytes], dests: list[PageDest], spec: KVSpec) -> list[int]:
         """`fetch_into` for a tier without `get_into`: its verified blobs, decoded here (outside
