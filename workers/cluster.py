@@ -12,7 +12,7 @@ import contextlib
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 import ray
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
@@ -54,14 +54,19 @@ def connect(address: str, namespace: str, timeout_s: float = CONNECT_TIMEOUT_S) 
     ray.init(address=address, namespace=namespace, logging_level="WARNING", log_to_driver=False)
 
 
-def driver_prints_to_stderr() -> contextlib.AbstractContextManager[Any]:
-    """While connected, Ray's driver prints other processes' task failures ("(raylet) Task X
-    failed. There are N retries remaining ...", e.g. a health check of an actor being stopped) to
-    `sys.stdout`, whatever `log_to_driver` says. Inside this, they go to stderr, so a command whose
-    stdout is its result (`--json`) stays parseable."""
+def stdout_for_the_answer() -> TextIO:
+    """For a command that talks to Ray: returns the real stdout, for the command's answer alone
+    (`--json` is parsed by tools), and points `sys.stdout` at stderr for the rest of this
+    process. Ray's driver prints other processes' task failures ("(raylet) Task X failed. There
+    are N retries remaining ...", e.g. a health check of an actor being stopped) to `sys.stdout`
+    from a thread of its own, whatever `log_to_driver` says, until the process leaves Ray at its
+    exit: they, and anything else printed by habit, go to stderr. (The CLI is one command a
+    process; a caller running commands in its own process restores `sys.stdout` after each.)"""
     import sys
 
-    return contextlib.redirect_stdout(sys.stderr)
+    answer = sys.stdout
+    sys.stdout = sys.stderr
+    return answer
 
 
 def _reachable(address: str, timeout_s: float) -> None:

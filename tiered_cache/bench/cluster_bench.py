@@ -134,17 +134,16 @@ def bench_cluster(address: str | None = None, workers: int = 2, shards: int = 1,
         raise ValueError("workers, shards, docs, questions and doc_chars must be positive")
     concurrency = concurrency or 2 * workers
     joined = not ray.is_initialized()
-    with cluster.driver_prints_to_stderr():  # the results alone on stdout, even with Ray's driver talking
-        if address is None:
-            ray.init(num_cpus=workers + shards + 1, namespace=NAMESPACE, include_dashboard=False,
-                     object_store_memory=200 * 2**20, logging_level="WARNING", log_to_driver=False)
-        else:
-            cluster.connect(address, NAMESPACE)
-        try:
-            return _run_ways(workers, shards, docs, questions, concurrency, max_new_tokens, doc_chars, seed, progress)
-        finally:
-            if joined:  # left while stdout still points at stderr: Ray's listener prints nothing after
-                ray.shutdown()
+    if address is None:
+        ray.init(num_cpus=workers + shards + 1, namespace=NAMESPACE, include_dashboard=False,
+                 object_store_memory=200 * 2**20, logging_level="WARNING", log_to_driver=False)
+    else:
+        cluster.connect(address, NAMESPACE)
+    try:
+        return _run_ways(workers, shards, docs, questions, concurrency, max_new_tokens, doc_chars, seed, progress)
+    finally:
+        if joined:  # a cluster it started is gone with it; one it joined goes on
+            ray.shutdown()
 
 
 def _run_ways(workers: int, shards: int, docs: int, questions: int, concurrency: int, max_new_tokens: int,

@@ -164,14 +164,6 @@ def _start_ray(settings: RayLoadSettings) -> bool:
 
 
 def bench_load_ray(settings: RayLoadSettings, progress: Callable[[str], None] = lambda _: None) -> RayLoadResult:
-
-    from workers import cluster
-
-    with cluster.driver_prints_to_stderr():  # the results alone on stdout, even with Ray's driver talking
-        return _bench_load_ray(settings, progress)
-
-
-def _bench_load_ray(settings: RayLoadSettings, progress: Callable[[str], None]) -> RayLoadResult:
     import ray
 
     from workers import cluster

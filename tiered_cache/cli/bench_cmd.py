@@ -358,11 +358,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.bench == "cluster":
         from tiered_cache.bench.cluster_bench import bench_cluster, render
+        from workers.cluster import stdout_for_the_answer
 
+        out = stdout_for_the_answer()  # the results alone on stdout, Ray's driver talking or not
         results = bench_cluster(args.address, args.workers, args.shards, args.docs, args.questions,
                                 args.concurrency, args.max_new_tokens, doc_chars=args.doc_chars, seed=args.seed,
                                 progress=lambda m: print(m, file=sys.stderr, flush=True))
-        print(json.dumps([r.to_dict(results[0]) for r in results], indent=2) if args.json else render(results))
+        print(json.dumps([r.to_dict(results[0]) for r in results], indent=2) if args.json else render(results),
+              file=out)
         if args.plot:
             from tiered_cache.bench.plots import plot_cluster
 

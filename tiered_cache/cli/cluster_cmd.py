@@ -83,11 +83,10 @@ def _progress(action: str) -> Callable[[str], None]:
 def run(args: argparse.Namespace) -> int:
     """Stdout carries the command's answer only (`--json` is parsed by tools): what Ray prints on
     its own while the command runs (an actor's error, a shutdown notice) goes to stderr."""
-    from workers.cluster import driver_prints_to_stderr
+    from workers.cluster import stdout_for_the_answer
 
-    answer = sys.stdout
-    with driver_prints_to_stderr():
-        code, text = _run(args)
+    answer = stdout_for_the_answer()
+    code, text = _run(args)
     print(text, file=answer)
     return code
 

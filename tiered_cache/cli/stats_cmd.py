@@ -8,7 +8,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TextIO
 
 from tiered_cache.client.stats import server_stats
 from tiered_cache.report.stats import render_stats, tier_rates
@@ -56,9 +56,8 @@ def _cluster(args: argparse.Namespace) -> tuple[str, bool]:
     from tiered_cache.cli.cluster_table import render_cluster
     from workers import cluster
 
-    with cluster.driver_prints_to_stderr():  # stdout carries the figures alone (`--json`)
-        cluster.connect(args.ray, args.namespace)
-        figures = cluster.stats(args.timeout)
+    cluster.connect(args.ray, args.namespace)  # after `stdout_for_the_answer` (run)
+    figures = cluster.stats(args.timeout)
     if args.json:
         text = json.dumps(figures, separators=(",", ":")) if args.watch else json.dumps(figures, indent=2)
     else:
@@ -78,6 +77,14 @@ def run(args: argparse.Namespace) -> int:
         args.address = [normalize_address(a) for a in args.address]
     if args.watch is not None and not args.watch > 0:
         raise ValueError(f"--watch must be a positive number of seconds, got {args.watch:g}")
+    if not args.ray:
+        return _report(args, sys.stdout)
+    from workers.cluster import stdout_for_the_answer
+
+    return _report(args, stdout_for_the_answer())  # the figures alone on stdout, Ray's driver talking or not
+
+
+def _report(args: argparse.Namespace, out: TextIO) -> int:
     before: dict[str, Any] = {}
     last = time.monotonic()
 
@@ -90,30 +97,32 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.watch:
         text, ok = sample()
-        print(text)
+        print(text, file=out)
         return 0 if ok else 1
     try:
-        if args.json or not sys.stdout.isatty():
-            _watch_lines(args, sample)
+        if args.json or not out.isatty():
+            _watch_lines(args, sample, out)
         else:
-            _watch_screen(args, sample)
+            _watch_screen(args, sample, out)
     except KeyboardInterrupt:
         return 0
     return 0
 
 
-def _watch_lines(args: argparse.Namespace, sample: Callable[[], tuple[str, bool]]) -> None:
+def _watch_lines(args: argparse.Namespace, sample: Callable[[], tuple[str, bool]], out: TextIO) -> None:
     """--watch into a pipe or with --json: one block (or one JSON document per line) per refresh,
     no escape codes, so tools and log files read it."""
     while True:
         text, _ = sample()
-        print(text if args.json else f"# {time.strftime('%H:%M:%S')}, every {args.watch:g} s\n{text}\n", flush=True)
+        print(text if args.json else f"# {time.strftime('%H:%M:%S')}, every {args.watch:g} s\n{text}\n", file=out,
+              flush=True)
         time.sleep(args.watch)
 
 
-def _watch_screen(args: argparse.Namespace, sample: Callable[[], tuple[str, bool]]) -> None:
+def _watch_screen(args: argparse.Namespace, sample: Callable[[], tuple[str, bool]], out: TextIO) -> None:
     """--watch on a terminal: rich's Live redraws in the alternate screen (no flicker, and the
     terminal is restored on exit or Ctrl-C) instead of hand-written clear-screen codes."""
+    from rich.console import Console
     from rich.live import Live
     from rich.text import Text
 
@@ -121,7 +130,7 @@ def _watch_screen(args: argparse.Namespace, sample: Callable[[], tuple[str, bool
         text, _ = sample()
         return Text(f"{time.strftime('%H:%M:%S')} every {args.watch:g} s (Ctrl-C to stop)\n{text}")
 
-    with Live(frame(), screen=True, auto_refresh=False) as live:
+    with Live(frame(), screen=True, auto_refresh=False, console=Console(file=out)) as live:
         while True:
             time.sleep(args.watch)
             live.update(frame(), refresh=True)

@@ -10,7 +10,7 @@ import os
 import sys
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, TextIO
 
 from tiered_cache.report.tree import render_tree
 
@@ -80,17 +80,16 @@ def _from_ray(address: str, namespace: str, worker: str | None, max_nodes: int) 
     from workers import cluster
     from workers.names import WORKER_PREFIX
 
-    with cluster.driver_prints_to_stderr():  # stdout carries the trees alone (`--json`)
-        cluster.connect(address, namespace)
-        names = [n for n in cluster.actor_names() if n.startswith(WORKER_PREFIX)]
-        if worker is not None:
-            if worker not in names:
-                known = ", ".join(names) or "none"
-                raise RuntimeError(f"no worker {worker!r} in namespace {namespace!r}; workers: {known}")
-            names = [worker]
-        if not names:
-            raise RuntimeError(f"no cache worker in Ray namespace {namespace!r}: run `tiered-cache cluster start`")
-        return ray.get([ray.get_actor(n).tree.remote(max_nodes) for n in names], timeout=60)
+    cluster.connect(address, namespace)  # after `stdout_for_the_answer` (run)
+    names = [n for n in cluster.actor_names() if n.startswith(WORKER_PREFIX)]
+    if worker is not None:
+        if worker not in names:
+            known = ", ".join(names) or "none"
+            raise RuntimeError(f"no worker {worker!r} in namespace {namespace!r}; workers: {known}")
+        names = [worker]
+    if not names:
+        raise RuntimeError(f"no cache worker in Ray namespace {namespace!r}: run `tiered-cache cluster start`")
+    return ray.get([ray.get_actor(n).tree.remote(max_nodes) for n in names], timeout=60)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,12 +101,18 @@ def run(args: argparse.Namespace) -> int:
             from tiered_cache.cache.tree_view import decode_previews
 
             decode_previews(view, _decoder(args.tokenizer))
-        views = [view]
-    else:
-        views = _from_ray(args.ray, args.namespace, args.worker, args.max_nodes)
-    if args.json:
-        print(json.dumps(views if args.ray else views[0], indent=2))
+        _print(args, [view], sys.stdout)
         return 0
-    for view in views:
-        print(render_tree(view, f"{view['worker']}:" if "worker" in view else ""), file=sys.stdout)
+    from workers.cluster import stdout_for_the_answer
+
+    out = stdout_for_the_answer()  # the trees alone on stdout, Ray's driver talking or not
+    _print(args, _from_ray(args.ray, args.namespace, args.worker, args.max_nodes), out)
     return 0
+
+
+def _print(args: argparse.Namespace, views: list[dict[str, Any]], out: TextIO) -> None:
+    if args.json:
+        print(json.dumps(views if args.ray else views[0], indent=2), file=out)
+        return
+    for view in views:
+        print(render_tree(view, f"{view['worker']}:" if "worker" in view else ""), file=out)
