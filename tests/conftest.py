@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -104,7 +103,10 @@ def redis_prefix(request) -> str:
     return f"test-{request.node.name}"
 
 
-_USER_CACHE = Path("~/.cache/tiered-cache").expanduser()
+try:
+    _USER_CACHE: Path | None = Path("~/.cache/tiered-cache").expanduser()
+except RuntimeError:  # no home to expand: nothing shared between runs
+    _USER_CACHE = None
 _SMOLLM2 = "smollm2-135m-instruct"  # integrations/smollm2.py's MODEL_DIR (not imported here: no torch yet)
 
 
@@ -118,7 +120,7 @@ def pytest_configure(config):
 
         config._tiered_cache_dir = tempfile.mkdtemp(prefix="tiered-cache-tests-")
         os.environ["TIERED_CACHE_DIR"] = config._tiered_cache_dir
-        if (_USER_CACHE / _SMOLLM2 / "model.safetensors").is_file():
+        if _USER_CACHE is not None and (_USER_CACHE / _SMOLLM2 / "model.safetensors").is_file():
             os.symlink(_USER_CACHE / _SMOLLM2, Path(config._tiered_cache_dir) / _SMOLLM2)
 
 
@@ -128,15 +130,29 @@ def pytest_unconfigure(config):
         import shutil
 
         converted = Path(folder) / _SMOLLM2
-        if (converted / "model.safetensors").is_file() and not converted.is_symlink():
-            with contextlib.suppress(OSError):  # the next run links it instead of converting again
-                _USER_CACHE.mkdir(parents=True, exist_ok=True)
-                if not (_USER_CACHE / _SMOLLM2).exists():  # whole or not at all: moved beside it, then renamed
-                    incoming = _USER_CACHE / f".{_SMOLLM2}.{os.getpid()}"
-                    shutil.move(converted, incoming)
-                    os.rename(incoming, _USER_CACHE / _SMOLLM2)
+        if _USER_CACHE is not None and (converted / "model.safetensors").is_file() and not converted.is_symlink():
+            _keep_conversion(converted, _USER_CACHE)  # the next run links it instead of converting again
         shutil.rmtree(folder, ignore_errors=True)
         os.environ.pop("TIERED_CACHE_DIR", None)
+
+
+def _keep_conversion(converted: Path, cache: Path) -> None:
+    """Move a run's SmolLM2 conversion to `cache`, whole or not at all: copied beside the target,
+    then renamed, under the lock `integrations/smollm2.py` converts under (two runs ending
+    together, or a run and a conversion, take turns). Any failure leaves nothing behind."""
+    import fcntl
+    import shutil
+
+    incoming = cache / f".{_SMOLLM2}.{os.getpid()}"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with open(cache / f".{_SMOLLM2}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (cache / _SMOLLM2).exists():
+                shutil.move(converted, incoming)
+                os.rename(incoming, cache / _SMOLLM2)
+    except OSError:
+        shutil.rmtree(incoming, ignore_errors=True)
 
 
 def pytest_addoption(parser):
