@@ -133,7 +133,7 @@ def test_a_store_row_says_how_its_pages_came_from_the_arena(bench):
     assert one["copy_s"] == pytest.approx(0.02) and one["check_s"] == pytest.approx(0.01)
     assert arena_round(None, after) == after and arena_round(before, None) is None
     line = describe_arena(one, 2**20)  # 8 MiB: copies in 20 ms, checks in 10 ms
-    assert "arena DMA 8 pages in 1 call(s): copies 20.0 ms (0.4 GB/s), checks 10.0 ms (0.8 GB/s on 8" in line
+    assert "arena DMA 8 pages in 1 call(s): copy stream 20.0 ms (0.4 GB/s), checks 10.0 ms (0.8 GB/s on 8" in line
     names = {f.name for f in fields(GpuRow)}
     rows = [GpuRow(**{k: v for k, v in r.items() if k in names}) for r in bench["rows"]]
     store = next(r for r in rows if r.row == "store")

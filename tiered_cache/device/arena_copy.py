@@ -69,9 +69,10 @@ class ArenaCopier:
         self.refused = 0  # pages whose blob failed its checks (counted, then a miss)
         self.lost = 0  # pages the arena wrote over during the copy (a miss)
         self.copied = 0  # pages that arrived verified and intact
-        # Where `to_pool`'s time goes, summed over calls (`figures`): the copies as the stream ran
-        # them (on the CPU: as they ran, before the checks), the checks from the first handed out
-        # to the last done, and the whole call.
+        # Where `to_pool`'s time goes, summed over calls (`figures`): the copy stream's time from
+        # the first DMA queued to the last scatter (DMA, payloads picked out, scatter, and any gap
+        # while the host queued the next chunk; on the CPU: the copies as they ran, before the
+        # checks), the checks from the first handed out to the last done, and the whole call.
         self.calls = 0
         self.copy_s = self.check_s = self.call_s = 0.0
 
