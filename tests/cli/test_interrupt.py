@@ -28,7 +28,10 @@ def test_ctrl_c_during_bench_cluster_says_so_in_one_line_and_leaves_no_ray_proce
     before = set(ray_processes())
     cmd = [sys.executable, "-m", "tiered_cache.cli.main", "bench", "cluster", "--workers", "1", "--shards", "1",
            "--docs", "2", "--questions", "4", "--doc-chars", "2000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # SIGINT as a terminal's command has it: a run started in the background (`make test-long &`,
+    # a CI runner's shell) inherits it ignored, and Python then never raises KeyboardInterrupt.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(line.rstrip() for line in proc.stdout), daemon=True)
     reader.start()
