@@ -4,6 +4,7 @@ and a real store server behind a real rate-limited link with host RAM as the fas
 
 from __future__ import annotations
 
+import re
 import time
 import types
 
@@ -314,8 +315,11 @@ def test_pages_behind_a_slow_link_are_recomputed_and_host_ram_pages_loaded(slow_
         assert 'tiered_cache_reuse_skipped_pages_total{tier="remote"} 4.0' in scraped
         assert 'tiered_cache_reuse_prefill_rate_tokens_per_second 1000.0' in scraped
         assert 'tiered_cache_reuse_load_rate_bytes_per_second{tier="remote"}' in scraped
+        # Measured on four pages only (one size, no latency to fit): as far as the estimate goes.
+        assert f'tiered_cache_reuse_load_seen_up_to_bytes{{tier="remote"}} {4 * SPEC.bytes_per_page:.1f}' in scraped
         drawn = render_tree(cache.prefix_tree())
         assert "reuse faster: prefill 1,000 tokens/s (set); load " in drawn
+        assert re.search(r"remote [^,;]*/s \(seen up to 256 KiB\)", drawn), drawn
         assert "4 pages left to recompute (remote 4)" in drawn
     recompute = len(PROMPT) / PREFILL  # the engine at PREFILL tokens/s, the whole prompt
     ttft = seconds + 4 * PAGE_TOKENS / PREFILL  # load the host pages, compute the other four

@@ -134,10 +134,15 @@ def reuse_families(reuse: Any) -> list[Metric]:
                              "a tier into the device pool", labels=["tier"])
     latency = GaugeMetricFamily(PREFIX + "reuse_load_latency_seconds", "Estimated fixed cost of one load from a "
                                 "tier", labels=["tier"])
+    seen = GaugeMetricFamily(PREFIX + "reuse_load_seen_up_to_bytes", "Largest recent load from a tier, where "
+                             "its estimate has no latency fitted: past it the estimate is a guess, and the tier "
+                             "is probed when skipped on it", labels=["tier"])
     for tier, fit in reuse.load_rates.items():
         rate.add_metric([tier], fit.per_s)
         latency.add_metric([tier], fit.latency_s)
-    out = [skipped, rate, latency]
+        if fit.known_up_to != float("inf"):
+            seen.add_metric([tier], fit.known_up_to)
+    out = [skipped, rate, latency, seen]
     if reuse.prefill_tokens_per_s is not None:
         out.append(_single("reuse_prefill_rate_tokens_per_second", "gauge",
                            "Prefill rate the reuse policy plans with (configured or measured)",

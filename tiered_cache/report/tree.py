@@ -50,6 +50,8 @@ def reuse_line(reuse: dict[str, Any] | None) -> str:
             if prefill else "prefill rate not known yet: everything found is loaded")
     rates = ", ".join(f"{tier} {format_binary(r['bytes_per_s'])}/s"
                       + (f" + {1e3 * r['latency_s']:.1f} ms" if r["latency_s"] >= 5e-5 else "")
+                      + (f" (seen up to {format_binary(r['known_up_to_bytes'])})"
+                         if r.get("known_up_to_bytes") is not None else "")
                       for tier, r in reuse.get("load_rates", {}).items())
     skipped = reuse.get("skipped_pages", {})
     left = (f"{sum(skipped.values()):,} pages left to recompute ("
