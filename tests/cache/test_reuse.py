@@ -5,6 +5,7 @@ and a real store server behind a real rate-limited link with host RAM as the fas
 from __future__ import annotations
 
 import re
+import threading
 import time
 import types
 
@@ -360,24 +361,34 @@ def _wait_for_promotions(cache: TieredCache, count: int) -> None:
     assert cache.stats().tier("remote").promotions == count
 
 
-def test_a_slow_tier_seen_on_one_page_is_skipped_and_measured_at_the_larger_size_at_once(slow_store):
+def test_a_slow_tier_seen_on_one_page_is_skipped_and_measured_at_the_larger_size_at_once(slow_store, monkeypatch):
     # Seen on one page through the link, the four store pages after host RAM are priced per byte
     # of that fetch: skipped (the request does not wait on a guess), and fetched aside at once,
-    # not REUSE_REMEASURE_S later. Two sizes seen, the link's rate is fitted: still too slow.
+    # not REUSE_REMEASURE_S later, by one probe however many requests skip them meanwhile. Two
+    # sizes seen, the link's rate is fitted: still too slow.
+    import tiered_cache.cache.promoter as promoter_module
+
+    monkeypatch.setattr(promoter_module, "REUSE_EXTRAPOLATED_PROBE_S", 0.0)  # only a running probe holds one back
     _, proxy = slow_store
     with _cache_with_host_head(proxy, "faster") as cache:
         _load_one_page_of_warm(cache)
         assert cache.stats().reuse.load_rates["remote"].extrapolates(4 * SPEC.bytes_per_page)
-        handle = cache.match(PROMPT)
-        assert handle.plan == [HOST] * 4
-        cache.release(handle)
+        for _ in range(3):  # while the first one's probe crosses the link (~0.3 s)
+            handle = cache.match(PROMPT)
+            assert handle.plan == [HOST] * 4
+            cache.release(handle)
         _wait_for_promotions(cache, 1 + 4)  # the probe: the four skipped pages
+        deadline = time.monotonic() + 60
+        probing = lambda: any(t.name.startswith("tiered-cache-probe-") for t in threading.enumerate())  # noqa: E731
+        while probing() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert cache.stats().tier("remote").promotions == 1 + 4  # one probe, not three
         fitted = cache.stats().reuse.load_rates["remote"]
         assert not fitted.extrapolates(100 * SPEC.bytes_per_page) and fitted.per_s < 2 * LINK
         handle = cache.match(PROMPT)
         assert handle.plan == [HOST] * 4  # known slow now, not guessed
         cache.release(handle)
-        assert cache.stats().reuse.skipped_pages == {"remote": 8}
+        assert cache.stats().reuse.skipped_pages == {"remote": 16}
 
 
 def test_a_fast_tier_whose_first_fetch_was_slow_is_used_again_after_one_probe(slow_store):

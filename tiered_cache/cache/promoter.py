@@ -113,6 +113,8 @@ class Promoter:
         # fetches); prefill samples from the engine (`TieredCache.observe_prefill`).
         self.reuse = ReuseEstimates(config.reuse, config.prefill_tokens_per_s)
         self.chain.observe_fetches(self._fetched_pages, pages=True)
+        self._probing: set[str] = set()  # lower tiers with a re-measuring probe running (`_probe_skipped`)
+        self._probe_lock = threading.Lock()
         self._lock = lock  # the cache's: guards host RAM metadata and `in_flight`
         self._in_flight = in_flight  # pages on their way below, still served from memory
         self._workers = config.prefetch_workers
@@ -161,6 +163,8 @@ class Promoter:
         memory speed, which does not drift the way a network does."""
         for index in sorted(set(plan) - {HOST}):
             tier = self.chain.tiers[index].name
+            if tier in self._probing:  # one probe a tier at a time: a slow link's probe takes seconds
+                continue
             skipped = [k for k, where in zip(keys, plan, strict=True) if where == index]
             rate = self.reuse.load_rate(tier)
             size = len(skipped) * self.spec.bytes_per_page
@@ -175,10 +179,18 @@ class Promoter:
             else:
                 continue
             chosen = skipped[:count]
+            with self._probe_lock:
+                if tier in self._probing:
+                    continue
+                self._probing.add(tier)
 
-            def probe(chosen: list[bytes] = chosen, index: int = index) -> None:
-                with contextlib.suppress(Exception):  # a tier closed meanwhile: nothing to learn
-                    self.chain.fetch(chosen, [index] * len(chosen))
+            def probe(chosen: list[bytes] = chosen, index: int = index, tier: str = tier) -> None:
+                try:
+                    with contextlib.suppress(Exception):  # a tier closed meanwhile: nothing to learn
+                        self.chain.fetch(chosen, [index] * len(chosen))
+                finally:
+                    with self._probe_lock:
+                        self._probing.discard(tier)
 
             threading.Thread(target=probe, name=f"tiered-cache-probe-{tier}", daemon=True).start()
 
