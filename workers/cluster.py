@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -62,8 +63,6 @@ def stdout_for_the_answer() -> TextIO:
     from a thread of its own, whatever `log_to_driver` says, until the process leaves Ray at its
     exit: they, and anything else printed by habit, go to stderr. (The CLI is one command a
     process; a caller running commands in its own process restores `sys.stdout` after each.)"""
-    import sys
-
     answer = sys.stdout
     sys.stdout = sys.stderr
     return answer

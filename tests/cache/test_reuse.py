@@ -147,7 +147,7 @@ def test_a_rate_from_one_size_of_load_says_where_it_is_a_guess_and_stays_pessimi
 
 def test_a_probe_for_an_extrapolated_estimate_is_due_at_once_but_not_twice_a_second():
     estimates = ReuseEstimates(prefill_tokens_per_s=PREFILL)
-    estimates.observe_fetch("remote", 0.05, PAGE_BYTES)
+    estimates.observe_load("remote", PAGE_BYTES, 0.05)
     assert not estimates.due_for_probe("remote", 1.0)  # measured just now
     assert estimates.due_for_probe("remote", 1.0, since_sample=False)  # ...but not at this size
     assert not estimates.due_for_probe("remote", 1.0, since_sample=False)  # one probe at a time
@@ -159,13 +159,13 @@ def test_always_loads_everything_whatever_the_estimates():
     for policy, expected in ((ReusePolicy.ALWAYS, 8), (ReusePolicy.FASTER, 4)):
         estimates = ReuseEstimates(policy, prefill_tokens_per_s=PREFILL)
         estimates.observe_load("host", 4 * PAGE_BYTES, 4 * PAGE_BYTES / FAST.per_s)
-        estimates.observe_fetch("remote", 4 * PAGE_BYTES / SLOW.per_s, 4 * PAGE_BYTES)
+        estimates.observe_load("remote", 4 * PAGE_BYTES, 4 * PAGE_BYTES / SLOW.per_s)
         assert estimates.cut(plan, names, PAGE_BYTES, PAGE_TOKENS) == expected, policy
 
 
 def test_a_skipped_tier_is_due_for_a_probe_once_per_interval():
     estimates = ReuseEstimates()
-    estimates.observe_fetch("remote", 1.0, MB)
+    estimates.observe_load("remote", MB, 1.0)
     assert not estimates.due_for_probe("remote", after_s=60)  # measured just now
     assert estimates.due_for_probe("remote", after_s=0)
     assert not estimates.due_for_probe("remote", after_s=60)  # a probe just started
@@ -398,7 +398,7 @@ def test_a_fast_tier_whose_first_fetch_was_slow_is_used_again_after_one_probe(sl
     # prompt after loads them all.
     store, _ = slow_store
     with _cache_with_host_head(types.SimpleNamespace(address=store.address), "faster") as cache:
-        cache.reuse.observe_fetch("remote", 0.065, SPEC.bytes_per_page)
+        cache.reuse.observe_load("remote", SPEC.bytes_per_page, 0.065)
         assert cache.stats().reuse.load_rates["remote"].known_up_to == SPEC.bytes_per_page
         handle = cache.match(PROMPT)
         assert handle.plan == [HOST] * 4

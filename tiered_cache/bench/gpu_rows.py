@@ -186,7 +186,7 @@ def describe_arena(figures: dict[str, Any], page_bytes: int) -> str:
     return (f"arena DMA {f['copied']} pages in {f['calls']} call(s): copy stream {f['copy_s'] * 1e3:.1f} ms "
             f"({rate(f['copy_s'])}), checks {f['check_s'] * 1e3:.1f} ms ({rate(f['check_s'])} on "
             f"{f['checkers']} threads), whole {f['call_s'] * 1e3:.1f} ms; maps registered "
-            f"{figures['registered']}, refused {figures['refused']}, lost {figures['lost']}")
+            f"{f['registered']}, refused {f['refused']}, lost {f['lost']}")
 
 
 def fidelity(logits: torch.Tensor, reference: torch.Tensor) -> tuple[float, bool]:

@@ -414,8 +414,9 @@ class Promoter:
         return n
 
     def _fetched_pages(self, tier: str, seconds: float, pages: int) -> None:
-        """A batched fetch from a lower tier, for the reuse policy: in page bytes, as plans count."""
-        self.reuse.observe_fetch(tier, seconds, pages * self.spec.bytes_per_page)
+        """A batched fetch from a lower tier (a `TierChain` fetch observer), for the reuse policy:
+        in page bytes, as plans count them (a compressed blob is smaller, yet spares a whole page)."""
+        self.reuse.observe_load(tier, pages * self.spec.bytes_per_page, seconds)
 
     def _observe(self, tier: str, num_pages: int, seconds: float) -> None:
         if num_pages:

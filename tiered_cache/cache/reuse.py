@@ -99,12 +99,6 @@ class ReuseEstimates:
         with self._lock:
             self._loads.setdefault(tier, RateEstimator()).add(nbytes, seconds)
 
-    def observe_fetch(self, tier: str, seconds: float, nbytes: int) -> None:
-        """A batched get from a lower tier (a `TierChain` fetch observer: argument order as there),
-        in the bytes of the pages it brought as the plan counts them (`page_bytes` each: a
-        compressed blob is smaller, yet costs the engine a whole page)."""
-        self.observe_load(tier, nbytes, seconds)
-
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         with self._lock:
             self._prefill.add(num_tokens, seconds)

@@ -9,6 +9,7 @@ Names follow Prometheus conventions: a `tiered_cache_` prefix, base units (`_byt
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -140,7 +141,7 @@ def reuse_families(reuse: Any) -> list[Metric]:
     for tier, fit in reuse.load_rates.items():
         rate.add_metric([tier], fit.per_s)
         latency.add_metric([tier], fit.latency_s)
-        if fit.known_up_to != float("inf"):
+        if not math.isinf(fit.known_up_to):
             seen.add_metric([tier], fit.known_up_to)
     out = [skipped, rate, latency, seen]
     if reuse.prefill_tokens_per_s is not None:
