@@ -19,7 +19,7 @@ staged path decodes them.
 
 from __future__ import annotations
 
-import os
+import logging
 import threading
 import time
 import warnings
@@ -34,20 +34,15 @@ from tiered_cache.device.copy_stream import CopyStream, QueuedCopy
 from tiered_cache.device.pool import PagePool, device_index
 from tiered_cache.shm.arena import DATA
 from tiered_cache.shm.arena_map import ArenaMap
+from tiered_cache.wire.checksum import checker_threads
 from tiered_cache.wire.codec import BlobError, raw_blob_size, raw_header_size, verify_raw_blob
+
+log = logging.getLogger("tiered_cache.device.arena_copy")
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 _REGISTER_READ_ONLY = 0x08 | 0x01  # cudaHostRegisterReadOnly | cudaHostRegisterPortable
 
 ArenaPage = tuple[ArenaMap, int, int]  # the arena as mapped here, position, length
-
-
-def default_checkers() -> int:
-    """CRC threads beside the copies: half the cores, 2 to 8. One thread checks ~10-22 GB/s
-    (CPU-dependent) and the link brings ~55 GB/s, so two threads can hold a GPU node's DMA back;
-    more than 8 would only take cores from the engine."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-    return max(2, min(8, usable // 2))  # the cores this process may run on, not the machine's
 
 
 class ArenaCopier:
@@ -64,7 +59,8 @@ class ArenaCopier:
         self._copies: CopyStream | None = None
         self._registered: dict[int, ArenaMap] = {}  # id(map) -> map, registered with CUDA
         self._register_lock = threading.Lock()
-        self.checkers = checkers or default_checkers()
+        self._refusal_said = False
+        self.checkers = checkers or checker_threads()
         self._checker = ThreadPoolExecutor(self.checkers, thread_name_prefix="tiered-cache-arena-crc")
         self.refused = 0  # pages whose blob failed its checks (counted, then a miss)
         self.lost = 0  # pages the arena wrote over during the copy (a miss)
@@ -84,8 +80,16 @@ class ArenaCopier:
         with self._register_lock:
             if id(arena) in self._registered:
                 return True
-            err = torch.cuda.cudart().cudaHostRegister(arena.address(), arena.size, _REGISTER_READ_ONLY)
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(arena.address(), arena.size, _REGISTER_READ_ONLY)
             if int(err) != 0:
+                # Said once per copier: from here the promoter stages these pages through host RAM,
+                # at a CPU copy's speed, and whoever reads the figures should know why.
+                if not self._refusal_said:
+                    self._refusal_said = True
+                    log.warning("CUDA would not register the store's arena %s (%.1f GiB, read-only): error %d "
+                                "(%s); its pages go through pinned staging instead of one DMA", arena.path,
+                                arena.size / 2**30, int(err), _error_name(cudart, err))
                 return False
             self._registered[id(arena)] = arena
             arena.on_close(self._unregister)
@@ -207,6 +211,14 @@ class ArenaCopier:
         self._checker.shutdown(wait=True)
         for arena in list(self._registered.values()):
             self._unregister(arena)
+
+
+def _error_name(cudart: Any, err: Any) -> str:
+    """The CUDA runtime's words for `err`, or '?' where this torch does not bind them."""
+    try:
+        return str(cudart.cudaGetErrorString(err))
+    except Exception:  # only a log line's detail
+        return "?"
 
 
 def _adjacent_runs(where: Sequence[ArenaPage], blob: int) -> list[tuple[int, ArenaMap, int, int]]:

@@ -33,6 +33,7 @@ from tiered_cache.model.units import format_binary, parse_size
 from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
 from tiered_cache.tiers.folder_lock import LOCK_NAME, FolderLock
 from tiered_cache.tiers.private import make_private_folder, open_private
+from tiered_cache.wire.checksum import checker_threads
 from tiered_cache.wire.codec import (
     HEADER_BYTES,
     BlobError,
@@ -50,9 +51,9 @@ log = logging.getLogger("tiered_cache.tiers.disk")
 
 _TMP_SUFFIX = ".tmp"
 _FULL = (errno.ENOSPC, errno.EDQUOT)  # the filesystem (or the user's quota) is full
-# `get_into` reads pages on this many threads once a call moves this many bytes: a read (the
-# kernel's copy) and a checksum (crc32c) both let the GIL go, so two pages go at once on two cores.
-_READ_THREADS = 2
+# `get_into` reads pages on threads (`checker_threads`: half the cores, 2 to 8) once a call moves
+# this many bytes: a read (the kernel's copy) and a checksum (crc32c) both let the GIL go, so as
+# many pages go at once as there are threads.
 _THREADED_BYTES = 4 << 20
 
 
@@ -165,7 +166,7 @@ class DiskTier:
 
     def get_into(self, keys: Sequence[bytes], dests: Sequence[PageDest], spec: KVSpec) -> list[int]:
         """Read each key's page of `spec`, verified, into `dests[i]` (codec.py's destinations),
-        no blob per page in between (`_read_into`), two pages at a time for a large call. Returns
+        no blob per page in between (`_read_into`), on several threads for a large call. Returns
         the stored size of each blob whose page arrived, 0 for a miss; a file that is corrupt (or
         not a page of `spec`) is a miss, counted and deleted, and its destination holds anything."""
         jobs = [i for i, key in enumerate(keys) if key in self.index]
@@ -176,7 +177,7 @@ class DiskTier:
 
         if len(jobs) > 1 and sum(sizes.values()) >= _THREADED_BYTES:
             if self._readers is None:
-                self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="disk-tier-read")
+                self._readers = ThreadPoolExecutor(checker_threads(), thread_name_prefix="disk-tier-read")
             reads = [self._readers.submit(read, i) for i in jobs]
             wait(reads)  # every read done before any error surfaces: none writes into a page freed after
             found = [r.result() for r in reads]

@@ -28,13 +28,12 @@ from tiered_cache.tiers.base import TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, breaker_states
 from tiered_cache.tiers.remote_arena import ArenaReads, LentPages
 from tiered_cache.tiers.remote_servers import Server, StoreServers
+from tiered_cache.wire.checksum import checker_threads
 from tiered_cache.wire.codec import BlobError, PageDest, check_fingerprint, decode_into, verify_blob
 from tiered_cache.wire.framing import ReceivedBlob
 
 if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec
-
-_CHECKERS = 2  # threads checking and copying received pages (checksums release the GIL)
 
 
 class _Landed(enum.Enum):
@@ -64,9 +63,11 @@ class RemoteTier:
         self.fingerprint = fingerprint  # when set, servers skip and refuse blobs of other models
         self._stats = TierStats(self.name)
         self._refused = 0  # pages servers refused to store (counted as errors)
-        # Checksums release the GIL (crc32c): two threads check a prefix in about half the time.
-        self._checker = ThreadPoolExecutor(max_workers=_CHECKERS, thread_name_prefix="remote-tier-crc")
-        for _ in range(_CHECKERS):  # started now, not by the first fetch
+        # Threads checking and copying received pages: checksums and copies release the GIL, so n
+        # threads land a prefix in about 1/n of the time, up to the memory's bandwidth.
+        self.checkers = checker_threads()
+        self._checker = ThreadPoolExecutor(max_workers=self.checkers, thread_name_prefix="remote-tier-crc")
+        for _ in range(self.checkers):  # started now, not by the first fetch
             self._checker.submit(time.sleep, 0.01)
         self.stores = StoreServers(token, tls_ca, timeout_s, shm, breaker or BreakerPolicy(), namespace)
         self.arena_reads = ArenaReads(self.stores)
@@ -237,7 +238,8 @@ class RemoteTier:
 
         # One share per checker thread (every n-th page), not a task per page: on a memory-bound
         # copy the per-task hand-offs cost more than they spread.
-        shares = [self._checker.submit(land_all, views[i::_CHECKERS]) for i in range(min(_CHECKERS, len(views)))]
+        k = self.checkers
+        shares = [self._checker.submit(land_all, views[i::k]) for i in range(min(k, len(views)))]
         submitted.extend(shares)
         have = {key for key, _ in views}
         outcomes = self._stream_into([k for k in positions_of if k not in have], land, lease, submitted)
