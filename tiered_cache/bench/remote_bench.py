@@ -35,7 +35,7 @@ from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.remote import RemoteTier
-from tiered_cache.wire.codec import encode_page
+from tiered_cache.wire.codec import encode_page, page_view
 
 GIB = 2**30
 
@@ -83,7 +83,7 @@ def bench_fetch(spec: KVSpec, num_pages: int) -> list[Comparison]:
         tier = RemoteTier([store.address], timeout_s=120, shm=False)  # bytes over gRPC, as from another host
         assert all(b is not None for b in tier.get(keys)), "the store lost pages during the benchmark"
         ours, got = timed(lambda: tier.get(keys), repeat=3)
-        rows = [_same_host_row(store.address, keys, total, scale)]
+        rows = _same_host_rows(store.address, keys, spec, total, scale)
 
         channel = raw_channel(raw_addr)
         stream = channel.unary_stream("/raw.Raw/Stream")
@@ -105,10 +105,13 @@ def bench_fetch(spec: KVSpec, num_pages: int) -> list[Comparison]:
     return rows
 
 
-def _same_host_row(address: str, keys: list[bytes], total: int, scale: str) -> Comparison:
-    """The same pages read by a client on the server's host, in place in its arena (copied out
-    and verified; the server copies nothing), beside a memcpy of the same bytes: the limit of
-    any way of getting them into this process."""
+def _same_host_rows(address: str, keys: list[bytes], spec: KVSpec, total: int, scale: str) -> list[Comparison]:
+    """The same pages read by a client on the server's host, in place in its arena (the server
+    copies nothing), beside a memcpy of the same bytes: the limit of any way of getting them into
+    this process. Two ways: `get_into` touched page rows, as a cache loads them (one pass copies
+    and checks each page), and `get`, a new `bytes` object per page (fresh memory every call)."""
+    import numpy as np
+
     from tiered_cache.bench.gpu_rows import copy_limit
 
     tier = RemoteTier([address], timeout_s=120)
@@ -116,12 +119,21 @@ def _same_host_row(address: str, keys: list[bytes], total: int, scale: str) -> C
         tier.warm()  # maps the arena
         got = tier.get(keys)
         assert all(b is not None for b in got) and tier.servers[0].client.uses_shm, "no same-host arena read"
+        rows = np.ones((len(keys), spec.bytes_per_page), dtype=np.uint8)  # touched, as a pool's pages are
+        into, sizes = timed(lambda: tier.get_into(keys, list(rows), spec), repeat=3)
+        assert all(sizes), "the store lost pages during the benchmark"
+        blobs = dict(zip(keys, got, strict=True))  # the pages as `get` gave them above
+        assert all(np.array_equal(row, page_view(blobs[k], spec, k)) for k, row in zip(keys, rows, strict=True)), \
+            "get_into wrote other bytes than the pages'"
         ours, got = timed(lambda: tier.get(keys), repeat=3)
     finally:
         tier.close()
     _, memcpy = copy_limit(total, "cpu")
-    return Comparison(scale, "remote get, same host (arena, verified)", total / ours / GIB,
-                      "memcpy of the same bytes", total / memcpy / GIB, "GiB/s", True, returned_bytes(got), total)
+    limit = total / memcpy / GIB
+    return [Comparison(scale, "remote get_into pages, same host (arena, verified)", total / into / GIB,
+                       "memcpy of the same bytes", limit, "GiB/s", True, sum(sizes), total),
+            Comparison(scale, "remote get as bytes, same host (arena, verified)", total / ours / GIB,
+                       "memcpy of the same bytes", limit, "GiB/s", True, returned_bytes(got), total)]
 
 
 def bench_put(spec: KVSpec, num_pages: int, repeat: int = 3) -> list[Comparison]:

@@ -7,16 +7,16 @@ a copy, so a pool and a host slab zero-filled at construction would take seconds
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
-import sys
 import threading
 
 import torch
 
-_MADV_HUGEPAGE = 14  # Linux: back the range with transparent huge pages where possible
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in as if written, changing no byte
+from tiered_cache.shm.advice import MADV_HUGEPAGE as _MADV_HUGEPAGE
+from tiered_cache.shm.advice import madvise as _madvise
+from tiered_cache.shm.advice import populate as _populate
+
 _CHUNK_BYTES = 64 * 2**20
 _OS_PAGE = mmap.PAGESIZE
 ZERO_FILL_BYTES = 2**20
@@ -91,31 +91,3 @@ def pretouch_async(tensor: torch.Tensor) -> PretouchThread:
     thread = PretouchThread(tensor)
     thread.start()
     return thread
-
-
-def _populate(address: int, length: int) -> bool:
-    """madvise(MADV_POPULATE_WRITE) over [address, address + length); False when the platform
-    lacks it (not Linux, kernel before 5.14) or refuses."""
-    return _madvise(address, length, _MADV_POPULATE_WRITE)
-
-
-def _madvise(address: int, length: int, advice: int) -> bool:
-    """madvise over the OS pages of [address, address + length); False where it is refused or
-    there is no madvise (not Linux)."""
-    if not sys.platform.startswith("linux") or length <= 0:
-        return False
-    first = address - address % _OS_PAGE
-    return _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(address + length - first), advice) == 0
-
-
-_LIBC: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-        _LIBC = libc
-    return _LIBC

@@ -41,11 +41,13 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from tiered_cache.model.units import parse_size
+from tiered_cache.shm.advice import prefault_async
 from tiered_cache.shm.host import sealed_segment
 
 MAGIC = b"TCARENA1"
@@ -141,6 +143,9 @@ class Arena:
         self.second_chances = 0  # blobs written again at the head because they had been read
         self.lease_blocked = 0  # blobs sent below because the oldest blob was leased
         self._counts = ArenaFigures()
+        # Memory just past the head faulted in by a background thread (shm/advice.py), so a
+        # Put's copies do not pay the first pass's faults themselves.
+        self._prefault = prefault_async(self._map, _written_below(weakref.ref(self)))
 
     @property
     def path(self) -> str:
@@ -305,6 +310,7 @@ class Arena:
         struct.pack_into("<Q", self._map, _HEAD, end)
         at = DATA + position % self.capacity
         self._map[at:at + len(blob)] = blob
+        self._prefault.nudge()
         self._records[key] = _Record(position, len(blob))
         self.used += len(blob)
         self._publish(key, position, len(blob))
@@ -371,5 +377,16 @@ class Arena:
 
     def close(self) -> None:
         """Unmap and close: clients that map it keep their pages; nothing is written any more."""
+        self._prefault.stop()
         self._map.close()
         os.close(self.fd)
+
+
+def _written_below(arena: weakref.ref[Arena]) -> Callable[[], int | None]:
+    """Where the arena's writes have reached in its map (all of its data once the head came
+    round), for its prefault thread; None once the arena is gone."""
+    def written() -> int | None:
+        owner = arena()
+        return None if owner is None else DATA + min(owner._head, owner.capacity)
+
+    return written

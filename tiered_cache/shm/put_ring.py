@@ -16,7 +16,9 @@ import contextlib
 import os
 import struct
 import threading
+import weakref
 
+from tiered_cache.shm.advice import prefault_async
 from tiered_cache.shm.host import map_read_only, sealed_segment
 
 MAGIC = b"TCPUTv3\x00"
@@ -45,6 +47,9 @@ class PutRing:
         struct.pack_into("<QQ", self._map, _CURSOR, 0, self.capacity)
         self._cursor = 0
         self._lock = threading.Lock()
+        ring = weakref.ref(self)  # the thread must not keep the ring (and its map) alive
+        self._prefault = prefault_async(
+            self._map, lambda: None if (owner := ring()) is None else HEADER + min(owner._cursor, owner.capacity))
 
     @property
     def path(self) -> str:
@@ -62,10 +67,12 @@ class PutRing:
                 offset = 0
             self._cursor = position + n
             struct.pack_into("<Q", self._map, _CURSOR, self._cursor)  # before the copy: module doc
+        self._prefault.nudge()  # the next pages, faulted in meanwhile (advice.py)
         self._map[HEADER + offset:HEADER + offset + n] = blob  # outside the lock: regions are disjoint
         return position, n
 
     def close(self) -> None:
+        self._prefault.stop()
         self._map.close()
         os.close(self.fd)
 
