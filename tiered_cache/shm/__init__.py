@@ -13,4 +13,6 @@ One vocabulary, each word for one thing:
   `lost()`.
 - **put ring**: a client's own segment for same-host Put (`put_ring.py`): the server copies each
   page out of it once, into the arena (`offers.py`).
+- **prefault**: memory just past an arena's or a put ring's write head, faulted in by a background
+  thread before the writes reach it (`advice.py`).
 """
