@@ -130,6 +130,30 @@ def test_write_through_and_background_demotion_copy_finished_kv(tmp_path):
         c.close()
 
 
+def test_kv_written_on_a_side_stream_is_copied_down_only_once_written(tmp_path):
+    """An engine writes KV on a stream of its own, busy for a while, and puts it with write-through:
+    the background demoter's copies (from its own thread, whose stream is the default one) must
+    wait for those writes, so host RAM and disk get the KV, not the pool's old bytes."""
+    spec = LARGE_PAGES
+    c = _cache(spec, pool_pages=32, host_pages=64, tmp_path=tmp_path, write_policy=WritePolicy.WRITE_THROUGH)
+    prompt = list(range(8 * spec.page_size))
+    kv = _kv(spec, len(prompt), seed=21)
+    try:
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(BUSY)  # the engine's stream is busy: the put's writes queue behind it
+            c.put(prompt, kv)
+        assert len(c.demoter.writers) == 1  # the put marked its stream
+        assert c.flush(timeout=60)
+        side.synchronize()
+        c.evict()  # from here every read comes from host RAM
+        n, got = c.get(prompt)
+        assert n == len(prompt) and torch.equal(got, kv)
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.model_id)
 def test_forks_copy_on_write_and_swap_on_a_cuda_pool(spec):
     """The engine features with the pool on the GPU: a fork's first write copies the shared page

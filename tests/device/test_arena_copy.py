@@ -183,6 +183,43 @@ def test_pages_go_from_the_arena_to_a_cuda_pool_by_dma_exactly():
             tier.close()
 
 
+@pytest.mark.gpu
+def test_two_copiers_share_one_registration_and_a_refused_one_leaves_no_error_behind():
+    """Two caches reading one store: the map is registered once and stays so when the first
+    copier closes. A registration the driver refuses (a bogus range) is answered, and the
+    runtime's error it left is read off: torch's next kernel does not raise it."""
+    from tiered_cache.device.arena_registry import cuda_registry
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    keys, pages, items = prefix(seed=7)
+    with StoreProcess(["--no-disk"]) as store:
+        tier = RemoteTier([store.address])
+        (first, _), (second, pool) = copier_and_pool("cuda"), copier_and_pool("cuda")
+        try:
+            tier.put(items)
+            tier.warm()
+            where = tier.arena_pages(keys)
+            assert first.usable(where[0][0]) and second.usable(where[0][0])
+            assert cuda_registry().held(where[0][0])
+            first.close()  # the map stays registered for the other
+            targets = pool.allocate(N)
+            assert second.to_pool(keys, where, targets) == N
+            assert torch.equal(pool.gather(targets).cpu(), pages)
+
+            class Bogus:  # a range the driver cannot register
+                size = 4096
+
+                def address(self) -> int:
+                    return 8
+
+            assert cuda_registry().ensure(Bogus()) != 0
+            assert float((torch.ones(4, device="cuda") + 1).sum()) == 8.0  # no stale error raised here
+        finally:
+            second.close()
+            tier.close()
+
+
 @pytest.mark.parametrize("found", [N, 5, 0])
 def test_the_cuda_load_path_run_on_the_cpu_takes_the_arena_then_stages_the_rest(found, monkeypatch):
     """The CUDA path of `TieredCache.load` (`Promoter.from_arenas`: pages DMA'd from the arena into

@@ -26,6 +26,7 @@ from tiered_cache.cache.lower_writer import LowerWriter
 from tiered_cache.cache.stats import Movements
 from tiered_cache.config import CacheConfig, WritePolicy
 from tiered_cache.device.host_copy import HostCopier
+from tiered_cache.device.writer_streams import WriterStreams
 from tiered_cache.errors import PoolExhaustedError
 from tiered_cache.index.radix_node import EvictedNode
 from tiered_cache.tiers.host import HostTier
@@ -57,6 +58,7 @@ class Demoter:
         self._queue = BackgroundQueue("demoter", capacity=max(2, config.demotion_queue))
         self.idle = idle  # set while no demotion is queued or running: the writer waits for it
         self.closed = False
+        self.writers = WriterStreams(self.pool.device)  # background copies wait for the writers' streams
 
     # --- allocation (lock held) --------------------------------------------------------------------
     def allocate(self, n: int) -> np.ndarray:
@@ -130,6 +132,7 @@ class Demoter:
         """Copy device `pages[new]` into reserved host `slots` (one DMA per run of slots on CUDA, no
         staging), and return a host copy of `pages[overflow]` (no room in host RAM) for below.
         `background`: a request's copy waits behind one chunk of this one, not all of it."""
+        self.writers.wait_on_current()  # the pages' KV, written on any request's stream, lands first
         if new:
             self.host.before_write()
             self.copier.from_pool(pages[new], self.host.slab, slots, background=background)
@@ -153,6 +156,7 @@ class Demoter:
     def after_insert(self, ns: str, keys: list[bytes], num_new: int) -> None:
         """New pages entered the tree (lock held). Write-through queues a copy to host RAM and
         every lower tier; the request path itself copies nothing."""
+        self.writers.mark()
         if self.config.write_policy is WritePolicy.WRITE_THROUGH and num_new > 0:
             self._queue.submit(self._write_through, ns, keys, num_new)
         self.maybe_demote()

@@ -245,6 +245,10 @@ class Loader:
                                                    pages, handle.tokens)
             self.ledger.move_lock(handle, node)
             handle.device_pages = all_pages
+            # Another request may have put some of these keys in the tree first, from host RAM,
+            # with its copy still running (the tree keeps its pages, ours are freed): our stream
+            # must not read them before that copy lands.
+            self.promoter.stream_waits_for_host_copies()
         handle.available_pages = start + n
         handle.plan = []
         self.demoter.maybe_demote()

@@ -20,9 +20,9 @@ staged path decodes them.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiered_cache.device.arena_registry import cuda_registry, error_name
 from tiered_cache.device.copy_stream import CopyStream, QueuedCopy
 from tiered_cache.device.pool import PagePool, device_index
 from tiered_cache.shm.arena import DATA
@@ -40,7 +41,6 @@ from tiered_cache.wire.codec import BlobError, raw_blob_size, raw_header_size, v
 log = logging.getLogger("tiered_cache.device.arena_copy")
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
-_REGISTER_READ_ONLY = 0x08 | 0x01  # cudaHostRegisterReadOnly | cudaHostRegisterPortable
 
 ArenaPage = tuple[ArenaMap, int, int]  # the arena as mapped here, position, length
 
@@ -57,8 +57,7 @@ class ArenaCopier:
         self.chunk_blobs = max(1, chunk_bytes // self.blob_bytes)
         self._buffer: torch.Tensor | None = None
         self._copies: CopyStream | None = None
-        self._registered: dict[int, ArenaMap] = {}  # id(map) -> map, registered with CUDA
-        self._register_lock = threading.Lock()
+        self._usable: weakref.WeakSet[ArenaMap] = weakref.WeakSet()  # maps registered when this copier asked
         self._refusal_said = False
         self.checkers = checkers or checker_threads()
         self._checker = ThreadPoolExecutor(self.checkers, thread_name_prefix="tiered-cache-arena-crc")
@@ -73,32 +72,25 @@ class ArenaCopier:
         self.copy_s = self.check_s = self.call_s = 0.0
 
     def usable(self, arena: ArenaMap) -> bool:
-        """Whether pages of `arena` can be copied straight from it (on CUDA: registered with the
-        driver now, once per map; False when the driver refuses, then the staged path is used)."""
+        """Whether pages of `arena` can be copied straight from it (on CUDA: its map registered
+        with the driver, once per process: arena_registry.py; False when the driver refuses, then
+        the staged path is used)."""
         if not self.cuda:
             return True
-        with self._register_lock:
-            if id(arena) in self._registered:
-                return True
-            cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(arena.address(), arena.size, _REGISTER_READ_ONLY)
-            if int(err) != 0:
-                # Said once per copier: from here the promoter stages these pages through host RAM,
-                # at a CPU copy's speed, and whoever reads the figures should know why.
-                if not self._refusal_said:
-                    self._refusal_said = True
-                    log.warning("CUDA would not register the store's arena %s (%.1f GiB, read-only): error %d "
-                                "(%s); its pages go through pinned staging instead of one DMA", arena.path,
-                                arena.size / 2**30, int(err), _error_name(cudart, err))
-                return False
-            self._registered[id(arena)] = arena
-            arena.on_close(self._unregister)
+        if arena in self._usable:
             return True
-
-    def _unregister(self, arena: ArenaMap) -> None:
-        with self._register_lock:
-            if self._registered.pop(id(arena), None) is not None:
-                torch.cuda.cudart().cudaHostUnregister(arena.address())
+        err = cuda_registry().ensure(arena)
+        if err:
+            # Said once per copier: from here the promoter stages these pages through host RAM,
+            # at a CPU copy's speed, and whoever reads the figures should know why.
+            if not self._refusal_said:
+                self._refusal_said = True
+                log.warning("CUDA would not register the store's arena %s (%.1f GiB, read-only): error %d (%s); "
+                            "its pages go through pinned staging instead of one DMA", arena.path,
+                            arena.size / 2**30, err, error_name(err))
+            return False
+        self._usable.add(arena)
+        return True
 
     def to_pool(self, keys: Sequence[bytes], where: Sequence[ArenaPage], pages: Any) -> int:
         """Copy page `keys[i]`, lying at `where[i]`, into pool page `pages[i]`; returns how many
@@ -150,7 +142,7 @@ class ArenaCopier:
         whether the driver took the arenas (`registered`: on CUDA; the DMA path needs it)."""
         return {"calls": self.calls, "copied": self.copied, "refused": self.refused, "lost": self.lost,
                 "copy_s": self.copy_s, "check_s": self.check_s, "call_s": self.call_s,
-                "checkers": self.checkers, "registered": len(self._registered)}
+                "checkers": self.checkers, "registered": len(self._usable)}
 
     def _check_share(self, keys: Sequence[bytes], where: Sequence[ArenaPage]) -> list[bool]:
         return [self._check(key, page) for key, page in zip(keys, where, strict=True)]
@@ -208,17 +200,9 @@ class ArenaCopier:
             self._copies = CopyStream(self.pool.device)
 
     def close(self) -> None:
+        """Stop the check threads. The maps stay registered: another cache may read them, and each
+        is unregistered when it is closed or collected (arena_registry.py)."""
         self._checker.shutdown(wait=True)
-        for arena in list(self._registered.values()):
-            self._unregister(arena)
-
-
-def _error_name(cudart: Any, err: Any) -> str:
-    """The CUDA runtime's words for `err`, or '?' where this torch does not bind them."""
-    try:
-        return str(cudart.cudaGetErrorString(err))
-    except Exception:  # only a log line's detail
-        return "?"
 
 
 def _adjacent_runs(where: Sequence[ArenaPage], blob: int) -> list[tuple[int, ArenaMap, int, int]]:

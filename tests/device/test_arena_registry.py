@@ -1,0 +1,106 @@
+"""Registering arena maps with CUDA once per process (device/arena_registry.py): the bookkeeping,
+on the CPU, with the runtime's two calls recorded (there is no GPU to refuse or accept them here:
+the `gpu` tests in test_arena_copy.py run the real ones), against real arena maps."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from tiered_cache.device.arena_registry import ALREADY_REGISTERED, ArenaRegistry
+from tiered_cache.shm.arena import Arena
+from tiered_cache.shm.arena_map import ArenaMap
+
+
+class Runtime:
+    """What the registry asked of the runtime, and what it answers to the next registrations."""
+
+    def __init__(self) -> None:
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+        self.answers: list[int] = []
+        self.errors_read = 0
+
+    def registry(self) -> ArenaRegistry:
+        return ArenaRegistry(self.register, self.unregister, self.forget)
+
+    def register(self, address: int, size: int) -> int:
+        assert size > 0
+        answer = self.answers.pop(0) if self.answers else 0
+        if not answer:
+            self.registered.append(address)
+        return answer
+
+    def unregister(self, address: int) -> int:
+        self.unregistered.append(address)
+        return 0
+
+    def forget(self) -> None:
+        self.errors_read += 1
+
+
+@pytest.fixture
+def arena():
+    made = Arena(8 * 2**20)
+    yield made
+    made.close()
+
+
+def test_a_map_is_registered_once_whoever_asks_and_unregistered_when_closed(arena: Arena) -> None:
+    runtime = Runtime()
+    registry = runtime.registry()
+    reader = ArenaMap(arena.path, arena.size, arena.id)
+    address = reader.address()
+    assert registry.ensure(reader) == 0 and registry.ensure(reader) == 0  # two caches reading one store
+    assert runtime.registered == [address] and registry.held(reader) and len(registry) == 1
+    reader.close()
+    assert runtime.unregistered == [address] and len(registry) == 0  # before the unmap, once
+
+
+def test_a_map_dropped_without_close_is_unregistered_when_collected(arena: Arena) -> None:
+    runtime = Runtime()
+    registry = runtime.registry()
+    reader = ArenaMap(arena.path, arena.size, arena.id)
+    address = reader.address()
+    assert registry.ensure(reader) == 0
+    del reader  # a client whose server restarted leaves its old map to the collector
+    gc.collect()
+    assert runtime.unregistered == [address] and len(registry) == 0
+
+
+def test_a_refusal_is_returned_and_its_error_read_off_and_the_next_ask_tries_again(arena: Arena) -> None:
+    runtime = Runtime()
+    registry = runtime.registry()
+    reader = ArenaMap(arena.path, arena.size, arena.id)
+    runtime.answers = [801]  # cudaErrorNotSupported
+    assert registry.ensure(reader) == 801
+    assert runtime.errors_read == 1 and not registry.held(reader) and runtime.registered == []
+    assert registry.ensure(reader) == 0 and registry.held(reader)
+    reader.close()
+    assert len(runtime.unregistered) == 1
+
+
+def test_someone_elses_registration_is_usable_and_never_undone(arena: Arena) -> None:
+    runtime = Runtime()
+    registry = runtime.registry()
+    reader = ArenaMap(arena.path, arena.size, arena.id)
+    runtime.answers = [ALREADY_REGISTERED]
+    assert registry.ensure(reader) == 0 and runtime.errors_read == 1
+    reader.close()
+    assert runtime.unregistered == []  # not ours
+
+
+def test_two_maps_of_two_arenas_each_their_own(arena: Arena) -> None:
+    runtime = Runtime()
+    registry = runtime.registry()
+    other = Arena(8 * 2**20)
+    try:
+        first, second = ArenaMap(arena.path, arena.size, arena.id), ArenaMap(other.path, other.size, other.id)
+        assert registry.ensure(first) == 0 and registry.ensure(second) == 0 and len(registry) == 2
+        first.close()
+        assert registry.held(second) and len(registry) == 1
+        second.close()
+        assert sorted(runtime.unregistered) == sorted(runtime.registered) and len(registry) == 0
+    finally:
+        other.close()
