@@ -134,7 +134,7 @@ class Demoter:
         `background`: a request's copy waits behind one chunk of this one, not all of it."""
         self.writers.wait_on_current()  # the pages' KV, written on any request's stream, lands first
         if new:
-            self.host.before_write()
+            self.host.before_ordered_write()  # the copier's one stream orders it after the slab's reads
             self.copier.from_pool(pages[new], self.host.slab, slots, background=background)
         if not overflow:
             return None
