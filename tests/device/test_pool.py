@@ -336,3 +336,33 @@ def test_a_pool_on_a_device_that_is_not_here_is_refused_by_name():
     with pytest.raises(ValueError, match=r"'meta'.*lives on 'cpu' or 'cuda"):
         PagePool(spec, 4, "meta")
     assert PagePool(spec, 4, "cpu").device == torch.device("cpu")
+
+
+class _KernelsThatDoNotCompile(TorchPageOps):
+    """Page ops picked for a CUDA pool whose kernels fail to compile (no NVRTC, a CuPy built for
+    another CUDA): a fault this machine cannot cause, so the ops say it themselves."""
+
+    name = "uncompiled"
+
+    def warm_up(self) -> None:
+        raise RuntimeError("nvrtc: library not found")
+
+
+def test_kernels_that_do_not_compile_fall_back_to_torch_ops_unless_named(monkeypatch, caplog):
+    import tiered_cache.device.pool as pool_module
+    import tiered_cache.device.pool_ops as pool_ops
+    from tiered_cache.device.pool_ops import select_ops
+
+    spec = SPECS[0]
+    monkeypatch.setitem(pool_ops._REGISTRY, "uncompiled", _KernelsThatDoNotCompile())
+    monkeypatch.setattr(pool_module, "select_ops",
+                        lambda device, name=None: select_ops(device, name or "uncompiled"))
+    with caplog.at_level("WARNING", logger="tiered_cache.device.pool"):
+        pool = PagePool(spec, 4)
+    assert pool.ops.name == "torch" and "did not compile" in caplog.text
+    kv = torch.randn(spec.kv_shape(spec.page_size)).to(spec.dtype.torch)
+    pages = pool.allocate(1)
+    pool.store(pool.slots(pages, spec.page_size), kv)
+    assert torch.equal(pool.read_tokens(pages, spec.page_size), kv)  # the pool works on torch's ops
+    with pytest.raises(RuntimeError, match="nvrtc"):
+        PagePool(spec, 4, ops="uncompiled")  # named: no silent substitute

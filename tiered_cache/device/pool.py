@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,8 @@ from tiered_cache.device.pool_ops import PageOps, select_ops
 from tiered_cache.errors import KVShapeError, PageStateError
 from tiered_cache.model.spec import KVSpec, Layout
 from tiered_cache.model.units import parse_size
+
+log = logging.getLogger("tiered_cache.device.pool")
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,16 @@ class PagePool:
         self.device = self.kv.device
         warm_up = getattr(self.ops, "warm_up", None)
         if warm_up is not None:
-            warm_up()  # kernels compiled now, not on the first request that needs one
+            try:
+                warm_up()  # kernels compiled now, not on the first request that needs one
+            except Exception as exc:
+                if ops is not None:  # asked for by name: say so rather than run something else
+                    raise
+                # Picked because CuPy imported, but it cannot compile here (no NVRTC, a CuPy built
+                # for another CUDA): torch's ops write the same bytes, somewhat slower.
+                log.warning("the CUDA page kernels did not compile (%s: %s); using torch's page ops",
+                            type(exc).__name__, exc)
+                self.ops = select_ops(self.device, "torch")
 
     @classmethod
     def with_capacity(cls, spec: KVSpec, capacity: str | int, device: str | torch.device = "cpu",

@@ -82,7 +82,8 @@ def select_ops(device: Any, name: str | None = None) -> PageOps:
     device when CuPy is installed, torch otherwise (both write identical bytes)."""
     if name is not None:
         if name == "cupy" and not _register_cupy():
-            raise ValueError("page ops 'cupy' need CuPy and a CUDA device (pip install cupy-cuda12x)")
+            raise ValueError("page ops 'cupy' need CuPy and a CUDA device "
+                             "(pip install cupy-cuda12x, or cupy-cuda13x for CUDA 13)")
         try:
             return _REGISTRY[name]
         except KeyError:
