@@ -65,18 +65,25 @@ class CopyStream:
             return None
         stream, caller = self._stream, torch.cuda.current_stream(self.device)
         stream.wait_stream(caller)
+        # Recorded with the first chunk, under the lock: a transfer queued behind another's chunks
+        # is not timed from before them (the reuse policy's rates come from these times).
         started = torch.cuda.Event(enable_timing=True)
-        started.record(stream)
+        timed = False
         queued = False
         try:
             for start, end in chunks(n, size):
                 with self._busy, torch.cuda.stream(stream):
+                    if not timed:
+                        started.record(stream)
+                        timed = True
                     chunk(start, end)
                     done = stream.record_event() if background else None
                 if done is not None:
                     done.synchronize()  # a request's chunks queue behind this one only
             queued = True
         finally:
+            if not timed:  # no chunk: nothing to time
+                started.record(stream)
             event = torch.cuda.Event(enable_timing=True)
             event.record(stream)
             caller.wait_event(event)
