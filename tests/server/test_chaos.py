@@ -184,11 +184,13 @@ def black_hole():
     sock.close()
 
 
-def _engine_over(address: str) -> TieredCache:
+def _engine_over(address: str, shm: bool = True) -> TieredCache:
+    """An engine's cache over the store at `address`. `shm=False`: every page by RPC, even from a
+    server on this host (a same-host client may read a paused server's arena in place, intact,
+    with no RPC at all: what arrives then depends on timing, not on the deadlines tested here)."""
     cfg = CacheConfig(pool_capacity=8 * CHAOS_SPEC.bytes_per_page, host_capacity=8 * CHAOS_SPEC.bytes_per_page,
-                      lower_tiers=["remote"], remote_addresses=[address], remote_timeout_s=0.5,
                       write_policy="write_through")
-    return TieredCache(CHAOS_SPEC, cfg)
+    return TieredCache(CHAOS_SPEC, cfg, lower=[RemoteTier([address], timeout_s=0.5, shm=shm)])
 
 
 @pytest.mark.parametrize("server", ["black-holed", "paused"])
@@ -209,7 +211,7 @@ def test_a_silent_server_costs_the_engine_one_deadline_then_recompute(black_hole
         writer.put(tokens, torch.randn(CHAOS_SPEC.kv_shape(len(tokens))).half())
         writer.flush(timeout=30)
         writer.close()
-    cache = _engine_over(address)
+    cache = _engine_over(address, shm=False)
     try:
         if store is not None:
             assert cache.lookup(tokens) == len(tokens)  # the channel is up, and the pages are there
