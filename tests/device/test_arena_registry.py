@@ -104,3 +104,26 @@ def test_two_maps_of_two_arenas_each_their_own(arena: Arena) -> None:
         assert sorted(runtime.unregistered) == sorted(runtime.registered) and len(registry) == 0
     finally:
         other.close()
+
+
+def test_maps_are_registered_ahead_as_they_are_mapped_until_closed(arena: Arena) -> None:
+    """What a CUDA engine's cache runs from its start: maps mapped before and after it are
+    registered on its own thread, before any load asks; none after `close`."""
+    from tiered_cache.device.arena_registry import RegisterAhead
+
+    runtime = Runtime()
+    registry = runtime.registry()
+    before = ArenaMap(arena.path, arena.size, arena.id)
+    ahead = RegisterAhead(registry)
+    after = ArenaMap(arena.path, arena.size, arena.id)  # a second map of the same arena: another range
+    ahead._thread.submit(lambda: None).result()  # its queue has run
+    assert registry.held(before) and registry.held(after)  # (with any other test's map still open)
+    addresses = {before.address(), after.address()}
+    assert addresses <= set(runtime.registered)
+    ahead.close()
+    registered = len(runtime.registered)
+    late = ArenaMap(arena.path, arena.size, arena.id)
+    assert not registry.held(late) and len(runtime.registered) == registered
+    for reader in (before, after, late):
+        reader.close()
+    assert addresses <= set(runtime.unregistered)

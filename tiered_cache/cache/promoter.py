@@ -50,6 +50,7 @@ from tiered_cache.cache.staging import StagingBuffers
 from tiered_cache.cache.stats import Movements
 from tiered_cache.config import CacheConfig
 from tiered_cache.device.arena_copy import ArenaCopier
+from tiered_cache.device.arena_registry import RegisterAhead, cuda_registry
 from tiered_cache.device.copy_stream import QueuedCopy
 from tiered_cache.device.host_copy import HostCopier
 from tiered_cache.device.pool import PagePool
@@ -98,6 +99,10 @@ class Promoter:
         self.last_host_copy: QueuedCopy | None = None  # the newest of them, done or not
         self.arena_copier: ArenaCopier | None = None  # on CUDA, made when a same-host store is first used
         self._arena_dma = True  # False once the driver refused to register an arena
+        # On CUDA, arenas of same-host store servers are registered with the driver as they are
+        # mapped, not by the first load that reads one.
+        self._register_ahead = (RegisterAhead(cuda_registry())
+                                if pool.kv.device.type == "cuda" and _reads_arenas(chain) else None)
         # On a CPU pool, pages from below land straight in their device pages: the pool is memory
         # too, and staging would be a second pass over every byte. Its bytes as
         # (K/V, layer, page, bytes): one page's blocks, in page-first order, are `_pool_dest`.
@@ -381,6 +386,8 @@ class Promoter:
             self._executor.shutdown(wait=True, cancel_futures=True)
         if self.arena_copier is not None:
             self.arena_copier.close()
+        if self._register_ahead is not None:
+            self._register_ahead.close()
 
     # --- internals ------------------------------------------------------------------------------
     def _pool_dest(self, page: int) -> PageDest:
@@ -421,3 +428,8 @@ class Promoter:
     def _observe(self, tier: str, num_pages: int, seconds: float) -> None:
         if num_pages:
             self.reuse.observe_load(tier, num_pages * self.spec.bytes_per_page, seconds)
+
+
+def _reads_arenas(chain: TierChain) -> bool:
+    """Whether a tier of `chain` reads pages in same-host store servers' arenas (the remote tier)."""
+    return any(hasattr(tier, "arena_pages") for tier in chain.tiers)

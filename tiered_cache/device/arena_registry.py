@@ -99,6 +99,36 @@ def cuda_registry() -> ArenaRegistry:
         return _CUDA
 
 
+class RegisterAhead:
+    """Registers each arena map of this process as it is mapped (and those mapped already), on a
+    thread of its own, so that the first load from a same-host store does not pin a whole arena
+    (about a second for ten GiB) inside its TTFT. A load that comes first waits for it (the
+    registry's lock) or registers the map itself."""
+
+    def __init__(self, registry: ArenaRegistry) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tiered_cache.shm.arena_map import watch_maps
+
+        self.registry = registry
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tiered-cache-arena-register")
+        self._stop = watch_maps(self._soon)
+
+    def _soon(self, arena: ArenaMap) -> None:
+        ref = weakref.ref(arena)  # a map dropped before its turn is not kept for it
+
+        def register() -> None:
+            if (still := ref()) is not None and not still.closed:
+                self.registry.ensure(still)  # a refusal: the load that needs the map says so
+
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing more to register
+            self._thread.submit(register)
+
+    def close(self) -> None:
+        self._stop()
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+
 def error_name(err: int) -> str:
     """The CUDA runtime's words for `err`, or '?' where this torch does not bind them."""
     try:

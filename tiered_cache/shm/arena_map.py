@@ -12,6 +12,7 @@ import contextlib
 import mmap
 import struct
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -51,6 +52,7 @@ class ArenaMap:
             raise ValueError(f"{path}: its header's capacity and index do not add up to {size} bytes")
         self.max_page = largest_blob(self.capacity)
         self._on_close: list[Callable[[ArenaMap], None]] = []
+        _announce(self)
 
     @property
     def raw(self) -> mmap.mmap:
@@ -110,6 +112,10 @@ class ArenaMap:
         """Whether the server that made the arena still holds it open."""
         return still_open(self.path, self._inode)
 
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
+
     def address(self) -> int:
         """Where the map starts in this process (to register it with CUDA)."""
         import numpy as np
@@ -126,6 +132,36 @@ class ArenaMap:
         self._on_close.clear()
         with contextlib.suppress(BufferError):  # pages still lent as views: unmapped when the last goes
             self._map.close()
+
+
+_LIVE: weakref.WeakSet[ArenaMap] = weakref.WeakSet()  # every map of this process not yet collected
+_WATCHERS: list[Callable[[ArenaMap], None]] = []
+_WATCH_LOCK = threading.Lock()
+
+
+def watch_maps(callback: Callable[[ArenaMap], None]) -> Callable[[], None]:
+    """Call `callback(map)` for every arena map of this process now, and for each mapped from now
+    on (on the thread that maps it: keep it short); returns the call that stops it. For a CUDA
+    engine that registers maps with the driver before the first load reads them."""
+    with _WATCH_LOCK:
+        _WATCHERS.append(callback)
+        live = list(_LIVE)
+    for arena in live:
+        callback(arena)
+
+    def stop() -> None:
+        with _WATCH_LOCK, contextlib.suppress(ValueError):
+            _WATCHERS.remove(callback)
+
+    return stop
+
+
+def _announce(arena: ArenaMap) -> None:
+    with _WATCH_LOCK:
+        _LIVE.add(arena)
+        watchers = list(_WATCHERS)
+    for callback in watchers:
+        callback(arena)
 
 
 class ArenaViews:
