@@ -201,7 +201,7 @@ def test_two_copiers_share_one_registration_and_a_refused_one_leaves_no_error_be
             tier.warm()
             where = tier.arena_pages(keys)
             assert first.usable(where[0][0]) and second.usable(where[0][0])
-            assert cuda_registry().held(where[0][0])
+            assert cuda_registry(pool.device).held(where[0][0])
             first.close()  # the map stays registered for the other
             targets = pool.allocate(N)
             assert second.to_pool(keys, where, targets) == N
@@ -209,11 +209,15 @@ def test_two_copiers_share_one_registration_and_a_refused_one_leaves_no_error_be
 
             class Bogus:  # a range the driver cannot register
                 size = 4096
+                raw = None
+
+                def on_close(self, callback: object) -> bool:
+                    return True
 
                 def address(self) -> int:
                     return 8
 
-            assert cuda_registry().ensure(Bogus()) != 0
+            assert cuda_registry(pool.device).ensure(Bogus()) != 0
             assert float((torch.ones(4, device="cuda") + 1).sum()) == 8.0  # no stale error raised here
         finally:
             second.close()

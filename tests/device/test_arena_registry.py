@@ -5,6 +5,7 @@ the `gpu` tests in test_arena_copy.py run the real ones), against real arena map
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 
@@ -81,14 +82,43 @@ def test_a_refusal_is_returned_and_its_error_read_off_and_the_next_ask_tries_aga
     assert len(runtime.unregistered) == 1
 
 
-def test_someone_elses_registration_is_usable_and_never_undone(arena: Arena) -> None:
+def test_a_range_registered_already_is_not_trusted_and_not_undone(arena: Arena) -> None:
+    """Someone else's registration, or one that outlived its map: the DMA could read other pages
+    than the map holds, so the pages are staged instead."""
     runtime = Runtime()
     registry = runtime.registry()
     reader = ArenaMap(arena.path, arena.size, arena.id)
     runtime.answers = [ALREADY_REGISTERED]
-    assert registry.ensure(reader) == 0 and runtime.errors_read == 1
+    assert registry.ensure(reader) == ALREADY_REGISTERED and runtime.errors_read == 1
+    assert not registry.held(reader)
     reader.close()
     assert runtime.unregistered == []  # not ours
+
+
+def test_a_map_closing_already_is_not_registered(arena: Arena) -> None:
+    runtime = Runtime()
+    registry = runtime.registry()
+    reader = ArenaMap(arena.path, arena.size, arena.id)
+    reader.close()
+    assert registry.ensure(reader) == -1 and runtime.registered == []
+
+
+def test_a_collected_map_is_unregistered_on_the_registrys_thread_its_memory_held_till_then(arena: Arena) -> None:
+    """Never inside a garbage collection on an engine's thread (a CUDA graph capture may be under
+    way): the unregistration is queued, and the map's range stays mapped until it ran."""
+    runtime = Runtime()
+    queued: list = []
+    registry = ArenaRegistry(runtime.register, runtime.unregister, runtime.forget, later=queued.append)
+    reader = ArenaMap(arena.path, arena.size, arena.id)
+    assert registry.ensure(reader) == 0
+    memory = weakref.ref(reader.raw)
+    del reader
+    gc.collect()
+    assert runtime.unregistered == [] and len(queued) == 1
+    assert memory() is not None and not memory().closed  # still mapped: its address cannot be reused yet
+    queued.pop()()
+    gc.collect()
+    assert len(runtime.unregistered) == 1 and memory() is None  # unregistered, then unmapped
 
 
 def test_two_maps_of_two_arenas_each_their_own(arena: Arena) -> None:
@@ -116,7 +146,6 @@ def test_maps_are_registered_ahead_as_they_are_mapped_until_closed(arena: Arena)
     before = ArenaMap(arena.path, arena.size, arena.id)
     ahead = RegisterAhead(registry)
     after = ArenaMap(arena.path, arena.size, arena.id)  # a second map of the same arena: another range
-    ahead._thread.submit(lambda: None).result()  # its queue has run
     assert registry.held(before) and registry.held(after)  # (with any other test's map still open)
     addresses = {before.address(), after.address()}
     assert addresses <= set(runtime.registered)

@@ -101,7 +101,7 @@ class Promoter:
         self._arena_dma = True  # False once the driver refused to register an arena
         # On CUDA, arenas of same-host store servers are registered with the driver as they are
         # mapped, not by the first load that reads one.
-        self._register_ahead = (RegisterAhead(cuda_registry())
+        self._register_ahead = (RegisterAhead(cuda_registry(pool.device))
                                 if pool.kv.device.type == "cuda" and _reads_arenas(chain) else None)
         # On a CPU pool, pages from below land straight in their device pages: the pool is memory
         # too, and staging would be a second pass over every byte. Its bytes as

@@ -77,9 +77,10 @@ class ArenaCopier:
         the staged path is used)."""
         if not self.cuda:
             return True
-        if arena in self._usable:
+        registry = cuda_registry(self.pool.device)
+        if arena in self._usable and registry.held(arena):  # not once it was closed and unregistered
             return True
-        err = cuda_registry().ensure(arena)
+        err = registry.ensure(arena)
         if err:
             # Said once per copier: from here the promoter stages these pages through host RAM,
             # at a CPU copy's speed, and whoever reads the figures should know why.

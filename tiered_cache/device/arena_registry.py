@@ -2,14 +2,24 @@
 
 The DMA from a same-host store's arena (arena_copy.py) needs its read-only map page-locked and
 known to the driver (`cudaHostRegister`, read-only). A map is registered the first time any
-copier asks, and stays so until it is closed or collected: two caches reading one store share
-the registration (a second `cudaHostRegister` of the range would be refused), and a map a client
-abandoned when its server restarted (left to the garbage collector while a Get may still read it)
-is unregistered when it goes, not kept page-locked by a copier that holds it.
+copier asks (or as soon as it is mapped: `RegisterAhead`), and stays so until it is closed or
+collected: two caches reading one store share the registration, and a map a client abandoned when
+its server restarted (left to the garbage collector while a Get may still read it) is
+unregistered when it goes, not kept page-locked by a copier that holds it.
 
-A registration runs before the map can be unmapped: the weak reference's callback runs while the
-map object is still whole. A failed runtime call leaves its error as the thread's last error,
-which torch's next kernel launch check would raise for an unrelated op; it is read off at once.
+What keeps a stale registration from ever being read (the DMA would read the old pages while the
+CPU checks the new map's: wrong KV passing its checksum):
+- The registry holds the map's memory (the `mmap` object) from registration to unregistration, so
+  the range cannot be unmapped, and its address reused by another map, while it is registered.
+- `close()` unregisters before it unmaps (its callback is added before the registration, and a
+  map already closing is not registered at all). A map collected unclosed is unregistered on the
+  registry's own thread (never inside a garbage collection on an engine's thread, which could
+  fall in a CUDA graph capture), its memory held until then.
+- A range the driver says is registered already, by someone else or by a registration that
+  outlived its map, is not trusted: the pages are staged.
+Every call runs with the pool's device current, so no other GPU gets a context. A failed runtime
+call leaves its error as the thread's last error, which torch's next kernel launch check would
+raise for an unrelated op; it is read off at once.
 """
 
 from __future__ import annotations
@@ -18,115 +28,129 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from tiered_cache.shm.arena_map import ArenaMap
+from tiered_cache.shm.arena_map import ArenaMap, watch_maps
 
 _READ_ONLY = 0x08 | 0x01  # cudaHostRegisterReadOnly | cudaHostRegisterPortable
-ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered: someone else's registration
+ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
 
 
 class ArenaRegistry:
-    """Which maps are registered; `register` and `unregister` are the runtime's calls (address,
-    size) -> error and (address) -> error, `forget_error` reads off a failed call's error."""
+    """Which maps are registered. `register(address, size) -> error`, `unregister(address) ->
+    error` and `forget_error()` are the runtime's; `later(fn)` runs `fn` on the registry's thread."""
 
     def __init__(self, register: Callable[[int, int], int], unregister: Callable[[int], int],
-                 forget_error: Callable[[], None] = lambda: None) -> None:
+                 forget_error: Callable[[], None] = lambda: None,
+                 later: Callable[[Callable[[], None]], None] | None = None) -> None:
         self._register, self._unregister, self._forget_error = register, unregister, forget_error
-        self._lock = threading.RLock()  # a collected map's callback may run inside `ensure`
-        self._held: dict[int, weakref.finalize] = {}  # address of a live map -> its unregistration
+        self._later = later or (lambda fn: fn())
+        self._lock = threading.RLock()
+        # id(map) -> (a weak reference to it, its address, its memory: held while registered)
+        self._held: dict[int, tuple[weakref.ref[ArenaMap], int, Any]] = {}
 
     def ensure(self, arena: ArenaMap) -> int:
-        """0 once `arena`'s map is registered (now, or already, by this registry or by someone
-        else), else the runtime's error; then nothing is registered and the caller stages."""
-        address = arena.address()
+        """0 once `arena`'s map is registered (now or before), else the runtime's error (or -1 for
+        a map closing already); then nothing is registered and the caller stages its pages."""
+        key = id(arena)
         with self._lock:
-            if address in self._held:
+            entry = self._held.get(key)
+            if entry is not None and entry[0]() is arena:
                 return 0
+            if not arena.on_close(lambda _: self._release(key)):  # first: close() then waits for us
+                return -1
+            address = arena.address()
             err = self._register(address, arena.size)
-            if err == ALREADY_REGISTERED:  # another library's registration: usable, not ours to undo
-                self._forget_error()
-                return 0
             if err:
-                self._forget_error()
+                self._forget_error()  # ALREADY_REGISTERED too: not ours to trust (module doc)
                 return err
-            release = weakref.finalize(arena, self._release, address)
-            release.atexit = False  # at exit the driver may be gone; the process's end unpins
-            self._held[address] = release
-        arena.on_close(lambda _: release())  # before the map is unmapped
-        return 0
+            self._held[key] = (weakref.ref(arena, lambda _: self._later(lambda: self._release(key))),
+                               address, arena.raw)
+            return 0
 
     def held(self, arena: ArenaMap) -> bool:
         with self._lock:
-            return arena.address() in self._held
+            entry = self._held.get(id(arena))
+            return entry is not None and entry[0]() is arena and not arena.closed
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)
 
-    def _release(self, address: int) -> None:
+    def _release(self, key: int) -> None:
         with self._lock:
-            if self._held.pop(address, None) is None:
+            entry = self._held.pop(key, None)
+            if entry is None:
                 return
-            if self._unregister(address):
+            if self._unregister(entry[1]):
                 self._forget_error()
-
-
-def _cuda_registry() -> ArenaRegistry:
-    import torch
-
-    cudart = torch.cuda.cudart()
-
-    def forget_error() -> None:
-        # Torch binds no cudaGetLastError: one tiny kernel launch has torch's launch check read it
-        # (and so clear it), raising it here, where it is expected, instead of in the next op.
-        with contextlib.suppress(RuntimeError):
-            torch.zeros(1, device="cuda")
-
-    return ArenaRegistry(lambda address, size: int(cudart.cudaHostRegister(address, size, _READ_ONLY)),
-                         lambda address: int(cudart.cudaHostUnregister(address)), forget_error)
-
-
-_CUDA: ArenaRegistry | None = None
-_CUDA_LOCK = threading.Lock()
-
-
-def cuda_registry() -> ArenaRegistry:
-    """The process's registry of arena maps with the CUDA runtime torch uses."""
-    global _CUDA
-    with _CUDA_LOCK:
-        if _CUDA is None:
-            _CUDA = _cuda_registry()
-        return _CUDA
+            # entry[2], the map's memory, goes with the entry: unmapped when its last holder lets go
 
 
 class RegisterAhead:
-    """Registers each arena map of this process as it is mapped (and those mapped already), on a
-    thread of its own, so that the first load from a same-host store does not pin a whole arena
+    """Registers each arena map of this process as it is mapped (and those mapped already), on the
+    registry's thread, so that the first load from a same-host store does not pin a whole arena
     (about a second for ten GiB) inside its TTFT. A load that comes first waits for it (the
     registry's lock) or registers the map itself."""
 
     def __init__(self, registry: ArenaRegistry) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from tiered_cache.shm.arena_map import watch_maps
-
         self.registry = registry
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tiered-cache-arena-register")
+        self._closed = False
         self._stop = watch_maps(self._soon)
 
     def _soon(self, arena: ArenaMap) -> None:
         ref = weakref.ref(arena)  # a map dropped before its turn is not kept for it
 
         def register() -> None:
-            if (still := ref()) is not None and not still.closed:
+            if not self._closed and (still := ref()) is not None and not still.closed:
                 self.registry.ensure(still)  # a refusal: the load that needs the map says so
 
-        with contextlib.suppress(RuntimeError):  # closed meanwhile: nothing more to register
-            self._thread.submit(register)
+        self.registry._later(register)
 
     def close(self) -> None:
+        self._closed = True
         self._stop()
-        self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+def _cuda_registry(device: Any) -> ArenaRegistry:
+    import torch
+
+    cudart = torch.cuda.cudart()
+    thread = ThreadPoolExecutor(1, thread_name_prefix="tiered-cache-arena-register",
+                                initializer=torch.cuda.set_device, initargs=(device,))
+
+    def on_device(call: Callable[[], int]) -> int:
+        with torch.cuda.device(device):
+            return call()
+
+    def forget_error() -> None:
+        # Torch binds no cudaGetLastError: one tiny kernel launch has torch's launch check read it
+        # (and so clear it), raising it here, where it is expected, instead of in the next op.
+        with torch.cuda.device(device), contextlib.suppress(RuntimeError):
+            torch.zeros(1, device=device)
+
+    def later(fn: Callable[[], None]) -> None:
+        with contextlib.suppress(RuntimeError):  # the interpreter is exiting: nothing to undo
+            thread.submit(fn)
+
+    return ArenaRegistry(
+        lambda address, size: on_device(lambda: int(cudart.cudaHostRegister(address, size, _READ_ONLY))),
+        lambda address: on_device(lambda: int(cudart.cudaHostUnregister(address))), forget_error, later)
+
+
+_CUDA: ArenaRegistry | None = None
+_CUDA_LOCK = threading.Lock()
+
+
+def cuda_registry(device: Any) -> ArenaRegistry:
+    """The process's registry of arena maps with the CUDA runtime torch uses, its calls made with
+    the first caller's `device` current (a map registered Portable serves every device)."""
+    global _CUDA
+    with _CUDA_LOCK:
+        if _CUDA is None:
+            _CUDA = _cuda_registry(device)
+        return _CUDA
 
 
 def error_name(err: int) -> str:
@@ -138,4 +162,3 @@ def error_name(err: int) -> str:
         return str(cudart.cudaGetErrorString(cudart.cudaError(err)))
     except Exception:  # only a log line's detail
         return "?"
-

@@ -52,6 +52,8 @@ class ArenaMap:
             raise ValueError(f"{path}: its header's capacity and index do not add up to {size} bytes")
         self.max_page = largest_blob(self.capacity)
         self._on_close: list[Callable[[ArenaMap], None]] = []
+        self._closing = False
+        self._close_lock = threading.Lock()
         _announce(self)
 
     @property
@@ -59,9 +61,14 @@ class ArenaMap:
         """The map itself (read-only), for a copier that reads positions it was given."""
         return self._map
 
-    def on_close(self, callback: Callable[[ArenaMap], None]) -> None:
-        """Call `callback(self)` before the map is closed (e.g. to unregister it from CUDA)."""
-        self._on_close.append(callback)
+    def on_close(self, callback: Callable[[ArenaMap], None]) -> bool:
+        """Call `callback(self)` before the map is closed (e.g. to unregister it from CUDA). False,
+        and nothing kept, when the map is closing or closed already."""
+        with self._close_lock:
+            if self._closing:
+                return False
+            self._on_close.append(callback)
+            return True
 
     @property
     def segment(self) -> bytes:
@@ -114,7 +121,8 @@ class ArenaMap:
 
     @property
     def closed(self) -> bool:
-        return self._map.closed
+        """Closing or closed: no new use of the map should begin."""
+        return self._closing or self._map.closed
 
     def address(self) -> int:
         """Where the map starts in this process (to register it with CUDA)."""
@@ -127,9 +135,11 @@ class ArenaMap:
         return len(self._map)
 
     def close(self) -> None:
-        for callback in self._on_close:
+        with self._close_lock:
+            self._closing = True  # no callback is added after this: `on_close` says so instead
+            callbacks, self._on_close = self._on_close, []
+        for callback in callbacks:
             callback(self)
-        self._on_close.clear()
         with contextlib.suppress(BufferError):  # pages still lent as views: unmapped when the last goes
             self._map.close()
 
