@@ -132,12 +132,14 @@ class Demoter:
         """Copy device `pages[new]` into reserved host `slots` (one DMA per run of slots on CUDA, no
         staging), and return a host copy of `pages[overflow]` (no room in host RAM) for below.
         `background`: a request's copy waits behind one chunk of this one, not all of it."""
-        self.writers.wait_on_current()  # the pages' KV, written on any request's stream, lands first
         if new:
-            self.host.before_ordered_write()  # the copier's one stream orders it after the slab's reads
-            self.copier.from_pool(pages[new], self.host.slab, slots, background=background)
+            self.host.before_write()
+            # The pages' KV, written on any request's stream, lands before the copy reads it.
+            self.copier.from_pool(pages[new], self.host.slab, slots, background=background,
+                                  after=self.writers.pending())
         if not overflow:
             return None
+        self.writers.wait_on_current()
         with torch.inference_mode(False):
             return self.pool.gather(pages[overflow], out=torch.empty(self.spec.staging_shape(len(overflow)),
                                                                      dtype=self.pool.kv.dtype))

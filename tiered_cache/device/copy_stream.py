@@ -18,7 +18,7 @@ DMA runs, so the kernel launches of a short prefill overlap the load instead of 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +53,7 @@ class CopyStream:
         self._busy = threading.Lock()
 
     def run(self, n: int, size: int, chunk: Callable[[int, int], None], background: bool = False,
-            wait: bool = True) -> QueuedCopy | None:
+            wait: bool = True, after: Sequence[Any] = ()) -> QueuedCopy | None:
         """`chunk(start, end)` for each chunk of `size` of `n` items, queued on the copy stream
         (see the module doc); returns when every copy has finished, or with `wait=False` (and no
         chunk raising) as soon as they are queued, with the `QueuedCopy` (None on the CPU, where
@@ -69,23 +69,30 @@ class CopyStream:
         # is not timed from before them (the reuse policy's rates come from these times).
         started = torch.cuda.Event(enable_timing=True)
         timed = False
+        event: Any = None  # the end, recorded after the last chunk
         queued = False
         try:
             for start, end in chunks(n, size):
                 with self._busy, torch.cuda.stream(stream):
                     if not timed:
+                        for mark in after:  # e.g. where the streams that wrote these pages had got to
+                            stream.wait_event(mark)
                         started.record(stream)
                         timed = True
                     chunk(start, end)
+                    if end == n:  # the end marked under the lock too: no other transfer's chunk timed
+                        event = torch.cuda.Event(enable_timing=True)
+                        event.record(stream)
                     done = stream.record_event() if background else None
                 if done is not None:
                     done.synchronize()  # a request's chunks queue behind this one only
             queued = True
         finally:
-            if not timed:  # no chunk: nothing to time
-                started.record(stream)
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(stream)
+            if event is None:  # no chunk, or one raised: the end is where the stream is now
+                if not timed:
+                    started.record(stream)
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(stream)
             caller.wait_event(event)
             if wait or not queued:
                 event.synchronize()

@@ -26,7 +26,7 @@ without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,9 +73,11 @@ class HostCopier:
 
         return self._transfer(len(rows), chunk, background, wait)
 
-    def from_pool(self, pages: Any, dest: torch.Tensor, rows: Any, background: bool = False) -> None:
+    def from_pool(self, pages: Any, dest: torch.Tensor, rows: Any, background: bool = False,
+                  after: Sequence[Any] = ()) -> None:
         """`dest[rows[i]]` = pool page `pages[i]`, for page-first `dest` in host memory (the slab).
-        `background` as for `to_pool`."""
+        `background` as for `to_pool`; `after`: CUDA events the copies wait for first (where the
+        streams that wrote the pages had got to: writer_streams.py)."""
         rows, pages = _as_index(rows), _as_index(pages)
         if not len(rows):
             return
@@ -90,7 +92,7 @@ class HostCopier:
             for i, row, count in consecutive_runs(rows[start:end]):
                 dest[row:row + count].copy_(buffer[i:i + count], non_blocking=True)
 
-        self._transfer(len(rows), chunk, background)
+        self._transfer(len(rows), chunk, background, after=after)
 
     def _device_index(self, pages: np.ndarray) -> torch.Tensor:
         """`pages`, checked (allocated, each once) and on the pool's device, once per transfer: the
@@ -100,12 +102,13 @@ class HostCopier:
         return device_index(pages, self.pool.device)
 
     def _transfer(self, n: int, chunk: Callable[[torch.Tensor, int, int], None], background: bool,
-                  wait: bool = True) -> QueuedCopy | None:
+                  wait: bool = True, after: Sequence[Any] = ()) -> QueuedCopy | None:
         """Run `chunk(buffer, start, end)` over `n` pages on the copy stream (copy_stream.py)."""
         self._copy_stream_ready()
         buffer = self._buffer
         assert buffer is not None and self._copies is not None
-        return self._copies.run(n, self.chunk_pages, lambda start, end: chunk(buffer, start, end), background, wait)
+        return self._copies.run(n, self.chunk_pages, lambda start, end: chunk(buffer, start, end), background, wait,
+                                after=after)
 
     def _copy_stream_ready(self) -> None:
         if self._buffer is None:

@@ -6,7 +6,9 @@ queued. The background demoter copies pages out on a thread of its own, whose cu
 the device's default stream: without an order between the two, it could copy half-written pages
 to host RAM and on below, under a checksum made of whatever it read. So each insert marks the
 inserting stream (an event recorded there), and a background copy first makes its stream wait
-for every mark. On the CPU there are no streams: nothing is recorded.
+for every mark: the copy stream itself (`HostCopier.from_pool(after=)`), so no request's stream
+waits for another's; the current stream only for the rare gather of pages host RAM has no room
+for. On the CPU there are no streams: nothing is recorded.
 """
 
 from __future__ import annotations
@@ -40,6 +42,16 @@ class WriterStreams:
             oldest = self._marks.popitem(last=False)[1] if len(self._marks) > MAX_STREAMS else None
         if oldest is not None:
             oldest.synchronize()  # bounded: rarely more than a few streams write
+
+    def pending(self) -> list[Any]:
+        """The marks not passed yet (those passed go): for a copy stream to wait for."""
+        if not self.cuda:
+            return []
+        with self._lock:
+            for key, event in list(self._marks.items()):
+                if event.query():
+                    del self._marks[key]
+            return list(self._marks.values())
 
     def wait_on_current(self) -> None:
         """Make the current stream wait for every mark still pending (marks already passed go)."""

@@ -14,6 +14,7 @@ import ctypes
 import mmap
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 
 MADV_HUGEPAGE = 14  # Linux: back the range with transparent huge pages where possible
@@ -21,7 +22,7 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in as if written, changing 
 _OS_PAGE = mmap.PAGESIZE
 _CHUNK_BYTES = 16 * 2**20
 _IDLE_CHECK_S = 1.0  # an idle thread looks this often whether its owner is gone
-AHEAD_BYTES = 256 * 2**20  # a few Puts' worth of 8B-model pages; what is faulted in is used soon
+AHEAD_BYTES = 256 * 2**20  # at most: a few Puts' worth of 8B-model pages, used soon
 
 _LIBC: ctypes.CDLL | None = None
 
@@ -59,12 +60,16 @@ class Prefault(threading.Thread):
     under way). Only memory about to be used is committed, and on a machine with a core to spare
     the kernel's zeroing runs beside the owner's copies instead of inside them."""
 
-    def __init__(self, mapped: mmap.mmap, written: Callable[[], int | None], ahead: int = AHEAD_BYTES,
+    def __init__(self, mapped: mmap.mmap, written: Callable[[], int | None], ahead: int | None = None,
                  chunk_bytes: int = _CHUNK_BYTES) -> None:
         super().__init__(name="tiered-cache-prefault", daemon=True)
         self._address, self._length = map_address(mapped), len(mapped)
+        # Held weakly and taken for each chunk: madvise never runs on a range unmapped meanwhile
+        # (an address reused by another map would be faulted in: no byte changed, but memory spent).
+        self._mapped = weakref.ref(mapped)
         self._written = written
-        self._ahead = ahead
+        # A sixteenth of the map, 16 to 256 MiB: a small arena or ring commits little ahead of use.
+        self._ahead = ahead if ahead is not None else min(AHEAD_BYTES, max(_CHUNK_BYTES, self._length // 16))
         self._chunk = max(_OS_PAGE, chunk_bytes // _OS_PAGE * _OS_PAGE)
         self._wake = threading.Event()
         self._stopping = False
@@ -90,7 +95,12 @@ class Prefault(threading.Thread):
                 if start >= stop:
                     self.faulted = start
                     break
-                if not populate(self._address + start, stop - start):
+                mapped = self._mapped()
+                if mapped is None or mapped.closed:
+                    return
+                offered = populate(self._address + start, stop - start)
+                del mapped
+                if not offered:
                     return  # not offered here: pages fault in on first write, as without this thread
                 self.faulted = stop
 
@@ -101,7 +111,7 @@ class Prefault(threading.Thread):
             self.join()
 
 
-def prefault_async(mapped: mmap.mmap, written: Callable[[], int | None], ahead: int = AHEAD_BYTES) -> Prefault:
+def prefault_async(mapped: mmap.mmap, written: Callable[[], int | None], ahead: int | None = None) -> Prefault:
     """Start keeping `mapped` faulted in ahead of `written()` on a daemon thread (`Prefault`)."""
     thread = Prefault(mapped, written, ahead)
     thread.start()

@@ -177,14 +177,6 @@ class HostTier:
             with self._reads_lock:
                 self._reads = [copy for copy in self._reads if not copy.finished()]
 
-    def before_ordered_write(self) -> None:
-        """Call before a device copy into reserved slots that is queued on the copy stream the
-        copies out of the slab run on (`HostCopier`'s): the stream runs it after them, so the host
-        waits for none of them, only for a pretouch that writes zeros. A request that demotes
-        inline then never blocks behind a load's copies, nor behind the compute they wait for."""
-        if self.pretouch is not None:
-            self.pretouch.before_write()
-
     def reading(self, copy: Any) -> None:
         """Note a device copy out of slab slots still in flight (`finished()`, `wait()`: a
         `QueuedCopy`), noted before its slots can be freed; until it finishes no write lands in the slab."""
