@@ -34,6 +34,16 @@ def _populate_offered() -> bool:
 needs_populate = pytest.mark.skipif(not _populate_offered(), reason="no MADV_POPULATE_WRITE (Linux 5.14+)")
 
 
+class Log:
+    """A writer as the thread sees it: where its writes have reached."""
+
+    def __init__(self) -> None:
+        self.head = 0
+
+    def written(self) -> int:
+        return self.head
+
+
 def allocated(fd: int) -> int:
     return os.fstat(fd).st_blocks * 512
 
@@ -50,23 +60,23 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 @needs_populate
 def test_faults_in_its_window_past_the_writes_and_no_further() -> None:
     fd, mapped = sealed_segment("log", 64 * MIB)
-    head = [0]
-    thread = Prefault(mapped, lambda: head[0], ahead=8 * MIB, chunk_bytes=MIB)
+    log = Log()
+    thread = Prefault(mapped, log, Log.written, ahead=8 * MIB, chunk_bytes=MIB)
     thread.start()
     try:
         time.sleep(1.5)  # past the thread's idle look at its owner
         assert allocated(fd) == 0  # nothing before the first write: an idle log commits nothing
         mapped[:MIB] = b"\1" * MIB
-        head[0] = MIB
+        log.head = MIB
         thread.nudge()
         assert wait_for(lambda: allocated(fd) >= 9 * MIB)
         time.sleep(0.2)
         assert allocated(fd) <= 9 * MIB + 2 * MIB  # the window, not the map (huge pages may round up)
-        head[0] = 40 * MIB  # the writer ran ahead on its own: the thread skips what it wrote
+        log.head = 40 * MIB  # the writer ran ahead on its own: the thread skips what it wrote
         thread.nudge()
         assert wait_for(lambda: thread.faulted >= 48 * MIB)
         assert allocated(fd) <= 9 * MIB + 8 * MIB + 2 * MIB  # the 31 MiB the writer skipped are not faulted
-        head[0] = 64 * MIB
+        log.head = 64 * MIB
         thread.nudge()
         thread.join(10)
         assert not thread.is_alive()  # the whole map was written: nothing left to do
@@ -79,13 +89,13 @@ def test_faults_in_its_window_past_the_writes_and_no_further() -> None:
 @needs_populate
 def test_changes_no_byte_while_the_owner_writes() -> None:
     fd, mapped = sealed_segment("log", 32 * MIB)
-    head = [0]
-    thread = Prefault(mapped, lambda: head[0], ahead=32 * MIB, chunk_bytes=MIB)
+    log = Log()
+    thread = Prefault(mapped, log, Log.written, ahead=32 * MIB, chunk_bytes=MIB)
     thread.start()
     try:
         for i in range(32):  # one MiB at a time, each ahead of or inside the thread's window
             mapped[i * MIB:(i + 1) * MIB] = bytes([i + 1]) * MIB
-            head[0] = (i + 1) * MIB if i % 2 else i * MIB  # sometimes behind what was written
+            log.head = (i + 1) * MIB if i % 2 else i * MIB  # sometimes behind what was written
             thread.nudge()
         thread.nudge()
         time.sleep(0.3)
@@ -98,7 +108,8 @@ def test_changes_no_byte_while_the_owner_writes() -> None:
 
 def test_stop_ends_it_at_once_and_an_unused_one_too() -> None:
     fd, mapped = sealed_segment("log", 8 * MIB)
-    thread = Prefault(mapped, lambda: 0)
+    log = Log()
+    thread = Prefault(mapped, log, Log.written)
     thread.start()
     started = time.monotonic()
     thread.stop()

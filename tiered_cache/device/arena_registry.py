@@ -45,7 +45,7 @@ class ArenaRegistry:
                  forget_error: Callable[[], None] = lambda: None,
                  later: Callable[[Callable[[], None]], None] | None = None) -> None:
         self._register, self._unregister, self._forget_error = register, unregister, forget_error
-        self._later = later or (lambda fn: fn())
+        self.later = later or (lambda fn: fn())  # where work off the caller's thread runs
         self._lock = threading.RLock()
         # id(map) -> (a weak reference to it, its address, its memory: held while registered)
         self._held: dict[int, tuple[weakref.ref[ArenaMap], int, Any]] = {}
@@ -65,7 +65,7 @@ class ArenaRegistry:
             if err:
                 self._forget_error()  # ALREADY_REGISTERED too: not ours to trust (module doc)
                 return err
-            self._held[key] = (weakref.ref(arena, lambda _: self._later(lambda: self._release(key))),
+            self._held[key] = (weakref.ref(arena, lambda _: self.later(lambda: self._release(key))),
                                address, arena.raw)
             return 0
 
@@ -106,7 +106,7 @@ class RegisterAhead:
             if not self._closed and (still := ref()) is not None and not still.closed:
                 self.registry.ensure(still)  # a refusal: the load that needs the map says so
 
-        self.registry._later(register)
+        self.registry.later(register)
 
     def close(self) -> None:
         self._closed = True

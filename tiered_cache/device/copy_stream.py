@@ -68,17 +68,15 @@ class CopyStream:
         # Recorded with the first chunk, under the lock: a transfer queued behind another's chunks
         # is not timed from before them (the reuse policy's rates come from these times).
         started = torch.cuda.Event(enable_timing=True)
-        timed = False
         event: Any = None  # the end, recorded after the last chunk
         queued = False
         try:
             for start, end in chunks(n, size):
                 with self._busy, torch.cuda.stream(stream):
-                    if not timed:
+                    if start == 0:
                         for mark in after:  # e.g. where the streams that wrote these pages had got to
                             stream.wait_event(mark)
                         started.record(stream)
-                        timed = True
                     chunk(start, end)
                     if end == n:  # the end marked under the lock too: no other transfer's chunk timed
                         event = torch.cuda.Event(enable_timing=True)
@@ -89,7 +87,7 @@ class CopyStream:
             queued = True
         finally:
             if event is None:  # no chunk, or one raised: the end is where the stream is now
-                if not timed:
+                if n == 0:
                     started.record(stream)
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(stream)

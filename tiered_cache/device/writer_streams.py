@@ -54,16 +54,11 @@ class WriterStreams:
             return list(self._marks.values())
 
     def wait_on_current(self) -> None:
-        """Make the current stream wait for every mark still pending (marks already passed go)."""
-        if not self.cuda:
-            return
-        stream = torch.cuda.current_stream(self.device)
-        with self._lock:
-            for key, event in list(self._marks.items()):
-                if event.query():
-                    del self._marks[key]
-                else:
-                    stream.wait_event(event)
+        """Make the current stream wait for every mark still pending."""
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            for event in self.pending():
+                stream.wait_event(event)
 
     def __len__(self) -> int:
         with self._lock:

@@ -16,6 +16,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 MADV_HUGEPAGE = 14  # Linux: back the range with transparent huge pages where possible
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in as if written, changing no byte
@@ -53,20 +54,21 @@ def map_address(mapped: mmap.mmap) -> int:
 
 class Prefault(threading.Thread):
     """A daemon thread keeping up to `ahead` bytes of a writable map faulted in past where its
-    owner writes next (`written()`: the owner writes in order, as a log does), changing no byte.
-    The owner calls `nudge()` after it writes; the thread ends once the whole map is in, when
-    `written()` answers None (its owner is gone: hold it by a weak reference, so that this thread
-    never keeps a map alive), or at `stop()` (before the map is closed: it waits for the chunk
-    under way). Only memory about to be used is committed, and on a machine with a core to spare
-    the kernel's zeroing runs beside the owner's copies instead of inside them."""
+    `owner` writes next (`written(owner)`: the owner writes in order, as a log does), changing no
+    byte. The owner calls `nudge()` after it writes; the thread ends once the whole map is in,
+    once the owner is gone (held weakly: this thread never keeps it, or its map, alive), or at
+    `stop()` (before the map is closed: it waits for the chunk under way). Only memory about to
+    be used is committed, and on a machine with a core to spare the kernel's zeroing runs beside
+    the owner's copies instead of inside them."""
 
-    def __init__(self, mapped: mmap.mmap, written: Callable[[], int | None], ahead: int | None = None,
+    def __init__(self, mapped: mmap.mmap, owner: object, written: Callable[[Any], int], ahead: int | None = None,
                  chunk_bytes: int = _CHUNK_BYTES) -> None:
         super().__init__(name="tiered-cache-prefault", daemon=True)
         self._address, self._length = map_address(mapped), len(mapped)
         # Held weakly and taken for each chunk: madvise never runs on a range unmapped meanwhile
         # (an address reused by another map would be faulted in: no byte changed, but memory spent).
         self._mapped = weakref.ref(mapped)
+        self._owner = weakref.ref(owner)
         self._written = written
         # A sixteenth of the map, 16 to 256 MiB: a small arena or ring commits little ahead of use.
         self._ahead = ahead if ahead is not None else min(AHEAD_BYTES, max(_CHUNK_BYTES, self._length // 16))
@@ -75,18 +77,23 @@ class Prefault(threading.Thread):
         self._stopping = False
         self.faulted = 0  # the map is faulted in below this offset (by this thread or its owner)
 
+    def _written_now(self) -> int | None:
+        """Where the owner's writes have reached, or None once it is gone."""
+        owner = self._owner()
+        return None if owner is None else self._written(owner)
+
     def nudge(self) -> None:
         self._wake.set()
 
     def run(self) -> None:
         while not self._stopping and self.faulted < self._length:
             if not self._wake.wait(_IDLE_CHECK_S):  # not nudged: no write since, nothing to fault in
-                if self._written() is None:
+                if self._owner() is None:
                     return
                 continue
             self._wake.clear()
             while not self._stopping:
-                written = self._written()
+                written = self._written_now()
                 if written is None:
                     return
                 written = written // _OS_PAGE * _OS_PAGE
@@ -111,9 +118,10 @@ class Prefault(threading.Thread):
             self.join()
 
 
-def prefault_async(mapped: mmap.mmap, written: Callable[[], int | None], ahead: int | None = None) -> Prefault:
-    """Start keeping `mapped` faulted in ahead of `written()` on a daemon thread (`Prefault`)."""
-    thread = Prefault(mapped, written, ahead)
+def prefault_async(mapped: mmap.mmap, owner: object, written: Callable[[Any], int],
+                   ahead: int | None = None) -> Prefault:
+    """Start keeping `mapped` faulted in ahead of `written(owner)` on a daemon thread (`Prefault`)."""
+    thread = Prefault(mapped, owner, written, ahead)
     thread.start()
     return thread
 

@@ -41,7 +41,6 @@ import os
 import struct
 import threading
 import time
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -145,7 +144,7 @@ class Arena:
         self._counts = ArenaFigures()
         # Memory just past the head faulted in by a background thread (shm/advice.py), so a
         # Put's copies do not pay the first pass's faults themselves.
-        self._prefault = prefault_async(self._map, _written_below(weakref.ref(self)))
+        self._prefault = prefault_async(self._map, self, _written_below)
 
     @property
     def path(self) -> str:
@@ -382,11 +381,7 @@ class Arena:
         os.close(self.fd)
 
 
-def _written_below(arena: weakref.ref[Arena]) -> Callable[[], int | None]:
+def _written_below(arena: Arena) -> int:
     """Where the arena's writes have reached in its map (all of its data once the head came
-    round), for its prefault thread; None once the arena is gone."""
-    def written() -> int | None:
-        owner = arena()
-        return None if owner is None else DATA + min(owner._head, owner.capacity)
-
-    return written
+    round), for its prefault thread."""
+    return DATA + min(arena._head, arena.capacity)

@@ -16,7 +16,6 @@ import contextlib
 import os
 import struct
 import threading
-import weakref
 
 from tiered_cache.shm.advice import prefault_async
 from tiered_cache.shm.host import map_read_only, sealed_segment
@@ -47,9 +46,7 @@ class PutRing:
         struct.pack_into("<QQ", self._map, _CURSOR, 0, self.capacity)
         self._cursor = 0
         self._lock = threading.Lock()
-        ring = weakref.ref(self)  # the thread must not keep the ring (and its map) alive
-        self._prefault = prefault_async(
-            self._map, lambda: None if (owner := ring()) is None else HEADER + min(owner._cursor, owner.capacity))
+        self._prefault = prefault_async(self._map, self, lambda ring: HEADER + min(ring._cursor, ring.capacity))
 
     @property
     def path(self) -> str:
