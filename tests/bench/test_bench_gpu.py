@@ -32,6 +32,10 @@ def bench() -> dict:
 def test_every_reuse_row_reuses_the_whole_prefix_from_its_tier(bench):
     setup, rows = bench["setup"], bench["rows"]
     assert (setup["layers"], setup["total_layers"], setup["dtype"]) == (2, 2, "fp32")
+    # What checks the pages (the store rows' rate may hang on it), as this process runs it.
+    from tiered_cache.wire import checksum
+
+    assert setup["checks"].startswith(f"CRC-32C by {checksum.IMPLEMENTATION} on {checksum.checker_threads()} threads")
     expected = [r for r in REUSE_ROWS if r != "redis" or shutil.which("redis-server")]
     assert [(r["tokens"], r["row"]) for r in rows] == [(n, row) for n in TOKENS for row in ["recompute", *expected]]
     for row in rows:
@@ -134,6 +138,8 @@ def test_a_store_row_says_how_its_pages_came_from_the_arena(bench):
     assert arena_round(None, after) == after and arena_round(before, None) is None
     line = describe_arena(one, 2**20)  # 8 MiB: copies in 20 ms, checks in 10 ms
     assert "arena DMA 8 pages in 1 call(s): copy stream 20.0 ms (0.4 GB/s), checks 10.0 ms (0.8 GB/s on 8" in line
+    staged = describe_arena({**one, "staged": 8}, 2**20)  # a map the driver would not register
+    assert "arena DMA 8 pages (8 staged through host chunks) in 1 call(s)" in staged
     names = {f.name for f in fields(GpuRow)}
     rows = [GpuRow(**{k: v for k, v in r.items() if k in names}) for r in bench["rows"]]
     store = next(r for r in rows if r.row == "store")

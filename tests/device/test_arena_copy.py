@@ -28,17 +28,21 @@ def prefix(n: int = N, seed: int = 0, spec: KVSpec = SPEC
     return keys, pages, [(k, encode_page(p, spec, k)) for k, p in zip(keys, pages, strict=True)]
 
 
-def copier_and_pool(device: str = "cpu", chunk_pages: int = 5) -> tuple[ArenaCopier, PagePool]:
+def copier_and_pool(device: str = "cpu", chunk_pages: int = 5, direct: bool = True) -> tuple[ArenaCopier, PagePool]:
     pool = PagePool(SPEC, 4 * N, device=device)
-    return ArenaCopier(pool, chunk_bytes=chunk_pages * raw_blob_size(SPEC)), pool
+    return ArenaCopier(pool, chunk_bytes=chunk_pages * raw_blob_size(SPEC), direct=direct), pool
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
 @pytest.mark.parametrize("chunk_pages", [1, 5, 64])
-def test_pages_lying_in_the_arena_land_in_their_pool_pages_exactly(chunk_pages):
+def test_pages_lying_in_the_arena_land_in_their_pool_pages_exactly(chunk_pages, direct):
+    """Straight from the map (on CUDA: registered), or staged through the two host chunks (a map
+    the driver refused): with one, several or all pages a chunk, each chunk's pages land where
+    asked, host chunks reused in turn."""
     keys, pages, items = prefix()
     with StoreProcess(["--no-disk"]) as store:
         tier = RemoteTier([store.address])
-        copier, pool = copier_and_pool(chunk_pages=chunk_pages)
+        copier, pool = copier_and_pool(chunk_pages=chunk_pages, direct=direct)
         try:
             tier.put(items)
             tier.warm()
@@ -52,6 +56,7 @@ def test_pages_lying_in_the_arena_land_in_their_pool_pages_exactly(chunk_pages):
             assert (copier.refused, copier.lost) == (0, 0)
             figures = copier.figures()  # what `bench gpu` prints beside the store rows; no CUDA, no map registered
             assert (figures["calls"], figures["copied"], figures["registered"]) == (1, N, 0)
+            assert figures["staged"] == (0 if direct else N)
             assert 0 < figures["copy_s"] < figures["call_s"] and 0 < figures["check_s"] < figures["call_s"]
         finally:
             copier.close()
@@ -86,11 +91,12 @@ def pb_disk(tiers) -> bool:
     return pb.TIER_DISK in list(tiers)
 
 
-def test_a_page_that_is_not_the_one_asked_for_ends_the_prefix_there():
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_a_page_that_is_not_the_one_asked_for_ends_the_prefix_there(direct):
     keys, pages, items = prefix(seed=2)
     with StoreProcess(["--no-disk"]) as store:
         tier = RemoteTier([store.address])
-        copier, pool = copier_and_pool()
+        copier, pool = copier_and_pool(direct=direct)
         try:
             tier.put(items)
             tier.warm()
@@ -104,14 +110,15 @@ def test_a_page_that_is_not_the_one_asked_for_ends_the_prefix_there():
             tier.close()
 
 
-def test_a_page_written_over_during_the_copy_ends_the_prefix_there():
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
+def test_a_page_written_over_during_the_copy_ends_the_prefix_there(direct):
     """No lease: the pages are written over by another client's Puts between the refs and the
     copy. None of them may count as arrived."""
     keys, _, items = prefix(seed=3)
     _, _, filler = prefix(400, seed=4)  # more than the 1 MiB arena
     with StoreProcess(["--no-disk", "--ram", "1MiB", "--arena-lease", "0"]) as store:
         tier = RemoteTier([store.address])
-        copier, pool = copier_and_pool()
+        copier, pool = copier_and_pool(direct=direct)
         try:
             tier.put(items)
             tier.warm()
@@ -184,6 +191,32 @@ def test_pages_go_from_the_arena_to_a_cuda_pool_by_dma_exactly():
 
 
 @pytest.mark.gpu
+def test_pages_of_a_map_not_registered_are_staged_to_a_cuda_pool_exactly():
+    """What a platform without read-only registration gets: pages copied and checked on threads
+    into two pinned host chunks in turn, each DMA'd and scattered while the next fills (three
+    chunks: the first host chunk is filled again once its DMA is done)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    keys, pages, items = prefix(seed=8)
+    with StoreProcess(["--no-disk"]) as store:
+        tier = RemoteTier([store.address])
+        copier, pool = copier_and_pool("cuda", chunk_pages=5, direct=False)
+        try:
+            tier.put(items)
+            tier.warm()
+            where = tier.arena_pages(keys)
+            assert not copier.usable(where[0][0])
+            targets = pool.allocate(N)[::-1].copy()
+            assert copier.to_pool(keys, where, targets) == N
+            assert torch.equal(pool.gather(targets).cpu(), pages)
+            figures = copier.figures()
+            assert (figures["staged"], figures["registered"], figures["refused"]) == (N, 0, 0) and figures["copy_s"] > 0
+        finally:
+            copier.close()
+            tier.close()
+
+
+@pytest.mark.gpu
 def test_two_copiers_share_one_registration_and_a_refused_one_leaves_no_error_behind():
     """Two caches reading one store: the map is registered once and stays so when the first
     copier closes. A registration the driver refuses (a bogus range) is answered, and the
@@ -224,11 +257,13 @@ def test_two_copiers_share_one_registration_and_a_refused_one_leaves_no_error_be
             tier.close()
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["registered", "refused"])
 @pytest.mark.parametrize("found", [N, 5, 0])
-def test_the_cuda_load_path_run_on_the_cpu_takes_the_arena_then_stages_the_rest(found, monkeypatch):
+def test_the_cuda_load_path_run_on_the_cpu_takes_the_arena_then_stages_the_rest(found, direct, monkeypatch):
     """The CUDA path of `TieredCache.load` (`Promoter.from_arenas`: pages DMA'd from the arena into
     device pages), run on a CPU pool that says it cannot take pages in place. Pages from the first
-    one not in an arena come by the staged path; all land exactly, from the remote tier."""
+    one not in an arena come by the staged path; all land exactly, from the remote tier. A map the
+    driver refused (`direct=False`) is still read in place, its pages staged by the copier."""
     from tiered_cache.cache import TieredCache
     from tiered_cache.config import CacheConfig
 
@@ -241,6 +276,7 @@ def test_the_cuda_load_path_run_on_the_cpu_takes_the_arena_then_stages_the_rest(
             tier.put(items)
             tier.warm()
             cache.promoter.fills_pool = False  # as on CUDA
+            cache.promoter.arena_copier = ArenaCopier(cache.pool, direct=direct)
             arena_pages = tier.arena_pages
             monkeypatch.setattr(tier, "arena_pages",  # pages past `found` not in the arena (a mock of that only)
                                 lambda keys: [w if i < found else None for i, w in enumerate(arena_pages(keys))])
@@ -250,6 +286,7 @@ def test_the_cuda_load_path_run_on_the_cpu_takes_the_arena_then_stages_the_rest(
             assert len(loaded) == N and torch.equal(cache.pool.gather(loaded), pages)
             copier = cache.promoter.arena_copier
             assert copier is not None and (copier.copied, copier.lost, copier.refused) == (found, 0, 0)
+            assert copier.staged == (0 if direct else found)
             cache.release(handle)
         finally:
             cache.close()

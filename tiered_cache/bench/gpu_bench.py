@@ -20,6 +20,7 @@ from tiered_cache.bench.gpu_sources import TIER_OF, LowerSource, Servers, UpperS
 from tiered_cache.cache import TieredCache
 from tiered_cache.integrations.transformers import generate, spec_for
 from tiered_cache.model.spec import KVSpec
+from tiered_cache.wire import checked_copy, checksum
 
 SUFFIX = 8  # prompt tokens after the prefix: fewer than a page, so the prefix is all that is cached
 
@@ -36,7 +37,9 @@ def bench_gpu(model_name: str, tokens: list[int], device: str, dtype: str, round
     assert all(n > 0 and n % spec.page_size == 0 for n in tokens), tokens
     setup = {"model": model_name, "layers": built.layers, "total_layers": built.total_layers, "dtype": dtype,
              "device": _device_name(device), "page_size": spec.page_size, "bytes_per_token": spec.bytes_per_token,
-             "bytes_per_page": spec.bytes_per_page, "suffix_tokens": SUFFIX, "rounds": rounds, "rows": list(rows)}
+             "bytes_per_page": spec.bytes_per_page, "suffix_tokens": SUFFIX, "rounds": rounds, "rows": list(rows),
+             "checks": f"CRC-32C by {checksum.IMPLEMENTATION} on {checksum.checker_threads()} threads, native page "
+                       f"copy {'on' if checked_copy.NATIVE else 'off'}"}
     longest = spec.bytes_for_tokens(max(tokens))
     pool = longest + 4 * spec.bytes_per_page
     # Every length's prefix stays in the shared tiers while the next is measured: sized for all of

@@ -183,7 +183,10 @@ def describe_arena(figures: dict[str, Any], page_bytes: int) -> str:
         return f"{moved / seconds / 1e9:.1f} GB/s" if moved and seconds > 0 else "-"
 
     f = figures
-    return (f"arena DMA {f['copied']} pages in {f['calls']} call(s): copy stream {f['copy_s'] * 1e3:.1f} ms "
+    # Staged pages (a map the driver would not register) went through pinned host chunks: their
+    # "checks" are the threads' copies with their checks.
+    staged = f" ({f['staged']} staged through host chunks)" if f.get("staged") else ""
+    return (f"arena DMA {f['copied']} pages{staged} in {f['calls']} call(s): copy stream {f['copy_s'] * 1e3:.1f} ms "
             f"({rate(f['copy_s'])}), checks {f['check_s'] * 1e3:.1f} ms ({rate(f['check_s'])} on "
             f"{f['checkers']} threads), whole {f['call_s'] * 1e3:.1f} ms; maps registered "
             f"{f['registered']}, refused {f['refused']}, lost {f['lost']}")

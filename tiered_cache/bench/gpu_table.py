@@ -57,7 +57,7 @@ def render(setup: dict[str, Any], rows: list[GpuRow]) -> str:
             f"{setup['rounds']} from the same state.\nload = match + prefetch + load within that TTFT; "
             f"limit = {limit} of the same bytes, fastest of "
             f"{max(3, setup['rounds'])}; speed-up = recompute TTFT p50 / row TTFT p50; max|dlogit| = first-token "
-            f"logits vs recompute's.")
+            f"logits vs recompute's." + (f"\nChecks: {setup['checks']}." if setup.get("checks") else ""))
     table = render_table([_cells(r) for r in rows], HEADERS, align_right=(0, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12))
     demotions = [f"demotion at {r.tokens:,} tokens (evict: device -> host RAM, every page copied): "
                  f"{r.evict_gbps:.2f} GB/s, {'pinned device->host copy' if 'pinned' in limit else 'memcpy'} "

@@ -98,7 +98,6 @@ class Promoter:
         self._host_copies: deque[tuple[QueuedCopy, np.ndarray]] = deque()
         self.last_host_copy: QueuedCopy | None = None  # the newest of them, done or not
         self.arena_copier: ArenaCopier | None = None  # on CUDA, made when a same-host store is first used
-        self._arena_dma = True  # False once the driver refused to register an arena
         # On CUDA, arenas of same-host store servers are registered with the driver as they are
         # mapped, not by the first load that reads one.
         self._register_ahead = (RegisterAhead(cuda_registry(pool.device))
@@ -333,23 +332,22 @@ class Promoter:
     def from_arenas(self, plan: Sequence[int]) -> bool:
         """Whether a CUDA load of these planned pages DMAs them from same-host arenas straight
         into its device pages (`fetch(pages=)`)."""
-        return not self.fills_pool and self._arena_dma and self.in_arenas(plan)
+        return not self.fills_pool and self.in_arenas(plan)
 
     def _fetch_from_arena(self, keys: list[bytes], plan: list[int], pages: np.ndarray, started: float,
                           skip: frozenset[str]) -> Fetched:
         """The leading pages that lie in one tier's same-host arenas, DMA'd from there into
-        `pages` (device/arena_copy.py: checked on CPU threads meanwhile, intact after); from the
-        first page that did not arrive that way (not in an arena, written over, refused, or a map
-        the driver would not register), the rest by the staged path into the pages after."""
+        `pages` (device/arena_copy.py: checked on CPU threads meanwhile, intact after; a map the
+        driver would not register is staged through pinned host chunks there); from the first
+        page that did not arrive that way (not in an arena, written over, refused), the rest by
+        the staged path into the pages after."""
         if self.arena_copier is None:
             self.arena_copier = ArenaCopier(self.pool)
         index = plan[0]
         tier = self.chain.tiers[index]
         n = next((i for i, w in enumerate(plan) if w != index), len(plan))
         where = tier.arena_pages(keys[:n])
-        lead = next((i for i, ref in enumerate(where) if ref is None or not self.arena_copier.usable(ref[0])), n)
-        if lead < n and where[lead] is not None:
-            self._arena_dma = False  # the driver refused the map: staged from now on
+        lead = next((i for i, ref in enumerate(where) if ref is None), n)
         arrived = self.arena_copier.to_pool(keys[:lead], where[:lead], pages[:lead])
         tier.record_arena_reads(arrived, lead - arrived, arrived * self.spec.bytes_per_page)
         if arrived:

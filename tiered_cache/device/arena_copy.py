@@ -12,14 +12,24 @@ copies have finished, each page is checked `intact` (the arena did not write ove
 DMA). Only the leading pages that pass all of it count as arrived: the caller puts those in the
 tree and frees the rest, which the engine computes (a mismatch is a miss, never wrong KV).
 
+Where the driver will not register a map (`cudaHostRegisterReadOnly` is not supported on every
+platform) its pages are staged instead, still in a pipeline, not one whole pass after another:
+
+    arena --(checker threads: copied and checksummed in one pass, checksum.py)--> pinned host chunk
+    pinned host chunk --(one DMA, copy stream)--> device chunk buffer --(scatter)--> pool pages
+
+with two host chunks, so the threads fill one while the other crosses the link: the load runs at
+the slower of the two (the threads' copy rate, the link), not at the sum of their times.
+
 On a CPU pool the same logic runs with a chunk buffer in memory and no streams, so it is tested
-without a GPU. Blobs that are not raw (compressed) are not taken here: the
-staged path decodes them.
+without a GPU (both ways: `direct=False` stages every page). Blobs that are not raw (compressed)
+are not taken here: the promoter's staged path decodes them.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 import weakref
@@ -31,12 +41,12 @@ import numpy as np
 import torch
 
 from tiered_cache.device.arena_registry import cuda_registry, error_name
-from tiered_cache.device.copy_stream import CopyStream, QueuedCopy
+from tiered_cache.device.copy_stream import CopyStream, QueuedCopy, chunks
 from tiered_cache.device.pool import PagePool, device_index
 from tiered_cache.shm.arena import DATA
 from tiered_cache.shm.arena_map import ArenaMap
 from tiered_cache.wire.checksum import checker_threads
-from tiered_cache.wire.codec import BlobError, raw_blob_size, raw_header_size, verify_raw_blob
+from tiered_cache.wire.codec import BlobError, decode_into, raw_blob_size, raw_header_size, verify_raw_blob
 
 log = logging.getLogger("tiered_cache.device.arena_copy")
 
@@ -48,8 +58,10 @@ ArenaPage = tuple[ArenaMap, int, int]  # the arena as mapped here, position, len
 class ArenaCopier:
     """Copies pages that lie in arenas into pool pages (`to_pool`)."""
 
-    def __init__(self, pool: PagePool, chunk_bytes: int = DEFAULT_CHUNK_BYTES, checkers: int | None = None) -> None:
+    def __init__(self, pool: PagePool, chunk_bytes: int = DEFAULT_CHUNK_BYTES, checkers: int | None = None,
+                 direct: bool = True) -> None:
         self.pool = pool
+        self.direct = direct  # False: stage every page through host chunks, as for a map the driver refused
         self.spec = pool.spec
         self.cuda = pool.device.type == "cuda"
         self.blob_bytes = raw_blob_size(self.spec)
@@ -58,23 +70,29 @@ class ArenaCopier:
         self._buffer: torch.Tensor | None = None
         self._copies: CopyStream | None = None
         self._usable: weakref.WeakSet[ArenaMap] = weakref.WeakSet()  # maps registered when this copier asked
+        self._hosts: torch.Tensor | None = None  # the two host chunks pages are staged through (pinned on CUDA)
+        self._staging = threading.Lock()  # one staged transfer at a time uses them
         self._refusal_said = False
         self.checkers = checkers or checker_threads()
         self._checker = ThreadPoolExecutor(self.checkers, thread_name_prefix="tiered-cache-arena-crc")
         self.refused = 0  # pages whose blob failed its checks (counted, then a miss)
         self.lost = 0  # pages the arena wrote over during the copy (a miss)
         self.copied = 0  # pages that arrived verified and intact
+        self.staged = 0  # of those, pages staged through host chunks (a map not registered, or `direct=False`)
         # Where `to_pool`'s time goes, summed over calls (`figures`): the copy stream's time from
         # the first DMA queued to the last scatter (DMA, payloads picked out, scatter, and any gap
-        # while the host queued the next chunk; on the CPU: the copies as they ran, before the
-        # checks), the checks from the first handed out to the last done, and the whole call.
+        # while the host queued the next chunk; on the CPU: the copies as they ran), the checks
+        # from the first handed out to the last done (staged: the threads' copies with their
+        # checks), and the whole call.
         self.calls = 0
         self.copy_s = self.check_s = self.call_s = 0.0
 
     def usable(self, arena: ArenaMap) -> bool:
         """Whether pages of `arena` can be copied straight from it (on CUDA: its map registered
         with the driver, once per process: arena_registry.py; False when the driver refuses, then
-        the staged path is used)."""
+        its pages are staged through host chunks)."""
+        if not self.direct:
+            return False
         if not self.cuda:
             return True
         registry = cuda_registry(self.pool.device)
@@ -82,12 +100,12 @@ class ArenaCopier:
             return True
         err = registry.ensure(arena)
         if err:
-            # Said once per copier: from here the promoter stages these pages through host RAM,
-            # at a CPU copy's speed, and whoever reads the figures should know why.
+            # Said once per copier: from here these pages are staged through host chunks, at the
+            # checker threads' copy rate, and whoever reads the figures should know why.
             if not self._refusal_said:
                 self._refusal_said = True
                 log.warning("CUDA would not register the store's arena %s (%.1f GiB, read-only): error %d (%s); "
-                            "its pages go through pinned staging instead of one DMA", arena.path,
+                            "its pages are staged through pinned host chunks instead", arena.path,
                             arena.size / 2**30, err, error_name(err))
             return False
         self._usable.add(arena)
@@ -105,26 +123,11 @@ class ArenaCopier:
             return 0
         pages = np.asarray(pages[:n], dtype=np.int64)
         self.pool.check_pages(pages)
-        # The copies are queued first, then checked on CPU threads while they run (a blob that
-        # fails is a miss, whatever the DMA did): one share of the pages per thread, every k-th,
-        # so the host hands out a few tasks, not one per page, before the DMA starts.
         started = time.perf_counter()
-        queued = self._copy(where, pages)
-        checking = time.perf_counter()
-        shares: list[Future[list[bool]]] = []
+        direct = all(self.usable(arena) for arena in {id(w[0]): w[0] for w in where}.values())
         try:
-            k = min(self.checkers, n)
-            for i in range(k):
-                shares.append(self._checker.submit(self._check_share, keys[i::k], where[i::k]))
-            ok = [False] * n
-            for i, share in enumerate(shares):
-                ok[i::k] = share.result()
+            ok = self._direct(keys, where, pages) if direct else self._staged(keys, where, pages)
         finally:
-            wait(shares)  # no check outlives this call, also when one raised
-            self.check_s += time.perf_counter() - checking
-            if queued is not None:
-                queued.wait()  # the caller may free or reuse the pages once this returns
-            self.copy_s += queued.seconds() if queued is not None else checking - started
             self.calls += 1
             self.call_s += time.perf_counter() - started
         arrived = 0
@@ -136,19 +139,125 @@ class ArenaCopier:
                 break
             arrived += 1
         self.copied += arrived
+        if not direct:
+            self.staged += arrived
         return arrived
+
+    def _direct(self, keys: Sequence[bytes], where: Sequence[ArenaPage], pages: np.ndarray) -> list[bool]:
+        """Pages straight from the (registered) maps: the copies queued first, then the blobs
+        checked where they lie on the checker threads while the copies run; returns each page's
+        check, once the copies are done."""
+        n = len(keys)
+        started = time.perf_counter()
+        queued = self._copy(where, pages)
+        checking = time.perf_counter()
+        try:
+            ok = self._on_threads(self._check_share, keys, where)
+        finally:
+            self.check_s += time.perf_counter() - checking
+            if queued is not None:
+                queued.wait()  # the caller may free or reuse the pages once this returns
+            self.copy_s += queued.seconds() if queued is not None else checking - started
+        assert len(ok) == n
+        return ok
+
+    def _staged(self, keys: Sequence[bytes], where: Sequence[ArenaPage], pages: np.ndarray) -> list[bool]:
+        """Pages staged chunk by chunk: the checker threads copy and check a chunk's blobs into
+        one host chunk while the previous chunk's DMA and scatter run on the copy stream from the
+        other; returns each page's check, once the copies are done."""
+        self._ready()
+        index = device_index(pages, self.pool.device)
+        ok: list[bool] = []
+        with self._staging:
+            hosts = self._host_chunks()
+            queued: list[QueuedCopy | None] = [None, None]
+            try:
+                for c, (start, end) in enumerate(chunks(len(keys), self.chunk_blobs)):
+                    slot = c % 2
+                    self._settle(queued, slot)  # the DMA that last read this host chunk is done
+                    rows = hosts[slot][:end - start]
+                    filling = time.perf_counter()
+                    ok += self._on_threads(self._stage_share, keys[start:end], where[start:end], rows)
+                    self.check_s += time.perf_counter() - filling
+                    uploading = time.perf_counter()
+                    queued[slot] = self._upload(rows, index[start:end])
+                    if queued[slot] is None:  # on the CPU: done already
+                        self.copy_s += time.perf_counter() - uploading
+            finally:
+                for slot in (0, 1):
+                    self._settle(queued, slot)  # the caller may free or reuse the pages once this returns
+        return ok
+
+    def _settle(self, queued: list[QueuedCopy | None], slot: int) -> None:
+        copy = queued[slot]
+        if copy is not None:
+            queued[slot] = None
+            copy.wait()
+            self.copy_s += copy.seconds()
+
+    def _upload(self, rows: np.ndarray, index: torch.Tensor) -> QueuedCopy | None:
+        """One staged chunk (page-first rows in a host chunk) into its pool pages: on CUDA one DMA
+        into the device chunk buffer and a scatter, on the copy stream (`QueuedCopy`: the host
+        chunk stays untouched until it is done); on the CPU the scatter, from the rows."""
+        assert self._copies is not None and self._buffer is not None
+        count = len(rows)
+        host = torch.from_numpy(rows).view(self.pool.kv.dtype).view(self.spec.staging_shape(count))
+        buffer = self._buffer
+
+        def chunk(start: int, end: int) -> None:
+            if self.cuda:
+                staging = buffer[:rows.nbytes].view(self.pool.kv.dtype).view(self.spec.staging_shape(count))
+                staging.copy_(host, non_blocking=True)
+            else:
+                staging = host
+            self.pool.ops.scatter(self.pool.kv, index, staging)
+
+        return self._copies.run(count, count, chunk, wait=False)
+
+    def _host_chunks(self) -> np.ndarray:
+        """The two host chunks (2, chunk pages, page bytes) staged pages go through; pinned on CUDA,
+        so each crosses in one asynchronous DMA at the link's speed. Made at the first staged load."""
+        if self._hosts is None:
+            with torch.inference_mode(False):
+                self._hosts = torch.empty((2, self.chunk_blobs, self.spec.bytes_per_page), dtype=torch.uint8,
+                                          pin_memory=self.cuda)
+        return self._hosts.numpy()
+
+    def _on_threads(self, share: Any, keys: Sequence[bytes], where: Sequence[ArenaPage],
+                    rows: np.ndarray | None = None) -> list[bool]:
+        """`share(keys, where[, rows])` over the checker threads, one share of the pages each
+        (every k-th, so the host hands out a few tasks, not one per page); each page's result."""
+        n = len(keys)
+        k = min(self.checkers, n)
+        shares: list[Future[list[bool]]] = []
+        try:
+            for i in range(k):
+                args = (keys[i::k], where[i::k]) if rows is None else (keys[i::k], where[i::k], rows[i::k])
+                shares.append(self._checker.submit(share, *args))
+            ok = [False] * n
+            for i, done in enumerate(shares):
+                ok[i::k] = done.result()
+            return ok
+        finally:
+            wait(shares)  # no check outlives the call, also when one raised
 
     def figures(self) -> dict[str, Any]:
         """Counters and where the time went, summed over `to_pool` calls (see __init__), and
         whether the driver took the arenas (`registered`: on CUDA; the DMA path needs it)."""
-        return {"calls": self.calls, "copied": self.copied, "refused": self.refused, "lost": self.lost,
+        return {"calls": self.calls, "copied": self.copied, "staged": self.staged, "refused": self.refused,
+                "lost": self.lost,
                 "copy_s": self.copy_s, "check_s": self.check_s, "call_s": self.call_s,
                 "checkers": self.checkers, "registered": len(self._usable)}
 
     def _check_share(self, keys: Sequence[bytes], where: Sequence[ArenaPage]) -> list[bool]:
         return [self._check(key, page) for key, page in zip(keys, where, strict=True)]
 
-    def _check(self, key: bytes, page: ArenaPage) -> bool:
+    def _stage_share(self, keys: Sequence[bytes], where: Sequence[ArenaPage], rows: np.ndarray) -> list[bool]:
+        return [self._check(key, page, row) for key, page, row in zip(keys, where, rows, strict=True)]
+
+    def _check(self, key: bytes, page: ArenaPage, into: np.ndarray | None = None) -> bool:
+        """Whether the blob at `page` is an intact raw blob of page `key`, checked where it lies;
+        with `into` (a host row), copied there in the same pass (checked_copy.py)."""
         arena, position, length = page
         if length != self.blob_bytes:  # not a raw page of this model: the staged path decodes it
             return False
@@ -157,7 +266,10 @@ class ArenaCopier:
             self.lost += 1
             return False
         try:
-            verify_raw_blob(view, self.spec, key)
+            if into is None:
+                verify_raw_blob(view, self.spec, key)
+            else:
+                decode_into(view, self.spec, key, into)
         except BlobError:
             if arena.intact(position, length):
                 self.refused += 1
