@@ -175,14 +175,17 @@ class ArenaCopier:
                 for c, (start, end) in enumerate(chunks(len(keys), self.chunk_blobs)):
                     slot = c % 2
                     self._settle(queued, slot)  # the DMA that last read this host chunk is done
-                    rows = hosts[slot][:end - start]
+                    rows = hosts[slot, :end - start]
                     filling = time.perf_counter()
-                    ok += self._on_threads(self._stage_share, keys[start:end], where[start:end], rows)
+                    ok += self._on_threads(self._stage_share, keys[start:end], where[start:end], rows.numpy())
                     self.check_s += time.perf_counter() - filling
                     uploading = time.perf_counter()
                     queued[slot] = self._upload(rows, index[start:end])
                     if queued[slot] is None:  # on the CPU: done already
                         self.copy_s += time.perf_counter() - uploading
+                    if not all(ok[start:end]):  # only leading pages count: the rest are not worth moving
+                        ok += [False] * (len(keys) - end)
+                        break
             finally:
                 for slot in (0, 1):
                     self._settle(queued, slot)  # the caller may free or reuse the pages once this returns
@@ -195,18 +198,18 @@ class ArenaCopier:
             copy.wait()
             self.copy_s += copy.seconds()
 
-    def _upload(self, rows: np.ndarray, index: torch.Tensor) -> QueuedCopy | None:
+    def _upload(self, rows: torch.Tensor, index: torch.Tensor) -> QueuedCopy | None:
         """One staged chunk (page-first rows in a host chunk) into its pool pages: on CUDA one DMA
         into the device chunk buffer and a scatter, on the copy stream (`QueuedCopy`: the host
         chunk stays untouched until it is done); on the CPU the scatter, from the rows."""
         assert self._copies is not None and self._buffer is not None
         count = len(rows)
-        host = torch.from_numpy(rows).view(self.pool.kv.dtype).view(self.spec.staging_shape(count))
+        host = rows.view(self.pool.kv.dtype).view(self.spec.staging_shape(count))
         buffer = self._buffer
 
         def chunk(start: int, end: int) -> None:
             if self.cuda:
-                staging = buffer[:rows.nbytes].view(self.pool.kv.dtype).view(self.spec.staging_shape(count))
+                staging = buffer[:rows.numel()].view(self.pool.kv.dtype).view(self.spec.staging_shape(count))
                 staging.copy_(host, non_blocking=True)
             else:
                 staging = host
@@ -214,14 +217,14 @@ class ArenaCopier:
 
         return self._copies.run(count, count, chunk, wait=False)
 
-    def _host_chunks(self) -> np.ndarray:
+    def _host_chunks(self) -> torch.Tensor:
         """The two host chunks (2, chunk pages, page bytes) staged pages go through; pinned on CUDA,
         so each crosses in one asynchronous DMA at the link's speed. Made at the first staged load."""
         if self._hosts is None:
             with torch.inference_mode(False):
                 self._hosts = torch.empty((2, self.chunk_blobs, self.spec.bytes_per_page), dtype=torch.uint8,
                                           pin_memory=self.cuda)
-        return self._hosts.numpy()
+        return self._hosts
 
     def _on_threads(self, share: Any, keys: Sequence[bytes], where: Sequence[ArenaPage],
                     rows: np.ndarray | None = None) -> list[bool]:
