@@ -2,7 +2,8 @@
 this host (its arena), then, from a client's pool, the arena Lookup (`arena_pages`), the CRC
 checks alone on 1..8 threads, the copies alone (`ArenaCopier._copy`: one DMA per run of blobs
 into the chunk buffer, payloads scattered into pool pages), and the whole `to_pool` with each
-thread count, beside a pinned host->device copy (CUDA) or a memcpy (CPU) of the same bytes.
+thread count, straight from the map and staged through pinned host chunks (what a platform that
+refuses the map's registration gets), beside a pinned host->device copy (CUDA) or a memcpy (CPU) of the same bytes.
 Usage: python3 scripts/profile_store_hit.py [--model llama-3.1-8b] [--tokens 8192] [--device cuda]"""
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ def main() -> None:
                 copier = ArenaCopier(pool, checkers=threads)
                 copier.usable(where[0][0])
                 rows.append((f"to_pool, {threads} CRC threads",
+                             median_s(lambda c=copier: c.to_pool(keys, where, targets), args.device), nbytes))
+                copier.close()
+            for threads in (2, 4, 8):  # what a platform that refuses the registration gets
+                copier = ArenaCopier(pool, checkers=threads, direct=False)
+                rows.append((f"to_pool staged (pinned host chunks), {threads} threads",
                              median_s(lambda c=copier: c.to_pool(keys, where, targets), args.device), nbytes))
                 copier.close()
             if args.device == "cuda":

@@ -85,6 +85,34 @@ def test_pages_on_the_servers_disk_are_brought_into_the_arena_first(tmp_path):
             tier.close()
 
 
+def test_a_map_the_driver_refuses_is_staged_and_the_driver_asked_once():
+    """On a platform without read-only registration (cudaErrorNotSupported), every load from the
+    store stages its pages, and none asks the driver to pin the arena again. The refusal is the
+    only fake: there is no driver here to refuse."""
+    from tiered_cache.device.arena_registry import ArenaRegistry
+
+    asked: list[int] = []
+    refusing = ArenaRegistry(lambda address, size: asked.append(address) or 801, lambda address: 0)
+    keys, pages, items = prefix(seed=9)
+    with StoreProcess(["--no-disk"]) as store:
+        tier = RemoteTier([store.address])
+        pool = PagePool(SPEC, 4 * N)
+        copier = ArenaCopier(pool, chunk_bytes=5 * raw_blob_size(SPEC), registry=refusing)
+        try:
+            tier.put(items)
+            tier.warm()
+            for _ in range(2):
+                where = tier.arena_pages(keys)
+                targets = pool.allocate(N)
+                assert copier.to_pool(keys, where, targets) == N
+                assert torch.equal(pool.gather(targets), pages)
+                pool.free(targets)
+            assert (copier.staged, copier.copied, len(asked)) == (2 * N, 2 * N, 1)
+        finally:
+            copier.close()
+            tier.close()
+
+
 def pb_disk(tiers) -> bool:
     from tiered_cache.v1 import cache_pb2 as pb
 
@@ -195,10 +223,23 @@ def test_pages_of_a_map_not_registered_are_staged_to_a_cuda_pool_exactly():
     """What a platform without read-only registration gets: pages copied and checked on threads
     into two pinned host chunks in turn, each DMA'd and scattered while the next fills (three
     chunks: the first host chunk is filled again once its DMA is done)."""
+    from tiered_cache.device.copy_stream import CopyStream
+
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    run = CopyStream.run
+
+    def slow_run(self, n, size, chunk, *args, **kwargs):  # each chunk's DMA starts 50 ms late
+        def late(start, end):
+            torch.cuda._sleep(50_000_000)
+            chunk(start, end)
+
+        return run(self, n, size, late, *args, **kwargs)
+
     keys, pages, items = prefix(seed=8)
-    with StoreProcess(["--no-disk"]) as store:
+    with StoreProcess(["--no-disk"]) as store, pytest.MonkeyPatch.context() as patch:
+        # A host chunk filled again before its DMA read it would land the wrong pages: made likely.
+        patch.setattr(CopyStream, "run", slow_run)
         tier = RemoteTier([store.address])
         copier, pool = copier_and_pool("cuda", chunk_pages=5, direct=False)
         try:

@@ -18,6 +18,7 @@ class Runtime:
     """What the registry asked of the runtime, and what it answers to the next registrations."""
 
     def __init__(self) -> None:
+        self.asked: list[int] = []  # every registration asked for, answered or refused
         self.registered: list[int] = []
         self.unregistered: list[int] = []
         self.answers: list[int] = []
@@ -28,6 +29,7 @@ class Runtime:
 
     def register(self, address: int, size: int) -> int:
         assert size > 0
+        self.asked.append(address)
         answer = self.answers.pop(0) if self.answers else 0
         if not answer:
             self.registered.append(address)
@@ -70,16 +72,40 @@ def test_a_map_dropped_without_close_is_unregistered_when_collected(arena: Arena
     assert runtime.unregistered == [address] and len(registry) == 0
 
 
-def test_a_refusal_is_returned_and_its_error_read_off_and_the_next_ask_tries_again(arena: Arena) -> None:
+def test_a_refusal_is_returned_its_error_read_off_and_remembered_until_the_retry_time(arena: Arena) -> None:
+    """Loads from a map the driver will not take stage their pages; they must not each ask the
+    driver to pin the whole arena again. A refusal that may pass is asked again later."""
+    from tiered_cache.device.arena_registry import RETRY_REFUSED_S
+
     runtime = Runtime()
-    registry = runtime.registry()
+    now = [100.0]
+    registry = ArenaRegistry(runtime.register, runtime.unregister, runtime.forget, clock=lambda: now[0])
     reader = ArenaMap(arena.path, arena.size, arena.id)
-    runtime.answers = [801]  # cudaErrorNotSupported
+    asked = runtime.asked
+    runtime.answers = [801, 801]  # cudaErrorNotSupported, twice
     assert registry.ensure(reader) == 801
     assert runtime.errors_read == 1 and not registry.held(reader) and runtime.registered == []
-    assert registry.ensure(reader) == 0 and registry.held(reader)
+    now[0] += RETRY_REFUSED_S - 1
+    assert registry.ensure(reader) == 801 and len(asked) == 1  # remembered: the driver not asked again
+    now[0] += 1
+    assert registry.ensure(reader) == 801 and len(asked) == 2  # asked again once the time is up
+    now[0] += RETRY_REFUSED_S
+    assert registry.ensure(reader) == 0 and registry.held(reader) and len(asked) == 3
+    hooks = len(reader._on_close)
     reader.close()
-    assert len(runtime.unregistered) == 1
+    assert len(runtime.unregistered) == 1 and hooks == 1  # one close() callback, however often asked
+
+
+def test_a_refused_map_closing_is_not_asked_again(arena: Arena) -> None:
+    runtime = Runtime()
+    now = [0.0]
+    registry = ArenaRegistry(runtime.register, runtime.unregister, runtime.forget, clock=lambda: now[0])
+    reader = ArenaMap(arena.path, arena.size, arena.id)
+    runtime.answers = [801]
+    assert registry.ensure(reader) == 801
+    reader.close()
+    now[0] += 1e6
+    assert registry.ensure(reader) == -1 and runtime.registered == [] and runtime.unregistered == []
 
 
 def test_a_range_registered_already_is_not_trusted_and_not_undone(arena: Arena) -> None:

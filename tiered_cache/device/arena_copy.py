@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_cache.device.arena_registry import cuda_registry, error_name
+from tiered_cache.device.arena_registry import ArenaRegistry, cuda_registry, error_name
 from tiered_cache.device.copy_stream import CopyStream, QueuedCopy, chunks
 from tiered_cache.device.pool import PagePool, device_index
 from tiered_cache.shm.arena import DATA
@@ -51,6 +51,9 @@ from tiered_cache.wire.codec import BlobError, decode_into, raw_blob_size, raw_h
 log = logging.getLogger("tiered_cache.device.arena_copy")
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+# Staged chunks are smaller: the first chunk's fill and the last one's DMA are not overlapped, and
+# a chunk gives each of up to 8 checker threads a few pages.
+STAGED_CHUNK_BYTES = 32 * 2**20
 
 ArenaPage = tuple[ArenaMap, int, int]  # the arena as mapped here, position, length
 
@@ -59,19 +62,25 @@ class ArenaCopier:
     """Copies pages that lie in arenas into pool pages (`to_pool`)."""
 
     def __init__(self, pool: PagePool, chunk_bytes: int = DEFAULT_CHUNK_BYTES, checkers: int | None = None,
-                 direct: bool = True) -> None:
+                 direct: bool = True, registry: ArenaRegistry | None = None) -> None:
         self.pool = pool
         self.direct = direct  # False: stage every page through host chunks, as for a map the driver refused
         self.spec = pool.spec
         self.cuda = pool.device.type == "cuda"
+        # Which maps are registered with the driver: the process's (CUDA), or none needed (CPU).
+        if registry is None and self.cuda:
+            registry = cuda_registry(pool.device)
+        self.registry = registry
         self.blob_bytes = raw_blob_size(self.spec)
         self.header_bytes = raw_header_size(self.spec)
         self.chunk_blobs = max(1, chunk_bytes // self.blob_bytes)
+        self.staged_blobs = max(1, min(self.chunk_blobs, STAGED_CHUNK_BYTES // self.blob_bytes))
         self._buffer: torch.Tensor | None = None
         self._copies: CopyStream | None = None
         self._usable: weakref.WeakSet[ArenaMap] = weakref.WeakSet()  # maps registered when this copier asked
         self._hosts: torch.Tensor | None = None  # the two host chunks pages are staged through (pinned on CUDA)
         self._staging = threading.Lock()  # one staged transfer at a time uses them
+        self._making = threading.Lock()  # the chunk buffer and copy stream are made once
         self._refusal_said = False
         self.checkers = checkers or checker_threads()
         self._checker = ThreadPoolExecutor(self.checkers, thread_name_prefix="tiered-cache-arena-crc")
@@ -93,12 +102,12 @@ class ArenaCopier:
         its pages are staged through host chunks)."""
         if not self.direct:
             return False
-        if not self.cuda:
+        registry = self.registry
+        if registry is None:
             return True
-        registry = cuda_registry(self.pool.device)
         if arena in self._usable and registry.held(arena):  # not once it was closed and unregistered
             return True
-        err = registry.ensure(arena)
+        err = registry.ensure(arena)  # a refusal is remembered there: the driver is not asked each load
         if err:
             # Said once per copier: from here these pages are staged through host chunks, at the
             # checker threads' copy rate, and whoever reads the figures should know why.
@@ -172,18 +181,22 @@ class ArenaCopier:
             hosts = self._host_chunks()
             queued: list[QueuedCopy | None] = [None, None]
             try:
-                for c, (start, end) in enumerate(chunks(len(keys), self.chunk_blobs)):
+                for c, (start, end) in enumerate(chunks(len(keys), self.staged_blobs)):
                     slot = c % 2
                     self._settle(queued, slot)  # the DMA that last read this host chunk is done
                     rows = hosts[slot, :end - start]
                     filling = time.perf_counter()
-                    ok += self._on_threads(self._stage_share, keys[start:end], where[start:end], rows.numpy())
+                    checked = self._on_threads(self._stage_share, keys[start:end], where[start:end], rows.numpy())
                     self.check_s += time.perf_counter() - filling
-                    uploading = time.perf_counter()
-                    queued[slot] = self._upload(rows, index[start:end])
-                    if queued[slot] is None:  # on the CPU: done already
-                        self.copy_s += time.perf_counter() - uploading
-                    if not all(ok[start:end]):  # only leading pages count: the rest are not worth moving
+                    ok += checked
+                    # Only leading pages count: from a page that failed, nothing is worth moving.
+                    good = next((i for i, passed in enumerate(checked) if not passed), len(checked))
+                    if good:
+                        uploading = time.perf_counter()
+                        queued[slot] = self._upload(rows[:good], index[start:start + good], first=c == 0)
+                        if queued[slot] is None:  # on the CPU: done already
+                            self.copy_s += time.perf_counter() - uploading
+                    if good < len(checked):
                         ok += [False] * (len(keys) - end)
                         break
             finally:
@@ -198,10 +211,12 @@ class ArenaCopier:
             copy.wait()
             self.copy_s += copy.seconds()
 
-    def _upload(self, rows: torch.Tensor, index: torch.Tensor) -> QueuedCopy | None:
+    def _upload(self, rows: torch.Tensor, index: torch.Tensor, first: bool) -> QueuedCopy | None:
         """One staged chunk (page-first rows in a host chunk) into its pool pages: on CUDA one DMA
         into the device chunk buffer and a scatter, on the copy stream (`QueuedCopy`: the host
-        chunk stays untouched until it is done); on the CPU the scatter, from the rows."""
+        chunk stays untouched until it is done); on the CPU the scatter, from the rows. The copy
+        stream waits for the caller's stream before the `first` chunk only; the caller's stream
+        never waits: the host waits for every chunk before `to_pool` returns."""
         assert self._copies is not None and self._buffer is not None
         count = len(rows)
         host = rows.view(self.pool.kv.dtype).view(self.spec.staging_shape(count))
@@ -215,14 +230,15 @@ class ArenaCopier:
                 staging = host
             self.pool.ops.scatter(self.pool.kv, index, staging)
 
-        return self._copies.run(count, count, chunk, wait=False)
+        return self._copies.run(count, count, chunk, wait=False, follow_caller=first, caller_waits=False)
 
     def _host_chunks(self) -> torch.Tensor:
-        """The two host chunks (2, chunk pages, page bytes) staged pages go through; pinned on CUDA,
-        so each crosses in one asynchronous DMA at the link's speed. Made at the first staged load."""
+        """The two host chunks (2, staged chunk pages, page bytes) staged pages go through; pinned
+        on CUDA, so each crosses in one asynchronous DMA at the link's speed. Made at the first
+        staged load (which pays for pinning them: tens of ms)."""
         if self._hosts is None:
             with torch.inference_mode(False):
-                self._hosts = torch.empty((2, self.chunk_blobs, self.spec.bytes_per_page), dtype=torch.uint8,
+                self._hosts = torch.empty((2, self.staged_blobs, self.spec.bytes_per_page), dtype=torch.uint8,
                                           pin_memory=self.cuda)
         return self._hosts
 
@@ -308,12 +324,13 @@ class ArenaCopier:
         self.pool.ops.scatter(self.pool.kv, index, staging)
 
     def _ready(self) -> None:
-        if self._buffer is None:
-            with torch.inference_mode(False):
-                self._buffer = torch.empty(self.chunk_blobs * self.blob_bytes, dtype=torch.uint8,
-                                           device=self.pool.device)
-        if self._copies is None:
-            self._copies = CopyStream(self.pool.device)
+        with self._making:  # two first loads at once must share one buffer and one stream
+            if self._buffer is None:
+                with torch.inference_mode(False):
+                    self._buffer = torch.empty(self.chunk_blobs * self.blob_bytes, dtype=torch.uint8,
+                                               device=self.pool.device)
+            if self._copies is None:
+                self._copies = CopyStream(self.pool.device)
 
     def close(self) -> None:
         """Stop the check threads. The maps stay registered: another cache may read them, and each

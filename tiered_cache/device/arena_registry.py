@@ -17,6 +17,9 @@ CPU checks the new map's: wrong KV passing its checksum):
   fall in a CUDA graph capture), its memory held until then.
 - A range the driver says is registered already, by someone else or by a registration that
   outlived its map, is not trusted: the pages are staged.
+A refusal is remembered for the map and asked again only after `RETRY_REFUSED_S` (one that may
+pass, such as pinned memory running out), so loads from a map the driver will not take do not
+each try to pin the whole arena again.
 Every call runs with the pool's device current, so no other GPU gets a context. A failed runtime
 call leaves its error as the thread's last error, which torch's next kernel launch check would
 raise for an unrelated op; it is read off at once.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,36 +39,52 @@ from tiered_cache.shm.arena_map import ArenaMap, watch_maps
 
 _READ_ONLY = 0x08 | 0x01  # cudaHostRegisterReadOnly | cudaHostRegisterPortable
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+RETRY_REFUSED_S = 60.0  # a map the driver refused is asked again after this long
 
 
 class ArenaRegistry:
     """Which maps are registered. `register(address, size) -> error`, `unregister(address) ->
-    error` and `forget_error()` are the runtime's; `later(fn)` runs `fn` on the registry's thread."""
+    error` and `forget_error()` are the runtime's; `later(fn)` runs `fn` on the registry's thread;
+    `clock()`: seconds, for when a refused map is asked again."""
 
     def __init__(self, register: Callable[[int, int], int], unregister: Callable[[int], int],
                  forget_error: Callable[[], None] = lambda: None,
-                 later: Callable[[Callable[[], None]], None] | None = None) -> None:
+                 later: Callable[[Callable[[], None]], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._register, self._unregister, self._forget_error = register, unregister, forget_error
         self.later = later or (lambda fn: fn())  # where work off the caller's thread runs
+        self._clock = clock
         self._lock = threading.RLock()
         # id(map) -> (a weak reference to it, its address, its memory: held while registered)
         self._held: dict[int, tuple[weakref.ref[ArenaMap], int, Any]] = {}
+        # id(map) -> (a weak reference to it, the runtime's error, when to ask again)
+        self._refused: dict[int, tuple[weakref.ref[ArenaMap], int, float]] = {}
 
     def ensure(self, arena: ArenaMap) -> int:
-        """0 once `arena`'s map is registered (now or before), else the runtime's error (or -1 for
-        a map closing already); then nothing is registered and the caller stages its pages."""
+        """0 once `arena`'s map is registered (now or before), else the runtime's error (the one
+        remembered, within `RETRY_REFUSED_S` of a refusal; -1 for a map closing already); then
+        nothing is registered and the caller stages its pages."""
         key = id(arena)
         with self._lock:
             entry = self._held.get(key)
             if entry is not None and entry[0]() is arena:
                 return 0
-            if not arena.on_close(lambda _: self._release(key)):  # first: close() then waits for us
+            refused = self._refused.get(key)
+            if refused is not None and refused[0]() is arena:
+                if self._clock() < refused[2]:
+                    return refused[1]
+                if arena.closed:  # its close() callback is in place since the first ask
+                    return -1
+            elif not arena.on_close(lambda _: self._release(key)):  # first: close() then waits for us
                 return -1
             address = arena.address()
             err = self._register(address, arena.size)
             if err:
                 self._forget_error()  # ALREADY_REGISTERED too: not ours to trust (module doc)
+                self._refused[key] = (weakref.ref(arena, lambda _: self._refused.pop(key, None)), err,
+                                      self._clock() + RETRY_REFUSED_S)
                 return err
+            self._refused.pop(key, None)
             self._held[key] = (weakref.ref(arena, lambda _: self.later(lambda: self._release(key))),
                                address, arena.raw)
             return 0
@@ -80,6 +100,7 @@ class ArenaRegistry:
 
     def _release(self, key: int) -> None:
         with self._lock:
+            self._refused.pop(key, None)
             entry = self._held.pop(key, None)
             if entry is None:
                 return

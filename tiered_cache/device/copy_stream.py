@@ -53,18 +53,23 @@ class CopyStream:
         self._busy = threading.Lock()
 
     def run(self, n: int, size: int, chunk: Callable[[int, int], None], background: bool = False,
-            wait: bool = True, after: Sequence[Any] = ()) -> QueuedCopy | None:
+            wait: bool = True, after: Sequence[Any] = (), follow_caller: bool = True,
+            caller_waits: bool = True) -> QueuedCopy | None:
         """`chunk(start, end)` for each chunk of `size` of `n` items, queued on the copy stream
         (see the module doc); returns when every copy has finished, or with `wait=False` (and no
         chunk raising) as soon as they are queued, with the `QueuedCopy` (None on the CPU, where
-        they ran already)."""
+        they ran already). A transfer queued as several runs (one per staged chunk) has only its
+        first follow the caller's stream, and none make the caller's stream wait, when its host
+        waits for every run before the pages are used (`follow_caller`, `caller_waits`): the
+        caller's stream, which other threads may queue on, does not take turns with each chunk."""
         if not self.cuda:
             for start, end in chunks(n, size):
                 with self._busy:
                     chunk(start, end)
             return None
         stream, caller = self._stream, torch.cuda.current_stream(self.device)
-        stream.wait_stream(caller)
+        if follow_caller:
+            stream.wait_stream(caller)
         # Recorded with the first chunk, under the lock: a transfer queued behind another's chunks
         # is not timed from before them (the reuse policy's rates come from these times).
         started = torch.cuda.Event(enable_timing=True)
@@ -91,7 +96,8 @@ class CopyStream:
                     started.record(stream)
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(stream)
-            caller.wait_event(event)
+            if caller_waits:
+                caller.wait_event(event)
             if wait or not queued:
                 event.synchronize()
         return None if wait else QueuedCopy(started, event)
