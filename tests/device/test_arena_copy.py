@@ -222,7 +222,7 @@ def test_pages_go_from_the_arena_to_a_cuda_pool_by_dma_exactly():
 def test_pages_of_a_map_not_registered_are_staged_to_a_cuda_pool_exactly():
     """What a platform without read-only registration gets: pages copied and checked on threads
     into two pinned host chunks in turn, each DMA'd and scattered while the next fills (three
-    chunks: the first host chunk is filled again once its DMA is done)."""
+    chunks: the first host chunk is filled again once its DMA is done), after the caller's work."""
     from tiered_cache.device.copy_stream import CopyStream
 
     if not torch.cuda.is_available():
@@ -248,6 +248,10 @@ def test_pages_of_a_map_not_registered_are_staged_to_a_cuda_pool_exactly():
             where = tier.arena_pages(keys)
             assert not copier.usable(where[0][0])
             targets = pool.allocate(N)[::-1].copy()
+            # Work the caller queued on its stream before the load (here: late, then zeroing the
+            # pool) must come before the copies, or it would wipe the pages they brought.
+            torch.cuda._sleep(50_000_000)
+            pool.kv.zero_()
             assert copier.to_pool(keys, where, targets) == N
             assert torch.equal(pool.gather(targets).cpu(), pages)
             figures = copier.figures()

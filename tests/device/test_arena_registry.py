@@ -147,6 +147,33 @@ def test_a_collected_map_is_unregistered_on_the_registrys_thread_its_memory_held
     assert len(runtime.unregistered) == 1 and memory() is None  # unregistered, then unmapped
 
 
+def test_a_new_map_with_a_collected_ones_id_undoes_the_old_registration_first(arena: Arena) -> None:
+    """id() reuse: a map collected unclosed (its release queued, not run yet), then a new map
+    known by the same id asks. The old registration is undone then and there (its range must not
+    stay registered once unmapped), and the old map's queued release leaves the new one's alone
+    (unregistering it could pull the pages from under a DMA). The shared id is the one fake: the
+    interpreter reuses ids, but not on cue."""
+    runtime = Runtime()
+    queued: list = []
+    registry = ArenaRegistry(runtime.register, runtime.unregister, runtime.forget, later=queued.append)
+    registry._key = lambda map_: 7
+    old = ArenaMap(arena.path, arena.size, arena.id)
+    old_address = old.address()
+    assert registry.ensure(old) == 0
+    del old
+    gc.collect()
+    assert len(queued) == 1 and runtime.unregistered == []
+    new = ArenaMap(arena.path, arena.size, arena.id)
+    new_address = new.address()
+    assert new_address != old_address  # the old range is still mapped: held by the registry
+    assert registry.ensure(new) == 0
+    assert runtime.unregistered == [old_address] and registry.held(new)
+    queued.pop()()  # the old map's release, late
+    assert runtime.unregistered == [old_address] and registry.held(new) and len(registry) == 1
+    new.close()
+    assert runtime.unregistered == [old_address, new_address] and len(registry) == 0
+
+
 def test_two_maps_of_two_arenas_each_their_own(arena: Arena) -> None:
     runtime = Runtime()
     registry = runtime.registry()

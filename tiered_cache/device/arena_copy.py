@@ -175,6 +175,8 @@ class ArenaCopier:
         one host chunk while the previous chunk's DMA and scatter run on the copy stream from the
         other; returns each page's check, once the copies are done."""
         self._ready()
+        # Made on the caller's stream, read on the copy stream: safe because it lives until the
+        # host has waited for every chunk below (a per-chunk index would need `record_stream`).
         index = device_index(pages, self.pool.device)
         ok: list[bool] = []
         with self._staging:

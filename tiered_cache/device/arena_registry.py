@@ -11,6 +11,11 @@ What keeps a stale registration from ever being read (the DMA would read the old
 CPU checks the new map's: wrong KV passing its checksum):
 - The registry holds the map's memory (the `mmap` object) from registration to unregistration, so
   the range cannot be unmapped, and its address reused by another map, while it is registered.
+- Maps are known by `id()`, which a new map may take once an old one is collected, before the
+  old one's unregistration has run: the new map's first ask undoes the old registration there
+  and then, and the old one's queued release, finding another map's entry, leaves it alone.
+- The callback of a collected map only queues its release (`later`: a `SimpleQueue`, safe to
+  call from inside a garbage collection, which may run while any lock of the thread is held).
 - `close()` unregisters before it unmaps (its callback is added before the registration, and a
   map already closing is not registered at all). A map collected unclosed is unregistered on the
   registry's own thread (never inside a garbage collection on an engine's thread, which could
@@ -28,14 +33,17 @@ raise for an unrelated op; it is read off at once.
 from __future__ import annotations
 
 import contextlib
+import logging
+import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from tiered_cache.shm.arena_map import ArenaMap, watch_maps
+
+log = logging.getLogger("tiered_cache.device.arena_registry")
 
 _READ_ONLY = 0x08 | 0x01  # cudaHostRegisterReadOnly | cudaHostRegisterPortable
 ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
@@ -64,11 +72,13 @@ class ArenaRegistry:
         """0 once `arena`'s map is registered (now or before), else the runtime's error (the one
         remembered, within `RETRY_REFUSED_S` of a refusal; -1 for a map closing already); then
         nothing is registered and the caller stages its pages."""
-        key = id(arena)
+        key = self._key(arena)
         with self._lock:
             entry = self._held.get(key)
             if entry is not None and entry[0]() is arena:
                 return 0
+            if entry is not None:  # a collected map's, its release still queued: undone here, first
+                self._release(key, entry[0])
             refused = self._refused.get(key)
             if refused is not None and refused[0]() is arena:
                 if self._clock() < refused[2]:
@@ -81,29 +91,44 @@ class ArenaRegistry:
             err = self._register(address, arena.size)
             if err:
                 self._forget_error()  # ALREADY_REGISTERED too: not ours to trust (module doc)
-                self._refused[key] = (weakref.ref(arena, lambda _: self._refused.pop(key, None)), err,
+                self._refused[key] = (weakref.ref(arena, lambda ref: self._forget_refusal(key, ref)), err,
                                       self._clock() + RETRY_REFUSED_S)
                 return err
             self._refused.pop(key, None)
-            self._held[key] = (weakref.ref(arena, lambda _: self.later(lambda: self._release(key))),
+            self._held[key] = (weakref.ref(arena, lambda ref: self.later(lambda: self._release(key, ref))),
                                address, arena.raw)
             return 0
 
+    def _forget_refusal(self, key: int, ref: weakref.ref[ArenaMap]) -> None:
+        """A refused map was collected: its entry goes, unless another map has the key now (no
+        lock: this runs inside a garbage collection; a lost race costs one more ask at most)."""
+        entry = self._refused.get(key)
+        if entry is not None and entry[0] is ref:
+            self._refused.pop(key, None)
+
+    _key = staticmethod(id)  # what a map is known by (tests give two maps one key, as id() reuse does)
+
     def held(self, arena: ArenaMap) -> bool:
         with self._lock:
-            entry = self._held.get(id(arena))
+            entry = self._held.get(self._key(arena))
             return entry is not None and entry[0]() is arena and not arena.closed
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)
 
-    def _release(self, key: int) -> None:
+    def _release(self, key: int, ref: weakref.ref[ArenaMap] | None = None) -> None:
+        """Unregister the map known by `key`: the one closing (`ref` None: it is alive, so the key
+        is its own), or the collected one `ref` referred to, unless another map has the key now."""
         with self._lock:
-            self._refused.pop(key, None)
-            entry = self._held.pop(key, None)
+            entry = self._held.get(key)
+            if ref is None:
+                self._refused.pop(key, None)
+            elif entry is None or entry[0] is not ref:
+                return  # undone already, when a new map with this key first asked
             if entry is None:
                 return
+            del self._held[key]
             if self._unregister(entry[1]):
                 self._forget_error()
             # entry[2], the map's memory, goes with the entry: unmapped when its last holder lets go
@@ -138,8 +163,18 @@ def _cuda_registry(device: Any) -> ArenaRegistry:
     import torch
 
     cudart = torch.cuda.cudart()
-    thread = ThreadPoolExecutor(1, thread_name_prefix="tiered-cache-arena-register",
-                                initializer=torch.cuda.set_device, initargs=(device,))
+    work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+
+    def serve() -> None:  # the registry's thread: registrations ahead, releases of collected maps
+        torch.cuda.set_device(device)
+        while True:
+            fn = work.get()
+            try:
+                fn()
+            except Exception:  # one failed release or registration must not end the thread
+                log.exception("arena registry: a queued call failed")
+
+    threading.Thread(target=serve, name="tiered-cache-arena-register", daemon=True).start()
 
     def on_device(call: Callable[[], int]) -> int:
         with torch.cuda.device(device):
@@ -151,13 +186,9 @@ def _cuda_registry(device: Any) -> ArenaRegistry:
         with torch.cuda.device(device), contextlib.suppress(RuntimeError):
             torch.zeros(1, device=device)
 
-    def later(fn: Callable[[], None]) -> None:
-        with contextlib.suppress(RuntimeError):  # the interpreter is exiting: nothing to undo
-            thread.submit(fn)
-
     return ArenaRegistry(
         lambda address, size: on_device(lambda: int(cudart.cudaHostRegister(address, size, _READ_ONLY))),
-        lambda address: on_device(lambda: int(cudart.cudaHostUnregister(address))), forget_error, later)
+        lambda address: on_device(lambda: int(cudart.cudaHostUnregister(address))), forget_error, work.put)
 
 
 _CUDA: ArenaRegistry | None = None

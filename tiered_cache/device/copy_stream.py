@@ -11,7 +11,9 @@ CPU the chunks just run in turn under the lock.
 
 `wait=False` leaves the host free as soon as the copies are queued: the caller's stream still waits
 for them (work queued there after sees the pages), and the caller gets a `QueuedCopy` to learn when
-they are done, keeping its source untouched until then. An engine queues its forward while the
+they are done, keeping its source untouched until then. A transfer queued as several runs whose
+host waits for each before the pages are used (the arena copier's staged chunks) asks for neither
+stream wait after its first run (`follow_caller`, `caller_waits`). An engine queues its forward while the
 DMA runs, so the kernel launches of a short prefill overlap the load instead of following it.
 """
 
