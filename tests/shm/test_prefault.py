@@ -5,10 +5,12 @@ memory the kernel has allocated for it), not from the thread's own counters."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -48,6 +50,22 @@ def allocated(fd: int) -> int:
     return os.fstat(fd).st_blocks * 512
 
 
+@contextlib.contextmanager
+def prefaulting(size: int, ahead: int) -> Iterator[tuple[int, mmap.mmap, Log, Prefault]]:
+    """A fresh segment of `size` bytes written by a `Log`, its prefault thread running (1 MiB
+    chunks); stopped, unmapped and closed after."""
+    fd, mapped = sealed_segment("log", size)
+    log = Log()
+    thread = Prefault(mapped, log, Log.written, ahead=ahead, chunk_bytes=MIB)
+    thread.start()
+    try:
+        yield fd, mapped, log, thread
+    finally:
+        thread.stop()
+        mapped.close()
+        os.close(fd)
+
+
 def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -59,11 +77,7 @@ def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
 
 @needs_populate
 def test_faults_in_its_window_past_the_writes_and_no_further() -> None:
-    fd, mapped = sealed_segment("log", 64 * MIB)
-    log = Log()
-    thread = Prefault(mapped, log, Log.written, ahead=8 * MIB, chunk_bytes=MIB)
-    thread.start()
-    try:
+    with prefaulting(64 * MIB, ahead=8 * MIB) as (fd, mapped, log, thread):
         time.sleep(1.5)  # past the thread's idle look at its owner
         assert allocated(fd) == 0  # nothing before the first write: an idle log commits nothing
         mapped[:MIB] = b"\1" * MIB
@@ -80,19 +94,11 @@ def test_faults_in_its_window_past_the_writes_and_no_further() -> None:
         thread.nudge()
         thread.join(10)
         assert not thread.is_alive()  # the whole map was written: nothing left to do
-    finally:
-        thread.stop()
-        mapped.close()
-        os.close(fd)
 
 
 @needs_populate
 def test_changes_no_byte_while_the_owner_writes() -> None:
-    fd, mapped = sealed_segment("log", 32 * MIB)
-    log = Log()
-    thread = Prefault(mapped, log, Log.written, ahead=32 * MIB, chunk_bytes=MIB)
-    thread.start()
-    try:
+    with prefaulting(32 * MIB, ahead=32 * MIB) as (_, mapped, log, thread):
         for i in range(32):  # one MiB at a time, each ahead of or inside the thread's window
             mapped[i * MIB:(i + 1) * MIB] = bytes([i + 1]) * MIB
             log.head = (i + 1) * MIB if i % 2 else i * MIB  # sometimes behind what was written
@@ -100,10 +106,6 @@ def test_changes_no_byte_while_the_owner_writes() -> None:
         thread.nudge()
         time.sleep(0.3)
         assert all(mapped[i * MIB:(i + 1) * MIB] == bytes([i + 1]) * MIB for i in range(32))
-    finally:
-        thread.stop()
-        mapped.close()
-        os.close(fd)
 
 
 def test_stop_ends_it_at_once_and_an_unused_one_too() -> None:

@@ -161,7 +161,7 @@ class ArenaCopier:
         queued = self._copy(where, pages)
         checking = time.perf_counter()
         try:
-            ok = self._on_threads(self._check_share, keys, where)
+            ok = self._on_threads(keys, where)
         finally:
             self.check_s += time.perf_counter() - checking
             if queued is not None:
@@ -188,7 +188,7 @@ class ArenaCopier:
                     self._settle(queued, slot)  # the DMA that last read this host chunk is done
                     rows = hosts[slot, :end - start]
                     filling = time.perf_counter()
-                    checked = self._on_threads(self._stage_share, keys[start:end], where[start:end], rows.numpy())
+                    checked = self._on_threads(keys[start:end], where[start:end], rows.numpy())
                     self.check_s += time.perf_counter() - filling
                     ok += checked
                     # Only leading pages count: from a page that failed, nothing is worth moving.
@@ -244,17 +244,18 @@ class ArenaCopier:
                                           pin_memory=self.cuda)
         return self._hosts
 
-    def _on_threads(self, share: Any, keys: Sequence[bytes], where: Sequence[ArenaPage],
+    def _on_threads(self, keys: Sequence[bytes], where: Sequence[ArenaPage],
                     rows: np.ndarray | None = None) -> list[bool]:
-        """`share(keys, where[, rows])` over the checker threads, one share of the pages each
-        (every k-th, so the host hands out a few tasks, not one per page); each page's result."""
+        """`_check` of each page (copied into its row of `rows`, if given) on the checker threads,
+        one share of the pages each (every k-th, so the host hands out a few tasks, not one per
+        page); each page's result."""
         n = len(keys)
         k = min(self.checkers, n)
         shares: list[Future[list[bool]]] = []
         try:
             for i in range(k):
                 args = (keys[i::k], where[i::k]) if rows is None else (keys[i::k], where[i::k], rows[i::k])
-                shares.append(self._checker.submit(share, *args))
+                shares.append(self._checker.submit(self._check_share, *args))
             ok = [False] * n
             for i, done in enumerate(shares):
                 ok[i::k] = done.result()
@@ -270,11 +271,10 @@ class ArenaCopier:
                 "copy_s": self.copy_s, "check_s": self.check_s, "call_s": self.call_s,
                 "checkers": self.checkers, "registered": len(self._usable)}
 
-    def _check_share(self, keys: Sequence[bytes], where: Sequence[ArenaPage]) -> list[bool]:
-        return [self._check(key, page) for key, page in zip(keys, where, strict=True)]
-
-    def _stage_share(self, keys: Sequence[bytes], where: Sequence[ArenaPage], rows: np.ndarray) -> list[bool]:
-        return [self._check(key, page, row) for key, page, row in zip(keys, where, rows, strict=True)]
+    def _check_share(self, keys: Sequence[bytes], where: Sequence[ArenaPage],
+                     rows: np.ndarray | None = None) -> list[bool]:
+        into = [None] * len(keys) if rows is None else rows
+        return [self._check(key, page, row) for key, page, row in zip(keys, where, into, strict=True)]
 
     def _check(self, key: bytes, page: ArenaPage, into: np.ndarray | None = None) -> bool:
         """Whether the blob at `page` is an intact raw blob of page `key`, checked where it lies;
