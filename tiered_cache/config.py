@@ -16,7 +16,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tiered_cache.cache.reuse import ReusePolicy
 from tiered_cache.index.radix_node import EvictionPolicy
 from tiered_cache.model.units import parse_size
 from tiered_cache.wire.auth import check_token
@@ -32,6 +31,11 @@ ENV_NOT_SETTINGS = {"TIERED_CACHE_DIR", "TIERED_CACHE_SERVE_TOKEN"}
 class WritePolicy(enum.Enum):
     WRITE_BACK = "write_back"  # pages are copied down only when evicted from the tier above
     WRITE_THROUGH = "write_through"  # new pages are copied to every tier at once
+
+
+class ReusePolicy(enum.Enum):
+    FASTER = "faster"  # load only the leading pages that arrive sooner than they would be recomputed
+    ALWAYS = "always"  # load every page any tier holds
 
 
 class LowerTier(enum.Enum):

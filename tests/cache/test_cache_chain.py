@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from tiered_cache.bench.redis_process import RedisServer
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import KVSpec
-from tiered_cache.tiers.redis_process import RedisServer
 from tiered_cache.wire.codec import Codec, encode_page
 
 SPEC = KVSpec("chain-test", 2, 2, 32, page_size=4)  # 2 KiB pages
@@ -68,17 +68,17 @@ def test_corrupt_and_foreign_blobs_below_are_misses_never_wrong_kv(tmp_path, red
     for tokens, kv in data:
         cache.put(tokens, kv)
     assert cache.flush(timeout=60)  # let the write-behind settle before tampering with the disk
-    disk = cache.lower[0]
+    disk = cache.chain.tiers[0]
     # One victim page in each of two prompts (a bad page ends its prompt's prefix, hiding later ones).
     by_prompt = [[k for k in cache._keyer("").keys(t) if k in disk.index] for t, _ in data]
     victims = [keys[0] for keys in by_prompt if keys][:2]
-    path = disk._path(victims[0])
+    path = disk.file_of(victims[0])
     raw = bytearray(path.read_bytes())
     raw[300] ^= 0x40
     path.write_bytes(bytes(raw))
     # A blob of another model under the right key: the header's key matches, the fingerprint does not.
     other = SPEC.with_options(model_id="someone-else")
-    disk._path(victims[1]).write_bytes(encode_page(torch.zeros(other.staging_shape(1)[1:]).half(), other,
+    disk.file_of(victims[1]).write_bytes(encode_page(torch.zeros(other.staging_shape(1)[1:]).half(), other,
                                                    victims[1]))
     for tokens, kv in data:
         n, got = cache.get(tokens)
@@ -88,7 +88,7 @@ def test_corrupt_and_foreign_blobs_below_are_misses_never_wrong_kv(tmp_path, red
     # eviction passed it down (the key in the foreign blob's header is right, only decoding fails).
     assert st.tier("disk").corrupt + st.tier("redis").corrupt == 2
     for key in victims:
-        assert key not in disk.index and cache.lower[1].contains_prefix([key]) == 0
+        assert key not in disk.index and cache.chain.tiers[1].contains_prefix([key]) == 0
 
 
 def test_redis_going_away_never_raises_into_put_or_get(tmp_path):

@@ -174,7 +174,7 @@ def test_redis_get_into_over_several_mgets_keeps_pages_in_order(redis_server, re
 
 
 def test_redis_get_into_from_a_dead_server_is_misses_and_an_error(tmp_path):
-    from tiered_cache.tiers.redis_process import RedisServer
+    from tiered_cache.bench.redis_process import RedisServer
 
     server = RedisServer(tmp_path)
     server.start()
@@ -278,7 +278,7 @@ def test_a_cache_loads_from_disk_into_its_pool_and_a_corrupt_page_ends_the_prefi
     cache.put(tokens, token_kv(SPEC, tokens))
     cache.evict()
     cache.flush()
-    disk = cache.lower[0]
+    disk = cache.chain.tiers[0]
     keys = cache._keyer("").keys(tokens)
     _, pages = cache.host.copy_out(keys)
     disk.put([(k, encode_page(p, SPEC, k)) for k, p in zip(keys, pages, strict=True)])

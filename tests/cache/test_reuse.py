@@ -16,8 +16,7 @@ from throttle_proxy import ThrottledProxy
 
 from tiered_cache.cache import TieredCache
 from tiered_cache.cache.handle import HOST
-from tiered_cache.cache.rates import Rate, RateEstimator
-from tiered_cache.cache.reuse import ReuseEstimates, pages_to_load
+from tiered_cache.cache.reuse import Rate, RateEstimator, ReuseEstimates, pages_to_load
 from tiered_cache.client.stats import server_stats
 from tiered_cache.config import CacheConfig, ReusePolicy
 from tiered_cache.index.keys import PageKeyer
@@ -217,7 +216,7 @@ def test_swap_in_brings_the_whole_prefix_back_even_where_match_would_recompute_i
         cache.write(handle, torch.randn(spec.kv_shape(2)).half())
         assert cache.swap_out(handle) == 1
         assert cache.evict() == 2  # the prefix waits in host RAM
-        cache.reuse.observe_load("host", spec.bytes_per_page, 1.0)  # a second a page: slower than prefill
+        cache.reuse.estimates.observe_load("host", spec.bytes_per_page, 1.0)  # a second a page: slower than prefill
         assert cache.lookup(prefix) == 0
         other = cache.match(prefix)
         assert other.available_pages == 0 and cache.stats().reuse.skipped_pages == {"host": 2}
@@ -366,9 +365,9 @@ def test_a_slow_tier_seen_on_one_page_is_skipped_and_measured_at_the_larger_size
     # of that fetch: skipped (the request does not wait on a guess), and fetched aside at once,
     # not REUSE_REMEASURE_S later, by one probe however many requests skip them meanwhile. Two
     # sizes seen, the link's rate is fitted: still too slow.
-    import tiered_cache.cache.promoter as promoter_module
+    import tiered_cache.cache.reuse as reuse_module
 
-    monkeypatch.setattr(promoter_module, "REUSE_EXTRAPOLATED_PROBE_S", 0.0)  # only a running probe holds one back
+    monkeypatch.setattr(reuse_module, "REUSE_EXTRAPOLATED_PROBE_S", 0.0)  # only a running probe holds one back
     _, proxy = slow_store
     with _cache_with_host_head(proxy, "faster") as cache:
         _load_one_page_of_warm(cache)
@@ -398,7 +397,7 @@ def test_a_fast_tier_whose_first_fetch_was_slow_is_used_again_after_one_probe(sl
     # prompt after loads them all.
     store, _ = slow_store
     with _cache_with_host_head(types.SimpleNamespace(address=store.address), "faster") as cache:
-        cache.reuse.observe_load("remote", SPEC.bytes_per_page, 0.065)
+        cache.reuse.estimates.observe_load("remote", SPEC.bytes_per_page, 0.065)
         assert cache.stats().reuse.load_rates["remote"].known_up_to == SPEC.bytes_per_page
         handle = cache.match(PROMPT)
         assert handle.plan == [HOST] * 4
@@ -413,13 +412,13 @@ def test_a_fast_tier_whose_first_fetch_was_slow_is_used_again_after_one_probe(sl
 
 
 def test_a_tier_skipped_as_slow_is_measured_again_in_the_background(slow_store, monkeypatch):
-    import tiered_cache.cache.promoter as cache_module
+    import tiered_cache.cache.reuse as reuse_module
 
     _, proxy = slow_store
     with _cache_with_host_head(proxy, "faster") as cache:
         _warm_up(cache)
         before = cache.stats().tier("remote").promotions
-        monkeypatch.setattr(cache_module, "REUSE_REMEASURE_S", 0.0)  # the estimate counts as old
+        monkeypatch.setattr(reuse_module, "REUSE_REMEASURE_S", 0.0)  # the estimate counts as old
         handle = cache.match(PROMPT)
         assert handle.available_pages == 4  # the request still skips the slow pages...
         cache.release(handle)

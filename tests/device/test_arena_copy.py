@@ -184,7 +184,7 @@ def test_a_load_through_the_cache_from_a_same_host_store_is_exact_and_counted(de
             loaded = cache.load(handle)
             assert len(loaded) == N and torch.equal(cache.pool.gather(loaded).cpu(), pages)
             if device == "cuda":
-                copier = cache.promoter.arena_copier
+                copier = cache.arena_loads.copier
                 assert copier is not None and (copier.copied, copier.lost, copier.refused) == (N, 0, 0)
             cache.release(handle)
             with StoreClient(store.address) as client:
@@ -321,15 +321,15 @@ def test_the_cuda_load_path_run_on_the_cpu_takes_the_arena_then_stages_the_rest(
             tier.put(items)
             tier.warm()
             cache.promoter.fills_pool = False  # as on CUDA
-            cache.promoter.arena_copier = ArenaCopier(cache.pool, direct=direct)
+            cache.arena_loads.copier = ArenaCopier(cache.pool, direct=direct)
             arena_pages = tier.arena_pages
             monkeypatch.setattr(tier, "arena_pages",  # pages past `found` not in the arena (a mock of that only)
                                 lambda keys: [w if i < found else None for i, w in enumerate(arena_pages(keys))])
             handle = cache.match(list(range(SPEC.page_size * N)))
-            assert cache.promoter.from_arenas(handle.plan)
+            assert cache.arena_loads.direct(handle.plan)
             loaded = cache.load(handle)
             assert len(loaded) == N and torch.equal(cache.pool.gather(loaded), pages)
-            copier = cache.promoter.arena_copier
+            copier = cache.arena_loads.copier
             assert copier is not None and (copier.copied, copier.lost, copier.refused) == (found, 0, 0)
             assert copier.staged == (0 if direct else found)
             cache.release(handle)

@@ -1,9 +1,11 @@
 """Imports between folders point down, never up, and form no circle (DESIGN.md §2).
 
-Every module of `tiered_cache/` and `workers/` is parsed (nothing is imported or run); every
-import counts, those inside functions too, except those under `if TYPE_CHECKING:`. A module's
+Every module of `tiered_cache/` and `workers/` (imported as `tiered_cache.workers`) is parsed
+(nothing is imported or run); every import counts, those inside functions too, except those under
+`if TYPE_CHECKING:`. A module's
 folder is its first part below `tiered_cache` (`tiered_cache.tiers.remote` -> tiers); `workers/`
-is one folder; the top-level modules other than `errors.py` are the cache layer ("cache").
+is one folder; each top-level module (`config.py`, `errors.py`, `retention.py`) is a unit of its
+own, in the layer its imports put it.
 `tiered_cache/__init__.py` is the package facade and exempt: a name imported from it counts as
 an import of the module it comes from.
 """
@@ -18,7 +20,7 @@ from conftest import REPO
 
 # Bottom -> top. A folder may import folders of its own layer and of the layers before it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "model", "v1", "data"),  # data: package data (model shapes), no code
+    ("errors", "retention", "model", "v1", "data"),  # data: package data (model shapes), no code
     ("index",),
     ("wire",),
     ("shm",),
@@ -27,7 +29,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tiers",),
     ("metrics",),
     ("server",),
-    ("cache",),  # tiered_cache/cache/ and the top-level modules (config.py, retention.py, ...)
+    ("config",),  # config.py: the cache's settings (it reads index, model and wire)
+    ("cache",),
     ("integrations",),
     ("workers",),
     ("report",),  # plain-text rendering bench/, demo/ and cli/ share
@@ -37,16 +40,16 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 ROOT = REPO
-PACKAGES = ("tiered_cache", "workers")
+PACKAGES = {"tiered_cache": "tiered_cache", "workers": "tiered_cache.workers"}  # folder -> import name
 FACADE = "tiered_cache"
 
 
 def module_files() -> dict[str, Path]:
     """Dotted module name -> file, for every module of PACKAGES (generated stubs included)."""
     out = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+    for folder, name in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = (name, *path.relative_to(ROOT / folder).with_suffix("").parts)
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
 
@@ -61,9 +64,11 @@ def folder_of(module: str) -> str:
         return parts[0]
     if len(parts) == 1:
         return FACADE
+    if parts[1] == "workers":  # the top-level folder workers/, mapped under the package
+        return "workers"
     if (ROOT / "tiered_cache" / parts[1]).is_dir():
         return parts[1]
-    return "errors" if parts[1] == "errors" else "cache"
+    return parts[1]  # a top-level module: its own unit
 
 
 def _type_checking(test: ast.expr) -> bool:
@@ -238,6 +243,8 @@ def test_the_checks_catch_an_upward_import_and_a_circle() -> None:
             "tiered_cache.tiers.base": {"tiered_cache.model.spec"}}
     assert upward_arrows(fake) == ["tiered_cache.model.spec imports tiered_cache.tiers.base: model is below tiers"]
     assert folder_circles(fake) == [["model", "tiers"]]
-    assert folder_of("tiered_cache.config") == "cache"
+    assert folder_of("tiered_cache.config") == "config"
+    assert upward_arrows({"tiered_cache.config": {"tiered_cache.cache.reuse"}}) == [
+        "tiered_cache.config imports tiered_cache.cache.reuse: config is below cache"]
     assert folder_of("tiered_cache.errors") == "errors"
-    assert folder_of("workers.cluster") == "workers"
+    assert folder_of("tiered_cache.workers.cluster") == "workers"

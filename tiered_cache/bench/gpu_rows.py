@@ -163,7 +163,7 @@ class TimedLoad:
 
 def arena_figures(cache: TieredCache) -> dict[str, Any] | None:
     """The cache's `ArenaCopier.figures()`, or None before it DMA'd from an arena (CUDA only)."""
-    copier = getattr(getattr(cache, "promoter", None), "arena_copier", None)
+    copier = getattr(getattr(cache, "arena_loads", None), "copier", None)
     return copier.figures() if copier is not None else None
 
 

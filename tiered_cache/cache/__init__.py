@@ -10,25 +10,9 @@
 - `handle.py`, `staging.py`, `spare_output.py`, `reuse.py` + `rates.py`, `stats.py`,
   `tree_view.py` + `page_tokens.py`, `background.py` + `foreground.py`, `lower_tiers.py`,
   `metrics_endpoint.py`: what those use.
-
-`TieredCache` and `CacheHandle` are imported on first use, so `tiered_cache.config` can use the
-small modules here without loading the cache.
 """
 
-from __future__ import annotations
-
-from typing import Any
-
-_LAZY = {"TieredCache": "tiered_cache.cache.tiered_cache", "CacheHandle": "tiered_cache.cache.handle"}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tiered_cache.cache' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
-
+from tiered_cache.cache.handle import CacheHandle
+from tiered_cache.cache.tiered_cache import TieredCache
 
 __all__ = ["CacheHandle", "TieredCache"]

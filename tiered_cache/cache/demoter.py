@@ -103,6 +103,14 @@ class Demoter:
             self._demoted.wait_for(lambda: not self.ledger.demoting or n <= self.pool.num_free, timeout=1.0)
 
     # --- inline demotion (lock held) -----------------------------------------------------------------
+    def evict(self, num_pages: int | None) -> int:
+        """Move up to `num_pages` unlocked device pages (all when None) down to host RAM, least
+        recently used first; returns how many were moved (`TieredCache.evict`)."""
+        tree = self.ledger.tree
+        evicted = tree.evict(tree.size_info().evictable if num_pages is None else num_pages)
+        self.demote_now(evicted)
+        return sum(len(node.keys) for node in evicted)
+
     def demote_now(self, evicted: list[EvictedNode]) -> None:
         """Evicted nodes' pages: copy those host RAM lacks into it, then free them."""
         if not evicted:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from tiered_cache.cache.arguments import as_count
 from tiered_cache.index.radix_node import RadixNode
 
 HOST = -1  # in a handle's plan: the page is in host RAM (chain tier indices are >= 0)
@@ -70,3 +71,31 @@ class CacheHandle:
     def written_tokens(self) -> int:
         """Tokens whose KV is in device pages: the prefix plus what the engine wrote after it."""
         return self.prefix_tokens + self.own_written
+
+    def committable(self, num_tokens: int, num_written: int | None) -> int:
+        """How many leading tokens of the `num_tokens` given to `commit` to insert: `num_written`,
+        or all of them; ValueError for tokens whose KV was not written, or for a sequence a
+        retention policy compacted (its KV is no longer the KV of its tokens)."""
+        if self.compacted:
+            raise ValueError("commit() of a sequence a retention policy compacted: its KV is no longer the KV "
+                             "of its tokens, so it is never cached as a prefix; release it")
+        written = self.written_tokens
+        if num_written is None:
+            if num_tokens > written:
+                raise ValueError(f"commit() got {num_tokens} tokens but only {written} were written "
+                                 f"(write()/mark_written()); pass num_written={written} to commit the "
+                                 f"written part")
+            num_written = num_tokens
+        num_written = as_count("num_written", num_written)
+        if num_written > written:
+            raise ValueError(f"commit(num_written={num_written}) but only {written} tokens of this handle "
+                             f"were written ({self.prefix_tokens} matched + {self.own_written} written)")
+        if num_written > num_tokens:
+            raise ValueError(f"commit(num_written={num_written}) but only {num_tokens} tokens were given")
+        return num_written
+
+    def check_room(self, num_tokens: int) -> None:
+        """ValueError unless `num_tokens` more tokens fit in the tokens allocated and not written."""
+        if self.own_written + num_tokens > self.own_tokens:
+            raise ValueError(f"writing {num_tokens} more tokens would pass the {self.own_tokens} allocated "
+                             f"({self.own_written} written so far); allocate() first")

@@ -1,5 +1,11 @@
 """`Loader`: fills new device pages and hands them to the tree: a handle's prefix found below the
-device (`load`, through the promoter) or KV the caller gives (`put`).
+device (`load`) or KV the caller gives (`put`).
+
+A load, top-down: `match` plans where each page lies (`Promoter.plan`) and cuts the plan where
+loading stops paying (`ReuseGate`); `load` then takes one of three paths: every page in host RAM
+(`HostLoads`: rows straight into device pages), every page in a same-host store arena on CUDA
+(`ArenaLoads`: one DMA per run), or the rest (`Promoter.fetch`: straight into the device pages
+of a CPU pool, else through staging, which a `prefetch` may have filled already).
 
 Pages are allocated first (as many as fit: a full pool ends the prefix where the room did), then
 filled without the lock (they are nobody else's until adopted: `ledger.loose`), then the leading
@@ -16,27 +22,32 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiered_cache.cache.arena_loads import ArenaLoads
 from tiered_cache.cache.canary import Canary
 from tiered_cache.cache.demoter import Demoter
 from tiered_cache.cache.handle import HOST, CacheHandle
+from tiered_cache.cache.host_loads import HostLoads
 from tiered_cache.cache.ledger import PageLedger
 from tiered_cache.cache.promoter import Fetched, Promoter
+from tiered_cache.cache.reuse import ReuseGate
 from tiered_cache.cache.stats import Movements
-from tiered_cache.tiers.host import HostTier
 
 
 class Loader:
     """The fill-then-adopt path of one cache (see the module doc)."""
 
-    def __init__(self, ledger: PageLedger, demoter: Demoter, promoter: Promoter, host: HostTier,
-                 in_flight: Mapping[bytes, Any], moves: Movements, lock: threading.RLock,
-                 canary: Canary | None = None) -> None:
+    def __init__(self, ledger: PageLedger, demoter: Demoter, promoter: Promoter, host_loads: HostLoads,
+                 arena_loads: ArenaLoads, reuse: ReuseGate, in_flight: Mapping[bytes, Any], moves: Movements,
+                 lock: threading.RLock, canary: Canary | None = None) -> None:
         self.canary = canary or Canary()  # keys found wrong are never reused; quarantined tiers not loaded from
         self.ledger = ledger
         self.spec, self.pool, self.tree = ledger.spec, ledger.pool, ledger.tree
         self.demoter = demoter
         self.promoter = promoter
-        self.host = host
+        self.host_loads = host_loads
+        self.arena_loads = arena_loads
+        self.reuse = reuse
+        self.host = promoter.host
         self._in_flight = in_flight  # pages on their way below, still served from memory
         self.moves = moves
         self._lock = lock
@@ -50,16 +61,16 @@ class Loader:
             on_device = self.tree.match_prefix(usable, ns).num_pages
             in_host = self._in_host(usable[on_device:])
         plan = self.promoter.plan(usable[on_device:], in_host, self.canary.quarantined(ns))
-        return (on_device + self.promoter.reuse_cut(plan)) * self.spec.page_size
+        return (on_device + self.reuse.cut(plan)) * self.spec.page_size
 
     def match(self, ns: str, keys: list[bytes], tokens: Any, reuse_policy: bool) -> CacheHandle:
         """Lock the device prefix of `keys` and plan the rest; see `TieredCache.match`."""
         usable = keys[:self.canary.first_poisoned(keys)]  # a page found wrong ends what can be reused
         with self._lock:
-            self.promoter.settle_host_copies()
+            self.host_loads.settle()
             self.demoter.await_keys(keys)
             result = self.tree.match_prefix(usable, ns)
-            self.promoter.stream_waits_for_host_copies()  # device pages found here may still be arriving
+            self.host_loads.stream_waits()  # device pages found here may still be arriving
             self.ledger.count_device(result.num_pages, len(keys))
             self.tree.lock(result.node)
             in_host = self._in_host(usable[result.num_pages:])
@@ -70,7 +81,7 @@ class Loader:
                 self.tree.unlock(result.node)
             raise
         if reuse_policy:
-            plan = self.promoter.worth_loading(keys[result.num_pages:], plan)
+            plan = self.reuse.worth_loading(keys[result.num_pages:], plan)
         handle = CacheHandle(self.ledger.owner, ns, self.spec.page_size, keys, result.node, result.values,
                              result.num_pages + len(plan), plan, tokens=tokens)
         handle.sources["device"] = result.num_pages
@@ -125,16 +136,16 @@ class Loader:
         wanted, plan = handle.keys[start:handle.available_pages], handle.plan[:handle.available_pages - start]
         if not wanted:
             return False
-        if all(where == HOST for where in plan) or self.promoter.in_arenas(plan):
+        if all(where == HOST for where in plan) or self.arena_loads.in_arenas(plan):
             return False  # `load` copies these straight into the pool: nothing to stage
         handle.prefetch = self.promoter.prefetch(wanted, plan, self.canary.quarantined(handle.namespace))
         return handle.prefetch is not None
 
     def load(self, handle: CacheHandle) -> np.ndarray:
         """Bring the handle's pages below the device into device pages; see `TieredCache.load`."""
-        self.promoter.stream_waits_for_host_copies()  # also when there is nothing to load
+        self.host_loads.stream_waits()  # also when there is nothing to load
         with self._lock:
-            self.promoter.settle_host_copies()
+            self.host_loads.settle()
             start = handle.num_device_pages
             wanted, plan = handle.keys[start:handle.available_pages], handle.plan[:handle.available_pages - start]
             if wanted and handle.own_pages:
@@ -157,15 +168,15 @@ class Loader:
             if self.fetch_metrics is not None:
                 self.fetch_metrics.prefetch_wait.observe(time.perf_counter() - waited)
         skip = self.canary.quarantined(handle.namespace)  # also when a page is looked for again
-        if fetched is None and HOST not in plan and (self.promoter.fills_pool or self.promoter.from_arenas(plan)):
+        if fetched is None and HOST not in plan and (self.promoter.fills_pool or self.arena_loads.direct(plan)):
             # Every page below host RAM, and a CPU pool (or, on CUDA, pages in same-host store
             # arenas): device pages first, then each page lands straight in its own (one copy or
             # one DMA, no staging); only as many are fetched as fit. (With pages in host RAM,
             # allocating first could evict them before they are copied: the staged path copies
             # them out first.)
+            fetch = self.arena_loads.fetch if self.arena_loads.direct(plan) else self.promoter.fetch_into_pool
             return self._install(handle, start, len(wanted),
-                                 lambda pages: self.promoter.fetch(wanted[:len(pages)], plan[:len(pages)], pages=pages,
-                                                                   skip=skip))
+                                 lambda pages: fetch(wanted[:len(pages)], plan[:len(pages)], pages, skip))
         staged = fetched if fetched is not None else self.promoter.fetch(wanted, plan, skip=skip)
 
         def from_staging(pages: np.ndarray) -> Fetched:
@@ -201,8 +212,8 @@ class Loader:
             return self._adopt_loaded(handle, start, pages[:n], filled.tiers[:n] if filled is not None else [])
 
     def _load_from_host(self, handle: CacheHandle, start: int, wanted: list[bytes]) -> np.ndarray | None:
-        """All of `wanted` in host RAM: copy its slots straight into new device pages, one copy
-        instead of two through a staging buffer. The lock is held from finding the slots to the
+        """All of `wanted` in host RAM: copy its rows straight into new device pages, one copy
+        instead of two through a staging buffer. The lock is held from finding the rows to the
         end of the copy, so they cannot be evicted or reused meanwhile. When the device is short
         of free pages, cold device pages are demoted first (into host RAM, or below where it is
         full), with the pages being loaded held out of host RAM eviction's reach meanwhile. None
@@ -226,7 +237,7 @@ class Loader:
                     return None
             pages = self.pool.allocate(n)
             try:
-                self.promoter.host_to_pool(self.host.leading_slots(wanted), pages)
+                self.host_loads.to_pool(self.host.leading_slots(wanted), pages)
             except BaseException:
                 self.pool.free(pages)
                 raise
@@ -248,7 +259,7 @@ class Loader:
             # Another request may have put some of these keys in the tree first, from host RAM,
             # with its copy still running (the tree keeps its pages, ours are freed): our stream
             # must not read them before that copy lands.
-            self.promoter.stream_waits_for_host_copies()
+            self.host_loads.stream_waits()
         handle.available_pages = start + n
         handle.plan = []
         self.demoter.maybe_demote()

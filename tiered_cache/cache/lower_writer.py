@@ -24,6 +24,7 @@ from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue, Queu
 from tiered_cache.cache.foreground import YIELD_S, Foreground
 from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import KVSpec
+from tiered_cache.tiers.base import Readdressable
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.host import HostTier
 from tiered_cache.wire.codec import encode_page
@@ -107,10 +108,11 @@ class LowerWriter:
         keys' new owners in the background (`TieredCache.set_remote_addresses`)."""
         from tiered_cache.tiers.remote_servers import owner_address
 
-        index = next((i for i, t in enumerate(self.chain.tiers) if hasattr(t, "set_addresses")), None)
+        index = next((i for i, t in enumerate(self.chain.tiers) if isinstance(t, Readdressable)), None)
         if index is None:
             raise ValueError("this cache has no remote tier (lower_tiers has no 'remote')")
-        tier: Any = self.chain.tiers[index]
+        tier = self.chain.tiers[index]
+        assert isinstance(tier, Readdressable)
         old = tier.addresses
         if not tier.set_addresses(addresses):
             return False

@@ -34,27 +34,98 @@ tier never measured is taken as free, so it is loaded and measured.
 
 from __future__ import annotations
 
-import enum
+import contextlib
 import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiered_cache.cache.rates import Rate, RateEstimator
+from tiered_cache.cache.handle import HOST
+from tiered_cache.config import ReusePolicy
+from tiered_cache.tiers.chain import TierChain
+
+_ALPHA = 0.25  # weight of the newest sample: about the last 4-8 samples count
+_MIN_SPREAD = 0.1  # samples' size spread (std / mean) needed before a latency is fitted
+
+@dataclass(frozen=True)
+class Rate:
+    """A fitted cost: `latency_s` per call plus `amount / per_s` (bytes or tokens).
+
+    `known_up_to`: the largest amount the fit saw, where no latency could be fitted (samples of
+    one size; infinite where one was). Such a rate is total amount over total seconds, latency
+    included, so past `known_up_to` it may overstate what a bigger call costs: a first fetch of
+    one page, mostly round trip, prices a hundred pages at a hundred round trips. `seconds` still
+    prices them so (pessimistic: a request never waits for a load on a guess), and the reuse
+    policy measures the bigger size aside (`ReuseGate._probe_skipped`)."""
+
+    per_s: float
+    latency_s: float = 0.0
+    known_up_to: float = math.inf
+
+    def seconds(self, amount: float) -> float:
+        return self.latency_s + amount / self.per_s
+
+    def extrapolates(self, amount: float) -> bool:
+        """Whether pricing `amount` goes past what the fit has seen (see `known_up_to`)."""
+        return amount > self.known_up_to
+
+
+class RateEstimator:
+    """A moving fit of `seconds = latency + amount / rate` over (amount, seconds) samples, newer
+    ones weighing more (exponentially). Not thread-safe: `ReuseEstimates` locks around it."""
+
+    def __init__(self, alpha: float = _ALPHA) -> None:
+        assert 0 < alpha <= 1
+        self.alpha = alpha
+        self.samples = 0
+        self.largest = 0.0  # the largest amount of recent samples: how far a fit with no latency is known
+        self.last_at: float | None = None  # time.monotonic() of the newest sample
+        # Exponentially weighted sums: weight, x, y, x*x, x*y.
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+
+    def add(self, amount: float, seconds: float) -> None:
+        """One observation: `amount` (bytes, tokens) took `seconds`. Empty or instant ones are
+        ignored (they say nothing about a rate)."""
+        if not (amount > 0 and seconds > 0 and math.isfinite(amount) and math.isfinite(seconds)):
+            return
+        keep = 1.0 - self.alpha
+        self._w = self._w * keep + 1.0
+        self._x = self._x * keep + amount
+        self._y = self._y * keep + seconds
+        self._xx = self._xx * keep + amount * amount
+        self._xy = self._xy * keep + amount * seconds
+        self.samples += 1
+        # Fades as the sums do: a large load many samples ago no longer vouches for the fit.
+        self.largest = max(amount, self.largest * keep)
+        self.last_at = time.monotonic()
+
+    def estimate(self, min_spread: float = 0.0) -> Rate | None:
+        """The current fit, or None before any sample. A latency (and the rate as the slope) is
+        fitted only when the samples' sizes spread by more than `_MIN_SPREAD` of their mean and
+        by more than `min_spread` (std, in the samples' unit)."""
+        if not self.samples:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        vx = self._xx / self._w - mx * mx
+        cov = self._xy / self._w - mx * my
+        if vx > max(_MIN_SPREAD * mx, min_spread) ** 2 and cov > 0:
+            slope = cov / vx
+            latency = my - slope * mx
+            if latency >= 0:
+                return Rate(1.0 / slope, latency)
+        # Samples of one size (or a fit with a negative latency, which noise gives): no latency,
+        # so what a larger call costs is a guess (Rate.known_up_to).
+        return Rate(mx / my, known_up_to=self.largest)
+
 
 # Prefill samples are suffixes, often of a similar few dozen tokens whose forwards cost the same
 # on a GPU: a slope fitted across them is noise and can claim millions of tokens/s (which would
 # skip even host RAM). Below this spread of sizes (std, tokens) the rate is tokens over seconds,
 # which errs towards loading.
 _PREFILL_MIN_SPREAD_TOKENS = 512.0
-
-
-class ReusePolicy(enum.Enum):
-    FASTER = "faster"  # load only the leading pages that arrive sooner than they would be recomputed
-    ALWAYS = "always"  # load every page any tier holds
 
 
 @dataclass(frozen=True)
@@ -178,3 +249,88 @@ def pages_to_load(plan: Sequence[int], rates: Mapping[int, Rate | None], page_by
         if saved >= best_saved:
             best, best_saved = i + 1, saved
     return best
+
+
+# A lower tier skipped as slower than recompute is re-measured (a background fetch of up to
+# _PROBE_PAGES of the pages skipped) once its estimate is this old; at once (one probe a second at
+# most) where the estimate priced more than it has seen (`Rate.extrapolates`), with enough of the
+# skipped pages to see a larger size.
+REUSE_REMEASURE_S = 30.0
+REUSE_EXTRAPOLATED_PROBE_S = 1.0
+_PROBE_PAGES = 8
+
+
+class ReuseGate:
+    """The reuse policy of one cache: its estimates, fed by every load into the pool and every
+    batched fetch below (mixed fetches included), and the cut of each plan where loading stops
+    paying; a tier skipped as slow is re-measured in the background (`_probe_skipped`)."""
+
+    def __init__(self, policy: ReusePolicy, prefill_tokens_per_s: float | None, chain: TierChain,
+                 tier_name: Callable[[int], str], page_bytes: int, page_tokens: int) -> None:
+        self.estimates = ReuseEstimates(policy, prefill_tokens_per_s)
+        self.chain = chain
+        self.tier_name = tier_name
+        self.page_bytes, self.page_tokens = page_bytes, page_tokens
+        self._probing: set[str] = set()  # lower tiers with a re-measuring probe running
+        self._probe_lock = threading.Lock()
+        chain.observe_fetches(self.observe, pages=True)
+
+    def observe(self, tier: str, seconds: float, pages: int) -> None:
+        """`pages` loaded from `tier` in `seconds` (also a `TierChain` fetch observer): in page
+        bytes, as plans count them (a compressed blob is smaller, yet spares a whole page)."""
+        if pages:
+            self.estimates.observe_load(tier, pages * self.page_bytes, seconds)
+
+    def cut(self, plan: list[int]) -> int:
+        """How many leading pages of `plan` to load under the reuse policy."""
+        names = {where: self.tier_name(where) for where in set(plan)}
+        return self.estimates.cut(plan, names, self.page_bytes, self.page_tokens)
+
+    def worth_loading(self, keys: Sequence[bytes], plan: list[int]) -> list[int]:
+        """The leading part of `plan` (for `keys`) worth loading: the pages cut off are counted
+        per tier, and a lower tier among them whose estimate is stale is re-measured."""
+        keep = self.cut(plan)
+        if keep < len(plan):  # the rest arrives later than the engine would compute it
+            self.estimates.count_skipped([self.tier_name(where) for where in plan[keep:]])
+            self._probe_skipped(list(keys[keep:len(plan)]), plan[keep:])
+        return plan[:keep]
+
+    def _probe_skipped(self, keys: list[bytes], plan: list[int]) -> None:
+        """Re-measure lower tiers skipped as slow whose estimate is `REUSE_REMEASURE_S` old, or
+        that priced the skipped pages past what they have seen: a skipped tier is never fetched
+        from, so nothing else would ever update it (a first fetch slowed by connecting, a link
+        that recovered). Some of the skipped pages are fetched in the background and thrown
+        away; the fetch observers take the sample. Host RAM is not probed: its copies run at
+        memory speed, which does not drift the way a network does."""
+        for index in sorted(set(plan) - {HOST}):
+            tier = self.chain.tiers[index].name
+            if tier in self._probing:  # one probe a tier at a time: a slow link's probe takes seconds
+                continue
+            skipped = [k for k, where in zip(keys, plan, strict=True) if where == index]
+            rate = self.estimates.load_rate(tier)
+            size = len(skipped) * self.page_bytes
+            if rate is not None and rate.extrapolates(size):
+                # Judged on smaller loads only (a one-page first fetch is mostly its round trip):
+                # measure this size now rather than skip the tier for REUSE_REMEASURE_S on a guess.
+                if not self.estimates.due_for_probe(tier, REUSE_EXTRAPOLATED_PROBE_S, since_sample=False):
+                    continue
+                count = max(_PROBE_PAGES, 2 * math.ceil(rate.known_up_to / self.page_bytes))
+            elif self.estimates.due_for_probe(tier, REUSE_REMEASURE_S):
+                count = _PROBE_PAGES
+            else:
+                continue
+            chosen = skipped[:count]
+            with self._probe_lock:
+                if tier in self._probing:
+                    continue
+                self._probing.add(tier)
+
+            def probe(chosen: list[bytes] = chosen, index: int = index, tier: str = tier) -> None:
+                try:
+                    with contextlib.suppress(Exception):  # a tier closed meanwhile: nothing to learn
+                        self.chain.fetch(chosen, [index] * len(chosen))
+                finally:
+                    with self._probe_lock:
+                        self._probing.discard(tier)
+
+            threading.Thread(target=probe, name=f"tiered-cache-probe-{tier}", daemon=True).start()

@@ -44,6 +44,13 @@ class SpareOutput:
         self.taken += 1
         return spare[:numel].view(shape)
 
+    def output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """The spare for a result of `shape` (or None: the caller allocates), and the next one
+        asked for: the next `get` of this size finds its memory faulted in."""
+        spare = self.take(shape, dtype)
+        self.refill(shape, dtype)
+        return spare
+
     def refill(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         """Have the background thread prepare a spare of `shape` (dropped when one is on its way,
         too large, or too small to be worth it: the small ones cost little to fault in)."""

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiered_cache.cache.background import QueueFigures
 from tiered_cache.cache.canary import CanaryFigures
 from tiered_cache.cache.reuse import ReuseFigures
 from tiered_cache.tiers.base import TierStats
+
+if TYPE_CHECKING:
+    from tiered_cache.cache.tiered_cache import TieredCache
 
 
 @dataclass
@@ -92,3 +95,16 @@ class CacheStats:
             "reuse": self.reuse.to_dict() if self.reuse is not None else None,
             "canary": self.canary.to_dict() if self.canary is not None else None,
         }
+
+
+def cache_stats(cache: TieredCache) -> CacheStats:
+    """The figures `TieredCache.stats()` returns: the device's and host RAM's read under the
+    cache's lock, the lower tiers' outside it (their calls may wait on a network)."""
+    with cache._lock:
+        device, pool, size, nodes = cache.ledger.figures()
+        tiers = [device, cache.moves.apply(cache.host.stats())]
+    tiers += [replace(t, corrupt=t.corrupt + cache.moves.refused[t.name]) for t in cache.chain.stats()]
+    return CacheStats(tiers, pool, cache.spec.page_size, nodes, size.evictable, size.protected,
+                      [cache.demoter.figures(), cache.writer.figures()], cache.promoter.declined,
+                      cache.chain.skipped_puts, cache.writer.pages_dropped, cache.reuse.estimates.figures(),
+                      cache.canary.figures())

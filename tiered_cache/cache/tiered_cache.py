@@ -28,28 +28,33 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from tiered_cache.cache.arena_loads import ArenaLoads
+from tiered_cache.cache.arguments import as_count, as_namespace
 from tiered_cache.cache.canary import Canary
 from tiered_cache.cache.compaction import Compaction
 from tiered_cache.cache.demoter import Demoter
 from tiered_cache.cache.foreground import Foreground
 from tiered_cache.cache.forks import Forks
 from tiered_cache.cache.handle import CacheHandle
+from tiered_cache.cache.host_loads import HostLoads
 from tiered_cache.cache.ledger import PageLedger
 from tiered_cache.cache.loader import Loader
 from tiered_cache.cache.lower_tiers import build_lower_tiers
 from tiered_cache.cache.lower_writer import LowerWriter
 from tiered_cache.cache.promoter import Promoter
+from tiered_cache.cache.reuse import ReuseGate
 from tiered_cache.cache.spare_output import SpareOutput
-from tiered_cache.cache.stats import CacheStats, Movements
+from tiered_cache.cache.stats import CacheStats, Movements, cache_stats
 from tiered_cache.cache.swaps import Swaps
-from tiered_cache.cache.tree_view import decode_previews, held_below, snapshot
+from tiered_cache.cache.tree_view import tree_of
 from tiered_cache.config import CacheConfig
+from tiered_cache.device.host_copy import HostCopier
+from tiered_cache.device.malloc import tune_malloc
 from tiered_cache.device.pool import PagePool, check_tensor
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.index.radix import RadixTree
@@ -58,7 +63,6 @@ from tiered_cache.model.spec import DType, KVSpec
 from tiered_cache.tiers.base import BlobTier
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.host import HostTier
-from tiered_cache.tiers.memtune import tune_malloc
 
 _F = TypeVar("_F", bound=Any)
 
@@ -70,14 +74,6 @@ def _request_path(method: _F) -> _F:
         with self._foreground:
             return method(self, *args, **kwargs)
     return wrapper  # type: ignore[return-value]
-
-
-def _count(name: str, value: Any, least: int = 0) -> int:
-    """`value` as an int of at least `least`, or ValueError naming `name`."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
-        kind = "a positive" if least > 0 else "a non-negative"
-        raise ValueError(f"{name} must be {kind} integer, got {value!r}")
-    return int(value)
 
 
 class TieredCache:
@@ -99,13 +95,15 @@ class TieredCache:
             raise ValueError("the int8 codec needs fp16, bf16 or fp32 KV")
         if config.malloc_tuning:
             tune_malloc()
-        self.chain = TierChain(list(lower) if lower is not None else build_lower_tiers(config, spec.fingerprint))
-        self.lower: list[BlobTier] = self.chain.tiers
-        self.moves = Movements()
+        # Shared by every part: the lock (tree, pool and host RAM metadata), the requests in
+        # progress (background steps wait for a gap), the page movement counters.
         self._lock = threading.RLock()
-        self._foreground = Foreground()  # requests in progress: background steps wait for a gap
+        self._foreground = Foreground()
+        self.moves = Movements()
         demotions_idle = threading.Event()  # set while no demotion is queued or running
         demotions_idle.set()
+        # Where pages live: the blob tiers below, host RAM, the device pool and its radix tree.
+        self.chain = TierChain(list(lower) if lower is not None else build_lower_tiers(config, spec.fingerprint))
         self.writer = LowerWriter(spec, config, self.chain, self._lock, self._foreground, demotions_idle)
         # Normal tensors even when built under torch.inference_mode(): background threads (not in
         # inference mode) write into the pool and the host slab too.
@@ -115,22 +113,28 @@ class TieredCache:
                                                     retain=self.writer.retain)
         self.tree = RadixTree(config.eviction_policy)
         self.ledger = PageLedger(self, spec, self.pool, self.tree)
-        self.promoter = Promoter(spec, self.pool, self.host, self.chain, self._lock, self.writer.in_flight,
-                                 self.moves, config)
-        self.reuse = self.promoter.reuse  # the reuse policy's estimates (promoter.py, reuse.py)
-        self.demoter = Demoter(config, self.ledger, self.host, self.promoter.copier, self.writer, self.moves,
-                               self._lock, self._foreground, demotions_idle,
-                               settle_copies=lambda: self.promoter.settle_host_copies(wait=True))
+        # Bringing pages up (loader.py's module doc), and the policy that says how far.
+        copier = HostCopier(self.pool)
+        self.promoter = Promoter(spec, self.pool, self.host, self.chain, copier, self._lock, self.writer.in_flight,
+                                 config, observe=lambda *sample: self.reuse.observe(*sample))
+        self.reuse = ReuseGate(config.reuse, config.prefill_tokens_per_s, self.chain, self.promoter.tier_name,
+                               spec.bytes_per_page, spec.page_size)
+        self.host_loads = HostLoads(self.pool, self.host, self.reuse.observe)
+        self.arena_loads = ArenaLoads(self.promoter, self.chain, self.reuse.observe)
+        # Making room: device -> host RAM, and the engine features built on the ledger.
+        self.demoter = Demoter(config, self.ledger, self.host, copier, self.writer, self.moves, self._lock,
+                               self._foreground, demotions_idle,
+                               settle_copies=lambda: self.host_loads.settle(wait=True))
         self.canary = Canary(config.verify_fraction)  # checks a sample of hits (integrations with the model)
-        self.loader = Loader(self.ledger, self.demoter, self.promoter, self.host, self.writer.in_flight, self.moves,
-                             self._lock, self.canary)
+        self.loader = Loader(self.ledger, self.demoter, self.promoter, self.host_loads, self.arena_loads, self.reuse,
+                             self.writer.in_flight, self.moves, self._lock, self.canary)
         self.forks = Forks(self.ledger, self.demoter)
         self.swaps = Swaps(self.ledger, self.demoter, self.host, self.promoter.staging, self._lock)
         self.compaction = Compaction(self.ledger, self.forks)
         # get() without out= on a CPU pool: one output tensor faulted in ahead (spare_output.py).
         self._spare = (SpareOutput(self._foreground, self.pool.num_pages * spec.bytes_per_page)
                        if config.spare_output and self.pool.kv.device.type == "cpu" else None)
-        self._keyers: dict[str, PageKeyer] = {}
+        self._keyer = functools.lru_cache(maxsize=1024)(functools.partial(PageKeyer, spec))  # per namespace
         self._closed = False
         self.metrics: Any = None  # a MetricsServer with config.metrics_port
         if config.metrics_port is not None:
@@ -178,12 +182,8 @@ class TieredCache:
             n = len(pages) * self.spec.page_size
             if out is not None:
                 return n, self.pool.read_tokens(pages, n, out=out[:, :, :n])
-            if self._spare is None or not n:
-                return n, self.pool.read_tokens(pages, n)
-            shape, dtype = self.spec.kv_shape(n), self.pool.kv.dtype
-            result = self.pool.read_tokens(pages, n, out=self._spare.take(shape, dtype))
-            self._spare.refill(shape, dtype)  # the next get of this size finds memory faulted in
-            return n, result
+            spare = self._spare.output(self.spec.kv_shape(n), self.pool.kv.dtype) if self._spare and n else None
+            return n, self.pool.read_tokens(pages, n, out=spare)
         finally:
             self.release(handle)
 
@@ -218,10 +218,10 @@ class TieredCache:
         forward of the uncached part alone, not the load; on CUDA timed by events around it). The
         FASTER policy plans with this rate unless `CacheConfig.prefill_tokens_per_s` fixes one.
         Raises ValueError for a negative count or time."""
-        num_tokens = _count("num_tokens", num_tokens)
+        num_tokens = as_count("num_tokens", num_tokens)
         if not seconds >= 0:
             raise ValueError(f"seconds must be a non-negative number, got {seconds!r}")
-        self.reuse.observe_prefill(num_tokens, float(seconds))
+        self.reuse.estimates.observe_prefill(num_tokens, float(seconds))
 
     @_request_path
     def prefetch(self, handle: CacheHandle) -> bool:
@@ -253,7 +253,7 @@ class TieredCache:
         """Room for `num_tokens` more tokens after those the handle already has pages for: fills the
         free slots of its last page first, then allocates new device pages (evicting if needed).
         Returns only the new pages. Raises PoolExhaustedError when eviction cannot make room."""
-        num_tokens = _count("num_tokens", num_tokens)
+        num_tokens = as_count("num_tokens", num_tokens)
         with self._lock:
             self.ledger.check_live(handle)
             needed = self.spec.pages_for_tokens(handle.own_tokens + num_tokens) - len(handle.own_pages)
@@ -273,11 +273,7 @@ class TieredCache:
                              f"{getattr(kv, 'shape', type(kv).__name__)}")
         n = int(kv.shape[2])
         self._check_kv(kv, n)
-        with self._lock:
-            self._check_writable(handle, n)
-            self.forks.make_private(handle, handle.own_written, handle.own_written + n)  # copy-on-write
-            slots = self.pool.slots(np.array(handle.own_pages, dtype=np.int64), handle.own_written + n)
-        self.pool.store(slots[handle.own_written:], kv)  # the handle's own private pages: no lock needed
+        self.pool.store(self.writable_slots(handle, n), kv)  # the handle's own private pages: no lock needed
         handle.own_written += n
 
     @_request_path
@@ -285,7 +281,7 @@ class TieredCache:
         """Record that the engine wrote the KV of the handle's next `num_tokens` tokens itself
         (into `pool.kv`, at the slots `writable_slots` gave). Only written tokens are ever
         committed. Raises ValueError past the tokens allocated, or over a page a fork shares."""
-        num_tokens = _count("num_tokens", num_tokens)
+        num_tokens = as_count("num_tokens", num_tokens)
         with self._lock:
             self._check_writable(handle, num_tokens)
             self.forks.require_private(handle, handle.own_written, handle.own_written + num_tokens)
@@ -304,22 +300,7 @@ class TieredCache:
         ns_tokens = as_token_array(tokens)
         with self._lock:
             self.ledger.check_live(handle)
-            if handle.compacted:
-                raise ValueError("commit() of a sequence a retention policy compacted: its KV is no longer the KV "
-                                 "of its tokens, so it is never cached as a prefix; release it")
-            written = handle.written_tokens
-            if num_written is None:
-                if len(ns_tokens) > written:
-                    raise ValueError(f"commit() got {len(ns_tokens)} tokens but only {written} were written "
-                                     f"(write()/mark_written()); pass num_written={written} to commit the "
-                                     f"written part")
-                num_written = len(ns_tokens)
-            num_written = _count("num_written", num_written)
-            if num_written > written:
-                raise ValueError(f"commit(num_written={num_written}) but only {written} tokens of this handle "
-                                 f"were written ({handle.prefix_tokens} matched + {handle.own_written} written)")
-            if num_written > len(ns_tokens):
-                raise ValueError(f"commit(num_written={num_written}) but only {len(ns_tokens)} tokens were given")
+            num_written = handle.committable(len(ns_tokens), num_written)
             keys = self._keyer(handle.namespace).keys(ns_tokens[:num_written])
             start = handle.num_device_pages
             if keys[:start] != handle.keys[:min(start, len(keys))]:
@@ -354,7 +335,7 @@ class TieredCache:
         released on its own. The parent stays live (release it when done). Pages found below the
         device and not loaded yet are not shared: `load()` before forking to share them.
         Raises ValueError for n < 1 or a handle that is not live."""
-        n = _count("fork() needs a positive number of forks: n", n, least=1)
+        n = as_count("fork() needs a positive number of forks: n", n, least=1)
         with self._lock:
             self.ledger.check_live(handle)
             return self.forks.fork(handle, n)
@@ -363,10 +344,10 @@ class TieredCache:
         """Flat pool slots for the handle's next `num_tokens` tokens (after those written), for an
         engine that writes K/V into `pool.kv` itself and then calls `mark_written`. Pages there
         that a fork shares are copied first, so the writes reach this sequence alone."""
-        num_tokens = _count("num_tokens", num_tokens)
+        num_tokens = as_count("num_tokens", num_tokens)
         with self._lock:
             self._check_writable(handle, num_tokens)
-            self.forks.make_private(handle, handle.own_written, handle.own_written + num_tokens)
+            self.forks.make_private(handle, handle.own_written, handle.own_written + num_tokens)  # copy-on-write
             slots = self.pool.slots(np.array(handle.own_pages, dtype=np.int64), handle.own_written + num_tokens)
         return slots[handle.own_written:]
 
@@ -407,9 +388,7 @@ class TieredCache:
         """Move up to `num_pages` unlocked device pages (all when None) down to host RAM, least
         recently used first, freeing them in the pool. Returns how many pages were moved."""
         with self._lock:
-            evicted = self.tree.evict(self.tree.size_info().evictable if num_pages is None else num_pages)
-            self.demoter.demote_now(evicted)
-            return sum(len(node.keys) for node in evicted)
+            return self.demoter.evict(num_pages)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the background demotions and lower-tier writes queued so far are done
@@ -428,32 +407,19 @@ class TieredCache:
     def stats(self) -> CacheStats:
         """Figures of every tier, the pool, the tree, the background queues, the reuse policy and
         the canary."""
-        with self._lock:
-            device, pool, size, nodes = self.ledger.figures()
-            tiers = [device, self.moves.apply(self.host.stats())]
-        tiers += [replace(t, corrupt=t.corrupt + self.moves.refused[t.name]) for t in self.chain.stats()]
-        return CacheStats(tiers, pool, self.spec.page_size, nodes, size.evictable, size.protected,
-                          [self.demoter.figures(), self.writer.figures()], self.promoter.declined,
-                          self.chain.skipped_puts, self.writer.pages_dropped, self.reuse.figures(),
-                          self.canary.figures())
+        return cache_stats(self)
 
     def prefix_tree(self, max_nodes: int = 500, decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
         """The radix tree of prefixes as plain data (tree_view.py), for `tiered-cache tree`; with
         `decode` (token ids -> text), each node's first and last page as text too."""
-        with self._lock:
-            view = snapshot(self.tree, self.spec.page_size, self.ledger.page_tokens,
-                            held_below(self.host, self.chain), max_nodes)
-        stats = self.stats()
-        view["tiers"] = {t.name: t.pages for t in stats.tiers}
-        view["reuse"] = stats.reuse.to_dict() if stats.reuse is not None else None
-        return decode_previews(view, decode) if decode is not None else view
+        return tree_of(self, max_nodes, decode)
 
     def check_integrity(self) -> None:
         """Tree and pool invariants, and page holder counts: every page the tree or a live handle
         holds has exactly that many holders in the pool; pages allocated with no holder are only
         those a copy is filling now (background demotion, a put or load under way)."""
         with self._lock:
-            self.promoter.settle_host_copies(wait=True)  # pages pinned for a copy: released once it ended
+            self.host_loads.settle(wait=True)  # pages pinned for a copy: released once it ended
             self.ledger.check_integrity()
 
     def close(self) -> None:
@@ -464,7 +430,10 @@ class TieredCache:
         self.demoter.close()  # runs what is queued first (it may queue writes below)
         self.writer.close()
         self._closed = self.demoter.closed = self.writer.closed = True
+        with self._lock:
+            self.host_loads.settle(wait=True)
         self.promoter.close()
+        self.arena_loads.close()
         if self._spare is not None:
             self._spare.close()
         if self.metrics is not None:
@@ -479,16 +448,7 @@ class TieredCache:
 
     # --- argument checks -------------------------------------------------------------------------
     def _ns(self, namespace: str | None) -> str:
-        ns = self.config.namespace if namespace is None else namespace
-        if not isinstance(ns, str):
-            raise TypeError(f"namespace must be a str, got {type(ns).__name__}")
-        return ns
-
-    def _keyer(self, namespace: str) -> PageKeyer:
-        keyer = self._keyers.get(namespace)
-        if keyer is None:
-            keyer = self._keyers[namespace] = PageKeyer(self.spec, namespace)
-        return keyer
+        return as_namespace(self.config.namespace if namespace is None else namespace)
 
     def _check_kv(self, kv: Any, num_tokens: int) -> None:
         """KV in the tensor-API shape (layers, 2, tokens, kv_heads, head_dim) and the spec's dtype."""
@@ -496,6 +456,4 @@ class TieredCache:
 
     def _check_writable(self, handle: CacheHandle, n: int) -> None:
         self.ledger.check_live(handle)
-        if handle.own_written + n > handle.own_tokens:
-            raise ValueError(f"writing {n} more tokens would pass the {handle.own_tokens} allocated "
-                             f"({handle.own_written} written so far); allocate() first")
+        handle.check_room(n)

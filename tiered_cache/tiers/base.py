@@ -1,10 +1,24 @@
-"""What every tier shares: its figures, and the interface of tiers that hold blobs (DESIGN.md §7)."""
+"""What every tier shares: its figures, and the interface of tiers that hold blobs (DESIGN.md §7).
+
+`BlobTier` is what every blob tier offers. A tier may offer more; callers test for each
+capability with `isinstance` against its protocol here, never by looking for a method name:
+`ReadsInto` (pages straight into their destinations), `ReadsArenas` (pages read in place in
+same-host store servers' arenas), `Readdressable` (its servers change at run time). Flags a tier
+may set as class attributes: `thread_safe` (callable from several threads at once: `TierChain`
+gives it no lock), `lends_views` (`get(lease=)` hands out views of memory it keeps), and
+`on_evict` (an `EvictCallback` attribute `TierChain` sets to demote what it drops further
+down). `close()` and `warm()`, where a tier has them, release and open its connections."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from tiered_cache.model.spec import KVSpec
+    from tiered_cache.shm.arena_map import ArenaRef
+    from tiered_cache.wire.codec import PageDest
 
 # Called with (key, blob) pairs a tier is about to drop, so the cache can demote them further down.
 EvictCallback = Callable[[list[tuple[bytes, bytes]]], None]
@@ -52,13 +66,8 @@ class TierStats:
 class BlobTier(Protocol):
     """A tier below host RAM: stores page blobs (codec.py) by page key. All calls are batched,
     never raise for a tier that is down or slow (they report misses and count errors), and
-    never return a blob that fails `codec.verify_blob` for the key asked.
-
-    A tier may also offer `get_into(keys, dests, spec) -> list[int]`: each key's page of `spec`,
-    verified, written straight into its destination (codec.py: a staging row, or a CPU pool's
-    page), with the stored blob's size for each that arrived and 0 for a miss; a refused blob is
-    counted as corrupt and deleted where the tier can. `TierChain.fetch_into` uses it where it
-    exists (disk, Redis, remote) and decodes `get`'s blobs otherwise."""
+    never return a blob that fails `codec.verify_blob` for the key asked (module doc: what a
+    tier may offer besides)."""
 
     name: str
 
@@ -79,6 +88,46 @@ class BlobTier(Protocol):
 
     def stats(self) -> TierStats:
         """Current figures."""
+
+
+@runtime_checkable
+class ReadsInto(Protocol):
+    """A tier that reads pages straight into their destinations (disk, Redis, remote):
+    `TierChain.fetch_into` uses it, and decodes `get`'s blobs for tiers without it."""
+
+    def get_into(self, keys: Sequence[bytes], dests: Sequence[PageDest], spec: KVSpec) -> list[int]:
+        """Each key's page of `spec`, verified, written into its destination (codec.py: a staging
+        row, or a CPU pool's page): the stored blob's size for each that arrived, 0 for a miss. A
+        refused blob is counted as corrupt and deleted where the tier can."""
+
+
+@runtime_checkable
+class ReadsArenas(Protocol):
+    """A tier whose pages may lie in the arenas of store servers on this host (shm/arena.py),
+    which a load reads in place (`cache/arena_loads.py`) instead of asking for them."""
+
+    @property
+    def same_host(self) -> bool:
+        """Whether its servers run on this host, their arenas mapped here: pages can be read in place."""
+
+    def arena_pages(self, keys: Sequence[bytes]) -> list[ArenaRef | None]:
+        """Where each key's blob lies in a same-host arena, or None. Nothing is copied or verified:
+        the caller copies each page from where it lies, checks it, and asks `ArenaMap.intact` after."""
+
+    def record_arena_reads(self, arrived: int, missed: int, nbytes: int) -> None:
+        """Count pages a caller read from arenas itself, as this tier's hits and misses."""
+
+
+@runtime_checkable
+class Readdressable(Protocol):
+    """A tier whose servers can change at run time (a cluster's shard directory changed)."""
+
+    @property
+    def addresses(self) -> list[str]:
+        """The servers reached now."""
+
+    def set_addresses(self, addresses: Sequence[str]) -> bool:
+        """Reach `addresses` from now on; returns whether anything changed."""
 
 
 def leading_run(flags: Iterable[bool]) -> int:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from tiered_cache.tiers.base import BlobTier, EvictCallback, TierStats
+from tiered_cache.tiers.base import BlobTier, EvictCallback, ReadsInto, TierStats
 from tiered_cache.wire.codec import BlobError, PageDest, decode_into
 
 if TYPE_CHECKING:
@@ -171,10 +171,9 @@ class TierChain:
                 continue
             wanted, targets = [keys[i] for i in positions], [dests[i] for i in positions]
             started = time.perf_counter()
-            get_into = getattr(tier, "get_into", None)
-            if get_into is not None:
+            if isinstance(tier, ReadsInto):
                 with self._tier_locks[index]:
-                    got = get_into(wanted, targets, spec)
+                    got = tier.get_into(wanted, targets, spec)
             else:
                 got = self._decoded_into(index, wanted, targets, spec)
             self._fetched(tier.name, started, sum(got), sum(1 for size in got if size))  # blob bytes, as `fetch` counts
