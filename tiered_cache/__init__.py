@@ -11,10 +11,11 @@ from typing import Any
 
 from tiered_cache.index.keys import PageKeyer, chain_keys, root_key
 from tiered_cache.index.radix import RadixTree
-from tiered_cache.index.radix_node import EvictionPolicy, SizeInfo, Tier
+from tiered_cache.index.radix_node import EvictionPolicy, SizeInfo
 from tiered_cache.model.hf_config import spec_from_hf_config
 from tiered_cache.model.presets import preset_spec
 from tiered_cache.model.spec import DType, KVSpec, Layout
+from tiered_cache.tiers.base import Tier
 
 __version__ = "0.1.0"
 
@@ -24,7 +25,6 @@ _LAZY = {
     "CacheHandle": "tiered_cache.cache.handle",
     "CacheConfig": "tiered_cache.config",
     "WritePolicy": "tiered_cache.config",
-    "LowerTier": "tiered_cache.config",
     "PagePool": "tiered_cache.device.pool",
 }
 
@@ -45,7 +45,6 @@ __all__ = [
     "EvictionPolicy",
     "KVSpec",
     "Layout",
-    "LowerTier",
     "PageKeyer",
     "PagePool",
     "RadixTree",

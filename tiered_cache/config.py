@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from tiered_cache.index.radix_node import EvictionPolicy
 from tiered_cache.model.units import parse_size
+from tiered_cache.tiers.base import Tier
 from tiered_cache.wire.auth import check_token
 from tiered_cache.wire.codec import Codec
 from tiered_cache.wire.namespaces import check_namespace
@@ -38,12 +39,6 @@ class ReusePolicy(enum.Enum):
     ALWAYS = "always"  # load every page any tier holds
 
 
-class LowerTier(enum.Enum):
-    DISK = "disk"
-    REDIS = "redis"
-    REMOTE = "remote"  # one or more `tiered-cache serve` stores
-
-
 _SIZE_FIELDS = {"pool_capacity", "host_capacity", "disk_capacity"}
 
 
@@ -53,7 +48,7 @@ class CacheConfig:
     device: str = "cpu"
     pool_capacity: int = 256 * 2**20
     host_capacity: int = 2**30
-    lower_tiers: tuple[LowerTier, ...] = ()  # below host RAM, in order: e.g. (DISK, REDIS)
+    lower_tiers: tuple[Tier, ...] = ()  # below host RAM, in order: e.g. (Tier.DISK, Tier.REDIS)
     disk_path: str | None = None
     disk_capacity: int = 10 * 2**30
     disk_fsync: bool = True
@@ -106,9 +101,9 @@ class CacheConfig:
             object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name)))
         if len(set(self.lower_tiers)) != len(self.lower_tiers):
             raise ValueError(f"lower_tiers lists a tier twice: {[t.value for t in self.lower_tiers]}")
-        if LowerTier.DISK in self.lower_tiers and not self.disk_path:
+        if Tier.DISK in self.lower_tiers and not self.disk_path:
             raise ValueError("lower_tiers includes 'disk' but disk_path is not set")
-        if LowerTier.REMOTE in self.lower_tiers and not self.remote_addresses:
+        if Tier.REMOTE in self.lower_tiers and not self.remote_addresses:
             raise ValueError("lower_tiers includes 'remote' but remote_addresses is empty")
         if not 0 <= self.codec_min_saving < 1:
             raise ValueError(f"codec_min_saving must be in [0, 1), got {self.codec_min_saving}")
@@ -220,7 +215,11 @@ def _coerce(name: str, value: Any) -> Any:
         if name == "lower_tiers":
             items = value.split(",") if isinstance(value, str) else value
             names = [str(getattr(v, "value", v)).strip().lower() for v in items]
-            return tuple(_choice(LowerTier, n) for n in names if n)
+            lower = {t.value: t for t in Tier.lower()}
+            wrong = [n for n in names if n and n not in lower]
+            if wrong:
+                raise ValueError(f"expected one of {', '.join(map(repr, lower))}, got {wrong[0]!r}")
+            return tuple(lower[n] for n in names if n)
         if name == "codec":
             codec = Codec.parse(value)
             if codec is Codec.BLOSC2 and importlib.util.find_spec("blosc2") is None:

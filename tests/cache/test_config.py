@@ -1,6 +1,7 @@
 import pytest
 
-from tiered_cache.config import CacheConfig, LowerTier, WritePolicy
+from tiered_cache.config import CacheConfig, WritePolicy
+from tiered_cache.tiers.base import Tier
 from tiered_cache.index.radix_node import EvictionPolicy
 from tiered_cache.wire.codec import Codec
 
@@ -19,7 +20,7 @@ def test_yaml_then_environment(tmp_path):
     cfg = CacheConfig.load(path, environ=env)
     assert cfg.pool_capacity == 128 * 2**20  # the environment wins over the file
     assert cfg.host_capacity == 3 * 2**29
-    assert cfg.lower_tiers == (LowerTier.DISK, LowerTier.REDIS)
+    assert cfg.lower_tiers == (Tier.DISK, Tier.REDIS)
     assert cfg.write_policy is WritePolicy.WRITE_THROUGH and cfg.codec is Codec.LZ4_SHUFFLE
     assert cfg.eviction_policy is EvictionPolicy.LFU and cfg.disk_fsync is False and cfg.redis_ttl_s == 30.0
     assert CacheConfig.from_dict(cfg.to_dict()) == cfg
@@ -33,6 +34,7 @@ def test_yaml_then_environment(tmp_path):
     ({"eviction_policy": "mru"}, "eviction_policy: expected one of .*'lru'.*got 'mru'"),
     ({"lower_tiers": ["disk"]}, "disk_path is not set"),
     ({"lower_tiers": ["tape"]}, "lower_tiers: expected one of 'disk', 'redis', 'remote', got 'tape'"),
+    ({"lower_tiers": "disk,host"}, "lower_tiers: expected one of 'disk', 'redis', 'remote', got 'host'"),
     ({"demotion_queue": "lots"}, "demotion_queue: expected an integer, got 'lots'"),
     ({"high_watermark": "high"}, "high_watermark: expected a number, got 'high'"),
     ({"redis_ttl_s": True}, "redis_ttl_s: expected a number, got True"),
@@ -61,7 +63,7 @@ def test_the_example_config_in_deploy_loads():
     from conftest import REPO
 
     cfg = CacheConfig.from_yaml(REPO / "deploy" / "cache.example.yaml")
-    assert cfg.lower_tiers == (LowerTier.DISK, LowerTier.REDIS) and cfg.disk_capacity == 20 * 2**30
+    assert cfg.lower_tiers == (Tier.DISK, Tier.REDIS) and cfg.disk_capacity == 20 * 2**30
 
 
 def test_remote_addresses_get_serves_port_and_urls_or_bad_ports_are_refused():

@@ -22,7 +22,7 @@ from tiered_cache.cache.stats import PoolFigures
 from tiered_cache.device.pool import PagePool
 from tiered_cache.errors import IntegrityError
 from tiered_cache.index.radix import RadixTree
-from tiered_cache.index.radix_node import RadixNode, SizeInfo, Tier
+from tiered_cache.index.radix_node import RadixNode, SizeInfo
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.base import TierStats
 
@@ -55,7 +55,7 @@ class PageLedger:
         Returns the node ending at the last key, the tree's pages for all keys, and the number
         of duplicates (the leading new pages the tree already had).
         """
-        inserted = self.tree.insert(keys, np.concatenate([prefix_pages, new_pages]), ns, Tier.DEVICE)
+        inserted = self.tree.insert(keys, np.concatenate([prefix_pages, new_pages]), ns)
         self.page_tokens.record(keys, tokens, self.spec.page_size, first=len(prefix_pages))
         dup = inserted.num_existing - len(prefix_pages)
         if dup <= 0:

@@ -1,1 +1,1 @@
-"""Which prefix is where: page keys (DESIGN.md §4) and the radix tree over them, with residency."""
+"""Which prefix is where: page keys (DESIGN.md §4) and the radix tree of the device's pages over them."""

@@ -22,7 +22,6 @@ from tiered_cache.index.radix_node import (
     MatchResult,
     RadixNode,
     SizeInfo,
-    Tier,
 )
 
 _NO_VALUES = np.empty(0, dtype=np.int64)
@@ -94,13 +93,12 @@ class RadixTree:
         return MatchResult(node, i, values)
 
     # --- changes ---------------------------------------------------------------------------------
-    def insert(self, keys: Sequence[bytes], values: Any, namespace: str = "",
-               residency: Tier = Tier.DEVICE) -> InsertResult:
+    def insert(self, keys: Sequence[bytes], values: Any, namespace: str = "") -> InsertResult:
         """Cache `keys` (one per page) with `values` (one page index each) in `namespace`.
 
         Pages already cached keep their existing values: the result says how many leading pages
-        that was, so the caller can free its duplicate pages. The new pages form one new leaf
-        marked as held in `residency`. The tree keeps its own copy of the values it stores, so
+        that was, so the caller can free its duplicate pages. The new pages form one new leaf.
+        The tree keeps its own copy of the values it stores, so
         the caller may reuse `values` afterwards.
         """
         vals = np.asarray(values, dtype=np.int64).reshape(-1)
@@ -110,7 +108,7 @@ class RadixTree:
         existing = i
         if i < len(keys):
             # A copy, never a view: a view would pin the caller's whole array and follow its changes.
-            leaf = RadixNode(namespace, node, list(keys[i:]), vals[i:].copy(), node.end, Tier(residency))
+            leaf = RadixNode(namespace, node, list(keys[i:]), vals[i:].copy(), node.end)
             leaf.last_access = self._clock
             node.children[leaf.keys[0]] = leaf
             self._num_nodes += 1
@@ -170,14 +168,9 @@ class RadixTree:
             if node is None:
                 break
             self._remove_leaf(node)
-            evicted.append(EvictedNode(node.namespace, node.start, node.keys, node.values, node.residency))
+            evicted.append(EvictedNode(node.namespace, node.start, node.keys, node.values))
             freed += len(node)
         return evicted
-
-    def set_residency(self, node: RadixNode, residency: Tier) -> None:
-        """Record which local tiers hold `node`'s pages. Raises StaleHandleError if `node` was evicted."""
-        _require_live(node, "set_residency")
-        node.residency = Tier(residency)
 
     # --- internals -------------------------------------------------------------------------------
     def _walk(self, node: RadixNode, keys: Sequence[bytes],
@@ -224,13 +217,12 @@ class RadixTree:
         """Cut `child` after `at` pages; the new node takes the head and becomes child's parent.
 
         The new node sits on every path through `child`, so it inherits child's lock_ref, access
-        history and residency; sizes are unchanged. `child` keeps its identity (handles to it stay
+        history; sizes are unchanged. `child` keeps its identity (handles to it stay
         valid) and its place in the eviction queue.
         """
         parent = child.parent
         assert parent is not None and 0 < at < len(child)
-        head = RadixNode(child.namespace, parent, child.keys[:at], child.values[:at].copy(), child.start,
-                         child.residency)
+        head = RadixNode(child.namespace, parent, child.keys[:at], child.values[:at].copy(), child.start)
         head.lock_ref = child.lock_ref
         head.last_access, head.touched = child.last_access, child.touched
         head.hits = child.hits

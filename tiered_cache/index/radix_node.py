@@ -1,4 +1,4 @@
-"""The records of the radix tree: nodes, residency flags, and what its calls return."""
+"""The records of the radix tree: nodes, and what its calls return."""
 
 from __future__ import annotations
 
@@ -8,15 +8,6 @@ import time
 from typing import NamedTuple
 
 import numpy as np
-
-
-class Tier(enum.IntFlag):
-    """Local tiers that can hold a node's pages (a node may be in several at once)."""
-
-    NONE = 0
-    DEVICE = 1
-    HOST = 2
-    DISK = 4
 
 
 class EvictionPolicy(enum.Enum):
@@ -58,21 +49,19 @@ class RadixNode:
         "queued",
         "qver",
         "removed",
-        "residency",
         "start",
         "touched",
         "values",
     )
 
     def __init__(self, namespace: str, parent: RadixNode | None, keys: list[bytes], values: np.ndarray,
-                 start: int, residency: Tier = Tier.NONE) -> None:
+                 start: int) -> None:
         self.namespace = namespace
         self.parent = parent
         self.children: dict[bytes, RadixNode] = {}
         self.keys = keys
         self.values = values
         self.start = start  # index of this node's first page in the sequence
-        self.residency = residency
         self.lock_ref = 0
         self.own_locks = 0  # locks taken on this node as a handle
         self.last_access = 0
@@ -125,4 +114,3 @@ class EvictedNode(NamedTuple):
     start: int
     keys: list[bytes]
     values: np.ndarray
-    residency: Tier

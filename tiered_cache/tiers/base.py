@@ -11,6 +11,7 @@ down). `close()` and `warm()`, where a tier has them, release and open its conne
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -19,6 +20,27 @@ if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec
     from tiered_cache.shm.arena_map import ArenaRef
     from tiered_cache.wire.codec import PageDest
+
+class Tier(str, enum.Enum):
+    """Every tier a page can be in: the one word for each, which its figures, metrics labels and
+    `CacheConfig.lower_tiers` carry (a tier's `name` is its member's value). A handle's plan names
+    where a page is by position instead: HOST, or the index of a lower tier in the cache's chain."""
+
+    DEVICE = "device"  # the page pool the engine's attention reads (GPU memory, or CPU)
+    HOST = "host"  # host RAM beside the pool: pages as they are, no codec
+    DISK = "disk"
+    REDIS = "redis"
+    REMOTE = "remote"  # one or more store servers (`tiered-cache serve`)
+    RAM = "ram"  # a RAM blob tier: a store server's front tier, the vLLM connector's
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def lower(cls) -> tuple[Tier, ...]:
+        """The tiers a cache can name below host RAM (`CacheConfig.lower_tiers`)."""
+        return (cls.DISK, cls.REDIS, cls.REMOTE)
+
 
 # Called with (key, blob) pairs a tier is about to drop, so the cache can demote them further down.
 EvictCallback = Callable[[list[tuple[bytes, bytes]]], None]
