@@ -38,8 +38,10 @@ test-long: $(STAMP)
 
 # The wheel `ray up` mounts on every node (deploy/cluster.yaml): dist/tiered_cache-<version>-py3-none-any.whl,
 # pure Python (TIERED_CACHE_PURE=1: no native page copy, so one wheel fits every node's Python).
+# build/ goes too: setuptools copies all of build/lib into the wheel, stale packages included (an
+# older build's top-level workers/, before it was mapped to tiered_cache.workers).
 wheel: $(STAMP)
-	rm -rf dist && TIERED_CACHE_PURE=1 $(BIN)/pip wheel --no-deps --no-build-isolation -q -w dist .
+	rm -rf dist build && TIERED_CACHE_PURE=1 $(BIN)/pip wheel --no-deps --no-build-isolation -q -w dist .
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -29,12 +29,12 @@ from tiered_cache.metrics.families import cache_families, tier_families
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.tiers.remote_servers import owner
 from tiered_cache.wire.auth import token_from
-from workers.config import ShardSettings, WorkerSettings
-from workers.directory import WORKER
-from workers.names import DIRECTORY
-from workers.placement import compute_device
-from workers.ray_metrics import RayMetrics
-from workers.routing import Prompt, prompt_text
+from tiered_cache.workers.config import ShardSettings, WorkerSettings
+from tiered_cache.workers.directory import WORKER
+from tiered_cache.workers.names import DIRECTORY
+from tiered_cache.workers.placement import compute_device
+from tiered_cache.workers.ray_metrics import RayMetrics
+from tiered_cache.workers.routing import Prompt, prompt_text
 
 _SUMMARY_PROMPTS = 256  # recent prompts kept for the router's picture of what this worker holds
 _SUMMARY_CHARS = 16384  # of each, the leading characters (the shared part is the leading part)

@@ -19,10 +19,10 @@ import ray
 from ray.util.placement_group import get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.cache_worker import CacheWorker
-from workers.config import ClusterConfig
-from workers.directory import ClusterDirectory
-from workers.names import (
+from tiered_cache.workers.cache_worker import CacheWorker
+from tiered_cache.workers.config import ClusterConfig
+from tiered_cache.workers.directory import ClusterDirectory
+from tiered_cache.workers.names import (
     DIRECTORY,
     ROUTER,
     SHARD_PREFIX,
@@ -33,8 +33,8 @@ from workers.names import (
     shard_name,
     worker_name,
 )
-from workers.placement import shard_strategy, start_timeout_message
-from workers.store_shard import StoreShard
+from tiered_cache.workers.placement import shard_strategy, start_timeout_message
+from tiered_cache.workers.store_shard import StoreShard
 
 Progress = Callable[[str], None]
 PROGRESS_S = 10.0  # how often a start that waits says what for
@@ -126,7 +126,7 @@ def start_worker(name: str, config: ClusterConfig, **options: Any) -> Any:
 
 
 def start_router(config: ClusterConfig) -> Any:
-    from workers.router import PrefixRouter
+    from tiered_cache.workers.router import PrefixRouter
 
     return _existing(ROUTER) or _detached(PrefixRouter, ROUTER, config, num_cpus=0, max_concurrency=64).remote(
         config.router)
@@ -351,7 +351,7 @@ def stop(namespace: str, progress: Progress = lambda _: None, timeout_s: float =
 def serve_http(config: ClusterConfig, host: str, port: int, token: str | None) -> str:
     """Deploy the OpenAI-compatible front end (workers/http_frontend.py) in front of the router;
     returns its base URL."""
-    from workers.http_frontend import deploy
+    from tiered_cache.workers.http_frontend import deploy
 
     return deploy(config.namespace, config.worker.model, host, port, token)
 

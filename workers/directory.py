@@ -22,7 +22,7 @@ from typing import Any
 
 import ray
 
-from workers.names import SHARD_PREFIX, WORKER_PREFIX
+from tiered_cache.workers.names import SHARD_PREFIX, WORKER_PREFIX
 
 SHARD, WORKER = "shard", "worker"
 log = logging.getLogger("tiered_cache.workers.directory")

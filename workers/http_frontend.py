@@ -30,7 +30,7 @@ from ray import serve
 
 from tiered_cache.integrations.chat_messages import checked_messages
 from tiered_cache.server.config import LOOPBACK
-from workers.names import ROUTER, http_app_name
+from tiered_cache.workers.names import ROUTER, http_app_name
 
 api = FastAPI(title="tiered-cache", docs_url=None, redoc_url=None)
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from workers.config import WorkerSettings
+from tiered_cache.workers.config import WorkerSettings
 
 
 def compute_device(settings: WorkerSettings, gpu_ids: Sequence[str], cuda_available: bool) -> str:

@@ -19,10 +19,10 @@ from typing import Any
 import ray
 
 from tiered_cache.integrations.chat_messages import checked_messages
-from workers.config import RouterSettings, RoutingPolicyName
-from workers.directory import WORKER
-from workers.names import DIRECTORY
-from workers.routing import Decision, Prompt, make_policy, prompt_text
+from tiered_cache.workers.config import RouterSettings, RoutingPolicyName
+from tiered_cache.workers.directory import WORKER
+from tiered_cache.workers.names import DIRECTORY
+from tiered_cache.workers.routing import Decision, Prompt, make_policy, prompt_text
 
 _REFRESH_S = 1.0
 _DIRECTORY_WAIT_S = 2.0  # one directory or worker look-up during a refresh, at most

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from workers.prefix_tree import ApproxPrefixTree
+from tiered_cache.workers.prefix_tree import ApproxPrefixTree
 
 Prompt = str | Sequence[Mapping[str, str]]  # text, or chat messages [{"role", "content"}]
 

@@ -21,10 +21,10 @@ from tiered_cache.metrics.families import server_families, tier_families
 from tiered_cache.server.config import LOOPBACK, ServerConfig
 from tiered_cache.server.store_server import StoreServer
 from tiered_cache.wire.auth import token_from
-from workers.config import AUTO_HOST, ShardSettings
-from workers.directory import SHARD
-from workers.names import DIRECTORY
-from workers.ray_metrics import RayMetrics
+from tiered_cache.workers.config import AUTO_HOST, ShardSettings
+from tiered_cache.workers.directory import SHARD
+from tiered_cache.workers.names import DIRECTORY
+from tiered_cache.workers.ray_metrics import RayMetrics
 
 log = logging.getLogger("tiered_cache.workers.shard")
 

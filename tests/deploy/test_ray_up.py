@@ -216,6 +216,10 @@ def ray_exec(launch: dict, command: str) -> str:
 def test_ray_up_installs_the_wheel_and_starts_ray_with_token_auth(cluster, launch):
     installed = ray_exec(launch, "python -c 'import tiered_cache, os; print(os.path.realpath(tiered_cache.__file__))'")
     assert f"{NODE_HOME}/venv/lib/" in installed  # the wheel, in the node user's own Python
+    # The wheel brings the Ray layer as tiered_cache.workers and no top-level `workers` (a PyPI name).
+    found = ray_exec(launch, "python -c 'import importlib.util as u, tiered_cache.workers.cluster as c; "
+                             "print(c.__file__, u.find_spec(\"workers\"))'")
+    assert "/tiered_cache/workers/cluster.py None" in found, found
     token = (Path(launch["env"]["HOME"]) / ".ray" / "auth_token").read_text().strip()
     assert (NODE_HOME / ".ray" / "auth_token").read_text().strip() == token  # mounted at Ray's path
     assert "Active:" in ray_exec(launch, "ray status")  # the node user's Ray, reached with the token

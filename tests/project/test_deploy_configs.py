@@ -14,7 +14,7 @@ pytest.importorskip("ray")
 from ray.autoscaler._private.util import prepare_config, validate_config
 
 from tiered_cache.cli.main import build_parser
-from workers.config import ClusterConfig
+from tiered_cache.workers.config import ClusterConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RAY_UP = ["cluster.yaml", "cluster-local.yaml", "fake-multinode.yaml"]

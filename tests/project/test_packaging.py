@@ -17,7 +17,8 @@ sys.meta_path.insert(0, Block())
 
 def test_core_imports_without_torch_ray_cupy_or_transformers():
     code = BLOCK_HEAVY + (
-        "import tiered_cache, tiered_cache.index.radix, tiered_cache.index.keys, tiered_cache.model.sizing, workers\n"
+        "import tiered_cache, tiered_cache.index.radix, tiered_cache.index.keys, tiered_cache.model.sizing\n"
+        "import tiered_cache.workers, tiered_cache.workers.config, tiered_cache.workers.routing\n"
         "import tiered_cache.cli.main as m\n"
         "assert m.main(['size', '--model', 'smollm2-135m', '--json']) == 0\n"
         "from tiered_cache import RadixTree, PageKeyer, KVSpec, preset_spec\n"
@@ -85,9 +86,33 @@ def test_wheel_ships_packages_and_kernel_sources(tmp_path):
     wheel = next(tmp_path.glob("tiered_cache-*.whl"))
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "tiered_cache/_kernels/README.md" in names
-    assert "tiered_cache/index/radix.py" in names and "workers/__init__.py" in names
+    assert "tiered_cache/index/radix.py" in names and "tiered_cache/workers/__init__.py" in names
     assert "tiered_cache/data/document.txt" in names
     # Every Python package folder of the checkout is in the wheel (the package list is explicit).
     for init in (REPO / "tiered_cache").rglob("__init__.py"):
         assert init.relative_to(REPO).as_posix() in names
+    # workers/ ships as tiered_cache.workers, every module of it; no top-level `workers` (a PyPI name).
+    for module in (REPO / "workers").glob("*.py"):
+        assert f"tiered_cache/workers/{module.name}" in names
+    assert not any(n.startswith("workers/") for n in names)
+    top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+    assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["tiered_cache"]
     assert not any(n.startswith("tests/") for n in names)
+
+
+def test_no_top_level_workers_module_is_installed(tmp_path):
+    """The Ray layer (the folder workers/) imports as `tiered_cache.workers`; the installed package
+    claims no top-level `workers` (PyPI has a project of that name). Run outside the checkout, so
+    the folder itself is not on sys.path."""
+    code = ("import importlib.util, tiered_cache.workers.config\n"
+            "spec = importlib.util.find_spec('workers')\n"
+            "print(spec.origin if spec else None)\n"
+            "print(tiered_cache.workers.config.__file__)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    found, config = result.stdout.split()
+    assert found == "None" or not found.startswith(str(REPO)), f"a top-level `workers` from the checkout: {found}"
+    assert config == str(REPO / "workers" / "config.py") or "site-packages" in config
+    # From the checkout's root the folder is on sys.path: it refuses the name instead of loading twice.
+    result = subprocess.run([sys.executable, "-c", "import workers"], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 1 and "imported as tiered_cache.workers" in result.stderr, result.stderr

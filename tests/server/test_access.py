@@ -22,7 +22,7 @@ from tiered_cache.tiers.disk import DiskTier
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.auth import TOKEN_ENV, check_token, token_from
-from workers.config import ShardSettings
+from tiered_cache.workers.config import ShardSettings
 
 BLANK = ["", " ", "\t", "  \n "]
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.config import AUTO_HOST, ClusterConfig, RoutingPolicyName
+from tiered_cache.workers.config import AUTO_HOST, ClusterConfig, RoutingPolicyName
 
 REPO = Path(__file__).resolve().parents[2]
 

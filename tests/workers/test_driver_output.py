@@ -15,7 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from workers import cluster  # noqa: E402
+from tiered_cache.workers import cluster  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

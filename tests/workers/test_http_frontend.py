@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from workers.http_frontend import (
+from tiered_cache.workers.http_frontend import (
     BadRequest,
     chunk_body,
     deploy,

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from tiered_cache.integrations.hf_models import kv_dtype_for, weights_dtype
-from workers.config import ClusterConfig, WorkerSettings
-from workers.placement import compute_device, shard_strategy, start_timeout_message
+from tiered_cache.workers.config import ClusterConfig, WorkerSettings
+from tiered_cache.workers.placement import compute_device, shard_strategy, start_timeout_message
 
 
 def test_a_worker_holding_a_gpu_computes_on_it_and_never_drops_to_the_cpu_by_itself():

@@ -7,8 +7,8 @@ from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workers.prefix_tree import ApproxPrefixTree
-from workers.routing import Decision, PrefixAwarePolicy, RoundRobinPolicy, make_policy
+from tiered_cache.workers.prefix_tree import ApproxPrefixTree
+from tiered_cache.workers.routing import Decision, PrefixAwarePolicy, RoundRobinPolicy, make_policy
 
 WORKERS = ["w0", "w1", "w2"]
 texts = st.text(alphabet="ab", min_size=0, max_size=12)

@@ -91,7 +91,7 @@ def _drive(requests: list[tuple[int, int, str]], way: str, use_cache: bool, conc
     (`CacheWorker.flush`, not counted in `wall_s`)."""
     import ray
 
-    from workers.names import ROUTER
+    from tiered_cache.workers.names import ROUTER
 
     router = ray.get_actor(ROUTER)
     result = WayResult(way)
@@ -128,7 +128,7 @@ def bench_cluster(address: str | None = None, workers: int = 2, shards: int = 1,
     """Run the four ways; returns [recompute, alone, shared_round_robin, shared_prefix]."""
     import ray
 
-    from workers import cluster
+    from tiered_cache.workers import cluster
 
     if min(workers, shards, docs, questions, doc_chars) <= 0:
         raise ValueError("workers, shards, docs, questions and doc_chars must be positive")
@@ -148,8 +148,14 @@ def bench_cluster(address: str | None = None, workers: int = 2, shards: int = 1,
 
 def _run_ways(workers: int, shards: int, docs: int, questions: int, concurrency: int, max_new_tokens: int,
               doc_chars: int, seed: int, progress: Callable[[str], None]) -> list[WayResult]:
-    from workers import cluster
-    from workers.config import ClusterConfig, RouterSettings, RoutingPolicyName, ShardSettings, WorkerSettings
+    from tiered_cache.workers import cluster
+    from tiered_cache.workers.config import (
+        ClusterConfig,
+        RouterSettings,
+        RoutingPolicyName,
+        ShardSettings,
+        WorkerSettings,
+    )
 
     requests = workload(docs, questions, doc_chars, seed)
     worker = WorkerSettings(max_new_tokens=max_new_tokens)
@@ -190,7 +196,7 @@ def cold_start(config: Any, use_shards: bool, namespace: str) -> None:
     none of them), with the shards as its ring or none, and the router reset to `config`'s policy."""
     import ray
 
-    from workers.names import ROUTER, worker_name
+    from tiered_cache.workers.names import ROUTER, worker_name
 
     ray.get(ray.get_actor(ROUTER).reset.remote(config.router))
     sizes = ray.get([ray.get_actor(worker_name(i)).reset.remote(use_shards, namespace)

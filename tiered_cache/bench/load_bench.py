@@ -151,7 +151,7 @@ def _run_ray(args: argparse.Namespace, workload: Workload, progress: Callable[[s
     settings = RayLoadSettings(workload, args.clients, args.duration_s, args.workers, args.shards, args.ram,
                                args.worker_pool, args.worker_host, args.disk, args.address, args.namespace,
                                args.max_new_tokens, args.timeout_s or 120.0, args.verify, args.png)
-    from workers.cluster import stdout_for_the_answer
+    from tiered_cache.workers.cluster import stdout_for_the_answer
 
     out = stdout_for_the_answer()  # the results alone on stdout, Ray's driver talking or not
     result = bench_load_ray(settings, progress=progress)

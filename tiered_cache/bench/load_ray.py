@@ -73,7 +73,7 @@ class RayLoadSettings:
 def _has_router() -> bool:
     import ray
 
-    from workers.names import ROUTER
+    from tiered_cache.workers.names import ROUTER
 
     try:
         ray.get_actor(ROUTER)
@@ -86,8 +86,8 @@ def _samplers() -> dict[str, RssSampler]:
     """An RSS sampler (wall-clock times) for every shard and worker on this host."""
     import ray
 
-    from workers import cluster
-    from workers.names import SHARD_PREFIX, WORKER_PREFIX
+    from tiered_cache.workers import cluster
+    from tiered_cache.workers.names import SHARD_PREFIX, WORKER_PREFIX
 
     here = ray.util.get_node_ip_address()
     names = [n for n in cluster.actor_names() if n.startswith((SHARD_PREFIX, WORKER_PREFIX))]
@@ -99,8 +99,8 @@ def _warm_up(chat: ChatWorkload) -> None:
     """One short recompute on every worker, so the baseline does not pay first-forward costs."""
     import ray
 
-    from workers import cluster
-    from workers.names import WORKER_PREFIX
+    from tiered_cache.workers import cluster
+    from tiered_cache.workers.names import WORKER_PREFIX
 
     names = [n for n in cluster.actor_names() if n.startswith(WORKER_PREFIX)]
     prompt = chat.system_prompts[0][:200]
@@ -130,7 +130,7 @@ def _recompute(reports: list[ChatReport], settings: RayLoadSettings) -> tuple[di
     ask; returns their answers and how many recomputes failed."""
     import ray
 
-    from workers.names import ROUTER
+    from tiered_cache.workers.names import ROUTER
 
     asked = {k for r in reports if r.phase == "recompute" for k in r.answers}
     prompts = {k: p for r in reports if r.phase == "cache" for k, p in r.prompts.items() if k not in asked}
@@ -151,7 +151,7 @@ def _start_ray(settings: RayLoadSettings) -> bool:
     """Connect or start Ray; returns whether this call started it."""
     import ray
 
-    from workers import cluster
+    from tiered_cache.workers import cluster
 
     if settings.address is not None:
         cluster.connect(settings.address, settings.namespace)
@@ -166,8 +166,8 @@ def _start_ray(settings: RayLoadSettings) -> bool:
 def bench_load_ray(settings: RayLoadSettings, progress: Callable[[str], None] = lambda _: None) -> RayLoadResult:
     import ray
 
-    from workers import cluster
-    from workers.config import ClusterConfig, ShardSettings, WorkerSettings
+    from tiered_cache.workers import cluster
+    from tiered_cache.workers.config import ClusterConfig, ShardSettings, WorkerSettings
 
     started_ray = _start_ray(settings)
     own_cluster = not _has_router()
@@ -197,7 +197,7 @@ def _measure(settings: RayLoadSettings, progress: Callable[[str], None]) -> RayL
     import ray
 
     from tiered_cache.bench.load_ray_client import LoadClient
-    from workers import cluster
+    from tiered_cache.workers import cluster
 
     chat = ChatWorkload(settings.workload)
     actor = ray.remote(LoadClient).options(num_cpus=0, max_concurrency=2)

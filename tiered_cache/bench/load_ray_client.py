@@ -52,7 +52,7 @@ class LoadClient:
     def __init__(self, chat: ChatWorkload, index: int, timeout_s: float, max_new_tokens: int) -> None:
         import ray
 
-        from workers.names import ROUTER
+        from tiered_cache.workers.names import ROUTER
 
         self.conversations = ChatConversations(chat, index)
         self.timeout_s, self.max_new_tokens = timeout_s, max_new_tokens

@@ -358,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.bench == "cluster":
         from tiered_cache.bench.cluster_bench import bench_cluster, render
-        from workers.cluster import stdout_for_the_answer
+        from tiered_cache.workers.cluster import stdout_for_the_answer
 
         out = stdout_for_the_answer()  # the results alone on stdout, Ray's driver talking or not
         results = bench_cluster(args.address, args.workers, args.shards, args.docs, args.questions,

@@ -54,7 +54,7 @@ def _action(actions: Any, name: str, help_text: str) -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from workers.config import ClusterConfig
+    from tiered_cache.workers.config import ClusterConfig
 
     config = ClusterConfig.from_yaml(args.config) if getattr(args, "config", None) else ClusterConfig()
     changes: dict[str, Any] = {}
@@ -83,7 +83,7 @@ def _progress(action: str) -> Callable[[str], None]:
 def run(args: argparse.Namespace) -> int:
     """Stdout carries the command's answer only (`--json` is parsed by tools): what Ray prints on
     its own while the command runs (an actor's error, a shutdown notice) goes to stderr."""
-    from workers.cluster import stdout_for_the_answer
+    from tiered_cache.workers.cluster import stdout_for_the_answer
 
     answer = stdout_for_the_answer()
     code, text = _run(args)
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> tuple[int, str]:
-    from workers import cluster
+    from tiered_cache.workers import cluster
 
     config = _config(args)
     cluster.connect(args.address, config.namespace)
@@ -141,7 +141,7 @@ def render_actors(infos: list[dict[str, Any]]) -> str:
 
 def render_status(figures: dict[str, Any]) -> str:
     """One row per actor: node, address, how often Ray restarted it, and pages per tier."""
-    from workers.cluster import tiers_of
+    from tiered_cache.workers.cluster import tiers_of
 
     rows = []
     for actor in figures["actors"]:

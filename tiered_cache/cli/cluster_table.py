@@ -23,7 +23,7 @@ def _row(actor: str, node: str, tier: dict[str, Any]) -> list[str]:
 def render_cluster(figures: dict[str, Any]) -> str:
     from tiered_cache.cli.cluster_cmd import node_label
     from tiered_cache.report.tree import canary_line, reuse_line
-    from workers.cluster import tiers_of
+    from tiered_cache.workers.cluster import tiers_of
 
     rows, notes = [], []
     for actor in figures["actors"]:

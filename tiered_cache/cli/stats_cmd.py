@@ -54,7 +54,7 @@ def _servers(args: argparse.Namespace, before: dict[str, Any], seconds: float) -
 
 def _cluster(args: argparse.Namespace) -> tuple[str, bool]:
     from tiered_cache.cli.cluster_table import render_cluster
-    from workers import cluster
+    from tiered_cache.workers import cluster
 
     cluster.connect(args.ray, args.namespace)  # after `stdout_for_the_answer` (run)
     figures = cluster.stats(args.timeout)
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--watch must be a positive number of seconds, got {args.watch:g}")
     if not args.ray:
         return _report(args, sys.stdout)
-    from workers.cluster import stdout_for_the_answer
+    from tiered_cache.workers.cluster import stdout_for_the_answer
 
     return _report(args, stdout_for_the_answer())  # the figures alone on stdout, Ray's driver talking or not
 

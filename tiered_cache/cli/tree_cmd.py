@@ -77,8 +77,8 @@ def _decoder(name: str) -> Any:
 def _from_ray(address: str, namespace: str, worker: str | None, max_nodes: int) -> list[dict[str, Any]]:
     import ray
 
-    from workers import cluster
-    from workers.names import WORKER_PREFIX
+    from tiered_cache.workers import cluster
+    from tiered_cache.workers.names import WORKER_PREFIX
 
     cluster.connect(address, namespace)  # after `stdout_for_the_answer` (run)
     names = [n for n in cluster.actor_names() if n.startswith(WORKER_PREFIX)]
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             decode_previews(view, _decoder(args.tokenizer))
         _print(args, [view], sys.stdout)
         return 0
-    from workers.cluster import stdout_for_the_answer
+    from tiered_cache.workers.cluster import stdout_for_the_answer
 
     out = stdout_for_the_answer()  # the trees alone on stdout, Ray's driver talking or not
     _print(args, _from_ray(args.ray, args.namespace, args.worker, args.max_nodes), out)
