@@ -36,7 +36,7 @@ def test_keys_bench_and_cli_json():
     assert "heap rebuilt per call" in table and "speed vs baseline" in table
 
 
-TENSOR_ROWS = ["PagePool.store (pages in order)", "PagePool.read_tokens (out=)", "PagePool.read_tokens (new tensor)",
+TENSOR_ROWS = ["PagePool.write (pages in order)", "PagePool.read_tokens (out=)", "PagePool.read_tokens (new tensor)",
                "TieredCache.put (new prefix)", "TieredCache.get (device hit)", "TieredCache.get (device hit, out=)",
                "match + load + release (from host RAM)"]
 

@@ -91,7 +91,7 @@ def test_mark_written_is_how_an_engine_writing_the_pool_itself_commits():
     h = c.match(tokens)
     pages = c.allocate(h, 16)
     slots = c.pool.slots(pages, 16)
-    c.pool.store(slots[:8], token_kv(SPEC, tokens)[:, :, :8])  # the engine's own kernel
+    c.pool.write(slots[:8], token_kv(SPEC, tokens)[:, :, :8])  # the engine's own kernel
     assert c.commit(h, tokens, num_written=0) == 0  # nothing marked yet: nothing cached
     c.mark_written(h, 8)
     with pytest.raises(ValueError, match="would pass the 16 allocated"):

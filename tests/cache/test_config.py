@@ -1,8 +1,8 @@
 import pytest
 
 from tiered_cache.config import CacheConfig, WritePolicy
-from tiered_cache.tiers.base import Tier
 from tiered_cache.index.radix_node import EvictionPolicy
+from tiered_cache.tiers.base import Tier
 from tiered_cache.wire.codec import Codec
 
 

@@ -107,7 +107,7 @@ def test_engine_writes_through_writable_slots_and_mark_written_refuses_a_shared_
     slots = cache.writable_slots(fork, 2)
     assert len(slots) == 2 and slots[0] // SPEC.page_size not in parent.own_pages
     kv = token_kv(SPEC, [1, 2, 3, 4, 5, 6, 9, 9])
-    cache.pool.store(slots, kv[:, :, 6:])
+    cache.pool.write(slots, kv[:, :, 6:])
     cache.mark_written(fork, 2)
     assert torch.equal(read_back(cache, fork), kv)
     assert torch.equal(read_back(cache, parent), token_kv(SPEC, [1, 2, 3, 4, 5, 6]))

@@ -96,7 +96,7 @@ def test_a_copy_into_host_ram_that_fails_indexes_no_slot_and_leaks_nothing(monke
     monkeypatch.setattr(c.promoter.copier, "from_pool", broken)
     with pytest.raises(RuntimeError, match="the copy failed"):
         c.evict()
-    assert len(c.host.index) == 0 and c.host.slots.num_free == c.host.num_slots
+    assert len(c.host.index) == 0 and c.host.rows.num_free == c.host.num_rows
     assert c.lookup(tokens) == 0  # a miss, never the unwritten slots
     c.check_integrity()
     monkeypatch.undo()
@@ -117,7 +117,7 @@ def test_pages_held_out_of_host_ram_and_stored_again_meanwhile_keep_one_slot():
     assert not c.host.index
     c.host.put(keys, c.host.slab[torch.tensor([slot for _, slot in held])].clone())  # the same pages again
     c.host.unhold(held)
-    assert len(c.host.index) == 4 and c.host.slots.num_free == c.host.num_slots - 4  # the spare slots freed
+    assert len(c.host.index) == 4 and c.host.rows.num_free == c.host.num_rows - 4  # the spare rows freed
     n, kv = c.get(tokens)
     assert n == 16 and torch.equal(kv, token_kv(SPEC, tokens))
     c.close()

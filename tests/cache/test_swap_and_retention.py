@@ -90,7 +90,7 @@ def test_swapped_requests_fill_host_ram_and_the_next_one_is_refused():
     third = running(cache, [], list(range(40, 44)))
     cache.swap_out(first)
     cache.swap_out(second)  # host RAM is now all swap space
-    with pytest.raises(SwapError, match="0 of 4 slots free"):
+    with pytest.raises(SwapError, match="0 of 4 rows free"):
         cache.swap_out(third)
     cache.release(first)  # a released swapped request gives its host slots back
     assert cache.stats().pool.swapped_pages == 2
@@ -99,7 +99,7 @@ def test_swapped_requests_fill_host_ram_and_the_next_one_is_refused():
     assert torch.equal(live_kv(cache, second), token_kv(SPEC, list(range(20, 28))))
     for h in (second, third):
         cache.release(h)
-    assert cache.stats().pool.swapped_pages == 0 and cache.host.slots.num_free == 4
+    assert cache.stats().pool.swapped_pages == 0 and cache.host.rows.num_free == 4
     cache.check_integrity()
     cache.close()
 

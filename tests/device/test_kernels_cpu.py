@@ -101,9 +101,9 @@ def test_store_kernel_matches_torch(lib, spec):
     kv = torch.randint(0, 256, (int(np.prod(spec.kv_shape(n))) * spec.dtype.itemsize,), dtype=torch.uint8,
                        generator=torch.Generator().manual_seed(4)).view(spec.dtype.torch).view(spec.kv_shape(n))
     if spec.dtype is not DType.FP8_E4M3:
-        torch_pool.store(slots.numpy(), kv)
+        torch_pool.write(slots.numpy(), kv)
     else:  # torch cannot index_put float8 on the CPU: compare bytes through a uint8 view instead
-        torch_pool.ops.store(torch_pool.kv.view(torch.uint8), spec.layout, spec.page_size, slots,
+        torch_pool.ops.write(torch_pool.kv.view(torch.uint8), spec.layout, spec.page_size, slots,
                              kv.view(torch.uint8))
     emulated = torch.full_like(torch_pool.kv.view(torch.uint8), 0).view(torch_pool.kv.dtype)
     row_bytes = spec.head_dim * spec.dtype.itemsize

@@ -51,8 +51,8 @@ def test_kernels_match_torch_bit_for_bit(spec):
 
     pages = allocate(num)
     kv = torch.randn(spec.kv_shape(n), device="cuda").to(spec.dtype.torch)
-    cuda.store(cuda.slots(pages, n), kv)
-    reference.store(reference.slots(pages, n), kv)
+    cuda.write(cuda.slots(pages, n), kv)
+    reference.write(reference.slots(pages, n), kv)
     assert same_bytes()
     staged = cuda.gather(pages)
     assert torch.equal(staged.view(torch.uint8), reference.gather(pages).view(torch.uint8))
@@ -79,7 +79,7 @@ def test_gather_into_a_device_tensor_makes_no_temporary_copy():
     spec = SPECS[0]
     pool = PagePool(spec, 64, "cuda")
     pages = pool.allocate(32)
-    pool.store(pool.slots(pages, 32 * spec.page_size), torch.randn(spec.kv_shape(32 * spec.page_size),
+    pool.write(pool.slots(pages, 32 * spec.page_size), torch.randn(spec.kv_shape(32 * spec.page_size),
                                                                    device="cuda").to(spec.dtype.torch))
     out = torch.empty(spec.staging_shape(32), dtype=pool.kv.dtype, device="cuda")
     torch.cuda.synchronize()
@@ -100,7 +100,7 @@ def test_write_then_offload_at_once_copies_finished_kv():
     for round_ in range(5):
         kv = torch.full(spec.kv_shape(n), float(round_ + 1), device="cuda", dtype=spec.dtype.torch)
         kv = kv @ torch.eye(spec.head_dim, device="cuda", dtype=spec.dtype.torch)  # keep the stream busy
-        pool.store(pool.slots(pages, n), kv)
+        pool.write(pool.slots(pages, n), kv)
         ticket = transfers.offload(pages)  # no synchronize: the copy stream must wait by itself
         assert torch.all(ticket.wait() == round_ + 1)
         ticket.release()
@@ -113,12 +113,12 @@ def test_pages_freed_during_offload_are_not_reallocated_mid_copy():
     pages = pool.allocate(32)
     n = 32 * spec.page_size
     kv = torch.ones(spec.kv_shape(n), device="cuda", dtype=spec.dtype.torch)
-    pool.store(pool.slots(pages, n), kv)
+    pool.write(pool.slots(pages, n), kv)
     ticket = transfers.offload(pages)  # no synchronize: the copy may still be running
     pool.free(pages)
     new = pool.allocate(32)  # without pins, LIFO allocation would hand back exactly `pages`
     assert not set(new.tolist()) & set(pages.tolist())
-    pool.store(pool.slots(new, n), kv * 2)  # on the compute stream, concurrent with the copy
+    pool.write(pool.slots(new, n), kv * 2)  # on the compute stream, concurrent with the copy
     assert torch.all(ticket.wait() == 1)
     ticket.release()
     assert pool.num_free == 32 and pool.allocator.num_pending == 0
@@ -131,7 +131,7 @@ def test_layer_by_layer_load_back():
     transfers = Transfers(pool, PinnedBuffers(pool, 8, 1))
     pages = pool.allocate(8)
     kv = torch.randn(spec.kv_shape(8 * spec.page_size), device="cuda").to(spec.dtype.torch)
-    pool.store(pool.slots(pages, 8 * spec.page_size), kv)
+    pool.write(pool.slots(pages, 8 * spec.page_size), kv)
     host = transfers.offload(pages).wait().clone().pin_memory()
     targets = pool.allocate(8)
     load = transfers.load(host, targets)

@@ -16,7 +16,7 @@ def test_offload_then_load_back_round_trips(layout):
     pool = PagePool(spec, 12)
     pages = pool.allocate(5)
     kv = torch.randn(spec.kv_shape(20)).half()
-    pool.store(pool.slots(pages, 20), kv)
+    pool.write(pool.slots(pages, 20), kv)
     transfers = Transfers(pool, PinnedBuffers(pool, pages_per_buffer=8, num_buffers=2))
     ticket = transfers.offload(pages)
     host = ticket.wait()
@@ -35,7 +35,7 @@ def test_buffers_are_not_reused_while_held():
     spec = KVSpec("offload", 1, 1, 8, page_size=2)
     pool = PagePool(spec, 8)
     pages = pool.allocate(2)
-    pool.store(pool.slots(pages, 4), torch.randn(spec.kv_shape(4)).half())
+    pool.write(pool.slots(pages, 4), torch.randn(spec.kv_shape(4)).half())
     transfers = Transfers(pool, PinnedBuffers(pool, pages_per_buffer=2, num_buffers=2))
     first, second = transfers.offload(pages), transfers.offload(pages[:1])
     assert first.buffer != second.buffer
@@ -67,7 +67,7 @@ def test_offloaded_pages_are_not_reused_until_the_ticket_is_released():
     pool = PagePool(spec, 6)
     pages = pool.allocate(3)
     kv = torch.randn(spec.kv_shape(6)).half()
-    pool.store(pool.slots(pages, 6), kv)
+    pool.write(pool.slots(pages, 6), kv)
     expected = pool.gather(pages)
     transfers = Transfers(pool, PinnedBuffers(pool, pages_per_buffer=4, num_buffers=1))
     ticket = transfers.offload(pages)
@@ -77,7 +77,7 @@ def test_offloaded_pages_are_not_reused_until_the_ticket_is_released():
     assert not set(new.tolist()) & set(pages.tolist())
     with pytest.raises(PoolExhaustedError):
         pool.allocate(1)
-    pool.store(pool.slots(new, 6), torch.full(spec.kv_shape(6), 7.0).half())  # a new request writes
+    pool.write(pool.slots(new, 6), torch.full(spec.kv_shape(6), 7.0).half())  # a new request writes
     pool.check_integrity()
     assert torch.equal(ticket.wait(), expected)  # the bytes the pages had at offload()
     assert pool.num_free == 3 and pool.allocator.num_pending == 0

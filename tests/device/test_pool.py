@@ -33,7 +33,7 @@ def test_store_gather_scatter_round_trip(base, dtype, layout):
     pages = pool.allocate(spec.pages_for_tokens(n_tokens))
     pool.allocator.free(pool.allocate(1))  # disturb the free list so pages are not 0..n
     kv = random_kv(spec, n_tokens, gen)
-    pool.store(pool.slots(pages, n_tokens), kv)
+    pool.write(pool.slots(pages, n_tokens), kv)
     assert torch.equal(pool.read_tokens(pages, n_tokens), kv)
 
     staging = pool.gather(pages)
@@ -61,7 +61,7 @@ def test_store_writes_only_its_slots_in_shuffled_order():
     order = np.random.default_rng(0).permutation(12)
     kv = torch.randn(spec.kv_shape(12)).half()
     before = pool.kv.clone()
-    pool.store(slots[order], kv[:, :, order])
+    pool.write(slots[order], kv[:, :, order])
     assert torch.equal(pool.read_tokens(pages, 12), kv)
     untouched = torch.from_numpy(np.setdiff1d(np.arange(6), pages))
     assert torch.equal(pool.kv[:, :, untouched].view(torch.uint8), before[:, :, untouched].view(torch.uint8))
@@ -71,7 +71,7 @@ def test_gather_into_a_given_buffer():
     spec = KVSpec("m", 2, 1, 8, page_size=2)
     pool = PagePool(spec, 4)
     pages = pool.allocate(2)
-    pool.store(pool.slots(pages, 4), torch.randn(spec.kv_shape(4)).half())
+    pool.write(pool.slots(pages, 4), torch.randn(spec.kv_shape(4)).half())
     out = torch.full(spec.staging_shape(2), float("nan"), dtype=torch.float16)
     assert pool.gather(pages, out=out) is out
     assert not torch.isnan(out).any()
@@ -85,18 +85,18 @@ def test_errors_are_clear_and_change_nothing():
     kv = torch.randn(spec.kv_shape(8)).half()
     before = pool.kv.clone()
     with pytest.raises(KVShapeError, match=r"shape \(2, 2, 7, 2, 8\), expected \(2, 2, 8, 2, 8\)"):
-        pool.store(pool.slots(pages, 8), kv[:, :, :7])
+        pool.write(pool.slots(pages, 8), kv[:, :, :7])
     with pytest.raises(KVShapeError, match=r"dtype torch\.float32, expected torch\.float16"):
-        pool.store(pool.slots(pages, 8), kv.float())
+        pool.write(pool.slots(pages, 8), kv.float())
     with pytest.raises(KVShapeError, match=r"must be a torch\.Tensor"):
-        pool.store(pool.slots(pages, 8), kv.numpy())
+        pool.write(pool.slots(pages, 8), kv.numpy())
     with pytest.raises(PageStateError, match="same slot twice"):
-        pool.store([0, 0], kv[:, :, :2])
+        pool.write([0, 0], kv[:, :, :2])
     with pytest.raises(PageStateError, match="out of range"):
-        pool.store([99], kv[:, :, :1])
+        pool.write([99], kv[:, :, :1])
     free_page = np.setdiff1d(np.arange(4), pages)[0]
     with pytest.raises(PageStateError, match="are free; allocate them"):
-        pool.store([free_page * 4], kv[:, :, :1])
+        pool.write([free_page * 4], kv[:, :, :1])
     with pytest.raises(PageStateError, match="are free"):
         pool.gather([free_page])
     with pytest.raises(PageStateError, match="appears twice"):
@@ -134,7 +134,7 @@ def test_layer_views_are_views_of_the_pool():
     pool = PagePool(spec, 5)
     pages = pool.allocate(1)
     kv = torch.randn(spec.kv_shape(4)).half()
-    pool.store(pool.slots(pages, 4), kv)
+    pool.write(pool.slots(pages, 4), kv)
     k_layer1 = pool.kv[0, 1]
     assert k_layer1.data_ptr() == pool.kv[0, 1].data_ptr() and k_layer1.shape == (5, 4, 2, 8)
     assert torch.equal(k_layer1[pages[0]], kv[1, 0])
@@ -154,11 +154,11 @@ class CountingTorchOps(TorchPageOps):
     """The reference ops, counting calls: the fast path must not reach them."""
 
     def __init__(self):
-        self.stores = 0
+        self.writes = 0
 
-    def store(self, *args):
-        self.stores += 1
-        super().store(*args)
+    def write(self, *args):
+        self.writes += 1
+        super().write(*args)
 
 
 def poisoned_pools(spec, num_pages=48, seed=0):
@@ -197,9 +197,9 @@ def test_fast_store_and_read_match_the_reference_bytes(spec, order, layout, tail
     fast, reference = poisoned_pools(spec)
     kv = torch.randn(spec.kv_shape(n), generator=torch.Generator().manual_seed(n)).to(spec.dtype.torch)
     slots = fast.slots(pages, n)
-    fast.store(slots, kv)
-    TorchPageOps().store(reference.kv, layout, spec.page_size, torch.from_numpy(slots), kv)
-    assert fast.ops.stores == 0  # slots filling pages in order take the fast path
+    fast.write(slots, kv)
+    TorchPageOps().write(reference.kv, layout, spec.page_size, torch.from_numpy(slots), kv)
+    assert fast.ops.writes == 0  # slots filling pages in order take the fast path
     assert same_bytes(fast.kv, reference.kv)
     assert same_bytes(fast.read_tokens(pages, n), reference_read(reference, pages, n))
     assert same_bytes(fast.read_tokens(pages, n), kv)
@@ -209,17 +209,17 @@ def test_fast_store_and_read_match_the_reference_bytes(spec, order, layout, tail
 def test_no_tokens_and_arbitrary_slots(layout):
     spec = KVSpec("m", 2, 2, 8, page_size=4, layout=layout)
     fast, reference = poisoned_pools(spec, num_pages=8)
-    fast.store([], torch.empty(spec.kv_shape(0), dtype=torch.float16))
+    fast.write([], torch.empty(spec.kv_shape(0), dtype=torch.float16))
     assert same_bytes(fast.kv, reference.kv)
     assert fast.read_tokens([1, 2], 0).shape == spec.kv_shape(0)
     # Offsets not from 0, a page's tokens out of order, a page left half-written mid-run: the
     # reference path (ops.store) writes them.
     for slots in ([5, 6, 7, 8], [4, 5, 7, 6], [4, 5, 8, 9, 10, 11], [13]):
         kv = torch.randn(spec.kv_shape(len(slots))).half()
-        calls = fast.ops.stores
-        fast.store(slots, kv)
-        TorchPageOps().store(reference.kv, layout, spec.page_size, torch.tensor(slots), kv)
-        assert fast.ops.stores == calls + 1 and same_bytes(fast.kv, reference.kv)
+        calls = fast.ops.writes
+        fast.write(slots, kv)
+        TorchPageOps().write(reference.kv, layout, spec.page_size, torch.tensor(slots), kv)
+        assert fast.ops.writes == calls + 1 and same_bytes(fast.kv, reference.kv)
 
 
 @pytest.mark.parametrize("layout", list(Layout))
@@ -230,7 +230,7 @@ def test_read_tokens_into_a_given_buffer(layout, order):
     pages = PAGE_ORDERS[order]
     n = len(pages) * 4 - 2
     kv = torch.randn(spec.kv_shape(n)).half()
-    pool.store(pool.slots(pages, n), kv)
+    pool.write(pool.slots(pages, n), kv)
     out = torch.full(spec.kv_shape(n), float("nan"), dtype=torch.float16)
     assert pool.read_tokens(pages, n, out=out) is out and torch.equal(out, kv)
     # Any strides: here K/V outermost, seen through a transpose.
@@ -251,9 +251,9 @@ def test_sparse_and_meta_tensors_are_refused_before_anything_is_written():
     before = pool.kv.clone()
     kv = torch.randn(spec.kv_shape(8)).half()
     with pytest.raises(KVShapeError, match=r"kv has layout torch\.sparse_coo, expected a dense"):
-        pool.store(pool.slots(pages, 8), kv.to_sparse())
+        pool.write(pool.slots(pages, 8), kv.to_sparse())
     with pytest.raises(KVShapeError, match="kv is on the meta device"):
-        pool.store(pool.slots(pages, 8), kv.to("meta"))
+        pool.write(pool.slots(pages, 8), kv.to("meta"))
     with pytest.raises(KVShapeError, match="out is on the meta device"):
         pool.read_tokens(pages, 8, out=torch.empty(spec.kv_shape(8), dtype=torch.float16, device="meta"))
     with pytest.raises(KVShapeError, match="staging has layout"):
@@ -267,11 +267,11 @@ def test_a_large_pool_is_pretouched_in_the_background_and_keeps_what_is_written_
     assert isinstance(pool.pretouch, threading.Thread) and pool.pretouch.daemon  # not zero-filled
     pages = pool.allocate(4)
     kv = torch.randn(spec.kv_shape(60)).half()
-    pool.store(pool.slots(pages, 60), kv)  # most likely while the thread still runs
+    pool.write(pool.slots(pages, 60), kv)  # most likely while the thread still runs
     pool.pretouch.join()
     assert torch.equal(pool.read_tokens(pages, 60), kv)
     more = pool.allocate(pool.num_free)[-3:]
-    pool.store(pool.slots(more, 48), kv[:, :, :48])
+    pool.write(pool.slots(more, 48), kv[:, :, :48])
     assert torch.equal(pool.read_tokens(more, 48), kv[:, :, :48])
     assert PagePool(spec, 2).pretouch is None  # a small pool is zero-filled at once
 
@@ -286,7 +286,7 @@ def test_where_the_pretouch_writes_zeros_allocate_waits_for_it(monkeypatch):
     pages = pool.allocate(2)
     assert not pool.pretouch.is_alive()  # its zeros are written before anyone may write a page
     kv = torch.randn(spec.kv_shape(32)).half()
-    pool.store(pool.slots(pages, 32), kv)
+    pool.write(pool.slots(pages, 32), kv)
     assert torch.equal(pool.read_tokens(pages, 32), kv)
 
 
@@ -362,7 +362,7 @@ def test_kernels_that_do_not_compile_fall_back_to_torch_ops_unless_named(monkeyp
     assert pool.ops.name == "torch" and "did not compile" in caplog.text
     kv = torch.randn(spec.kv_shape(spec.page_size)).to(spec.dtype.torch)
     pages = pool.allocate(1)
-    pool.store(pool.slots(pages, spec.page_size), kv)
+    pool.write(pool.slots(pages, spec.page_size), kv)
     assert torch.equal(pool.read_tokens(pages, spec.page_size), kv)  # the pool works on torch's ops
     with pytest.raises(RuntimeError, match="nvrtc"):
         PagePool(spec, 4, ops="uncompiled")  # named: no silent substitute

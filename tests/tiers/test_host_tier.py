@@ -114,7 +114,7 @@ def test_a_write_into_the_slab_waits_for_a_copy_out_of_it_still_in_flight():
     keys, pages = keys_for(4), pages_for(4)
     host.put(keys[:2], pages[:2])
     gate = threading.Event()
-    copy = _GatedCopy(host, host.leading_slots(keys[:2]), gate)
+    copy = _GatedCopy(host, host.leading_rows(keys[:2]), gate)
     host.reading(copy)
     writer = threading.Thread(target=host.put, args=(keys[2:], pages[2:]), daemon=True)
     writer.start()  # evicts both pages and reuses their slots

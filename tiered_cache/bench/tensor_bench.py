@@ -1,5 +1,5 @@
 """`tiered-cache bench tensor`: KV of one prefix moved through the tensor API, beside a memcpy of
-the same bytes measured in the same run: `PagePool.store` / `read_tokens`, `TieredCache.put` /
+the same bytes measured in the same run: `PagePool.write` / `read_tokens`, `TieredCache.put` /
 `get`, and the paged `match` + `load` up from host RAM."""
 
 from __future__ import annotations
@@ -65,11 +65,11 @@ def _pool_times(spec: KVSpec, kv: torch.Tensor, repeat: int) -> list[tuple[str, 
     pages = pool.allocate(pool.num_pages)
     slots = pool.slots(pages, n)
     out = torch.zeros_like(kv)
-    store_s = best_time(lambda: pool.store(slots, kv), repeat)
+    write_s = best_time(lambda: pool.write(slots, kv), repeat)
     read_s = best_time(lambda: pool.read_tokens(pages, n, out=out), repeat)
     new_s = best_time(lambda: pool.read_tokens(pages, n), repeat)
     _verify(out, kv, "PagePool.read_tokens")
-    return [("PagePool.store (pages in order)", store_s),
+    return [("PagePool.write (pages in order)", write_s),
             ("PagePool.read_tokens (out=)", read_s),
             ("PagePool.read_tokens (new tensor)", new_s)]
 

@@ -75,7 +75,7 @@ class Compaction:
         live = len(source)
         self.forks.make_private(handle, 0, live)  # forks keep their pages
         own = np.array(handle.own_pages, dtype=np.int64)
-        self.pool.store(self.pool.slots(own, live), kv)
+        self.pool.write(self.pool.slots(own, live), kv)
         keep = self.spec.pages_for_tokens(live)
         with self.ledger.reshaping(handle):
             self.pool.free(own[keep:])

@@ -121,13 +121,13 @@ class Demoter:
             missing = [i for i, k in enumerate(keys) if k not in self.host.index]
             if missing:
                 chosen = [keys[i] for i in missing]
-                new, slots, overflow = self.host.reserve(chosen)
+                new, rows, overflow = self.host.reserve(chosen)
                 spill, copied = None, False
                 try:
-                    spill = self._pages_to_slots(pages[missing], new, slots, overflow)
+                    spill = self._pages_to_rows(pages[missing], new, rows, overflow)
                     copied = True
                 finally:
-                    self._fill_or_free(chosen, new, slots, copied)
+                    self._fill_or_free(chosen, new, rows, copied)
                 if spill is not None:
                     self.writer.host_evicted([chosen[i] for i in overflow], spill)
                 self.ledger.device.bytes_out += len(missing) * self.spec.bytes_per_page
@@ -135,15 +135,15 @@ class Demoter:
             self.pool.free(pages)
             self.ledger.device.evictions += len(keys)
 
-    def _pages_to_slots(self, pages: np.ndarray, new: list[int], slots: np.ndarray,
+    def _pages_to_rows(self, pages: np.ndarray, new: list[int], rows: np.ndarray,
                         overflow: list[int], background: bool = False) -> torch.Tensor | None:
-        """Copy device `pages[new]` into reserved host `slots` (one DMA per run of slots on CUDA, no
+        """Copy device `pages[new]` into reserved host `rows` (one DMA per run of rows on CUDA, no
         staging), and return a host copy of `pages[overflow]` (no room in host RAM) for below.
         `background`: a request's copy waits behind one chunk of this one, not all of it."""
         if new:
             self.host.before_write()
             # The pages' KV, written on any request's stream, lands before the copy reads it.
-            self.copier.from_pool(pages[new], self.host.slab, slots, background=background,
+            self.copier.from_pool(pages[new], self.host.slab, rows, background=background,
                                   after=self.writers.pending())
         if not overflow:
             return None
@@ -152,15 +152,15 @@ class Demoter:
             return self.pool.gather(pages[overflow], out=torch.empty(self.spec.staging_shape(len(overflow)),
                                                                      dtype=self.pool.kv.dtype))
 
-    def _fill_or_free(self, keys: list[bytes], new: list[int], slots: np.ndarray, copied: bool) -> None:
-        """Reserved host slots after a copy into them (lock held): indexed under their keys when the
-        copy finished, else freed. Host RAM has no checksum: a slot the copy never wrote must never
+    def _fill_or_free(self, keys: list[bytes], new: list[int], rows: np.ndarray, copied: bool) -> None:
+        """Reserved host rows after a copy into them (lock held): indexed under their keys when the
+        copy finished, else freed. Host RAM has no checksum: a row the copy never wrote must never
         be read as KV."""
         if copied:
-            self.host.fill([keys[i] for i in new], slots)
+            self.host.fill([keys[i] for i in new], rows)
             self.moves.demotions["host"] += len(new)
         else:
-            self.host.slots.free(slots)
+            self.host.rows.free(rows)
 
     # --- background demotion -------------------------------------------------------------------------
     def after_insert(self, ns: str, keys: list[bytes], num_new: int) -> None:
@@ -197,16 +197,16 @@ class Demoter:
                     self.ledger.demoting += len(pages)
                     self._demoting_keys.update(keys)
                     chosen = [keys[i] for i in missing]
-                    new, slots, overflow = self.host.reserve(chosen)  # host slots now ours too
+                    new, rows, overflow = self.host.reserve(chosen)  # host rows now ours too
                 spill, copied = None, False
                 try:
                     # No lock: no one else can reach these pages (out of the tree, not free) or
-                    # these slots (allocated, not indexed).
-                    spill = self._pages_to_slots(pages[missing], new, slots, overflow, background=True)
+                    # these rows (allocated, not indexed).
+                    spill = self._pages_to_rows(pages[missing], new, rows, overflow, background=True)
                     copied = True
                 finally:
                     with self._lock:
-                        self._fill_or_free(chosen, new, slots, copied)
+                        self._fill_or_free(chosen, new, rows, copied)
                         if overflow and spill is not None:
                             self.writer.host_evicted([chosen[i] for i in overflow], spill)
                         self.ledger.device.bytes_out += len(missing) * self.spec.bytes_per_page
@@ -222,7 +222,7 @@ class Demoter:
         """Background: copy the last `num_new` pages of `keys` to host RAM, then queue them below.
         Pages evicted meanwhile were copied to host RAM by the eviction: they are read from there.
         The device -> host copy runs outside the lock (the node is locked so its pages stay, the
-        slots are reserved so no one else uses them): a request never waits behind it."""
+        rows are reserved so no one else uses them): a request never waits behind it."""
         first = len(keys) - num_new
         self._foreground.wait_idle(YIELD_S)
         with self._lock:
@@ -233,16 +233,16 @@ class Demoter:
             chosen = [k for k in keys[first:on_device] if k not in self.host.index]
             positions = [first + i for i, k in enumerate(keys[first:on_device]) if k not in self.host.index]
             pages = match.values[positions] if positions else _NO_PAGES
-            new, slots, overflow = self.host.reserve(chosen)
+            new, rows, overflow = self.host.reserve(chosen)
             self.tree.lock(match.node)
         spill, copied = None, False
         try:
-            spill = self._pages_to_slots(pages, new, slots, overflow, background=True)
+            spill = self._pages_to_rows(pages, new, rows, overflow, background=True)
             copied = True
         finally:
             with self._lock:
                 self.tree.unlock(match.node)
-                self._fill_or_free(chosen, new, slots, copied)
+                self._fill_or_free(chosen, new, rows, copied)
                 if spill is not None:
                     self.writer.host_evicted([chosen[i] for i in overflow], spill)
                 in_host = self.host.contains_prefix(keys[first:])

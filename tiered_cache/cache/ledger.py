@@ -131,7 +131,7 @@ class PageLedger:
         """The device tier's figures, the pool's, the tree's sizes and its node count."""
         usage, size = self.pool.usage(), self.tree.size_info()
         device = replace(self.device, pages=size.total, used_bytes=size.total * self.spec.bytes_per_page)
-        swapped = sum(len(h.swapped.slots) for h in self.live if h.swapped)
+        swapped = sum(len(h.swapped.rows) for h in self.live if h.swapped)
         pool = PoolFigures(usage.total_pages, usage.used_pages, usage.free_pages, usage.page_bytes,
                            self.unused_slots, int((self.pool.allocator.refs > 1).sum()), self.forks,
                            self.cow_copies, swapped, self.pages_compacted)

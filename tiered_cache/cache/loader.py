@@ -111,7 +111,7 @@ class Loader:
         n, start = len(pages), match.num_pages
         try:
             if n:  # the pages are ours until adopted: the copy needs no lock
-                self.pool.store(self.pool.slots(pages, n * ps), kv[:, :, start * ps:(start + n) * ps])
+                self.pool.write(self.pool.slots(pages, n * ps), kv[:, :, start * ps:(start + n) * ps])
         except BaseException:
             with self._lock:
                 self.pool.free(pages)
@@ -237,7 +237,7 @@ class Loader:
                     return None
             pages = self.pool.allocate(n)
             try:
-                self.host_loads.to_pool(self.host.leading_slots(wanted), pages)
+                self.host_loads.to_pool(self.host.leading_rows(wanted), pages)
             except BaseException:
                 self.pool.free(pages)
                 raise

@@ -2,7 +2,7 @@
 
 Host RAM drops a page (its LRU end) -> the page is queued for the first lower tier and served
 from memory until the put is done (`in_flight`), so write-behind never opens a window of misses.
-Pages host RAM drops are kept in their slots while the writer has them (`retain`, at most
+Pages host RAM drops are kept in their rows while the writer has them (`retain`, at most
 1/_RETAIN_SHARE of host RAM), copied out past that (`host_evicted`). The queue is bounded: when
 it is full the writes are dropped and counted (`pages_dropped`), never waited for.
 
@@ -33,7 +33,7 @@ _NO_PAGES = np.empty(0, dtype=np.int64)
 # Bytes the writer encodes and puts between looks for a quiet moment: a request that arrives
 # mid-chunk shares the cores with it for at most one chunk (docs/PERFORMANCE.md).
 _WRITE_CHUNK_BYTES = 1 << 20
-_RETAIN_SHARE = 4  # at most 1/4 of host RAM slots wait for the writer; past that, pages are copied
+_RETAIN_SHARE = 4  # at most 1/4 of host RAM rows wait for the writer; past that, pages are copied
 
 
 class LowerWriter:
@@ -56,24 +56,24 @@ class LowerWriter:
         self.closed = False
 
     # --- host RAM's callbacks (lock held) ---------------------------------------------------------
-    def retain(self, keys: list[bytes], slots: np.ndarray) -> np.ndarray:
-        """Host RAM is dropping these pages: keep the slots of those the first lower tier lacks
+    def retain(self, keys: list[bytes], rows: np.ndarray) -> np.ndarray:
+        """Host RAM is dropping these pages: keep the rows of those the first lower tier lacks
         until they are put below, so nothing is copied on the request path. Until then they are
-        served from their slots. Past 1/_RETAIN_SHARE of host RAM the pages are copied out and
-        queued (`host_evicted`). Returns the slots kept."""
+        served from their rows. Past 1/_RETAIN_SHARE of host RAM the pages are copied out and
+        queued (`host_evicted`). Returns the rows kept."""
         host = self.host
         if not self.chain.tiers or host is None:
             return _NO_PAGES
         todo = [i for i, k in enumerate(keys) if not self.chain.known_in(k, 0)]
-        budget = max(0, host.num_slots // _RETAIN_SHARE - host.num_retained)
+        budget = max(0, host.num_rows // _RETAIN_SHARE - host.num_retained)
         if len(todo) > budget:
             rest = todo[budget:]
-            self.host_evicted([keys[i] for i in rest], host.slab[torch.from_numpy(slots[rest])])
+            self.host_evicted([keys[i] for i in rest], host.slab[torch.from_numpy(rows[rest])])
             todo = todo[:budget]
         if not todo:
             return _NO_PAGES
-        kept = slots[todo]
-        views = [host.slab[int(slot)] for slot in kept]
+        kept = rows[todo]
+        views = [host.slab[int(row)] for row in kept]
         chosen = [keys[i] for i in todo]
         if not self._queue.submit(self._write_below, chosen, views, kept):
             self.pages_dropped += len(todo)
@@ -149,9 +149,9 @@ class LowerWriter:
                 self._step_aside()
                 self.chain.put(items, index, demotion=True)
 
-    def _write_below(self, keys: list[bytes], pages: Any, slots: np.ndarray | None = None) -> None:
+    def _write_below(self, keys: list[bytes], pages: Any, rows: np.ndarray | None = None) -> None:
         """Background: encode pages host RAM dropped and put them into the first lower tier; they
-        stop being served from memory then, and `slots` (pages still held in host slots, when
+        stop being served from memory then, and `rows` (pages still held in host rows, when
         `retain` kept them) are given back."""
         try:
             step = max(1, _WRITE_CHUNK_BYTES // self.spec.bytes_per_page)
@@ -163,8 +163,8 @@ class LowerWriter:
             with self._lock:
                 for key in keys:
                     self.in_flight.pop(key, None)
-                if slots is not None and self.host is not None:
-                    self.host.release(slots)
+                if rows is not None and self.host is not None:
+                    self.host.release(rows)
 
     def _step_aside(self) -> None:
         """Wait until no demotion is under way and no request is in progress (at most `YIELD_S`

@@ -40,7 +40,7 @@ class PoolFigures:
     shared_pages: int = 0  # pages more than one holder (forks, the tree) holds: stored once
     forks: int = 0  # handles made by fork()
     cow_copies: int = 0  # shared pages copied because a fork wrote into them
-    swapped_pages: int = 0  # host RAM slots holding swapped-out requests' private pages
+    swapped_pages: int = 0  # host RAM rows holding swapped-out requests' private pages
     compacted_pages: int = 0  # private pages freed by retention policies (drop_tokens)
 
     @property

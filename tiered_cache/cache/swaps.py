@@ -2,14 +2,14 @@
 to host RAM and back.
 
 `swap_out` copies the handle's own pages (written, not committed; through pinned staging on
-CUDA) into host RAM slots set aside for it, frees its device pages and unlocks its matched
+CUDA) into host RAM rows set aside for it, frees its device pages and unlocks its matched
 prefix: a swapped request holds no device page. Its prefix stays in the radix tree, evictable
 like any other, and flows down the tiers. `swap_in` matches the prefix again (loading it from
 host RAM or below if it was evicted meanwhile), allocates fresh device pages for the private
 ones, possibly other pages than before, and the handle's page list follows. Either call changes
 nothing when it cannot finish (SwapError, or PoolExhaustedError from the device).
 
-Swap slots come out of host RAM's slab (cached pages there are evicted down the tiers to make
+Swap rows come out of host RAM's slab (cached pages there are evicted down the tiers to make
 room; pages already on their way down or other swaps are not): when host RAM cannot hold them,
 `swap_out` raises SwapError and the engine drops and recomputes the request instead.
 
@@ -36,9 +36,9 @@ from tiered_cache.tiers.host import HostTier
 
 @dataclass
 class SwappedPages:
-    """Where a swapped-out handle's private pages wait: host RAM slots, in `own_pages` order."""
+    """Where a swapped-out handle's private pages wait: host RAM rows, in `own_pages` order."""
 
-    slots: np.ndarray
+    rows: np.ndarray
     prefix_pages: int  # pages of the matched prefix to find again on swap_in
 
 
@@ -60,28 +60,28 @@ class Swaps:
         own = np.array(handle.own_pages, dtype=np.int64)
         n = len(own)
         evictable = len(self.host.index)  # cached pages in host RAM can move down to make room
-        if n > self.host.slots.num_free + evictable:
-            raise SwapError(f"host RAM cannot hold this request's {n} pages: {self.host.slots.num_free} of "
-                            f"{self.host.num_slots} slots free, {evictable} more evictable (the rest hold "
+        if n > self.host.rows.num_free + evictable:
+            raise SwapError(f"host RAM cannot hold this request's {n} pages: {self.host.rows.num_free} of "
+                            f"{self.host.num_rows} rows free, {evictable} more evictable (the rest hold "
                             "other swapped requests or pages on their way down); drop and recompute it, or "
                             "raise host_capacity")
-        self.host.make_room(n)  # cached pages move down the tiers; retained ones may not free a slot
-        if self.host.slots.num_free < n:
-            raise SwapError(f"host RAM could not free {n} slots for this request; drop and recompute it")
-        slots = self.host.slots.allocate(n)
+        self.host.make_room(n)  # cached pages move down the tiers; retained ones may not free a row
+        if self.host.rows.num_free < n:
+            raise SwapError(f"host RAM could not free {n} rows for this request; drop and recompute it")
+        rows = self.host.rows.allocate(n)
         if n:
             buffer = self.staging.lease(n)
             try:
                 staged = buffer[:n]
                 self.pool.gather(own, out=staged)
-                self.host.copy_in(slots, staged)
+                self.host.copy_in(rows, staged)
             finally:
                 self.staging.give_back(buffer)
         self.ledger.unused_slots -= self.ledger.unused(handle)
         self.pool.free(own)  # a fork sharing a page keeps it
         handle.own_pages = []
         self.tree.unlock(handle.node)
-        handle.swapped = SwappedPages(slots, handle.num_device_pages)
+        handle.swapped = SwappedPages(rows, handle.num_device_pages)
         return n
 
     def swap_in(self, handle: CacheHandle, match: Callable[[str, list[bytes], Any], CacheHandle],
@@ -108,10 +108,10 @@ class Swaps:
     def _restore(self, handle: CacheHandle, found: CacheHandle, swapped: SwappedPages) -> np.ndarray:
         """`found` (the handle's prefix, matched and loaded again) becomes the handle's prefix and
         its own pages come back from host RAM into fresh device pages; returns those pages."""
-        n = len(swapped.slots)
+        n = len(swapped.rows)
         own = self.demoter.allocate(n)
-        self.pool.scatter_rows(own, self.host.slab, swapped.slots)
-        self.host.slots.free(swapped.slots)
+        self.pool.scatter_rows(own, self.host.slab, swapped.rows)
+        self.host.rows.free(swapped.rows)
         self.ledger.live.discard(found)  # its lock is the handle's now
         handle.node, handle.device_pages = found.node, found.device_pages
         handle.available_pages, handle.plan = found.num_device_pages, []
@@ -121,6 +121,6 @@ class Swaps:
         return own
 
     def release_swapped(self, handle: CacheHandle) -> None:
-        """A swapped-out handle is released: its host RAM slots go back."""
+        """A swapped-out handle is released: its host RAM rows go back."""
         swapped, handle.swapped = handle.swapped, None
-        self.host.slots.free(swapped.slots)
+        self.host.rows.free(swapped.rows)

@@ -6,7 +6,7 @@ tiers (disk, Redis, remote stores). The request path does only what the request 
 - `match` walks the tree and asks the tiers below once (host RAM, then each lower tier at most
   once) how far the prefix continues (under `reuse: faster`, only as far as loading beats
   recomputing); `prefetch` starts bringing those pages up in the background and `load` waits
-  only for what has not arrived. The load path is `loader.py` and `promoter.py`: host RAM slots go straight into
+  only for what has not arrived. The load path is `loader.py` and `promoter.py`: host RAM rows go straight into
   device pages; a page from below lands in its device page (CPU pool) or in pinned staging, then
   one DMA (CUDA).
 - `commit` inserts only pages whose every token was written (`write` / `mark_written`).
@@ -273,7 +273,7 @@ class TieredCache:
                              f"{getattr(kv, 'shape', type(kv).__name__)}")
         n = int(kv.shape[2])
         self._check_kv(kv, n)
-        self.pool.store(self.writable_slots(handle, n), kv)  # the handle's own private pages: no lock needed
+        self.pool.write(self.writable_slots(handle, n), kv)  # the handle's own private pages: no lock needed
         handle.own_written += n
 
     @_request_path

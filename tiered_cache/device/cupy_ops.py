@@ -90,7 +90,7 @@ class CupyPageOps:
         for name in _KERNELS:
             _kernel(name)
 
-    def store(self, pool: Any, layout: Layout, page_size: int, slots: Any, kv: Any) -> None:
+    def write(self, pool: Any, layout: Layout, page_size: int, slots: Any, kv: Any) -> None:
         layers, _, tokens, heads, dim = kv.shape
         rows = layers * 2 * tokens * heads
         warps = _THREADS // 32

@@ -128,24 +128,24 @@ class PagePool:
         return (arr[:, None] * ps + np.arange(ps)).reshape(-1)[:num_tokens]
 
     # --- data movement ---------------------------------------------------------------------------
-    def store(self, slots: Any, kv: torch.Tensor) -> None:
+    def write(self, slots: Any, kv: torch.Tensor) -> None:
         """Write the K/V of new tokens, shape (layers, 2, n, kv_heads, head_dim), into `slots`.
 
         Every slot must lie in an allocated page and appear once. Raises KVShapeError or
         PageStateError before anything is written. `kv` may live on another device (it is copied).
         Slots that fill pages in order (what `slots()` returns) move at memcpy speed with the torch
-        ops: one copy per run of consecutive pages; other slots go through `ops.store`.
+        ops: one copy per run of consecutive pages; other slots go through `ops.write`.
         """
         slot_arr = as_page_array(slots, self.num_pages * self.spec.page_size)
         if has_duplicates(slot_arr):
-            raise PageStateError("store() got the same slot twice; each token needs its own slot")
+            raise PageStateError("write() got the same slot twice; each token needs its own slot")
         self._check_tensor("kv", kv, self.spec.kv_shape(slot_arr.size))
         self.allocator.require_allocated(slot_arr // self.spec.page_size)
         if not slot_arr.size:
             return
         heads = _page_heads(slot_arr, self.spec.page_size) if self.ops.name == "torch" else None
         if heads is None:
-            self.ops.store(self.kv, self.spec.layout, self.spec.page_size, self._index(slot_arr),
+            self.ops.write(self.kv, self.spec.layout, self.spec.page_size, self._index(slot_arr),
                            kv.to(self.device))
         else:
             self._move(heads, kv.transpose(0, 1), to_pool=True)

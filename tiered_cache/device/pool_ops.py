@@ -21,7 +21,7 @@ from tiered_cache.model.spec import Layout
 class PageOps(Protocol):
     name: str
 
-    def store(self, pool: Any, layout: Layout, page_size: int, slots: Any, kv: Any) -> None:
+    def write(self, pool: Any, layout: Layout, page_size: int, slots: Any, kv: Any) -> None:
         """Write token i of `kv` into flat slot `slots[i]` (= page * page_size + offset)."""
 
     def gather(self, pool: Any, pages: Any, out: Any) -> None:
@@ -39,7 +39,7 @@ class TorchPageOps:
 
     name = "torch"
 
-    def store(self, pool: Any, layout: Layout, page_size: int, slots: Any, kv: Any) -> None:
+    def write(self, pool: Any, layout: Layout, page_size: int, slots: Any, kv: Any) -> None:
         pages, offsets = slots // page_size, slots % page_size
         if layout is Layout.NHD:
             pool[:, :, pages, offsets] = kv.transpose(0, 1)  # (2, L, n, H, D)
