@@ -14,10 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import redis
 from tier_helpers import blobs_for
 
+from tiered_cache.bench.redis_process import RedisClusterServers, RedisServer
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.redis import RedisTier
 from tiered_cache.tiers.redis_nodes import SOCKET_READ_SIZE
-from tiered_cache.tiers.redis_process import RedisClusterServers, RedisServer
 
 SPEC = KVSpec("bench", 2, 8, 64, page_size=256)  # 2 layers x K,V x 8 heads x 256 tokens x 64 x fp16 = 1 MiB
 

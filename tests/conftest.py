@@ -77,7 +77,7 @@ def run_cli_here(*args: str, check: bool = True) -> subprocess.CompletedProcess[
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """One real redis-server for the whole session, on a free loopback port."""
-    from tiered_cache.tiers.redis_process import RedisServer
+    from tiered_cache.bench.redis_process import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis"))
     server.start()
@@ -89,7 +89,7 @@ def redis_server(tmp_path_factory):
 def redis_cluster(tmp_path_factory):
     """A real 3-master Redis Cluster for one test module (its tests may kill and restart masters).
     Masters flag a silent peer failed after 0.5 s instead of Redis's default 15 s."""
-    from tiered_cache.tiers.redis_process import RedisClusterServers
+    from tiered_cache.bench.redis_process import RedisClusterServers
 
     cluster = RedisClusterServers(tmp_path_factory.mktemp("redis-cluster"), masters=3, node_timeout_ms=500)
     cluster.start()

@@ -11,13 +11,13 @@ import time
 import pytest
 from chaos_helpers import CHAOS_SPEC, Clients, chaos_pages
 
+from tiered_cache.bench.redis_process import RedisServer, free_port
 from tiered_cache.cache import TieredCache
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.config import CacheConfig
 from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.breaker import BreakerPolicy
 from tiered_cache.tiers.redis import RedisTier
-from tiered_cache.tiers.redis_process import RedisServer, free_port
 from tiered_cache.tiers.remote import RemoteTier
 
 QUICK = BreakerPolicy(cooldown_s=0.05, max_cooldown_s=0.3)  # probe a dead server again soon

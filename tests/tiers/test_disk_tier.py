@@ -12,7 +12,7 @@ from tier_helpers import SPEC, blobs_for, keys_for
 from tiered_cache.errors import TieredCacheError
 from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.disk import DiskTier
-from tiered_cache.tiers.folder_lock import LOCK_NAME, FolderInUseError
+from tiered_cache.tiers.disk_lock import LOCK_NAME, FolderInUseError
 from tiered_cache.wire.codec import decode_page, verify_blob
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the helpers
@@ -47,7 +47,7 @@ def test_corrupt_truncated_and_misplaced_files_are_misses_and_deleted(tmp_path):
     items = blobs_for(4)
     disk = DiskTier(tmp_path, "1MiB")
     disk.put(items)
-    paths = [disk._path(k) for k, _ in items]
+    paths = [disk.file_of(k) for k, _ in items]
     data = bytearray(paths[0].read_bytes())
     data[200] ^= 0xFF
     paths[0].write_bytes(bytes(data))  # bit flip
@@ -62,7 +62,7 @@ def test_corrupt_truncated_and_misplaced_files_are_misses_and_deleted(tmp_path):
 def test_leftover_temporaries_are_removed_at_start(tmp_path):
     disk = DiskTier(tmp_path, "1MiB")
     disk.put(blobs_for(1))
-    stray = disk._path(keys_for(1)[0]).parent / ".abc.123.deadbeef.tmp"
+    stray = disk.file_of(keys_for(1)[0]).parent / ".abc.123.deadbeef.tmp"
     stray.write_bytes(b"half a blob")
     disk.close()
     DiskTier(tmp_path, "1MiB").close()

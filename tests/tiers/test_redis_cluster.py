@@ -10,9 +10,9 @@ import redis as redis_py
 from redis.crc import key_slot
 from tier_helpers import blobs_for
 
+from tiered_cache.bench.redis_process import free_port
 from tiered_cache.tiers.breaker import BreakerPolicy
 from tiered_cache.tiers.redis import RedisTier
-from tiered_cache.tiers.redis_process import free_port
 from tiered_cache.tiers.redis_url import parse_cluster_url
 
 FAST_PROBE = BreakerPolicy(cooldown_s=0.05, max_cooldown_s=0.2)  # a dead server is asked again soon

@@ -4,9 +4,9 @@ import time
 import redis as redis_py
 from tier_helpers import blobs_for
 
+from tiered_cache.bench.redis_process import RedisServer
 from tiered_cache.tiers.breaker import BreakerPolicy
 from tiered_cache.tiers.redis import RedisTier
-from tiered_cache.tiers.redis_process import RedisServer
 
 FAST_PROBE = BreakerPolicy(cooldown_s=0.05, max_cooldown_s=0.2)  # a dead server is asked again soon
 

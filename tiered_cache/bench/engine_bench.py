@@ -92,8 +92,8 @@ def bench_engine(model: str = "smollm2-135m", pages: int = 32, requests: int = 1
     """With `rounds` > 1 the configurations take turns (host only, then each lower tier, again
     and again), each turn `requests` requests on a fresh cache, so a slow spell of a shared
     machine falls on all of them; the figures are over every turn's counted requests."""
+    from tiered_cache.bench.redis_process import RedisServer
     from tiered_cache.server.process import StoreProcess
-    from tiered_cache.tiers.redis_process import RedisServer
 
     spec = preset_spec(model, page_size=16)
     if below[0] != "host only" or not set(below) <= {"host only", "redis", "remote"}:

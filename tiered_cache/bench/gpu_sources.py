@@ -74,7 +74,7 @@ class Servers:
                 servers.store_noshm = stack.enter_context(StoreProcess(
                     ["--no-disk", "--ram", ram, "--shm", "off"])).address
             if "redis" in rows:
-                from tiered_cache.tiers.redis_process import RedisServer
+                from tiered_cache.bench.redis_process import RedisServer
 
                 redis = RedisServer(folder, maxmemory=f"{(kv_bytes * 5 // 4) // 2**20 + 64}mb")
                 redis.start()

@@ -166,7 +166,7 @@ def run_client(index: int, barrier: Any, results: Any, args: ClientArgs, progres
     """A client process: warm up, then the baseline and the mix, each released with the others by
     `barrier`; puts `(index, ClientReport)` on `results`, or `(index, "error text")`."""
     try:
-        from tiered_cache.tiers.memtune import tune_malloc
+        from tiered_cache.device.malloc import tune_malloc
 
         tune_malloc()  # as the tiered-cache commands do
         client = LoadClient(args, progress)

@@ -110,7 +110,7 @@ def bench_promote(spec: KVSpec, mib: float = 256, rounds: int = 7, paths: tuple[
     """The rows of `paths` (of PATHS) for a prefix of `mib` MiB; `folder` holds the disk tier's
     files (default: a temporary folder), `redis_url` an existing Redis (default: one started
     for the run)."""
-    from tiered_cache.tiers.memtune import tune_malloc
+    from tiered_cache.device.malloc import tune_malloc
 
     tune_malloc()  # as TieredCache and the commands do: the baselines get the same heap
     say = progress or (lambda _: None)
@@ -337,7 +337,7 @@ def _redis_at(url: str | None, total: int) -> Iterator[str]:
             raise RuntimeError(f"{problem}: start it, or leave --url out to use a Redis started for the run")
         yield url
         return
-    from tiered_cache.tiers.redis_process import RedisServer
+    from tiered_cache.bench.redis_process import RedisServer
 
     with tempfile.TemporaryDirectory(prefix="tiered-cache-bench-promote-redis-") as folder:
         server = RedisServer(Path(folder), maxmemory=f"{max(256, 3 * total // 2**20)}mb")

@@ -176,8 +176,8 @@ def bench_put(spec: KVSpec, num_pages: int, repeat: int = 3) -> list[Comparison]
 def _redis_row(items: list[tuple[bytes, bytes]], total: int, scale: str, ours: float, work: int) -> Comparison:
     import redis
 
+    from tiered_cache.bench.redis_process import RedisServer
     from tiered_cache.tiers.redis_nodes import SOCKET_READ_SIZE
-    from tiered_cache.tiers.redis_process import RedisServer
 
     with tempfile.TemporaryDirectory(prefix="tiered-cache-bench-redis-") as folder:
         server = RedisServer(Path(folder), maxmemory=f"{2 * total // 2**20 + 64}mb")

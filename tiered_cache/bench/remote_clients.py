@@ -165,7 +165,7 @@ Job = tuple[type, tuple[Any, ...]]  # a client class and its arguments
 
 def _run_client(index: int, barrier: Any, results: Any, job: Job, duration_s: float) -> None:
     try:
-        from tiered_cache.tiers.memtune import tune_malloc
+        from tiered_cache.device.malloc import tune_malloc
 
         tune_malloc()  # as the tiered-cache commands and TieredCache do
         client: Client = job[0](*job[1])

@@ -92,9 +92,9 @@ def bench_vllm(doc_chars: int = 3000, rounds: int = 3, shm: str | None = None,
         if str(shm).lower() not in ("on", "off"):
             raise ValueError(f"shm must be on or off (the arena is the store's RAM tier), got {shm!r}")
         server_args += ["--shm", shm]
+    from tiered_cache.bench.redis_process import RedisServer
     from tiered_cache.integrations.smollm2 import MODEL_DIR, cache_dir, load_model
     from tiered_cache.server.process import StoreProcess
-    from tiered_cache.tiers.redis_process import RedisServer
 
     python = REPO / ".venv-vllm" / "bin" / "python"
     if not python.exists():

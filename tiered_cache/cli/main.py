@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 from tiered_cache import __version__
 from tiered_cache.cli import bench_cmd, cluster_cmd, demo_cmd, serve_cmd, size_cmd, stats_cmd, tree_cmd
+from tiered_cache.device.malloc import tune_malloc
 from tiered_cache.errors import TieredCacheError
-from tiered_cache.tiers.memtune import tune_malloc
 
 
 def build_parser() -> argparse.ArgumentParser:

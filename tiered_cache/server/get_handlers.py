@@ -14,11 +14,11 @@ from typing import Any
 import grpc
 
 from tiered_cache.index.keys import KEY_BYTES
+from tiered_cache.server.arena_tier import ArenaTier
 from tiered_cache.server.requests import Requests
 from tiered_cache.server.store import BlobStore
 from tiered_cache.server.streams import BatchSizer
 from tiered_cache.shm.arena import Ref
-from tiered_cache.tiers.arena import ArenaTier
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.codec import BlobError, check_fingerprint, read_header, rekeyed
 from tiered_cache.wire.deadline import ProgressDeadline

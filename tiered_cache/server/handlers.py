@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 
 from tiered_cache import __version__
+from tiered_cache.server.arena_tier import ArenaTier
 from tiered_cache.server.config import ServerConfig
 from tiered_cache.server.get_handlers import GetHandlers
 from tiered_cache.server.put_handlers import PutHandlers
@@ -27,7 +28,6 @@ from tiered_cache.server.store import BlobStore
 from tiered_cache.server.streams import StreamSlots
 from tiered_cache.shm.host import host_identity
 from tiered_cache.shm.offers import OfferedSegments
-from tiered_cache.tiers.arena import ArenaTier
 from tiered_cache.tiers.base import TierStats
 from tiered_cache.v1 import cache_pb2 as pb
 

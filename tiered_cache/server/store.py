@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from tiered_cache.server.arena_tier import ArenaTier
 from tiered_cache.shm.arena import Ref
-from tiered_cache.tiers.arena import ArenaTier
 from tiered_cache.tiers.base import BlobTier, TierStats
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.memory import ENTRY_OVERHEAD_BYTES, MemoryTier

@@ -19,13 +19,13 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tiered_cache.server.arena_tier import ArenaTier
 from tiered_cache.server.config import ServerConfig
 from tiered_cache.server.handlers import KVCacheService
 from tiered_cache.server.requests import ServerCounters, parse_put_item, parser
 from tiered_cache.server.store import BlobStore
 from tiered_cache.server.token_check import TokenInterceptor
 from tiered_cache.shm.offers import OfferedSegments
-from tiered_cache.tiers.arena import ArenaTier
 from tiered_cache.tiers.factory import TierSettings, build_tiers
 from tiered_cache.tiers.memory import MemoryTier
 from tiered_cache.v1 import cache_pb2 as pb

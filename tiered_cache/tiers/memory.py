@@ -1,8 +1,9 @@
 """RAM blob tier: blobs as bytes in process memory, LRU within a byte capacity.
 
-The front tier of the store server, which never decodes pages (it serves any model). Blobs are
-verified when they enter (`put` callers check them); memory that never leaves the process is
-not checksummed again on every read.
+The RAM tier in front of the lower tiers where pages stay blobs: the store server's with
+`--shm off` (it never decodes pages: it serves any model; else its arena, server/arena_tier.py)
+and the vLLM connector's block store. Blobs are verified when they enter (`put` callers check
+them); memory that never leaves the process is not checksummed again on every read.
 
 Capacity counts what an entry really costs the process, not only its payload: each entry also
 holds a key object, a bytes header and an ordered-dict slot (~224 bytes measured with CPython

@@ -26,13 +26,13 @@ import torch
 from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue
 from tiered_cache.cache.lower_tiers import build_lower_tiers
 from tiered_cache.config import CacheConfig
+from tiered_cache.device.malloc import tune_malloc
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.integrations.vllm.layer_groups import group_keys
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.shm.arena_map import ArenaViews
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.memory import MemoryTier
-from tiered_cache.tiers.memtune import tune_malloc
 from tiered_cache.wire.codec import BlobError, encode_page, page_view
 
 _STORES: dict[tuple[str, str, int], BlockStore] = {}  # (fingerprint, config, layers per page)

@@ -12,8 +12,6 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
-from tiered_cache.tiers.private import make_private_folder
-
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -101,7 +99,7 @@ class RedisClusterServers:
         self.nodes: list[RedisServer] = []
         for port, bus_port in zip(ports[:masters], ports[masters:], strict=True):
             folder = workdir / f"node-{port}"
-            make_private_folder(folder)
+            folder.mkdir(mode=0o700, exist_ok=True)  # owner-only, as the cache's own files are
             self.nodes.append(RedisServer(folder, maxmemory, port, [
                 "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
                 "--cluster-port", str(bus_port), "--cluster-node-timeout", str(node_timeout_ms),

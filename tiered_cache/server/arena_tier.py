@@ -2,7 +2,7 @@
 
 The arena itself is shared memory and knows nothing of tiers; this adapter names it "ram" and
 reports its figures as a `TierStats`, so a `BlobStore` keeps it in its `TierChain` like any other
-blob tier (a `MemoryTier` takes its place with `serve --shm off`).
+blob tier (a `MemoryTier` takes its place with `serve --shm off`). Only the server keeps it.
 """
 
 from __future__ import annotations

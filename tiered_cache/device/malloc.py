@@ -4,7 +4,9 @@ By default glibc serves such buffers with fresh mmap()s or trims freed heap back
 every batch of blobs pays first-touch page faults: reading files into fresh memory runs several
 times slower than into freed memory kept for reuse (docs/PERFORMANCE.md, "Tiers: host RAM, disk,
 Redis"). Applied by the
-`tiered-cache` commands and by `TieredCache` (config `malloc_tuning`), never at import.
+`tiered-cache` commands, by `TieredCache` and by the vLLM connector's block store (config
+`malloc_tuning`), and by the benches for their baselines; never at import. Beside memory.py,
+which pre-touches the large buffers this process allocates itself.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""One owner per folder: an exclusive `flock` on `<folder>/.lock`, held while the owner is open.
+"""The disk tier's one owner per folder: an exclusive `flock` on `<folder>/.lock`, held while the
+`DiskTier` is open.
 
 The kernel drops the lock when its holder closes it or dies (SIGKILL included), so a crash never
 leaves a stale lock behind, as a PID file would. flock locks belong to an open file, not to a
@@ -17,7 +18,7 @@ import time
 from pathlib import Path
 
 from tiered_cache.errors import TieredCacheError
-from tiered_cache.tiers.private import open_private
+from tiered_cache.tiers.disk_files import open_private
 
 LOCK_NAME = ".lock"
 
