@@ -68,7 +68,7 @@ class CacheConfig:
     codec_min_saving: float = 0.05
     write_policy: WritePolicy = WritePolicy.WRITE_BACK
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
-    malloc_tuning: bool = True  # keep freed heap for reuse: see tiered_cache/tiers/memtune.py
+    malloc_tuning: bool = True  # keep freed heap for reuse: see tiered_cache/device/malloc.py
     spare_output: bool = True  # get() without out=: keep one output tensor faulted in ahead (CPU pools)
     # Write-behind demotion: above `high_watermark` (fraction of device pages in use) a background
     # thread moves cold pages device -> host until `low_watermark`; host -> lower-tier writes go

@@ -54,7 +54,7 @@ class StoreShard:
 
     def _metric_families(self) -> list[Any]:
         server = self.server
-        return [*tier_families(server.store.stats()), *server_families(server.counters, server.service.slots.active)]
+        return [*tier_families(server.store.stats()), *server_families(server.counters, server.service.permits.active)]
 
     def ping(self) -> str:
         return self.address

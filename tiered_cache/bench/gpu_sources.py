@@ -118,7 +118,7 @@ class LowerSource:
     def __init__(self, row: str, spec: KVSpec, settings: CacheConfig) -> None:
         self.row = row
         self.cache = TieredCache(spec, settings)
-        for tier in self.cache.lower:
+        for tier in self.cache.chain.tiers:
             if hasattr(tier, "warm"):
                 tier.warm()  # open its channels now: a running engine has them open
 
@@ -129,7 +129,7 @@ class LowerSource:
         cache.flush()
         cache.evict()
         cache.host.delete(list(cache.host.index))
-        for index in range(len(cache.lower)):
+        for index in range(len(cache.chain.tiers)):
             cache.chain.forget(index)
 
     def close(self) -> None:

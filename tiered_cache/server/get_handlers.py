@@ -19,13 +19,14 @@ from tiered_cache.server.requests import Requests
 from tiered_cache.server.store import BlobStore
 from tiered_cache.server.streams import BatchSizer
 from tiered_cache.shm.arena import Ref
+from tiered_cache.tiers.base import Tier
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.codec import BlobError, check_fingerprint, read_header, rekeyed
 from tiered_cache.wire.deadline import ProgressDeadline
 from tiered_cache.wire.framing import page_blob_message, page_ref_message
 from tiered_cache.wire.namespaces import scoped_keys
 
-_TIERS = {"ram": pb.TIER_RAM, "disk": pb.TIER_DISK, "redis": pb.TIER_REDIS}
+_TIERS = {Tier.RAM: pb.TIER_RAM, Tier.DISK: pb.TIER_DISK, Tier.REDIS: pb.TIER_REDIS}  # the wire's names for ours
 
 
 class GetHandlers:
@@ -78,7 +79,7 @@ class GetHandlers:
         namespace = await r.namespace(context)
         arena = self._arena_for(request, namespace)
         keys = list(zip(keys, scoped_keys(namespace, keys), strict=True))
-        await r.slots.acquire(context)
+        await r.permits.acquire(context)
         watch = ProgressDeadline.of_task(r.config.stream_idle_s, "the client read nothing")
         try:
             await self._stream_blobs(keys, fingerprint, context, watch, arena)
@@ -90,7 +91,7 @@ class GetHandlers:
             raise  # the call is cancelled (RST_STREAM): nothing waits behind the unread data
         finally:
             watch.close()
-            r.slots.release()
+            r.permits.release()
 
     async def _stream_blobs(self, keys: list[tuple[bytes, bytes]], fingerprint: bytes,
                             context: grpc.aio.ServicerContext, watch: ProgressDeadline,

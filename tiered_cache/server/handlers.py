@@ -25,7 +25,7 @@ from tiered_cache.server.get_handlers import GetHandlers
 from tiered_cache.server.put_handlers import PutHandlers
 from tiered_cache.server.requests import Requests, ServerCounters
 from tiered_cache.server.store import BlobStore
-from tiered_cache.server.streams import StreamSlots
+from tiered_cache.server.streams import StreamPermits
 from tiered_cache.shm.host import host_identity
 from tiered_cache.shm.offers import OfferedSegments
 from tiered_cache.tiers.base import TierStats
@@ -47,9 +47,9 @@ class KVCacheService:
         self.puts = PutHandlers(self.requests, store, offers)
 
     @property
-    def slots(self) -> StreamSlots:
+    def permits(self) -> StreamPermits:
         """Get, Put and PutOffered calls in progress, at most `max_streams`."""
-        return self.requests.slots
+        return self.requests.permits
 
     @property
     def offers(self) -> OfferedSegments | None:
@@ -93,8 +93,8 @@ class KVCacheService:
         c = self.counters
         server = pb.ServerStats(version=__version__, uptime_s=time.monotonic() - c.started, requests=c.requests,
                                 rejected_requests=c.rejected, unauthenticated=c.unauthenticated,
-                                refused_blobs=c.refused_blobs, active_streams=self.slots.active,
-                                refused_streams=self.slots.refused, stalled_streams=c.stalled_streams,
+                                refused_blobs=c.refused_blobs, active_streams=self.permits.active,
+                                refused_streams=self.permits.refused, stalled_streams=c.stalled_streams,
                                 cancelled_streams=c.cancelled_streams,
                                 shm_pages=c.shm_pages, shm_pages_reused=c.shm_pages_reused,
                                 shm_put_pages=c.shm_put_pages,

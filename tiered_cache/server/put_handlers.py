@@ -56,7 +56,7 @@ class PutHandlers:
         r = self.requests
         r.counters.requests += 1
         namespace = await r.namespace(context)
-        await r.slots.acquire(context)
+        await r.permits.acquire(context)
         response = pb.PutResponse()
         sizer = BatchSizer(r.config.stream_buffer_bytes)
         batch: list[Any] = []
@@ -95,7 +95,7 @@ class PutHandlers:
             watch.close()
             if storing is not None:
                 storing.cancel()
-            r.slots.release()
+            r.permits.release()
         return response
 
     @staticmethod
@@ -128,7 +128,7 @@ class PutHandlers:
         if len(request.pages) > r.config.max_keys:
             await r.reject(context, f"{len(request.pages)} pages in one request; "
                                     f"the limit is {r.config.max_keys}")
-        await r.slots.acquire(context)
+        await r.permits.acquire(context)
         try:
             response = pb.PutResponse()
             copied = await r.run(r.io, self._store_offered, request, response)
@@ -136,7 +136,7 @@ class PutHandlers:
             r.counters.refused_blobs += len(response.refused)
             return response
         finally:
-            r.slots.release()
+            r.permits.release()
 
     def _store_offered(self, request: Any, response: pb.PutResponse) -> int:
         """On the io pool: check and store the offered pages where they lie in the client's ring,

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from tiered_cache.index.keys import KEY_BYTES
 from tiered_cache.server.config import ServerConfig
-from tiered_cache.server.streams import StreamSlots
+from tiered_cache.server.streams import StreamPermits
 from tiered_cache.server.tenants import Grant
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.deadline import ProgressDeadline
@@ -71,13 +71,13 @@ class ServerCounters:
 
 class Requests:
     """The checks and pools the handlers share: `config`'s limits, the server's `counters`, the
-    stream cap (`slots`), the `io` pool for Get and Put data and the `meta` pool for Lookup and
+    stream cap (`permits`), the `io` pool for Get and Put data and the `meta` pool for Lookup and
     Stats (so a Lookup never queues behind another client's multi-GiB Get)."""
 
     def __init__(self, config: ServerConfig, counters: ServerCounters, io: Executor, meta: Executor) -> None:
         self.config = config
         self.counters = counters
-        self.slots = StreamSlots(config.max_streams)
+        self.permits = StreamPermits(config.max_streams)
         self.io = io
         self.meta = meta
 

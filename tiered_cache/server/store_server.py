@@ -98,7 +98,7 @@ class StoreServer:
         def build() -> list[Any]:
             service = self.service
             return [*tier_families(self.store.stats()),
-                    *server_families(self.counters, service.slots.active, self.counters.shm_pages,
+                    *server_families(self.counters, service.permits.active, self.counters.shm_pages,
                                      self.counters.shm_pages_reused)]
 
         config = self.config

@@ -1,6 +1,6 @@
 """What keeps a store server serving when some peers are slow, idle or too many.
 
-- `StreamSlots`: at most `max_streams` Get/Put streams at once. Past it a call fails at once with
+- `StreamPermits`: at most `max_streams` Get/Put streams at once. Past it a call fails at once with
   RESOURCE_EXHAUSTED and a retry hint (the `grpc-retry-pushback-ms` trailer gRPC clients know)
   instead of queueing: memory stays bounded by what each stream may hold.
 - Progress deadlines (`wire/deadline.py`, on the event loop): a stream that sends nothing, or
@@ -18,7 +18,7 @@ import grpc
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
-class StreamSlots:
+class StreamPermits:
     def __init__(self, max_streams: int, retry_after_ms: int = 200) -> None:
         if max_streams <= 0:
             raise ValueError(f"max_streams must be positive, got {max_streams}")
@@ -28,7 +28,7 @@ class StreamSlots:
         self.refused = 0
 
     async def acquire(self, context: grpc.aio.ServicerContext) -> None:
-        """Take a slot, or end the call with RESOURCE_EXHAUSTED (the event loop is one thread:
+        """Take a permit, or end the call with RESOURCE_EXHAUSTED (the event loop is one thread:
         no lock is needed around the counter)."""
         if self.active >= self.max_streams:
             self.refused += 1
