@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from tiered_cache.index.eviction_queue import EvictionPolicy
 from tiered_cache.index.keys import PageKeyer, chain_keys, root_key
 from tiered_cache.index.radix import RadixTree
-from tiered_cache.index.radix_node import EvictionPolicy, SizeInfo
+from tiered_cache.index.radix_results import SizeInfo
 from tiered_cache.model.hf_config import spec_from_hf_config
 from tiered_cache.model.presets import preset_spec
 from tiered_cache.model.spec import DType, KVSpec, Layout

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tiered_cache.index.radix_node import EvictionPolicy
+from tiered_cache.index.eviction_queue import EvictionPolicy
 from tiered_cache.model.units import parse_size
 from tiered_cache.tiers.base import Tier
 from tiered_cache.wire.auth import check_token

@@ -1,7 +1,7 @@
 import pytest
 
 from tiered_cache.config import CacheConfig, WritePolicy
-from tiered_cache.index.radix_node import EvictionPolicy
+from tiered_cache.index.eviction_queue import EvictionPolicy
 from tiered_cache.tiers.base import Tier
 from tiered_cache.wire.codec import Codec
 

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 
 from tiered_cache.errors import StaleHandleError
+from tiered_cache.index.eviction_queue import EvictionPolicy
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.index.radix import RadixTree
-from tiered_cache.index.radix_node import EvictionPolicy
 from tiered_cache.model.spec import KVSpec
 
 SPEC = KVSpec("model", 1, 1, 1, page_size=2)

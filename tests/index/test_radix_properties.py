@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tiered_cache.errors import StaleHandleError
+from tiered_cache.index.eviction_queue import EvictionPolicy
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.index.radix import RadixTree
-from tiered_cache.index.radix_node import EvictionPolicy
 from tiered_cache.model.spec import KVSpec
 
 PAGE = 2

@@ -28,7 +28,7 @@ from tiered_cache.config import CacheConfig, WritePolicy
 from tiered_cache.device.host_copy import HostCopier
 from tiered_cache.device.writer_streams import WriterStreams
 from tiered_cache.errors import PoolExhaustedError
-from tiered_cache.index.radix_node import EvictedNode
+from tiered_cache.index.radix_results import EvictedNode
 from tiered_cache.tiers.host import HostTier
 
 _NO_PAGES = np.empty(0, dtype=np.int64)

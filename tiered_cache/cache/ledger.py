@@ -22,7 +22,8 @@ from tiered_cache.cache.stats import PoolFigures
 from tiered_cache.device.pool import PagePool
 from tiered_cache.errors import IntegrityError
 from tiered_cache.index.radix import RadixTree
-from tiered_cache.index.radix_node import RadixNode, SizeInfo
+from tiered_cache.index.radix_node import RadixNode
+from tiered_cache.index.radix_results import SizeInfo
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.base import TierStats
 

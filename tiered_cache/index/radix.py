@@ -14,15 +14,9 @@ from typing import Any
 import numpy as np
 
 from tiered_cache.errors import IntegrityError, StaleHandleError
-from tiered_cache.index.eviction_queue import EvictionQueue
-from tiered_cache.index.radix_node import (
-    EvictedNode,
-    EvictionPolicy,
-    InsertResult,
-    MatchResult,
-    RadixNode,
-    SizeInfo,
-)
+from tiered_cache.index.eviction_queue import EvictionPolicy, EvictionQueue
+from tiered_cache.index.radix_node import RadixNode
+from tiered_cache.index.radix_results import EvictedNode, InsertResult, MatchResult, SizeInfo
 
 _NO_VALUES = np.empty(0, dtype=np.int64)
 
@@ -56,10 +50,7 @@ class RadixTree:
         self._evictable = 0
         self._protected = 0
         self._num_nodes = 0
-        if self.policy is EvictionPolicy.LRU:
-            self._queue = EvictionQueue(lambda n: n.last_access)
-        else:
-            self._queue = EvictionQueue(lambda n: (n.hits, n.last_access))
+        self._queue = EvictionQueue.of_policy(self.policy)
 
     # --- queries ---------------------------------------------------------------------------------
     def size_info(self) -> SizeInfo:

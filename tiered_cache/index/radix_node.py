@@ -1,30 +1,11 @@
-"""The records of the radix tree: nodes, and what its calls return."""
+"""`RadixNode`: one edge of the radix tree (radix.py), the handle its calls give out."""
 
 from __future__ import annotations
 
-import enum
 import itertools
 import time
-from typing import NamedTuple
 
 import numpy as np
-
-
-class EvictionPolicy(enum.Enum):
-    LRU = "lru"  # least recently matched or inserted leaf first
-    LFU = "lfu"  # fewest hits first, least recent among equals
-
-
-class SizeInfo(NamedTuple):
-    """Cached pages by lock state; `evictable + protected` is everything the tree holds."""
-
-    evictable: int
-    protected: int
-
-    @property
-    def total(self) -> int:
-        return self.evictable + self.protected
-
 
 _ids = itertools.count()
 
@@ -89,28 +70,3 @@ class RadixNode:
         state = ", evicted" if self.removed else ""
         return (f"RadixNode(ns={self.namespace!r}, pages={self.start}..{self.end}, "
                 f"lock_ref={self.lock_ref}, children={len(self.children)}{state})")
-
-
-class MatchResult(NamedTuple):
-    """Longest cached prefix: `node` is the handle to lock, `values` the page indices in order."""
-
-    node: RadixNode
-    num_pages: int
-    values: np.ndarray
-
-
-class InsertResult(NamedTuple):
-    """`num_existing` leading pages were already cached (the caller may free its copies of them);
-    `node` is the handle of the node ending at the last inserted page."""
-
-    num_existing: int
-    node: RadixNode
-
-
-class EvictedNode(NamedTuple):
-    """A removed leaf: pages `start .. start+len(keys)` of some sequence in `namespace`."""
-
-    namespace: str
-    start: int
-    keys: list[bytes]
-    values: np.ndarray
