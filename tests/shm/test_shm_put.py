@@ -304,7 +304,7 @@ def test_a_page_the_clients_ring_comes_round_over_during_the_servers_copy_is_dro
     ack still counts each page once."""
     from tiered_cache.server.config import ServerConfig
     from tiered_cache.server.store_server import StoreServer
-    from tiered_cache.shm.put_ring import PutRingReader
+    from tiered_cache.shm.put_ring_reader import PutRingReader
     from tiered_cache.v1 import cache_pb2 as pb
 
     items = pages(3, seed=60)

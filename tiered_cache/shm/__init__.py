@@ -11,8 +11,8 @@ One vocabulary, each word for one thing:
   leases end by themselves, so a client that dies holding some costs nothing past that bound.
 - **views**: pages lent to a caller in place in its arena map (`ArenaViews`): copy them, then ask
   `lost()`.
-- **put ring**: a client's own segment for same-host Put (`put_ring.py`): the server copies each
-  page out of it once, into the arena (`offers.py`).
+- **put ring**: a client's own segment for same-host Put (`put_ring.py`): the server maps it
+  read-only (`put_ring_reader.py`) and copies each page out of it once, into the arena (`offers.py`).
 - **prefault**: memory just past an arena's or a put ring's write head, faulted in by a background
   thread before the writes reach it (`advice.py`).
 """

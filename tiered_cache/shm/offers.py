@@ -30,7 +30,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from tiered_cache.shm.host import host_identity
-from tiered_cache.shm.put_ring import MIN_BYTES, PUT_RING, PutRingReader
+from tiered_cache.shm.put_ring import MIN_BYTES, PUT_RING
+from tiered_cache.shm.put_ring_reader import PutRingReader
 
 _PROC_FD = re.compile(r"/proc/(\d+)/fd/(\d+)")
 _LOCAL_PEERS = ("ipv4:127.", "ipv6:[::1]", "ipv6:%5B::1%5D", "unix:")
