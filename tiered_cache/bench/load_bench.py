@@ -146,7 +146,7 @@ def _run_ray(args: argparse.Namespace, workload: Workload, progress: Callable[[s
     if args.server_pid is not None:
         raise ValueError("bench load --ray samples the RSS of every shard and worker on this host: drop --server-pid")
     from tiered_cache.bench.load_ray import RayLoadSettings, bench_load_ray
-    from tiered_cache.bench.load_table import render_ray_load
+    from tiered_cache.bench.load_ray_table import render_ray_load
 
     settings = RayLoadSettings(workload, args.clients, args.duration_s, args.workers, args.shards, args.ram,
                                args.worker_pool, args.worker_host, args.disk, args.address, args.namespace,
