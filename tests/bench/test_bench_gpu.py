@@ -12,7 +12,8 @@ import pytest
 from conftest import run_cli_here as run_cli
 
 from tiered_cache.bench.gpu_args import REUSE_ROWS
-from tiered_cache.bench.gpu_model import DoesNotFit, GiB, layers_that_fit, model_config
+from tiered_cache.bench.gpu_fit import DoesNotFit, GiB, layers_that_fit
+from tiered_cache.bench.gpu_model import model_config
 from tiered_cache.model.hf_config import read_hf_config
 from tiered_cache.model.presets import get_preset
 

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from tiered_cache.bench.gpu_args import DEFAULT_TOKENS, PAGE_SIZE, REUSE_ROWS
-from tiered_cache.bench.gpu_model import DoesNotFit, load_random_model
+from tiered_cache.bench.gpu_fit import DoesNotFit
+from tiered_cache.bench.gpu_model import load_random_model
 from tiered_cache.bench.gpu_rows import GpuRow, Progress, copy_limit, measure_recompute, measure_reuse
 from tiered_cache.bench.gpu_sources import TIER_OF, LowerSource, Servers, UpperSource, cache_config, fill_tier
 from tiered_cache.cache import TieredCache

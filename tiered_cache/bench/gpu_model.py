@@ -4,34 +4,22 @@ The shapes ship as Hugging Face `config.json` files in `tiered_cache/data/models
 random (TTFT and KV bytes depend on the shape, not on the values), made directly on the device in
 the compute dtype: HF's initialisation is skipped and the tensors are filled on the device, so an
 8B model is ready in seconds instead of minutes of CPU init and a 16 GB copy. A model whose layers
-do not fit the GPU (Llama-3-70B on one H100) is cut to as many layers as fit; each layer keeps its
-KV shape, so a page of one layer is the real model's.
+do not fit the GPU (Llama-3-70B on one H100) is cut to as many layers as fit (gpu_fit.py); each
+layer keeps its KV shape, so a page of one layer is the real model's.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import torch
 
 from tiered_cache.bench.gpu_args import MODELS
+from tiered_cache.bench.gpu_fit import layers_that_fit
 from tiered_cache.integrations.grouped_attention import use_grouped_attention
-from tiered_cache.model.hf_config import read_hf_config, spec_from_hf_config
-
-GiB = 2**30
-# Copies of the longest prompt's KV alive at once on the device, at worst: the page pool, the
-# prefix KV a writer puts from, and inside `generate` the gathered prefix, the DynamicCache built
-# from it, and `kv_of_cache`'s per-layer stack, stack and contiguous transpose.
-KV_COPIES = 7
-RESERVE_BYTES = 2 * GiB  # CUDA context, cuBLAS workspaces, the copy limit's 256 MiB buffer
-RESERVE_SHARE = 0.03  # and the caching allocator's fragmentation
-
-
-class DoesNotFit(ValueError):
-    """Not one layer of the model fits beside the KV of the longest prompt."""
 
 
 @dataclass(frozen=True)
@@ -49,30 +37,6 @@ def model_config(name: str) -> dict[str, Any]:
         raise ValueError(f"unknown model {name!r}; shipped: {', '.join(MODELS)}")
     text = resources.files("tiered_cache.data").joinpath("models", f"{name}.json").read_text()
     return dict(json.loads(text))
-
-
-def layers_that_fit(config: dict[str, Any], free_bytes: int, longest_tokens: int, dtype: str = "bf16") -> int:
-    """How many of `config`'s layers fit in `free_bytes` of device memory, with the KV of a
-    `longest_tokens` prompt (KV_COPIES times), its full-prompt logits and prefill activations
-    beside the weights, all in `dtype`. At most the config's own layer count. Raises DoesNotFit
-    if not one fits."""
-    hf = read_hf_config(config)
-    spec = spec_from_hf_config(config, model_id="sizing", dtype=dtype)
-    dtype_bytes = spec.dtype.itemsize
-    per_layer_params = replace(hf, num_layers=2).num_params - replace(hf, num_layers=1).num_params
-    other_params = hf.num_params - hf.num_layers * per_layer_params  # embeddings, lm_head, final norm
-    kv_per_layer = spec.bytes_for_tokens(longest_tokens) // hf.num_layers
-    # A prefill's logits for every position: `generate` keeps only the last (`logits_to_keep=1`)
-    # where the model takes it, but a model that does not would spend this much.
-    logits = longest_tokens * hf.vocab_size * dtype_bytes
-    activations = longest_tokens * (4 * hf.intermediate_size + 8 * hf.hidden_size) * dtype_bytes
-    room = free_bytes - RESERVE_BYTES - int(RESERVE_SHARE * free_bytes) - other_params * dtype_bytes \
-        - logits - activations
-    layers = min(hf.num_layers, room // (per_layer_params * dtype_bytes + KV_COPIES * kv_per_layer))
-    if layers < 1:
-        raise DoesNotFit(f"not one layer of this model fits in {free_bytes / GiB:.1f} GiB of free device memory "
-                         f"with a {longest_tokens:,}-token prompt: ask for fewer --tokens")
-    return int(layers)
 
 
 def build_random_model(config: dict[str, Any], device: str, dtype: torch.dtype, seed: int = 0) -> Any:
