@@ -10,7 +10,7 @@ import torch
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.errors import SwapError
-from tiered_cache.integrations import smollm2
+from tiered_cache.integrations import document, smollm2
 from tiered_cache.integrations.paged import PagedSequence, decode
 from tiered_cache.integrations.transformers import generate, spec_for
 from tiered_cache.retention import HeavyHitter, SinkWindow
@@ -22,7 +22,7 @@ PAGE = 16
 @pytest.fixture(scope="module")
 def model_and_prompt():
     model, tokenizer = smollm2.load_model()
-    prompt = smollm2.chat_prompt(tokenizer, "Who keeps the light?", smollm2.document()[:600])
+    prompt = document.chat_prompt(tokenizer, "Who keeps the light?", document.document()[:600])
     return model, prompt
 
 

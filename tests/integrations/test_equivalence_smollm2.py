@@ -6,7 +6,8 @@ import torch
 from equivalence_helpers import cache_with_prefix_in, push_down
 
 from tiered_cache.bench.int8_quality import int8_quality
-from tiered_cache.integrations.smollm2 import chat_prompt, document, load_model
+from tiered_cache.integrations.document import chat_prompt, document
+from tiered_cache.integrations.smollm2 import load_model
 from tiered_cache.integrations.transformers import generate, spec_for
 from tiered_cache.server.process import StoreProcess
 

@@ -3,18 +3,18 @@
 import pytest
 import torch
 
-from tiered_cache.integrations import smollm2
+from tiered_cache.integrations import document, smollm2
 from tiered_cache.model.presets import get_preset
 
 pytestmark = pytest.mark.slow
 
 
 def test_real_kv_has_the_preset_geometry_and_is_deterministic():
-    kv = smollm2.sample_kv(num_tokens=40)
+    kv = document.sample_kv(num_tokens=40)
     spec = get_preset("smollm2-135m").spec
     assert kv.shape == spec.kv_shape(40) and kv.dtype == torch.float16
     assert torch.isfinite(kv).all() and kv.abs().max() > 0
-    assert torch.equal(kv, smollm2.sample_kv(num_tokens=40))
+    assert torch.equal(kv, document.sample_kv(num_tokens=40))
 
 
 def test_kv_of_cache_matches_the_models_own_layers():

@@ -11,7 +11,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from tiered_cache.integrations.smollm2 import document  # noqa: E402
+from tiered_cache.integrations.document import document  # noqa: E402
 from tiered_cache.workers import cluster  # noqa: E402
 from tiered_cache.workers.config import ClusterConfig, ShardSettings, WorkerSettings  # noqa: E402
 

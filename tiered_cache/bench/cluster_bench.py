@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tiered_cache.integrations.smollm2 import document
+from tiered_cache.integrations.document import document
 
 NAMESPACE = "tiered-cache-bench"
 QUESTIONS = [

@@ -57,7 +57,7 @@ def _real_kv(path: str | None) -> tuple[torch.Tensor, str] | None:
     if path:
         return torch.load(path), path
     try:
-        from tiered_cache.integrations.smollm2 import sample_kv
+        from tiered_cache.integrations.document import sample_kv
     except ImportError:
         return None
     try:

@@ -76,8 +76,9 @@ def _forked_pages(cache: TieredCache, prompt: list[int], kv: torch.Tensor, new_t
 
 def bench_swap(lengths: list[int], repeat: int = 3) -> list[Comparison]:
     """swap_out + swap_in of an N-token SmolLM2 request vs recomputing its prefill."""
+    from tiered_cache.integrations.document import document
     from tiered_cache.integrations.paged import PagedSequence
-    from tiered_cache.integrations.smollm2 import document, load_model
+    from tiered_cache.integrations.smollm2 import load_model
     from tiered_cache.integrations.transformers import spec_for
 
     model, tokenizer = load_model()

@@ -31,7 +31,7 @@ class ChatWorkload:
 
     @cached_property
     def system_prompts(self) -> list[str]:
-        from tiered_cache.integrations.smollm2 import document
+        from tiered_cache.integrations.document import document
 
         text = document()
         rng = random.Random(f"{self.workload.seed}:system-prompts")

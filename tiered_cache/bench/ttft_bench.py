@@ -39,7 +39,8 @@ def _cache(tier: str, spec: Any, folder: Path, store: str) -> TieredCache:
 
 
 def measure(lengths: tuple[int, ...] = (512, 1024, 2048, 4096), repeat: int = 3) -> list[TtftRow]:
-    from tiered_cache.integrations.smollm2 import document, load_model
+    from tiered_cache.integrations.document import document
+    from tiered_cache.integrations.smollm2 import load_model
     from tiered_cache.server.process import StoreProcess
 
     model, tokenizer = load_model()

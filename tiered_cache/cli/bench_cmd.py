@@ -309,7 +309,8 @@ def _run_model_bench(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from tiered_cache.bench.int8_quality import int8_quality
-    from tiered_cache.integrations.smollm2 import chat_prompt, load_model
+    from tiered_cache.integrations.document import chat_prompt
+    from tiered_cache.integrations.smollm2 import load_model
 
     model, tokenizer = load_model()
     questions = _INT8_QUESTIONS[:args.prompts]

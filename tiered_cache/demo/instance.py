@@ -56,7 +56,8 @@ def main() -> None:
     role, address, repeat, max_new = args.role, args.address, args.repeat, args.max_new_tokens
     from tiered_cache.cache import TieredCache
     from tiered_cache.config import CacheConfig
-    from tiered_cache.integrations.smollm2 import chat_prompt, document, load_model
+    from tiered_cache.integrations.document import chat_prompt, document
+    from tiered_cache.integrations.smollm2 import load_model
     from tiered_cache.integrations.transformers import generate, spec_for
 
     say("loading SmolLM2-135M-Instruct (fp32 compute, fp16 KV) ...")

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker here: one store
     from vllm import LLM, SamplingParams
 
-    from tiered_cache.integrations.smollm2 import document
+    from tiered_cache.integrations.document import document
 
     timer = None if args.no_connector else _time_hooks(args.connector)
 
