@@ -1,13 +1,16 @@
 """`TieredCache` and the collaborators it is built from, one job per file:
 
-- `tiered_cache.py`: `TieredCache`, the public API: argument checks and the lock.
+- `tiered_cache.py`: `TieredCache`, the public API: construction, the prefix side and the lock;
+  `sequence_ops.py` the side of a sequence's own pages (write, fork, swap, drop tokens).
 - `ledger.py`: who holds which device page (tree, handles, copies under way); `check_integrity`.
-- `loader.py`: fills new device pages and hands them to the tree (`load`, `put`).
-- `promoter.py`: the promotion path: plan, prefetch and fetch pages from host RAM and below.
+- `loader.py`: fills new device pages and hands them to the tree (`load`, `put`); its stages:
+  `promoter.py` (plan, prefetch, fetch from host RAM and below), `host_loads.py` (host RAM rows
+  into device pages), `arena_loads.py` (same-host store arenas into device pages, CUDA), and
+  `reuse.py` (the reuse policy, whole: how far a load pays).
 - `demoter.py`: room on the device: device -> host RAM, inline or above the watermark.
 - `lower_writer.py`: write-behind from host RAM to the blob tiers below.
 - `forks.py`, `swaps.py`, `compaction.py`: copy-on-write forks, preemption by swap, retention.
-- `handle.py`, `staging.py`, `spare_output.py`, `reuse.py` + `rates.py`, `stats.py`,
+- `handle.py`, `arguments.py`, `staging.py`, `spare_output.py`, `canary.py`, `stats.py`,
   `tree_view.py` + `page_tokens.py`, `background.py` + `foreground.py`, `lower_tiers.py`,
   `metrics_endpoint.py`: what those use.
 """

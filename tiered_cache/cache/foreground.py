@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import threading
+from typing import Any, TypeVar
 
 YIELD_S = 0.05  # longest a background step waits for requests in progress to finish
 
@@ -36,3 +38,16 @@ class Foreground:
     def wait_idle(self, timeout: float) -> bool:
         """Block until no request is in progress or `timeout` passed; True if idle."""
         return self._idle.wait(timeout)
+
+
+_F = TypeVar("_F", bound=Any)
+
+
+def request_path(method: _F) -> _F:
+    """Mark a method of an object with a `_foreground` as a request in progress: background steps
+    wait (briefly) until none is."""
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._foreground:
+            return method(self, *args, **kwargs)
+    return wrapper  # type: ignore[return-value]

@@ -6,17 +6,18 @@ tiers (disk, Redis, remote stores). The request path does only what the request 
 - `match` walks the tree and asks the tiers below once (host RAM, then each lower tier at most
   once) how far the prefix continues (under `reuse: faster`, only as far as loading beats
   recomputing); `prefetch` starts bringing those pages up in the background and `load` waits
-  only for what has not arrived. The load path is `loader.py` and `promoter.py`: host RAM rows go straight into
-  device pages; a page from below lands in its device page (CPU pool) or in pinned staging, then
-  one DMA (CUDA).
+  only for what has not arrived. The load path is `loader.py` (its module doc lists the stages):
+  host RAM rows go straight into device pages; a page from below lands in its device page (CPU
+  pool) or in pinned staging, then one DMA (CUDA).
 - `commit` inserts only pages whose every token was written (`write` / `mark_written`).
 - Demotion is write-behind: above `high_watermark` a background thread moves cold pages device ->
   host until `low_watermark`; host RAM evictions are encoded and put below by another background
   thread through a bounded queue (full: dropped and counted). An allocation that finds the pool
   full still evicts inline, but only copies device -> host there.
 
-The work is done by collaborators (this package's `__init__` lists them); this class keeps the
-public API, its argument checks and the lock.
+The work is done by collaborators (this package's `__init__` lists them), built in one place
+(`__init__`, in the order they depend on each other); this class keeps the prefix side of the
+public API and the lock, `SequenceOps` (sequence_ops.py) the side of a sequence's own pages.
 
 Thread safety: one lock guards tree, pool and host-RAM metadata (and host-RAM copies, which are
 memory); lower-tier I/O, encoding and decoding run outside it. A handle is used by one thread at
@@ -28,7 +29,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ from tiered_cache.cache.arguments import as_count, as_namespace
 from tiered_cache.cache.canary import Canary
 from tiered_cache.cache.compaction import Compaction
 from tiered_cache.cache.demoter import Demoter
-from tiered_cache.cache.foreground import Foreground
+from tiered_cache.cache.foreground import Foreground, request_path
 from tiered_cache.cache.forks import Forks
 from tiered_cache.cache.handle import CacheHandle
 from tiered_cache.cache.host_loads import HostLoads
@@ -48,6 +49,7 @@ from tiered_cache.cache.lower_tiers import build_lower_tiers
 from tiered_cache.cache.lower_writer import LowerWriter
 from tiered_cache.cache.promoter import Promoter
 from tiered_cache.cache.reuse import ReuseGate
+from tiered_cache.cache.sequence_ops import SequenceOps
 from tiered_cache.cache.spare_output import SpareOutput
 from tiered_cache.cache.stats import CacheStats, Movements, cache_stats
 from tiered_cache.cache.swaps import Swaps
@@ -64,19 +66,8 @@ from tiered_cache.tiers.base import BlobTier
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.host import HostTier
 
-_F = TypeVar("_F", bound=Any)
 
-
-def _request_path(method: _F) -> _F:
-    """Mark a call as a request in progress: background steps wait (briefly) until none is."""
-    @functools.wraps(method)
-    def wrapper(self: TieredCache, *args: Any, **kwargs: Any) -> Any:
-        with self._foreground:
-            return method(self, *args, **kwargs)
-    return wrapper  # type: ignore[return-value]
-
-
-class TieredCache:
+class TieredCache(SequenceOps):
     """KV cache over a device page pool, host RAM and optional lower tiers.
 
     Tensor API: `put`, `get`, `lookup`. Paged API: `match` -> (`prefetch`) -> `load` ->
@@ -143,7 +134,7 @@ class TieredCache:
             self.metrics, self.loader.fetch_metrics = serve_metrics(config, self.stats, self.prefix_tree, self.chain)
 
     # --- tensor API ------------------------------------------------------------------------------
-    @_request_path
+    @request_path
     def put(self, tokens: Any, kv: torch.Tensor, namespace: str | None = None) -> int:
         """Cache the KV of `tokens` (shape (layers, 2, len(tokens), kv_heads, head_dim)).
 
@@ -156,14 +147,14 @@ class TieredCache:
         self._check_kv(kv, len(toks))
         return self.loader.put(ns, self._keyer(ns).keys(toks), toks, kv)
 
-    @_request_path
+    @request_path
     def lookup(self, tokens: Any, namespace: str | None = None) -> int:
         """How many leading tokens `match` would give: cached in any tier and, under the FASTER
         reuse policy, worth loading (whole pages; nothing is moved or counted)."""
         ns = self._ns(namespace)
         return self.loader.lookup(ns, self._keyer(ns).keys(as_token_array(tokens)))
 
-    @_request_path
+    @request_path
     def get(self, tokens: Any, namespace: str | None = None,
             out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """The longest cached prefix of `tokens` that fits on the device: (n tokens, KV of shape
@@ -188,7 +179,7 @@ class TieredCache:
             self.release(handle)
 
     # --- paged API -------------------------------------------------------------------------------
-    @_request_path
+    @request_path
     def match(self, tokens: Any, namespace: str | None = None) -> CacheHandle:
         """Find the cached prefix and lock its device pages. Pages found only below the device
         (host RAM, lower tiers: each asked once) are counted in `available_pages` and planned for
@@ -223,7 +214,7 @@ class TieredCache:
             raise ValueError(f"seconds must be a non-negative number, got {seconds!r}")
         self.reuse.estimates.observe_prefill(num_tokens, float(seconds))
 
-    @_request_path
+    @request_path
     def prefetch(self, handle: CacheHandle) -> bool:
         """Start bringing the handle's pages below the device up into staging memory in the
         background; `load` then waits only for what has not arrived. Returns False (and `load`
@@ -233,7 +224,7 @@ class TieredCache:
             self.ledger.check_live(handle)
             return self.loader.prefetch(handle)
 
-    @_request_path
+    @request_path
     def load(self, handle: CacheHandle) -> np.ndarray:
         """Bring the handle's pages found below the device into device pages; returns all the
         prefix's device pages, in order. Pages that turn out missing or corrupt end the prefix,
@@ -248,7 +239,7 @@ class TieredCache:
             self.ledger.check_live(handle)
         return self.loader.load(handle)
 
-    @_request_path
+    @request_path
     def allocate(self, handle: CacheHandle, num_tokens: int) -> np.ndarray:
         """Room for `num_tokens` more tokens after those the handle already has pages for: fills the
         free slots of its last page first, then allocates new device pages (evicting if needed).
@@ -264,30 +255,7 @@ class TieredCache:
             self.demoter.maybe_demote()
         return pages
 
-    @_request_path
-    def write(self, handle: CacheHandle, kv: torch.Tensor) -> None:
-        """Write the KV of the handle's next `kv.shape[2]` tokens (tensor-API shape) into its own
-        pages, after the tokens already written, and count them as written."""
-        if not isinstance(kv, torch.Tensor) or kv.dim() != 5:
-            raise ValueError(f"write() needs a (layers, 2, tokens, kv_heads, head_dim) tensor, got "
-                             f"{getattr(kv, 'shape', type(kv).__name__)}")
-        n = int(kv.shape[2])
-        self._check_kv(kv, n)
-        self.pool.write(self.writable_slots(handle, n), kv)  # the handle's own private pages: no lock needed
-        handle.own_written += n
-
-    @_request_path
-    def mark_written(self, handle: CacheHandle, num_tokens: int) -> None:
-        """Record that the engine wrote the KV of the handle's next `num_tokens` tokens itself
-        (into `pool.kv`, at the slots `writable_slots` gave). Only written tokens are ever
-        committed. Raises ValueError past the tokens allocated, or over a page a fork shares."""
-        num_tokens = as_count("num_tokens", num_tokens)
-        with self._lock:
-            self._check_writable(handle, num_tokens)
-            self.forks.require_private(handle, handle.own_written, handle.own_written + num_tokens)
-            handle.own_written += num_tokens
-
-    @_request_path
+    @request_path
     def commit(self, handle: CacheHandle, tokens: Any, num_written: int | None = None) -> int:
         """Insert the full pages of `tokens` whose KV was written: the matched prefix and the
         suffix the engine wrote into the handle's own pages (`write` / `mark_written`).
@@ -310,7 +278,7 @@ class TieredCache:
                 self.demoter.after_insert(handle.namespace, keys[:start + n_new], n_new - dup)
             return (n_new - dup) * self.spec.page_size
 
-    @_request_path
+    @request_path
     def release(self, handle: CacheHandle) -> None:
         """Unlock the prefix, cancel a prefetch still running, and free the pages the handle still
         owns (e.g. a partial last page). Raises ValueError for a handle of another cache or one
@@ -327,61 +295,6 @@ class TieredCache:
         if pending is not None:
             pending.cancel.set()
             self.promoter.give_back_when_done(pending.future)
-
-    # --- forks, swaps, retention -----------------------------------------------------------------
-    def fork(self, handle: CacheHandle, n: int) -> list[CacheHandle]:
-        """`n` new handles that each continue the sequence `handle` holds: they share its matched
-        prefix and its own pages (written or only allocated), and each writes, commits and is
-        released on its own. The parent stays live (release it when done). Pages found below the
-        device and not loaded yet are not shared: `load()` before forking to share them.
-        Raises ValueError for n < 1 or a handle that is not live."""
-        n = as_count("fork() needs a positive number of forks: n", n, least=1)
-        with self._lock:
-            self.ledger.check_live(handle)
-            return self.forks.fork(handle, n)
-
-    def writable_slots(self, handle: CacheHandle, num_tokens: int) -> np.ndarray:
-        """Flat pool slots for the handle's next `num_tokens` tokens (after those written), for an
-        engine that writes K/V into `pool.kv` itself and then calls `mark_written`. Pages there
-        that a fork shares are copied first, so the writes reach this sequence alone."""
-        num_tokens = as_count("num_tokens", num_tokens)
-        with self._lock:
-            self._check_writable(handle, num_tokens)
-            self.forks.make_private(handle, handle.own_written, handle.own_written + num_tokens)  # copy-on-write
-            slots = self.pool.slots(np.array(handle.own_pages, dtype=np.int64), handle.own_written + num_tokens)
-        return slots[handle.own_written:]
-
-    def swap_out(self, handle: CacheHandle) -> int:
-        """Move the handle's own pages to host RAM and free its device pages; returns the pages
-        moved. Raises SwapError (nothing changed) when host RAM cannot hold them."""
-        with self._lock:
-            self.ledger.check_live(handle)  # refuses one swapped out already
-            return self.swaps.swap_out(handle)
-
-    def swap_in(self, handle: CacheHandle) -> np.ndarray:
-        """Bring a swapped-out handle back: its prefix matched (and loaded) again, its own pages
-        copied into fresh device pages. Returns the handle's own pages. Raises SwapError when
-        the prefix is no longer cached anywhere, PoolExhaustedError when the device has no room;
-        either way the handle stays swapped out, unchanged."""
-        with self._lock:
-            self.ledger.check_live(handle, allow_swapped=True)
-        return self.swaps.swap_in(handle, self._match_keys, self.load, self.release)
-
-    def live_slots(self, handle: CacheHandle) -> np.ndarray:
-        """Flat pool slots of the handle's live tokens in order: its matched prefix, then its own
-        written tokens that no policy dropped. What attention reads for this sequence."""
-        with self._lock:
-            self.ledger.check_live(handle)  # refuses a swapped-out handle too
-            return self.compaction.live_slots(handle)
-
-    def drop_tokens(self, handle: CacheHandle, live_indices: Any) -> int:
-        """Drop the tokens at `live_indices` (positions in `live_slots(handle)`) from the sequence:
-        attention no longer sees them, pages left with no live token are freed, and the handle
-        becomes compacted (never committed). Tokens of the matched prefix are shared and cannot be
-        dropped (ValueError), nor can tokens not written yet. Returns the pages freed."""
-        with self._lock:
-            self.ledger.check_live(handle)  # refuses a swapped-out handle too
-            return self.compaction.drop(handle, live_indices)
 
     # --- housekeeping ----------------------------------------------------------------------------
     def evict(self, num_pages: int | None = None) -> int:
@@ -453,7 +366,3 @@ class TieredCache:
     def _check_kv(self, kv: Any, num_tokens: int) -> None:
         """KV in the tensor-API shape (layers, 2, tokens, kv_heads, head_dim) and the spec's dtype."""
         check_tensor("kv", kv, self.spec.kv_shape(num_tokens), self.spec.dtype.torch, self.spec.model_id)
-
-    def _check_writable(self, handle: CacheHandle, n: int) -> None:
-        self.ledger.check_live(handle)
-        handle.check_room(n)
