@@ -4,30 +4,29 @@ histograms, and `/tree` for `tiered-cache tree --url`."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tiered_cache.cache.stats import CacheStats
-from tiered_cache.config import CacheConfig
-from tiered_cache.tiers.chain import TierChain
+if TYPE_CHECKING:
+    from tiered_cache.cache.tiered_cache import TieredCache
 
 
-def serve_metrics(config: CacheConfig, stats: Callable[[], CacheStats], tree: Callable[[], dict[str, Any]],
-                  chain: TierChain) -> tuple[Any, Any]:
-    """Start the endpoint over a cache's `stats` and `prefix_tree`; returns (the `MetricsServer`,
-    the `FetchMetrics` the chain's fetches feed)."""
+def serve_metrics(cache: TieredCache) -> Any:
+    """Start the endpoint over `cache.stats()` and `cache.prefix_tree()` on the config's metrics
+    port; returns the `MetricsServer`. The live fetch histograms the chain's fetches feed go to the
+    cache's loader (its prefetch waits are timed there too)."""
     from tiered_cache.metrics import registry_of
     from tiered_cache.metrics.families import cache_families, tier_families
     from tiered_cache.metrics.http import MetricsServer
     from tiered_cache.metrics.live import FetchMetrics
 
+    config = cache.config
+
     def build() -> list[Any]:
-        figures = stats()
+        figures = cache.stats()
         return [*tier_families(figures.tiers), *cache_families(figures)]
 
     registry = registry_of(build)
-    fetch_metrics = FetchMetrics(registry)
-    chain.observe_fetches(fetch_metrics.fetched)
-    routes = {"/tree": lambda: json.dumps(tree()).encode()}
-    server = MetricsServer(registry, config.metrics_host, config.metrics_port or 0, config.metrics_token, routes)
-    return server, fetch_metrics
+    cache.loader.fetch_metrics = FetchMetrics(registry)
+    cache.chain.observe_fetches(cache.loader.fetch_metrics.fetched)
+    routes = {"/tree": lambda: json.dumps(cache.prefix_tree()).encode()}
+    return MetricsServer(registry, config.metrics_host, config.metrics_port or 0, config.metrics_token, routes)

@@ -47,6 +47,7 @@ from tiered_cache.cache.ledger import PageLedger
 from tiered_cache.cache.loader import Loader
 from tiered_cache.cache.lower_tiers import build_lower_tiers
 from tiered_cache.cache.lower_writer import LowerWriter
+from tiered_cache.cache.metrics_endpoint import serve_metrics
 from tiered_cache.cache.promoter import Promoter
 from tiered_cache.cache.reuse import ReuseGate
 from tiered_cache.cache.sequence_ops import SequenceOps
@@ -127,11 +128,7 @@ class TieredCache(SequenceOps):
                        if config.spare_output and self.pool.kv.device.type == "cpu" else None)
         self._keyer = functools.lru_cache(maxsize=1024)(functools.partial(PageKeyer, spec))  # per namespace
         self._closed = False
-        self.metrics: Any = None  # a MetricsServer with config.metrics_port
-        if config.metrics_port is not None:
-            from tiered_cache.cache.metrics_endpoint import serve_metrics
-
-            self.metrics, self.loader.fetch_metrics = serve_metrics(config, self.stats, self.prefix_tree, self.chain)
+        self.metrics: Any = serve_metrics(self) if config.metrics_port is not None else None  # a MetricsServer
 
     # --- tensor API ------------------------------------------------------------------------------
     @request_path
