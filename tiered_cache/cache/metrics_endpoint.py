@@ -4,13 +4,10 @@ histograms, and `/tree` for `tiered-cache tree --url`."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from tiered_cache.cache.tiered_cache import TieredCache
+from typing import Any
 
 
-def serve_metrics(cache: TieredCache) -> Any:
+def serve_metrics(cache: Any) -> Any:
     """Start the endpoint over `cache.stats()` and `cache.prefix_tree()` on the config's metrics
     port; returns the `MetricsServer`. The live fetch histograms the chain's fetches feed go to the
     cache's loader (its prefetch waits are timed there too)."""

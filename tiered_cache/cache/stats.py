@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tiered_cache.cache.background import QueueFigures
 from tiered_cache.cache.canary import CanaryFigures
 from tiered_cache.cache.reuse import ReuseFigures
 from tiered_cache.tiers.base import TierStats
-
-if TYPE_CHECKING:
-    from tiered_cache.cache.tiered_cache import TieredCache
 
 
 @dataclass
@@ -97,8 +94,9 @@ class CacheStats:
         }
 
 
-def cache_stats(cache: TieredCache) -> CacheStats:
-    """The figures `TieredCache.stats()` returns: the device's and host RAM's read under the
+def cache_stats(cache: Any) -> CacheStats:
+    """The figures `TieredCache.stats()` returns (`cache`: the `TieredCache`; typed loosely, as the
+    cache imports this module): the device's and host RAM's read under the
     cache's lock, the lower tiers' outside it (their calls may wait on a network)."""
     with cache._lock:
         device, pool, size, nodes = cache.ledger.figures()

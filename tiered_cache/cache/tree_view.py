@@ -18,7 +18,6 @@ from tiered_cache.index.radix import RadixTree
 from tiered_cache.index.radix_node import RadixNode
 
 if TYPE_CHECKING:
-    from tiered_cache.cache.tiered_cache import TieredCache
     from tiered_cache.tiers.chain import TierChain
     from tiered_cache.tiers.host import HostTier
 
@@ -98,9 +97,10 @@ def decode_previews(tree: dict[str, Any], decode: Callable[[list[int]], str]) ->
     return tree
 
 
-def tree_of(cache: TieredCache, max_nodes: int, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
-    """What `TieredCache.prefix_tree()` returns: the tree's snapshot (taken under the cache's
-    lock), each tier's page count and the reuse policy's figures; with `decode`, page previews."""
+def tree_of(cache: Any, max_nodes: int, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
+    """What `TieredCache.prefix_tree()` returns (`cache`: the `TieredCache`; typed loosely, as the
+    cache imports this module): the tree's snapshot (taken under the cache's lock), each tier's
+    page count and the reuse policy's figures; with `decode`, page previews."""
     with cache._lock:
         view = snapshot(cache.tree, cache.spec.page_size, cache.ledger.page_tokens,
                         held_below(cache.host, cache.chain), max_nodes)
