@@ -13,6 +13,7 @@ an import of the module it comes from.
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -168,10 +169,16 @@ def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
 def folder_circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Circles of folders that import each other: each a sorted
     list of the folders of one strongly connected component."""
+    return circles(graph, folder_of)
+
+
+def circles(graph: dict[str, set[str]], unit: Callable[[str], str]) -> list[list[str]]:
+    """Circles of units (`unit` of a module: its folder, or the module itself) that import each
+    other: each a sorted list of the units of one strongly connected component."""
     edges: dict[str, set[str]] = {}
     for module, targets in graph.items():
         for target in targets:
-            a, b = folder_of(module), folder_of(target)
+            a, b = unit(module), unit(target)
             if a != b and FACADE not in (a, b):
                 edges.setdefault(a, set()).add(b)
     # Tarjan's strongly connected components, iteratively.
@@ -237,12 +244,21 @@ def test_no_circle_between_folders(graph: dict[str, set[str]]) -> None:
     assert not circles, "folders import each other: " + "; ".join(" <-> ".join(c) for c in circles)
 
 
+def test_no_circle_between_modules(graph: dict[str, set[str]]) -> None:
+    """Inside a folder too: modules that import each other (a package's `__init__` re-exporting
+    its modules aside) are one module split in two."""
+    inits = {m for m, path in MODULES.items() if path.name == "__init__.py"}
+    found = circles({m: t - inits for m, t in graph.items() if m not in inits}, lambda m: m)
+    assert not found, "modules import each other: " + "; ".join(" <-> ".join(c) for c in found)
+
+
 def test_the_checks_catch_an_upward_import_and_a_circle() -> None:
     """The checks themselves: a made-up upward import is reported, and so is a circle."""
     fake = {"tiered_cache.model.spec": {"tiered_cache.tiers.base"},
             "tiered_cache.tiers.base": {"tiered_cache.model.spec"}}
     assert upward_arrows(fake) == ["tiered_cache.model.spec imports tiered_cache.tiers.base: model is below tiers"]
     assert folder_circles(fake) == [["model", "tiers"]]
+    assert circles(fake, lambda m: m) == [["tiered_cache.model.spec", "tiered_cache.tiers.base"]]
     assert folder_of("tiered_cache.config") == "config"
     assert upward_arrows({"tiered_cache.config": {"tiered_cache.cache.reuse"}}) == [
         "tiered_cache.config imports tiered_cache.cache.reuse: config is below cache"]
