@@ -273,7 +273,7 @@ def test_a_cache_loads_from_disk_into_its_pool_and_a_corrupt_page_ends_the_prefi
     page = SPEC.bytes_per_page
     cache = TieredCache(SPEC, CacheConfig(pool_capacity=16 * page, host_capacity=16 * page, malloc_tuning=False),
                         lower=[DiskTier(tmp_path, "1MiB")])
-    cache.promoter.fills_pool = into_pool  # False: the staged path a CUDA pool takes (read, then one copy)
+    cache.tier_loads.fills_pool = into_pool  # False: the staged path a CUDA pool takes (read, then one copy)
     tokens = list(range(6 * SPEC.page_size))
     cache.put(tokens, token_kv(SPEC, tokens))
     cache.evict()
@@ -284,8 +284,8 @@ def test_a_cache_loads_from_disk_into_its_pool_and_a_corrupt_page_ends_the_prefi
     disk.put([(k, encode_page(p, SPEC, k)) for k, p in zip(keys, pages, strict=True)])
     cache.host.delete(keys)  # only the disk holds the prefix now
     staged = []
-    real = cache.promoter.staged_to_pool
-    cache.promoter.staged_to_pool = lambda *a: (staged.append(1), real(*a))[1]
+    real = cache.tier_loads.staged_to_pool
+    cache.tier_loads.staged_to_pool = lambda *a: (staged.append(1), real(*a))[1]
     n, kv = cache.get(tokens)
     assert n == len(tokens) and torch.equal(kv, token_kv(SPEC, tokens))
     assert staged == ([] if into_pool else [1])  # straight into the pool, or one copy from staging

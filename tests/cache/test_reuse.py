@@ -127,7 +127,7 @@ def test_a_tiers_latency_is_paid_once_per_load():
 def test_a_rate_from_one_size_of_load_says_where_it_is_a_guess_and_stays_pessimistic():
     # One cold first fetch of one page: 50 ms, most of it a round trip. With no latency to fit,
     # 1.3 MB/s is a guess for ten pages; the cut still prices them so (a request never waits for
-    # a load on a guess) and says it extrapolated, so the promoter measures that size aside.
+    # a load on a guess) and says it extrapolated, so `TierLoads` measures that size aside.
     link = Rate(2 * MB, latency_s=0.050 - PAGE_BYTES / (2 * MB))  # 17 ms a call + 33 ms a page
     fit = RateEstimator()
     fit.add(PAGE_BYTES, link.seconds(PAGE_BYTES))

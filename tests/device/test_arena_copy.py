@@ -305,9 +305,9 @@ def test_two_copiers_share_one_registration_and_a_refused_one_leaves_no_error_be
 @pytest.mark.parametrize("direct", [True, False], ids=["registered", "refused"])
 @pytest.mark.parametrize("found", [N, 5, 0])
 def test_the_cuda_load_path_run_on_the_cpu_takes_the_arena_then_stages_the_rest(found, direct, monkeypatch):
-    """The CUDA path of `TieredCache.load` (`Promoter.from_arenas`: pages DMA'd from the arena into
+    """The CUDA path of `TieredCache.load` (`ArenaLoads.load`: pages DMA'd from the arena into
     device pages), run on a CPU pool that says it cannot take pages in place. Pages from the first
-    one not in an arena come by the staged path; all land exactly, from the remote tier. A map the
+    one not in an arena come by the staged path; all are placed exactly, from the remote tier. A map the
     driver refused (`direct=False`) is still read in place, its pages staged by the copier."""
     from tiered_cache.cache import TieredCache
     from tiered_cache.config import CacheConfig
@@ -320,7 +320,7 @@ def test_the_cuda_load_path_run_on_the_cpu_takes_the_arena_then_stages_the_rest(
         try:
             tier.put(items)
             tier.warm()
-            cache.promoter.fills_pool = False  # as on CUDA
+            cache.tier_loads.fills_pool = False  # as on CUDA
             cache.arena_loads.copier = ArenaCopier(cache.pool, direct=direct)
             arena_pages = tier.arena_pages
             monkeypatch.setattr(tier, "arena_pages",  # pages past `found` not in the arena (a mock of that only)

@@ -4,7 +4,7 @@
   `sequence_ops.py` the side of a sequence's own pages (write, fork, swap, drop tokens).
 - `ledger.py`: who holds which device page (tree, handles, copies under way); `check_integrity`.
 - `loader.py`: fills new device pages and hands them to the tree (`load`, `put`); its stages:
-  `promoter.py` (plan, prefetch, fetch from host RAM and below), `host_loads.py` (host RAM rows
+  `tier_loads.py` (plan, prefetch, load from host RAM and below), `host_loads.py` (host RAM rows
   into device pages), `arena_loads.py` (same-host store arenas into device pages, CUDA), and
   `reuse.py` (the reuse policy, whole: how far a load pays).
 - `demoter.py`: room on the device: device -> host RAM, inline or above the watermark.

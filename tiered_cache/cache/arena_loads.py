@@ -6,7 +6,7 @@ lies. On CUDA a load DMAs those pages from there into its device pages, one DMA 
 adjacent blobs, checked on CPU threads meanwhile (`device/arena_copy.py`; a map the driver will
 not register is staged through pinned host chunks there); the arenas are registered with the
 driver as they are mapped (`RegisterAhead`), not by the first load that reads one. On a CPU pool
-the promoter's fetch into device pages already copies them from where they lie (one copy), so
+`TierLoads.load` into device pages already copies them from where they lie (one copy), so
 this path is CUDA's alone; either way a prefetch into staging would only add a copy.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from tiered_cache.cache.handle import HOST
-from tiered_cache.cache.promoter import Fetched, Promoter
+from tiered_cache.cache.tier_loads import Loaded, TierLoads
 from tiered_cache.device.arena_copy import ArenaCopier
 from tiered_cache.device.arena_registry import RegisterAhead, cuda_registry
 from tiered_cache.tiers.base import ReadsArenas
@@ -28,9 +28,9 @@ from tiered_cache.tiers.chain import TierChain
 class ArenaLoads:
     """Loads from same-host arenas of one cache (see the module doc)."""
 
-    def __init__(self, promoter: Promoter, chain: TierChain, observe: Callable[[str, float, int], None]) -> None:
-        self.promoter = promoter  # the staged path, for the pages past those read in place
-        self.pool = promoter.pool
+    def __init__(self, tier_loads: TierLoads, chain: TierChain, observe: Callable[[str, float, int], None]) -> None:
+        self.tier_loads = tier_loads  # the staged path, for the pages past those read in place
+        self.pool = tier_loads.pool
         self.chain = chain
         self._observe = observe  # (tier, seconds, pages): the reuse policy's sample
         self.copier: ArenaCopier | None = None  # made when a same-host store is first read
@@ -48,13 +48,13 @@ class ArenaLoads:
 
     def direct(self, plan: Sequence[int]) -> bool:
         """Whether a load of these planned pages DMAs them from arenas into its device pages
-        (CUDA; a CPU pool's fetch copies them from there itself)."""
-        return not self.promoter.fills_pool and self.in_arenas(plan)
+        (CUDA; a CPU pool's load copies them from there itself)."""
+        return not self.tier_loads.fills_pool and self.in_arenas(plan)
 
-    def fetch(self, keys: list[bytes], plan: list[int], pages: np.ndarray, skip: frozenset[str]) -> Fetched:
+    def load(self, keys: list[bytes], plan: list[int], pages: np.ndarray, skip: frozenset[str]) -> Loaded:
         """The leading pages that lie in one tier's same-host arenas, DMA'd into `pages` (intact
         after, or not counted); from the first page that did not arrive that way (not in an
-        arena, written over, refused), the rest by the promoter's staged path into the pages
+        arena, written over, refused), the rest by `TierLoads`' staged path into the pages
         after. Tiers named in `skip` (quarantined by the canary) are not looked in."""
         started = time.perf_counter()
         if self.copier is None:
@@ -66,18 +66,18 @@ class ArenaLoads:
         where = tier.arena_pages(keys[:n])
         lead = next((i for i, ref in enumerate(where) if ref is None), n)
         arrived = self.copier.to_pool(keys[:lead], where[:lead], pages[:lead])
-        tier.record_arena_reads(arrived, lead - arrived, arrived * self.promoter.spec.bytes_per_page)
+        tier.record_arena_reads(arrived, lead - arrived, arrived * self.tier_loads.spec.bytes_per_page)
         self._observe(tier.name, time.perf_counter() - started, arrived)
         tiers = [tier.name] * arrived
         if arrived < len(keys):
-            rest = self.promoter.fetch(keys[arrived:], plan[arrived:], skip=skip)
+            rest = self.tier_loads.load(keys[arrived:], plan[arrived:], skip=skip)
             try:
-                self.promoter.staged_to_pool(rest, pages[arrived:arrived + rest.n])
+                self.tier_loads.staged_to_pool(rest, pages[arrived:arrived + rest.n])
             finally:
-                self.promoter.give_back(rest)
+                self.tier_loads.give_back(rest)
             arrived += rest.n
             tiers += rest.tiers
-        return Fetched(None, arrived, tiers)
+        return Loaded(None, arrived, tiers)
 
     def close(self) -> None:
         if self.copier is not None:

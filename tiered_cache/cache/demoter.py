@@ -142,7 +142,7 @@ class Demoter:
         `background`: a request's copy waits behind one chunk of this one, not all of it."""
         if new:
             self.host.before_write()
-            # The pages' KV, written on any request's stream, lands before the copy reads it.
+            # The pages' KV, written on any request's stream, is complete before the copy reads it.
             self.copier.from_pool(pages[new], self.host.slab, rows, background=background,
                                   after=self.writers.pending())
         if not overflow:

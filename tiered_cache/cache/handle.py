@@ -18,7 +18,7 @@ HOST = -1  # in a handle's plan: the page is in host RAM (chain tier indices are
 
 @dataclass
 class Prefetch:
-    """Pages on their way up for a handle: `future` gives a `Fetched`; `cancel` stops it early."""
+    """Pages on their way up for a handle: `future` gives a `Loaded`; `cancel` stops it early."""
 
     future: Future[Any]
     cancel: threading.Event
@@ -49,7 +49,7 @@ class CacheHandle:
     own_written: int = 0  # of those, tokens whose KV was written
     released: bool = False
     sources: Counter[str] = field(default_factory=Counter)  # tier name -> prefix pages it supplied
-    loaded_from: list[str] = field(default_factory=list)  # per page `load` brought up, in order: its tier
+    loaded_from: list[str] = field(default_factory=list)  # per page `load` loaded, in order: its tier
     prefetch: Prefetch | None = field(default=None, repr=False)
     tokens: Any = field(default=None, repr=False)  # the matched token ids: pages it loads get their tokens shown
     # Retention (compaction.py): own-token indices dropped but still inside a live page, and

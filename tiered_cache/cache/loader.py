@@ -1,10 +1,10 @@
 """`Loader`: fills new device pages and hands them to the tree: a handle's prefix found below the
 device (`load`) or KV the caller gives (`put`).
 
-A load, top-down: `match` plans where each page lies (`Promoter.plan`) and cuts the plan where
+A load, top-down: `match` plans where each page lies (`TierLoads.plan`) and cuts the plan where
 loading stops paying (`ReuseGate`); `load` then takes one of three paths: every page in host RAM
 (`HostLoads`: rows straight into device pages), every page in a same-host store arena on CUDA
-(`ArenaLoads`: one DMA per run), or the rest (`Promoter.fetch`: straight into the device pages
+(`ArenaLoads`: one DMA per run), or the rest (`TierLoads.load`: straight into the device pages
 of a CPU pool, else through staging, which a `prefetch` may have filled already).
 
 Pages are allocated first (as many as fit: a full pool ends the prefix where the room did), then
@@ -28,30 +28,30 @@ from tiered_cache.cache.demoter import Demoter
 from tiered_cache.cache.handle import HOST, CacheHandle
 from tiered_cache.cache.host_loads import HostLoads
 from tiered_cache.cache.ledger import PageLedger
-from tiered_cache.cache.promoter import Fetched, Promoter
 from tiered_cache.cache.reuse import ReuseGate
 from tiered_cache.cache.stats import Movements
+from tiered_cache.cache.tier_loads import Loaded, TierLoads
 
 
 class Loader:
     """The fill-then-adopt path of one cache (see the module doc)."""
 
-    def __init__(self, ledger: PageLedger, demoter: Demoter, promoter: Promoter, host_loads: HostLoads,
+    def __init__(self, ledger: PageLedger, demoter: Demoter, tier_loads: TierLoads, host_loads: HostLoads,
                  arena_loads: ArenaLoads, reuse: ReuseGate, in_flight: Mapping[bytes, Any], moves: Movements,
                  lock: threading.RLock, canary: Canary | None = None) -> None:
         self.canary = canary or Canary()  # keys found wrong are never reused; quarantined tiers not loaded from
         self.ledger = ledger
         self.spec, self.pool, self.tree = ledger.spec, ledger.pool, ledger.tree
         self.demoter = demoter
-        self.promoter = promoter
+        self.tier_loads = tier_loads
         self.host_loads = host_loads
         self.arena_loads = arena_loads
         self.reuse = reuse
-        self.host = promoter.host
+        self.host = tier_loads.host
         self._in_flight = in_flight  # pages on their way below, still served from memory
         self.moves = moves
         self._lock = lock
-        self.fetch_metrics: Any = None  # live fetch histograms, when the cache serves metrics
+        self.live_metrics: Any = None  # live histograms (`LiveMetrics`), when the cache serves metrics
 
     def lookup(self, ns: str, keys: list[bytes]) -> int:
         """Tokens `match` would give for `keys`; nothing is moved or counted."""
@@ -60,7 +60,7 @@ class Loader:
             self.demoter.await_keys(keys)
             on_device = self.tree.match_prefix(usable, ns).num_pages
             in_host = self._in_host(usable[on_device:])
-        plan = self.promoter.plan(usable[on_device:], in_host, self.canary.quarantined(ns))
+        plan = self.tier_loads.plan(usable[on_device:], in_host, self.canary.quarantined(ns))
         return (on_device + self.reuse.cut(plan)) * self.spec.page_size
 
     def match(self, ns: str, keys: list[bytes], tokens: Any, reuse_policy: bool) -> CacheHandle:
@@ -75,7 +75,7 @@ class Loader:
             self.tree.lock(result.node)
             in_host = self._in_host(usable[result.num_pages:])
         try:
-            plan = self.promoter.plan(usable[result.num_pages:], in_host, self.canary.quarantined(ns))
+            plan = self.tier_loads.plan(usable[result.num_pages:], in_host, self.canary.quarantined(ns))
         except BaseException:
             with self._lock:
                 self.tree.unlock(result.node)
@@ -138,11 +138,11 @@ class Loader:
             return False
         if all(where == HOST for where in plan) or self.arena_loads.in_arenas(plan):
             return False  # `load` copies these straight into the pool: nothing to stage
-        handle.prefetch = self.promoter.prefetch(wanted, plan, self.canary.quarantined(handle.namespace))
+        handle.prefetch = self.tier_loads.prefetch(wanted, plan, self.canary.quarantined(handle.namespace))
         return handle.prefetch is not None
 
     def load(self, handle: CacheHandle) -> np.ndarray:
-        """Bring the handle's pages below the device into device pages; see `TieredCache.load`."""
+        """Load the handle's pages below the device into device pages; see `TieredCache.load`."""
         self.host_loads.stream_waits()  # also when there is nothing to load
         with self._lock:
             self.host_loads.settle()
@@ -158,39 +158,39 @@ class Loader:
             loaded = self._load_from_host(handle, start, wanted)
             if loaded is not None:
                 return loaded
-        fetched = None
+        loaded = None
         if pending is not None:
             waited = time.perf_counter()
             try:
-                fetched = pending.future.result()
+                loaded = pending.future.result()
             except Exception:  # a failed prefetch is retried inline, never surfaced as an error
-                fetched = None
-            if self.fetch_metrics is not None:
-                self.fetch_metrics.prefetch_wait.observe(time.perf_counter() - waited)
+                loaded = None
+            if self.live_metrics is not None:
+                self.live_metrics.prefetch_wait.observe(time.perf_counter() - waited)
         skip = self.canary.quarantined(handle.namespace)  # also when a page is looked for again
-        if fetched is None and HOST not in plan and (self.promoter.fills_pool or self.arena_loads.direct(plan)):
+        if loaded is None and HOST not in plan and (self.tier_loads.fills_pool or self.arena_loads.direct(plan)):
             # Every page below host RAM, and a CPU pool (or, on CUDA, pages in same-host store
-            # arenas): device pages first, then each page lands straight in its own (one copy or
-            # one DMA, no staging); only as many are fetched as fit. (With pages in host RAM,
+            # arenas): device pages first, then each page is placed straight in its own (one copy or
+            # one DMA, no staging); only as many are loaded as fit. (With pages in host RAM,
             # allocating first could evict them before they are copied: the staged path copies
             # them out first.)
-            fetch = self.arena_loads.fetch if self.arena_loads.direct(plan) else self.promoter.fetch_into_pool
+            load = self.arena_loads.load if self.arena_loads.direct(plan) else self.tier_loads.load_into_pool
             return self._install(handle, start, len(wanted),
-                                 lambda pages: fetch(wanted[:len(pages)], plan[:len(pages)], pages, skip))
-        staged = fetched if fetched is not None else self.promoter.fetch(wanted, plan, skip=skip)
+                                 lambda pages: load(wanted[:len(pages)], plan[:len(pages)], pages, skip))
+        staged = loaded if loaded is not None else self.tier_loads.load(wanted, plan, skip=skip)
 
-        def from_staging(pages: np.ndarray) -> Fetched:
-            self.promoter.staged_to_pool(staged, pages)
+        def from_staging(pages: np.ndarray) -> Loaded:
+            self.tier_loads.staged_to_pool(staged, pages)
             return staged
 
         try:
             return self._install(handle, start, staged.n, from_staging)
         finally:
-            self.promoter.give_back(staged)
+            self.tier_loads.give_back(staged)
 
     def _install(self, handle: CacheHandle, start: int, num_pages: int,
-                 fill: Callable[[np.ndarray], Fetched]) -> np.ndarray:
-        """Allocate up to `num_pages` device pages (as many as fit), have `fill` bring the
+                 fill: Callable[[np.ndarray], Loaded]) -> np.ndarray:
+        """Allocate up to `num_pages` device pages (as many as fit), have `fill` load the
         prefix's next pages into them, and put the leading ones that arrived into the tree; the
         rest are freed."""
         with self._lock:
@@ -258,7 +258,7 @@ class Loader:
             handle.device_pages = all_pages
             # Another request may have put some of these keys in the tree first, from host RAM,
             # with its copy still running (the tree keeps its pages, ours are freed): our stream
-            # must not read them before that copy lands.
+            # must not read them before that copy ends.
             self.host_loads.stream_waits()
         handle.available_pages = start + n
         handle.plan = []

@@ -23,7 +23,7 @@ def serve_metrics(cache: Any) -> Any:
         return [*tier_families(figures.tiers), *cache_families(figures)]
 
     registry = registry_of(build)
-    cache.loader.fetch_metrics = FetchMetrics(registry)
-    cache.chain.observe_fetches(cache.loader.fetch_metrics.fetched)
+    cache.loader.live_metrics = FetchMetrics(registry)
+    cache.chain.observe_fetches(cache.loader.live_metrics.fetched)
     routes = {"/tree": lambda: json.dumps(cache.prefix_tree()).encode()}
     return MetricsServer(registry, config.metrics_host, config.metrics_port or 0, config.metrics_token, routes)

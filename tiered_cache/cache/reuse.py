@@ -24,7 +24,7 @@ makes a one-page fetch look many times slower per byte than a big one); otherwis
 is total amount over total seconds. Past the largest amount measured that is a guess, and a
 pessimistic one (`Rate.known_up_to`: a first fetch of one page, mostly round trip, prices many
 pages at many round trips): the request still recomputes them (never slower than recompute on a
-guess), and the promoter fetches those pages aside at once, so the next plan knows the tier.
+guess), and `TierLoads` loads those pages aside at once, so the next plan knows the tier.
 Prefill samples are fitted the same way, and only the rate (the slope: seconds per extra token)
 is used, since the engine pays a forward's fixed cost for the suffix anyway.
 
@@ -166,7 +166,7 @@ class ReuseEstimates:
 
     # --- samples ---------------------------------------------------------------------------------
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
-        """A load into the pool (`Promoter`'s loads: host RAM -> pool, or a whole fetch from one tier)."""
+        """A load into the pool (`TierLoads`' loads: host RAM -> pool, or a whole load from one tier)."""
         with self._lock:
             self._loads.setdefault(tier, RateEstimator()).add(nbytes, seconds)
 

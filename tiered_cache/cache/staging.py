@@ -2,7 +2,7 @@
 
 Fresh memory costs first-touch page faults (far slower than a copy: docs/PERFORMANCE.md), so buffers are kept
 and leased out again; on CUDA they are pinned so host <-> device copies can be asynchronous.
-A buffer is leased by one fetch or demotion at a time and given back when its bytes are in place.
+A buffer is leased by one load or demotion at a time and given back when its bytes are in place.
 """
 
 from __future__ import annotations

@@ -103,6 +103,6 @@ def cache_stats(cache: Any) -> CacheStats:
         tiers = [device, cache.moves.apply(cache.host.stats())]
     tiers += [replace(t, corrupt=t.corrupt + cache.moves.refused[t.name]) for t in cache.chain.stats()]
     return CacheStats(tiers, pool, cache.spec.page_size, nodes, size.evictable, size.protected,
-                      [cache.demoter.figures(), cache.writer.figures()], cache.promoter.declined,
+                      [cache.demoter.figures(), cache.writer.figures()], cache.tier_loads.declined,
                       cache.chain.skipped_puts, cache.writer.pages_dropped, cache.reuse.estimates.figures(),
                       cache.canary.figures())

@@ -5,9 +5,9 @@ tiers (disk, Redis, remote stores). The request path does only what the request 
 
 - `match` walks the tree and asks the tiers below once (host RAM, then each lower tier at most
   once) how far the prefix continues (under `reuse: faster`, only as far as loading beats
-  recomputing); `prefetch` starts bringing those pages up in the background and `load` waits
+  recomputing); `prefetch` starts loading those pages in the background and `load` waits
   only for what has not arrived. The load path is `loader.py` (its module doc lists the stages):
-  host RAM rows go straight into device pages; a page from below lands in its device page (CPU
+  host RAM rows go straight into device pages; a page from below is placed in its device page (CPU
   pool) or in pinned staging, then one DMA (CUDA).
 - `commit` inserts only pages whose every token was written (`write` / `mark_written`).
 - Demotion is write-behind: above `high_watermark` a background thread moves cold pages device ->
@@ -48,12 +48,12 @@ from tiered_cache.cache.loader import Loader
 from tiered_cache.cache.lower_tiers import build_lower_tiers
 from tiered_cache.cache.lower_writer import LowerWriter
 from tiered_cache.cache.metrics_endpoint import serve_metrics
-from tiered_cache.cache.promoter import Promoter
 from tiered_cache.cache.reuse import ReuseGate
 from tiered_cache.cache.sequence_ops import SequenceOps
 from tiered_cache.cache.spare_output import SpareOutput
 from tiered_cache.cache.stats import CacheStats, Movements, cache_stats
 from tiered_cache.cache.swaps import Swaps
+from tiered_cache.cache.tier_loads import TierLoads
 from tiered_cache.cache.tree_view import tree_of
 from tiered_cache.config import CacheConfig
 from tiered_cache.device.host_copy import HostCopier
@@ -105,23 +105,23 @@ class TieredCache(SequenceOps):
                                                     retain=self.writer.retain)
         self.tree = RadixTree(config.eviction_policy)
         self.ledger = PageLedger(self, spec, self.pool, self.tree)
-        # Bringing pages up (loader.py's module doc), and the policy that says how far.
+        # Loading pages (loader.py's module doc), and the policy that says how far.
         copier = HostCopier(self.pool)
-        self.promoter = Promoter(spec, self.pool, self.host, self.chain, copier, self._lock, self.writer.in_flight,
-                                 config, observe=lambda *sample: self.reuse.observe(*sample))
-        self.reuse = ReuseGate(config.reuse, config.prefill_tokens_per_s, self.chain, self.promoter.tier_name,
+        self.tier_loads = TierLoads(spec, self.pool, self.host, self.chain, copier, self._lock, self.writer.in_flight,
+                                    config, observe=lambda *sample: self.reuse.observe(*sample))
+        self.reuse = ReuseGate(config.reuse, config.prefill_tokens_per_s, self.chain, self.tier_loads.tier_name,
                                spec.bytes_per_page, spec.page_size)
         self.host_loads = HostLoads(self.pool, self.host, self.reuse.observe)
-        self.arena_loads = ArenaLoads(self.promoter, self.chain, self.reuse.observe)
+        self.arena_loads = ArenaLoads(self.tier_loads, self.chain, self.reuse.observe)
         # Making room: device -> host RAM, and the engine features built on the ledger.
         self.demoter = Demoter(config, self.ledger, self.host, copier, self.writer, self.moves, self._lock,
                                self._foreground, demotions_idle,
                                settle_copies=lambda: self.host_loads.settle(wait=True))
         self.canary = Canary(config.verify_fraction)  # checks a sample of hits (integrations with the model)
-        self.loader = Loader(self.ledger, self.demoter, self.promoter, self.host_loads, self.arena_loads, self.reuse,
+        self.loader = Loader(self.ledger, self.demoter, self.tier_loads, self.host_loads, self.arena_loads, self.reuse,
                              self.writer.in_flight, self.moves, self._lock, self.canary)
         self.forks = Forks(self.ledger, self.demoter)
-        self.swaps = Swaps(self.ledger, self.demoter, self.host, self.promoter.staging, self._lock)
+        self.swaps = Swaps(self.ledger, self.demoter, self.host, self.tier_loads.staging, self._lock)
         self.compaction = Compaction(self.ledger, self.forks)
         # get() without out= on a CPU pool: one output tensor faulted in ahead (spare_output.py).
         self._spare = (SpareOutput(self._foreground, self.pool.num_pages * spec.bytes_per_page)
@@ -155,7 +155,7 @@ class TieredCache(SequenceOps):
     def get(self, tokens: Any, namespace: str | None = None,
             out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """The longest cached prefix of `tokens` that fits on the device: (n tokens, KV of shape
-        (layers, 2, n, heads, dim)). Pages found below the device are promoted first.
+        (layers, 2, n, heads, dim)). Pages found below the device are loaded first.
 
         `out`, a (layers, 2, len(tokens), heads, dim) tensor of the spec's dtype on any device,
         receives the KV (its first n tokens; the view is returned): reusing it saves faulting in
@@ -198,7 +198,7 @@ class TieredCache(SequenceOps):
         tier's name (the canary blames a wrong page on its tier). After `load`, where each page was
         actually read (a page that moved meanwhile is read from where it was found); before, where
         it is planned from."""
-        below = handle.loaded_from or [self.promoter.tier_name(where) for where in handle.plan]
+        below = handle.loaded_from or [self.tier_loads.tier_name(where) for where in handle.plan]
         return ["device"] * handle.sources["device"] + below
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
@@ -213,9 +213,9 @@ class TieredCache(SequenceOps):
 
     @request_path
     def prefetch(self, handle: CacheHandle) -> bool:
-        """Start bringing the handle's pages below the device up into staging memory in the
+        """Start loading the handle's pages below the device into staging memory in the
         background; `load` then waits only for what has not arrived. Returns False (and `load`
-        fetches inline) when there is nothing below or `max_prefetches` are already in flight.
+        loads inline) when there is nothing below or `max_prefetches` are already in flight.
         `release` cancels a prefetch that is still running."""
         with self._lock:
             self.ledger.check_live(handle)
@@ -291,7 +291,7 @@ class TieredCache(SequenceOps):
             pending, handle.prefetch = handle.prefetch, None
         if pending is not None:
             pending.cancel.set()
-            self.promoter.give_back_when_done(pending.future)
+            self.tier_loads.give_back_when_done(pending.future)
 
     # --- housekeeping ----------------------------------------------------------------------------
     def evict(self, num_pages: int | None = None) -> int:
@@ -342,7 +342,7 @@ class TieredCache(SequenceOps):
         self._closed = self.demoter.closed = self.writer.closed = True
         with self._lock:
             self.host_loads.settle(wait=True)
-        self.promoter.close()
+        self.tier_loads.close()
         self.arena_loads.close()
         if self._spare is not None:
             self._spare.close()

@@ -23,7 +23,7 @@ the slower of the two (the threads' copy rate, the link), not at the sum of thei
 
 On a CPU pool the same logic runs with a chunk buffer in memory and no streams, so it is tested
 without a GPU (both ways: `direct=False` stages every page). Blobs that are not raw (compressed)
-are not taken here: the promoter's staged path decodes them.
+are not taken here: `TierLoads`' staged path decodes them.
 """
 
 from __future__ import annotations

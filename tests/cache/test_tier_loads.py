@@ -1,4 +1,4 @@
-"""The promotion path (tiered_cache/cache/promoter.py) as an engine drives it: a prefix in host RAM
+"""The load path (tiered_cache/cache/tier_loads.py) as an engine drives it: a prefix in host RAM
 goes straight from its slots into device pages, also into a full pool, and nothing is staged."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import DType, KVSpec
 from tiered_cache.tiers.memory import MemoryTier
 
-SPEC = KVSpec("promotion-test", 2, 2, 8, dtype=DType.FP32, page_size=4)
+SPEC = KVSpec("tier-loads-test", 2, 2, 8, dtype=DType.FP32, page_size=4)
 PAGE = SPEC.bytes_per_page
 
 
@@ -23,10 +23,10 @@ def make(pool_pages: int, host_pages: int, lower=None, **cfg) -> TieredCache:
 
 
 def count_staged(cache: TieredCache, monkeypatch) -> list[int]:
-    """Calls of the staged path (a fetch into a staging buffer): the host path should need none."""
+    """Calls of the staged path (a load into a staging buffer): the host path should need none."""
     calls: list[int] = []
-    real = cache.promoter.fetch
-    monkeypatch.setattr(cache.promoter, "fetch",
+    real = cache.tier_loads.load
+    monkeypatch.setattr(cache.tier_loads, "load",
                         lambda keys, *a, **k: (calls.append(len(keys)), real(keys, *a, **k))[1])
     return calls
 
@@ -93,7 +93,7 @@ def test_a_copy_into_host_ram_that_fails_indexes_no_slot_and_leaks_nothing(monke
     def broken(*args, **kwargs):
         raise RuntimeError("the copy failed")
 
-    monkeypatch.setattr(c.promoter.copier, "from_pool", broken)
+    monkeypatch.setattr(c.tier_loads.copier, "from_pool", broken)
     with pytest.raises(RuntimeError, match="the copy failed"):
         c.evict()
     assert len(c.host.index) == 0 and c.host.rows.num_free == c.host.num_rows

@@ -1,4 +1,5 @@
-"""`Promoter`: brings a matched prefix's pages from host RAM and below into memory the pool reads.
+"""`TierLoads`: loads a matched prefix's pages from host RAM and the tiers below into memory the
+pool reads.
 
 The stages of a load, top-down (`loader.py` drives them):
 
@@ -7,20 +8,20 @@ The stages of a load, top-down (`loader.py` drives them):
   (`reuse.py`).
 - Pages all in host RAM go straight from their rows into device pages (`host_loads.py`); pages in
   a same-host store server's arena are DMA'd from there on CUDA (`arena_loads.py`).
-- `fetch` (here) brings the rest up: on a CPU pool, when none is in host RAM, into the device
-  pages the cache allocated for them (`fills_pool`: the tier's read lands in the page), else into
+- `load` (here) loads the rest: on a CPU pool, when none is in host RAM, into the device pages
+  the cache allocated for them (`fills_pool`: the tier's read is placed in the page), else into
   a leased page-first staging buffer, pinned on CUDA (a prefetch, whose pages are not allocated
   yet; host RAM pages, copied out before an allocation could evict them), then one copy or DMA
   into the pool (`staged_to_pool`). Host RAM pages are copied under the cache's lock (memory);
   lower-tier pages go straight from the tier into their destinations outside it
-  (`TierChain.fetch_into`: no blob in between, each page verified where it lands). A page that
+  (`TierChain.get_into`: no blob in between, each page verified where it is placed). A page that
   moved meanwhile is looked for again, a bounded number of times.
-- `prefetch`: a `fetch` in the background (bounded: `max_prefetches` in flight, the rest declined
-  and counted; `load` then fetches inline).
+- `prefetch`: a `load` in the background (bounded: `max_prefetches` in flight, the rest declined
+  and counted; `TieredCache.load` then loads inline).
 
 Nothing is put into host RAM on the way up. Who owns what: the cache allocates device pages and
-hands them to the tree (it owns the ledger); the promoter only fills pages it is given and
-staging buffers it leased.
+hands them to the tree (it owns the ledger); `TierLoads` only fills pages it is given and staging
+buffers it leased.
 """
 
 from __future__ import annotations
@@ -46,21 +47,21 @@ from tiered_cache.tiers.host import HostTier
 from tiered_cache.wire.codec import PageDest
 
 _NOWHERE = -2  # in a plan being built: no tier found the page (HOST is -1, lower tiers >= 0)
-_MAX_REPLANS = 3  # times one fetch looks again for pages that moved down while it ran
+_MAX_REPLANS = 3  # times one load looks again for pages that moved down while it ran
 
 
 @dataclass
-class Fetched:
-    """Pages brought up from below, the first `n` valid: in a leased staging `buffer`, or (None)
-    straight in the device pages the fetch was given."""
+class Loaded:
+    """Pages loaded from below, the first `n` valid: in a leased staging `buffer`, or (None)
+    straight in the device pages the load was given."""
 
     buffer: torch.Tensor | None
     n: int
     tiers: list[str]  # the tier that supplied each of the n pages
 
 
-class Promoter:
-    """The promotion path of one `TieredCache` (see the module doc)."""
+class TierLoads:
+    """The loads from below the device of one `TieredCache` (see the module doc)."""
 
     def __init__(self, spec: KVSpec, pool: PagePool, host: HostTier, chain: TierChain, copier: HostCopier,
                  lock: threading.RLock, in_flight: MutableMapping[bytes, torch.Tensor], config: CacheConfig,
@@ -71,7 +72,7 @@ class Promoter:
         self.chain = chain
         self.copier = copier
         self.staging = StagingBuffers(spec, pin=pool.kv.device.type == "cuda")
-        # On a CPU pool, pages from below land straight in their device pages: the pool is memory
+        # On a CPU pool, pages from below are placed straight in their device pages: the pool is memory
         # too, and staging would be a second pass over every byte. Its bytes as
         # (K/V, layer, page, bytes): one page's blocks, in page-first order, are `_pool_dest`.
         self.fills_pool = pool.kv.device.type == "cpu"
@@ -80,7 +81,7 @@ class Promoter:
             with torch.inference_mode(False):
                 self._pool_bytes = pool.kv.view(torch.uint8).reshape(2, spec.num_layers, pool.num_pages, -1).numpy()
         self.declined = 0  # prefetches not started because max_prefetches were in flight
-        self._observe = observe  # (tier, seconds, pages) of a whole fetch from one tier: the reuse policy's sample
+        self._observe = observe  # (tier, seconds, pages) of a whole load from one tier: the reuse policy's sample
         self._lock = lock  # the cache's: guards host RAM metadata and `in_flight`
         self._in_flight = in_flight  # pages on their way below, still served from memory
         self._workers = config.prefetch_workers
@@ -90,7 +91,7 @@ class Promoter:
     # --- where the pages are ------------------------------------------------------------------
     def plan(self, keys: Sequence[bytes], in_host: Sequence[bool], skip: frozenset[str] = frozenset()) -> list[int]:
         """Where each page of the leading run of `keys` found below the device lives: HOST, or
-        the index of the lower tier to fetch it from. Each lower tier is asked at most once.
+        the index of the lower tier to load it from. Each lower tier is asked at most once.
         Tiers named in `skip` (quarantined by the canary) count as not holding anything."""
         plan: list[int] = [HOST if held and self.host.name not in skip else _NOWHERE for held in in_host]
         ask = [i for i, p in enumerate(plan) if p == _NOWHERE]
@@ -106,12 +107,12 @@ class Promoter:
         """The name of the tier a plan entry stands for (HOST or a lower tier's index)."""
         return self.host.name if where == HOST else self.chain.tiers[where].name
 
-    def staged_to_pool(self, fetched: Fetched, pages: np.ndarray) -> None:
-        """Copy the first `len(pages)` fetched pages from their staging buffer into device `pages`."""
-        self.copier.to_pool(fetched.buffer, np.arange(len(pages), dtype=np.int64), pages)
+    def staged_to_pool(self, loaded: Loaded, pages: np.ndarray) -> None:
+        """Copy the first `len(pages)` loaded pages from their staging buffer into device `pages`."""
+        self.copier.to_pool(loaded.buffer, np.arange(len(pages), dtype=np.int64), pages)
 
     def prefetch(self, keys: list[bytes], plan: list[int], skip: frozenset[str] = frozenset()) -> Prefetch | None:
-        """Start fetching `keys` (located by `plan`) in the background; None when `max_prefetches`
+        """Start loading `keys` (located by `plan`) in the background; None when `max_prefetches`
         are already in flight (counted in `declined`)."""
         if not self._prefetch_permits.acquire(blocking=False):
             self.declined += 1
@@ -120,36 +121,36 @@ class Promoter:
             self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="tiered-cache-prefetch")
         cancel = threading.Event()
 
-        def job() -> Fetched:
+        def job() -> Loaded:
             try:
-                return self.fetch(keys, plan, cancel, skip=skip)
+                return self.load(keys, plan, cancel, skip=skip)
             finally:
                 self._prefetch_permits.release()
 
         return Prefetch(self._executor.submit(job), cancel)
 
-    def fetch(self, keys: list[bytes], plan: list[int], cancel: threading.Event | None = None,
-              pages: np.ndarray | None = None, skip: frozenset[str] = frozenset()) -> Fetched:
-        """Bring the leading pages of `keys` (located by `plan`) up, page-first: into device
+    def load(self, keys: list[bytes], plan: list[int], cancel: threading.Event | None = None,
+             pages: np.ndarray | None = None, skip: frozenset[str] = frozenset()) -> Loaded:
+        """Load the leading pages of `keys` (located by `plan`), page-first: into device
         `pages` (one per key; the caller owns them until it adopts them) when given, for a plan
         with no page in host RAM on a CPU pool (`fills_pool`), else into a leased staging buffer. Host RAM
         pages are copied under the lock (memory), lower-tier pages go straight into their
-        destinations outside it (one batched call per tier, each page verified where it lands).
+        destinations outside it (one batched call per tier, each page verified where it is placed).
         A page that left host RAM since `match` (demoted meanwhile) is looked for below again;
-        the fetch stops at the first page that no longer arrives intact. Tiers named in `skip`
+        the load stops at the first page that no longer arrives intact. Tiers named in `skip`
         (quarantined by the canary) are not looked in then either, as in `plan`."""
         started = time.perf_counter()
         buffer: torch.Tensor | None = None
         if pages is not None:
             assert self.fills_pool and len(pages) >= len(keys) and HOST not in plan, \
-                "fetch into device pages: a CPU pool, one page per key, none from host RAM"
+                "load into device pages: a CPU pool, one page per key, none from host RAM"
             dests: list[PageDest] = [self._pool_dest(int(page)) for page in pages[:len(keys)]]
         else:
             buffer = self.staging.lease(len(keys))
             raw = buffer.view(torch.uint8).reshape(buffer.shape[0], -1).numpy()
             dests = [raw[i] for i in range(len(keys))]
         plan = list(plan)
-        arrived = self._fetch_below(keys, plan, 0, dests)
+        arrived = self._load_below(keys, plan, 0, dests)
         tiers: list[str] = []
         pos, replans = 0, 0
         while pos < len(keys) and not (cancel is not None and cancel.is_set()):
@@ -162,13 +163,13 @@ class Promoter:
                     n = self._copy_from_host(keys[pos:end], buffer[pos:end])
                 tiers += ["host"] * n
                 pos += n
-                landed = pos == end
+                placed = pos == end
             else:
-                landed = arrived.get(pos, False)
-                if landed:
+                placed = arrived.get(pos, False)
+                if placed:
                     tiers.append(self.chain.tiers[plan[pos]].name)
                     pos += 1
-            if not landed:
+            if not placed:
                 # The page moved since `match` (background demotion goes on while we read), or
                 # its tier no longer holds it intact: look for the rest below again, a bounded
                 # number of times; then the prefix ends here.
@@ -179,20 +180,20 @@ class Promoter:
                 cut = next((i for i, w in enumerate(where) if w is None or self.chain.tiers[w].name in skip),
                            len(where))
                 keys, plan = keys[:pos + cut], plan[:pos] + [w for w in where[:cut] if w is not None]
-                arrived.update(self._fetch_below(keys, plan, pos, dests))
-        if tiers and len(set(tiers)) == 1:  # a rate per tier: mixed fetches tell none
+                arrived.update(self._load_below(keys, plan, pos, dests))
+        if tiers and len(set(tiers)) == 1:  # a rate per tier: mixed loads tell none
             self._observe(tiers[0], time.perf_counter() - started, len(tiers))
-        return Fetched(buffer, pos, tiers)
+        return Loaded(buffer, pos, tiers)
 
-    def fetch_into_pool(self, keys: list[bytes], plan: list[int], pages: np.ndarray, skip: frozenset[str]) -> Fetched:
-        """`fetch` straight into the device `pages` of a CPU pool (`fills_pool`)."""
-        return self.fetch(keys, plan, pages=pages, skip=skip)
+    def load_into_pool(self, keys: list[bytes], plan: list[int], pages: np.ndarray, skip: frozenset[str]) -> Loaded:
+        """`load` straight into the device `pages` of a CPU pool (`fills_pool`)."""
+        return self.load(keys, plan, pages=pages, skip=skip)
 
-    def give_back(self, fetched: Fetched) -> None:
-        """The staging buffer of a fetch whose pages are in place (or dropped); none for a fetch
+    def give_back(self, loaded: Loaded) -> None:
+        """The staging buffer of a load whose pages are in place (or dropped); none for a load
         into device pages."""
-        if fetched.buffer is not None:
-            self.staging.give_back(fetched.buffer)
+        if loaded.buffer is not None:
+            self.staging.give_back(loaded.buffer)
 
     def give_back_when_done(self, future: Future[Any]) -> None:
         """A prefetch nobody will load: its buffer returns once it ends."""
@@ -213,8 +214,8 @@ class Promoter:
         assert self._pool_bytes is not None
         return self._pool_bytes[:, :, page].transpose(1, 0, 2)
 
-    def _fetch_below(self, keys: list[bytes], plan: list[int], start: int, dests: list[PageDest]) -> dict[int, bool]:
-        """Bring the planned lower-tier pages at positions >= `start` into their destinations (one
+    def _load_below(self, keys: list[bytes], plan: list[int], start: int, dests: list[PageDest]) -> dict[int, bool]:
+        """Load the planned lower-tier pages at positions >= `start` into their destinations (one
         call per tier); whether each arrived, by position."""
         below = [i for i in range(start, len(keys)) if plan[i] != HOST]
         if not below:
