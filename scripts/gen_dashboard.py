@@ -22,11 +22,11 @@ PANELS = [  # title, unit, [(expr, legend)]
     ("Bytes per tier vs capacity", "bytes",
      [(f"sum by (tier) ({P}tier_used_bytes)", "{{tier}} used"),
       (f"sum by (tier) ({P}tier_capacity_bytes)", "{{tier}} capacity")]),
-    ("Fetch throughput from tiers below host RAM", "Bps",
-     [(f"sum by (tier) (rate({P}fetch_bytes_sum[1m]))", "{{tier}} fetched"),
+    ("Get throughput from tiers below host RAM", "Bps",
+     [(f"sum by (tier) (rate({P}tier_get_bytes_sum[1m]))", "{{tier}} gets"),
       (f"sum by (tier) (rate({P}tier_read_bytes_total[1m]))", "{{tier}} read out")]),
-    ("p99 fetch latency", "s",
-     [(f"histogram_quantile(0.99, sum by (le, tier) (rate({P}fetch_seconds_bucket[5m])))", "{{tier}} p99"),
+    ("p99 get latency", "s",
+     [(f"histogram_quantile(0.99, sum by (le, tier) (rate({P}tier_get_seconds_bucket[5m])))", "{{tier}} p99"),
       (f"histogram_quantile(0.99, sum by (le) (rate({P}prefetch_wait_seconds_bucket[5m])))", "prefetch wait p99")]),
     ("Background queues (write-behind demoter, lower-tier writer)", "short",
      [(f"sum by (queue) ({P}queue_depth)", "{{queue}} depth"),
@@ -43,7 +43,7 @@ PANELS = [  # title, unit, [(expr, legend)]
     ("Pages moved", "short",
      [(f"sum by (tier) (rate({P}tier_puts_total[5m]))", "{{tier}} puts/s"),
       (f"sum by (tier) (rate({P}tier_evictions_total[5m]))", "{{tier}} evictions/s"),
-      (f"sum by (tier) (rate({P}tier_promotions_total[5m]))", "{{tier}} promotions/s")]),
+      (f"sum by (tier) (rate({P}tier_loads_total[5m]))", "{{tier}} loads/s")]),
 ]
 
 

@@ -32,13 +32,13 @@ def main() -> None:
         torch.save(kv, workdir / "kv_a.pt")
         print(json.dumps({"stored": stored}))
         return
-    before = cache.stats().tier("remote").promotions
+    before = cache.stats().tier("remote").loads
     n = cache.lookup(TOKENS)
     got_n, kv = cache.get(TOKENS)
     reference = torch.load(workdir / "kv_a.pt")
     st = cache.stats()
     print(json.dumps({"lookup": n, "got": got_n, "identical": bool(torch.equal(kv, reference[:, :, :got_n])),
-                      "remote_promotions": st.tier("remote").promotions - before,
+                      "remote_loads": st.tier("remote").loads - before,
                       "remote_hits": st.tier("remote").hits, "device_hits": st.tier("device").hits,
                       "remote_bytes_out": st.tier("remote").bytes_out, "device_pages": st.tier("device").pages,
                       "metrics_url": cache.metrics.url if cache.metrics else None}), flush=True)

@@ -71,7 +71,7 @@ class CacheWorker:
                                          name="tiered-cache-ring-watch")
         self._watcher.start()
         self.metrics = RayMetrics(name, self._metric_families).start()
-        self.cache.chain.observe_fetches(self.metrics.fetched)
+        self.cache.chain.observe_gets(self.metrics.observe_get)
 
     def _new_cache(self) -> tuple[RemoteTier, TieredCache]:
         """An empty cache: the device pool, host RAM, and the shards as its remote tier."""
@@ -94,7 +94,7 @@ class CacheWorker:
             if namespace is not None:
                 self._namespace = namespace
             self.remote, self.cache = self._new_cache()
-            self.cache.chain.observe_fetches(self.metrics.fetched)
+            self.cache.chain.observe_gets(self.metrics.observe_get)
             with self._summary_lock:
                 self._recent.clear()
             self.ring_version = -1

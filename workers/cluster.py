@@ -288,7 +288,7 @@ def restarts(name: str) -> int | None:
         return None
 
 
-_SUMMED = ("capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "promotions", "demotions",
+_SUMMED = ("capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "loads", "demotions",
            "bytes_in", "bytes_out", "errors", "corrupt", "breaker_trips", "open_breakers")
 
 

@@ -6,8 +6,8 @@ The families are the ones `/metrics` serves (tiered_cache/metrics/families.py), 
 refuses an increase of 0, so a counter appears once it has grown). Every sample gets an `actor`
 tag. Ray's export prefixes each name with `ray_` (a counter also gets
 `_total`): `tiered_cache_tier_hits` becomes `ray_tiered_cache_tier_hits_total`, which is what the
-Grafana dashboard queries with its prefix set to `ray_`. Fetch histograms are observed as they
-happen (`fetched`), in the same buckets as live.py.
+Grafana dashboard queries with its prefix set to `ray_`. The tier get histograms are observed as
+they happen (`observe_get`), under live.py's names and in its buckets.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ class RayMetrics:
         self._metrics: dict[str, Any] = {}
         self._last: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         tags = ("tier", "actor")
-        self._fetch_seconds = ray_metrics.Histogram(PREFIX + "fetch_seconds", "Seconds of one batched fetch from a "
-                                                    "tier", boundaries=list(SECONDS_BUCKETS), tag_keys=tags)
-        self._fetch_bytes = ray_metrics.Histogram(PREFIX + "fetch_bytes", "Bytes of one batched fetch from a tier",
-                                                  boundaries=list(BYTES_BUCKETS), tag_keys=tags)
+        self._get_seconds = ray_metrics.Histogram(PREFIX + "tier_get_seconds", "Seconds of one batched get from a "
+                                                  "tier", boundaries=list(SECONDS_BUCKETS), tag_keys=tags)
+        self._get_bytes = ray_metrics.Histogram(PREFIX + "tier_get_bytes", "Bytes of one batched get from a tier",
+                                                boundaries=list(BYTES_BUCKETS), tag_keys=tags)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tiered-cache-ray-metrics", daemon=True)
 
@@ -45,10 +45,10 @@ class RayMetrics:
     def stop(self) -> None:
         self._stop.set()
 
-    def fetched(self, tier: str, seconds: float, nbytes: int) -> None:
+    def observe_get(self, tier: str, seconds: float, nbytes: int) -> None:
         tags = {"tier": tier, "actor": self.actor}
-        self._fetch_seconds.observe(seconds, tags=tags)
-        self._fetch_bytes.observe(float(nbytes), tags=tags)
+        self._get_seconds.observe(seconds, tags=tags)
+        self._get_bytes.observe(float(nbytes), tags=tags)
 
     def publish(self) -> int:
         """Mirror every family once; returns the samples published."""

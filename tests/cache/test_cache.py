@@ -50,7 +50,7 @@ def test_namespaces_are_separate():
     assert c.lookup(tokens, namespace="tenant-a") == 8
 
 
-def test_device_eviction_demotes_to_host_and_a_hit_promotes_back():
+def test_device_eviction_demotes_to_host_and_a_hit_loads_back():
     c = cache(pool_pages=4, host_pages=16, high_watermark=1.0)  # inline eviction only: exact counts
     seqs = [list(range(i * 100, i * 100 + 8)) for i in range(4)]
     kvs = [kv_for(8, seed=i) for i in range(4)]
@@ -61,7 +61,7 @@ def test_device_eviction_demotes_to_host_and_a_hit_promotes_back():
     assert c.lookup(seqs[0]) == 8  # in host RAM only
     n, got = c.get(seqs[0])
     assert n == 8 and torch.equal(got, kvs[0])
-    assert c.stats().tier("host").promotions == 2
+    assert c.stats().tier("host").loads == 2
     c.check_integrity()
 
 

@@ -1,6 +1,6 @@
 """The whole engine path with the page pool on a CUDA device (marked `gpu`: skipped without CUDA):
 put KV that lives on the GPU, demote it (inline and by the background demoter) to pinned host
-RAM and on to disk, and bring it back with get, the paged API and prefetch. Every read is
+RAM and on to disk, and load it back with get, the paged API and prefetch. Every read is
 compared bit for bit with what was put; the same workload runs on a CPU pool in
 test_cache.py and test_cache_machine.py."""
 
@@ -36,7 +36,7 @@ def _kv(spec, n, seed):
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.model_id)
 def test_random_workload_reads_back_exactly_what_was_put(spec, tmp_path):
     """Prompts sharing prefixes, a pool of 12 pages and host RAM of 16, disk below: most gets
-    promote pages from host RAM or disk. Each hit must equal the KV that was put."""
+    load pages from host RAM or disk. Each hit must equal the KV that was put."""
     rng = random.Random(spec.page_size)
     c = _cache(spec, pool_pages=12, host_pages=16, tmp_path=tmp_path, high_watermark=0.7, low_watermark=0.4)
     ps = spec.page_size
@@ -57,7 +57,7 @@ def test_random_workload_reads_back_exactly_what_was_put(spec, tmp_path):
                 assert torch.equal(got, want[:, :, :got_n]), f"prompt {i}: wrong KV for a {got_n}-token hit"
         c.flush(timeout=60)
         st = c.stats()
-        assert st.tier("device").evictions > 0 and st.tier("host").promotions > 0
+        assert st.tier("device").evictions > 0 and st.tier("host").loads > 0
         c.check_integrity()
     finally:
         c.close()
@@ -109,7 +109,7 @@ def test_paged_api_prefetch_load_write_commit_on_the_device(tmp_path):
 
 def test_write_through_and_background_demotion_copy_finished_kv(tmp_path):
     """Puts back to back (no synchronize) while the demoter and the write-through copy run on
-    their own threads: what lands in host RAM and on disk is the KV that was put."""
+    their own threads: what is written into host RAM and on disk is the KV that was put."""
     spec = SPECS[0]
     c = _cache(spec, pool_pages=16, host_pages=64, tmp_path=tmp_path, write_policy=WritePolicy.WRITE_THROUGH,
                high_watermark=0.5, low_watermark=0.25)
@@ -230,7 +230,7 @@ def test_a_host_hit_whose_slots_are_reused_at_once_still_loads_the_old_kv():
         torch.cuda._sleep(BUSY)  # the stream is busy: the load's copies wait behind it
         pages = c.load(handle)
         assert not c.host_loads.last.finished()  # load returned with its copies still queued
-        with c._lock:  # what a demotion or a promotion into host RAM does, on the slots just read
+        with c._lock:  # what a demotion into host RAM does, on the slots just read
             c.host.put(keys, other)
         assert c.host.contains_prefix(handle.keys) == 0  # every slot of the prefix was reused
         assert torch.equal(c.pool.read_tokens(pages, len(prompt)), kv)
@@ -240,7 +240,7 @@ def test_a_host_hit_whose_slots_are_reused_at_once_still_loads_the_old_kv():
 
 def test_a_demotion_into_slots_still_being_read_does_not_overwrite_them():
     """A load from host RAM returns with its copies queued behind a busy stream; demoting other
-    pages at once into the very slots it reads (host RAM holds only the prefix) must land after
+    pages at once into the very slots it reads (host RAM holds only the prefix) must be written only after
     the load read them."""
     n = 64
     with _in_host_ram(n, pool_pages=3 * n + 8, host_pages=n, seed=13) as (c, prompt, kv):

@@ -61,7 +61,7 @@ def page_of(dest: np.ndarray) -> np.ndarray:
 
 
 def assert_pages(dests: list[np.ndarray], arrived: list, want: list[bool]) -> None:
-    """`arrived` (what `get_into` or `fetch_into` returned) says `want`, and those pages are exact."""
+    """`arrived` (what a tier's or the chain's `get_into` returned) says `want`, and those pages are exact."""
     if arrived and not isinstance(arrived[0], bool):  # a tier's get_into: each arrived blob's size, or 0
         assert all((n > 0) == ok for n, ok in zip(arrived, want, strict=True)), arrived
         arrived = [n > 0 for n in arrived]
@@ -245,12 +245,12 @@ def test_a_tier_without_get_into_is_decoded_by_the_chain_and_a_foreign_blob_refu
     ram.put([good[0], (keys[1], encode_page(pages_for(2)[1], OTHER, keys[1])), good[2]])
     chain = TierChain([ram])
     dests, _ = destinations("pool", 3)
-    assert_pages(dests, chain.fetch_into(keys, [0, 0, 0], dests, SPEC), [True, False, True])
+    assert_pages(dests, chain.get_into(keys, [0, 0, 0], dests, SPEC), [True, False, True])
     assert chain.stats()[0].corrupt == 1 and ram.contains(keys) == [True, False, True]
-    assert chain.stats()[0].promotions == 2
+    assert chain.stats()[0].loads == 2
 
 
-def test_chain_fetch_into_asks_each_tier_for_its_own_keys(tmp_path):
+def test_chain_get_into_asks_each_tier_for_its_own_keys(tmp_path):
     good = items(4)
     keys = [k for k, _ in good]
     ram, disk = MemoryTier(1 << 20), DiskTier(tmp_path, "1MiB")
@@ -258,7 +258,7 @@ def test_chain_fetch_into_asks_each_tier_for_its_own_keys(tmp_path):
     disk.put(good[2:])
     chain = TierChain([ram, disk])
     dests, whole = destinations("staging", 4)
-    assert_pages(dests, chain.fetch_into(keys, [0, 0, 1, 1], dests, SPEC), [True] * 4)
+    assert_pages(dests, chain.get_into(keys, [0, 0, 1, 1], dests, SPEC), [True] * 4)
     assert torch.equal(torch.from_numpy(whole).view(SPEC.dtype.torch).reshape(SPEC.staging_shape(4)), pages_for(4))
     disk.close()
 

@@ -47,7 +47,7 @@ def test_an_estimator_separates_a_per_call_latency_from_the_rate():
 
 def test_samples_of_one_size_give_no_latency_and_empty_samples_are_ignored():
     fit = RateEstimator()
-    fit.add(0, 0.5)  # a fetch that found nothing says nothing about the rate
+    fit.add(0, 0.5)  # a load that found nothing says nothing about the rate
     fit.add(4 * MB, 0.0)
     assert fit.estimate() is None and fit.samples == 0
     for seconds in (0.1, 0.3):
@@ -125,9 +125,9 @@ def test_a_tiers_latency_is_paid_once_per_load():
 
 
 def test_a_rate_from_one_size_of_load_says_where_it_is_a_guess_and_stays_pessimistic():
-    # One cold first fetch of one page: 50 ms, most of it a round trip. With no latency to fit,
+    # One cold first load of one page: 50 ms, most of it a round trip. With no latency to fit,
     # 1.3 MB/s is a guess for ten pages; the cut still prices them so (a request never waits for
-    # a load on a guess) and says it extrapolated, so `TierLoads` measures that size aside.
+    # a load on a guess) and says it extrapolated, so the policy measures that size aside.
     link = Rate(2 * MB, latency_s=0.050 - PAGE_BYTES / (2 * MB))  # 17 ms a call + 33 ms a page
     fit = RateEstimator()
     fit.add(PAGE_BYTES, link.seconds(PAGE_BYTES))
@@ -283,7 +283,7 @@ def _timed_load(cache: TieredCache) -> tuple[object, float]:
     return handle, time.perf_counter() - started
 
 
-def test_the_rates_are_learned_from_real_fetches(slow_store):
+def test_the_rates_are_learned_from_real_loads(slow_store):
     _, proxy = slow_store
     with _cache_with_host_head(proxy, "faster") as cache:
         assert cache.stats().reuse.load_rates == {}
@@ -310,7 +310,7 @@ def test_pages_behind_a_slow_link_are_recomputed_and_host_ram_pages_loaded(slow_
         assert _store_bytes_out(store) == served  # the store sent nothing for the skipped pages
         stats = cache.stats()
         assert stats.reuse.skipped_pages == {"remote": 4} and stats.to_dict()["reuse"]["skipped_pages"] == {"remote": 4}
-        assert stats.tier("remote").promotions == 4  # the warm-up's pages only
+        assert stats.tier("remote").loads == 4  # the warm-up's pages only
         scraped = generate_latest(registry_of(lambda: cache_families(stats))).decode()
         assert 'tiered_cache_reuse_skipped_pages_total{tier="remote"} 4.0' in scraped
         assert 'tiered_cache_reuse_prefill_rate_tokens_per_second 1000.0' in scraped
@@ -353,16 +353,16 @@ def _load_one_page_of_warm(cache: TieredCache) -> None:
         cache.release(handle)
 
 
-def _wait_for_promotions(cache: TieredCache, count: int) -> None:
+def _wait_for_loads(cache: TieredCache, count: int) -> None:
     deadline = time.monotonic() + 60
-    while cache.stats().tier("remote").promotions < count and time.monotonic() < deadline:
+    while cache.stats().tier("remote").loads < count and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert cache.stats().tier("remote").promotions == count
+    assert cache.stats().tier("remote").loads == count
 
 
 def test_a_slow_tier_seen_on_one_page_is_skipped_and_measured_at_the_larger_size_at_once(slow_store, monkeypatch):
     # Seen on one page through the link, the four store pages after host RAM are priced per byte
-    # of that fetch: skipped (the request does not wait on a guess), and fetched aside at once,
+    # of that load: skipped (the request does not wait on a guess), and got aside at once,
     # not REUSE_REMEASURE_S later, by one probe however many requests skip them meanwhile. Two
     # sizes seen, the link's rate is fitted: still too slow.
     import tiered_cache.cache.reuse as reuse_module
@@ -376,12 +376,12 @@ def test_a_slow_tier_seen_on_one_page_is_skipped_and_measured_at_the_larger_size
             handle = cache.match(PROMPT)
             assert handle.plan == [HOST] * 4
             cache.release(handle)
-        _wait_for_promotions(cache, 1 + 4)  # the probe: the four skipped pages
+        _wait_for_loads(cache, 1 + 4)  # the probe: the four skipped pages
         deadline = time.monotonic() + 60
         probing = lambda: any(t.name.startswith("tiered-cache-probe-") for t in threading.enumerate())  # noqa: E731
         while probing() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert cache.stats().tier("remote").promotions == 1 + 4  # one probe, not three
+        assert cache.stats().tier("remote").loads == 1 + 4  # one probe, not three
         fitted = cache.stats().reuse.load_rates["remote"]
         assert not fitted.extrapolates(100 * SPEC.bytes_per_page) and fitted.per_s < 2 * LINK
         handle = cache.match(PROMPT)
@@ -390,8 +390,8 @@ def test_a_slow_tier_seen_on_one_page_is_skipped_and_measured_at_the_larger_size
         assert cache.stats().reuse.skipped_pages == {"remote": 16}
 
 
-def test_a_fast_tier_whose_first_fetch_was_slow_is_used_again_after_one_probe(slow_store):
-    # The store straight, no proxy: fast. Its first fetch was slowed by connecting, a fault that
+def test_a_fast_tier_whose_first_load_was_slow_is_used_again_after_one_probe(slow_store):
+    # The store straight, no proxy: fast. Its first load was slowed by connecting, a fault that
     # cannot be caused on demand, so that one sample is fed in (65 ms for one page). The next
     # prompt skips the store's pages on that guess, a probe measures four pages at once, and the
     # prompt after loads them all.
@@ -402,7 +402,7 @@ def test_a_fast_tier_whose_first_fetch_was_slow_is_used_again_after_one_probe(sl
         handle = cache.match(PROMPT)
         assert handle.plan == [HOST] * 4
         cache.release(handle)
-        _wait_for_promotions(cache, 4)
+        _wait_for_loads(cache, 4)
         handle = cache.match(PROMPT)
         try:
             assert handle.plan == [HOST] * 4 + [0] * 4
@@ -417,15 +417,15 @@ def test_a_tier_skipped_as_slow_is_measured_again_in_the_background(slow_store, 
     _, proxy = slow_store
     with _cache_with_host_head(proxy, "faster") as cache:
         _warm_up(cache)
-        before = cache.stats().tier("remote").promotions
+        before = cache.stats().tier("remote").loads
         monkeypatch.setattr(reuse_module, "REUSE_REMEASURE_S", 0.0)  # the estimate counts as old
         handle = cache.match(PROMPT)
         assert handle.available_pages == 4  # the request still skips the slow pages...
         cache.release(handle)
         deadline = time.monotonic() + 60
-        while cache.stats().tier("remote").promotions < before + 4 and time.monotonic() < deadline:
+        while cache.stats().tier("remote").loads < before + 4 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert cache.stats().tier("remote").promotions == before + 4  # ...and a probe fetched them aside
+        assert cache.stats().tier("remote").loads == before + 4  # ...and a probe got them aside
         assert len(cache.host.index) == 4 and cache.pool.usage().used_pages == 4  # and put them nowhere
 
 

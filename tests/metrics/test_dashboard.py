@@ -15,7 +15,7 @@ from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.metrics import registry_of
 from tiered_cache.metrics.families import cache_families, server_families, tier_families
-from tiered_cache.metrics.live import FetchMetrics
+from tiered_cache.metrics.live import LiveMetrics
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.server.requests import ServerCounters
 
@@ -31,9 +31,9 @@ def exported_sample_names() -> set[str]:
         stats = cache.stats()
     registry = registry_of(lambda: [*tier_families(stats.tiers), *cache_families(stats),
                                     *server_families(ServerCounters(), 0)])
-    fetch = FetchMetrics(registry)
-    fetch.fetched("disk", 0.01, 4096)
-    fetch.prefetch_wait.observe(0.001)
+    live = LiveMetrics(registry)
+    live.observe_get("disk", 0.01, 4096)
+    live.prefetch_wait.observe(0.001)
     text = generate_latest(registry).decode()
     return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
@@ -46,7 +46,7 @@ def test_every_metric_the_dashboard_queries_is_exported():
     assert len(queried) >= 15 and all("${prefix}tiered_cache_" in e for e in exprs)
     assert queried <= exported, f"queried but not exported: {sorted(queried - exported)}"
     titles = " ".join(p["title"].lower() for p in board["panels"])
-    for topic in ("hit rate", "bytes per tier", "fetch", "p99", "queue", "errors"):
+    for topic in ("hit rate", "bytes per tier", "get throughput", "p99", "queue", "errors"):
         assert topic in titles
 
 

@@ -74,7 +74,7 @@ def test_with_a_token_a_scrape_without_it_is_refused():
         assert value(scrape(store.metrics_url, token="metrics-secret"), "tier_pages", tier="ram") == 0
 
 
-def test_an_engine_cache_in_another_process_is_scraped_with_its_fetch_histograms(tmp_path):
+def test_an_engine_cache_in_another_process_is_scraped_with_its_get_histograms(tmp_path):
     with StoreProcess(["--no-disk", "--metrics-port", "0"]) as store:
         put = subprocess.run([sys.executable, str(WORKER), "put", store.address, str(tmp_path)],
                              capture_output=True, text=True, timeout=120, check=True)
@@ -94,8 +94,8 @@ def test_an_engine_cache_in_another_process_is_scraped_with_its_fetch_histograms
     assert value(samples, "tier_hits_total", tier="remote") == seen["remote_hits"]
     assert value(samples, "tier_pages", tier="device") == seen["device_pages"] > 0
     assert value(samples, "pool_pages", state="used") >= seen["device_pages"]
-    assert value(samples, "fetch_seconds_count", tier="remote") >= 1
-    assert value(samples, "fetch_bytes_sum", tier="remote") == seen["remote_bytes_out"] > 0
+    assert value(samples, "tier_get_seconds_count", tier="remote") >= 1
+    assert value(samples, "tier_get_bytes_sum", tier="remote") == seen["remote_bytes_out"] > 0
     assert value(samples, "queue_depth", queue="demoter") >= 0 and value(samples, "tree_nodes") >= 1
     assert 0 <= value(samples, "pool_fragmentation_ratio") < 1
     # `tiered-cache tree --url`: the one sequence B loaded, as one node, its pages also in the store.

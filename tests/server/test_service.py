@@ -183,7 +183,7 @@ def _blob_size() -> int:
     return entry_cost(make_items(1)[0][1])
 
 
-def test_blob_store_demotes_promotes_and_counts(tmp_path):
+def test_blob_store_demotes_loads_and_counts(tmp_path):
     size = _blob_size()
     store = BlobStore(MemoryTier(3 * size), [DiskTier(tmp_path, 100 * size, fsync=False)])
     items = make_items(5, start=300)
@@ -192,12 +192,12 @@ def test_blob_store_demotes_promotes_and_counts(tmp_path):
     assert store.put(items) == (2, 3)  # the 3 in RAM are held; the 2 on disk come back into RAM (their
     # disk copies dropped: the newest Put of a page is the one kept, written down again from RAM)
     assert store.locate(keys) == ["ram", "ram", "disk", "disk", "ram"]
-    assert store.get(keys[2:4]) == [b for _, b in items[2:4]]  # found on disk, promoted into RAM
+    assert store.get(keys[2:4]) == [b for _, b in items[2:4]]  # found on disk, loaded into RAM
     assert store.locate(keys) == ["disk", "ram", "ram", "ram", "disk"]
     assert store.locate([bytes(32)]) == [None] and store.get([bytes(32)]) == [None]
     ram, disk = store.stats()
     assert (ram.name, disk.name) == ("ram", "disk") and store.tiers == [store.ram, *store.lower]
-    assert ram.promotions == 0 and disk.promotions == 2
+    assert ram.loads == 0 and disk.loads == 2
     assert disk.demotions == 6 and disk.pages == 4 and ram.evictions == 6  # k1 is in RAM only
     assert store.get(keys) == [b for _, b in items]
 

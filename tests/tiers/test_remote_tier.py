@@ -120,7 +120,7 @@ def test_two_instances_reuse_a_prefix_through_the_store(tmp_path):
         result = json.loads(b.stdout.splitlines()[-1])
         assert result["lookup"] == result["got"] == 992
         assert result["identical"] is True
-        assert result["remote_promotions"] == 62 and result["remote_hits"] == 62 and result["device_hits"] == 0
+        assert result["remote_loads"] == 62 and result["remote_hits"] == 62 and result["device_hits"] == 0
         stats = StoreClient(store.address).stats()
         assert stats.tiers[0].pages == 62 and stats.tiers[0].hits >= 62
 

@@ -74,12 +74,12 @@ def test_eviction_from_ram_demotes_into_disk_and_residency_follows(tmp_path):
     ram_st, disk_st = chain.stats()
     assert (ram_st.evictions, disk_st.demotions, disk_st.pages) == (2, 2, 2)
 
-    assert chain.fetch(keys) == [b for _, b in items]  # byte-identical from either tier
-    assert chain.fetch(keys[:1], promote=True) == [items[0][1]]  # disk -> RAM, evicting keys[2]
+    assert chain.get(keys) == [b for _, b in items]  # byte-identical from either tier
+    assert chain.get(keys[:1], load=True) == [items[0][1]]  # disk -> RAM, evicting keys[2]
     assert chain.locate(keys) == [0, 1, 1, 0, 0]
     assert chain.known_in(keys[0], 1)  # still on disk too
     ram_st, disk_st = chain.stats()
-    assert disk_st.promotions == 3 and disk_st.demotions == 3  # 2 + 1 fetched; keys[2] demoted
+    assert disk_st.loads == 3 and disk_st.demotions == 3  # 2 + 1 got; keys[2] demoted
 
 
 def test_a_blob_too_big_for_ram_goes_straight_to_disk(tmp_path):
@@ -88,7 +88,7 @@ def test_a_blob_too_big_for_ram_goes_straight_to_disk(tmp_path):
     (key, blob), = make_blobs(1)
     assert chain.put([(key, blob)], 0) == 0
     assert not chain.known_in(key, 0) and chain.known_in(key, 1)
-    assert chain.locate([key]) == [1] and chain.fetch([key]) == [blob]
+    assert chain.locate([key]) == [1] and chain.get([key]) == [blob]
 
 
 def test_a_batch_larger_than_ram_leaves_residency_right(tmp_path):
@@ -98,7 +98,7 @@ def test_a_batch_larger_than_ram_leaves_residency_right(tmp_path):
     keys = [k for k, _ in items]
     chain.put(items, 0)  # the first two are evicted by the same call that stored them
     assert [chain.known_in(k, 0) for k in keys] == ram.contains(keys) == [False, False, True, True]
-    assert chain.fetch(keys) == [b for _, b in items]
+    assert chain.get(keys) == [b for _, b in items]
 
 
 def test_put_skips_keys_known_held(tmp_path):
@@ -145,19 +145,19 @@ def test_a_blob_deleted_behind_the_chains_back_is_a_miss_and_forgotten(tmp_path)
     disk.delete(keys[:1])  # e.g. another process, or Redis evicting by itself
     assert chain.locate(keys) == [1, 1, 1]  # stale knowledge, answered without asking disk
     assert disk.contains_calls == []
-    assert chain.fetch(keys) == [None, items[1][1], items[2][1]]  # a miss, never wrong bytes
+    assert chain.get(keys) == [None, items[1][1], items[2][1]]  # a miss, never wrong bytes
     assert not chain.known_in(keys[0], 1)
     assert chain.locate(keys) == [None, 1, 1]
     assert disk.contains_calls == [[keys[0]]]  # forgotten: disk is asked again, about it alone
 
     chain.put(items[:1], 0)
     ram.delete(keys[:1])
-    assert chain.fetch(keys[:1], promote=True) == [None] and not chain.known_in(keys[0], 0)
+    assert chain.get(keys[:1], load=True) == [None] and not chain.known_in(keys[0], 0)
     assert chain.put(items[:1], 0) == 1  # forgotten, so it is put again
 
 
-def test_concurrent_fetches_and_puts_return_only_what_was_put(tmp_path):
-    """8 threads put and fetch (with promotion) through a RAM tier small enough to evict all the
+def test_concurrent_gets_and_puts_return_only_what_was_put(tmp_path):
+    """8 threads put and get (loading into the first tier) through a RAM tier small enough to evict all the
     time; every blob that comes back is the one put for its key, and nothing is lost."""
     ram, disk = MemoryTier(8 * BLOB), DiskTier(tmp_path, 1000 * BLOB, fsync=False)
     chain = TierChain([ram, disk])
@@ -178,7 +178,7 @@ def test_concurrent_fetches_and_puts_return_only_what_was_put(tmp_path):
                     ever_put.update(keys)
                 else:
                     where = chain.locate(keys, leading=rng.random() < 0.3)
-                    for key, blob in zip(keys, chain.fetch(keys, where, promote=rng.random() < 0.7), strict=True):
+                    for key, blob in zip(keys, chain.get(keys, where, load=rng.random() < 0.7), strict=True):
                         if blob is not None and blob != expected[key]:
                             wrong.append(key.hex())
         except BaseException as exc:  # reported below
@@ -193,9 +193,9 @@ def test_concurrent_fetches_and_puts_return_only_what_was_put(tmp_path):
     assert not errors, errors
     assert not wrong
     ram_st, disk_st = chain.stats()
-    assert ram_st.evictions > 0 and disk_st.demotions > 0 and disk_st.promotions > 0
+    assert ram_st.evictions > 0 and disk_st.demotions > 0 and disk_st.loads > 0
     put_once = [(k, b) for k, b in items if k in ever_put]
-    assert chain.fetch([k for k, _ in put_once]) == [b for _, b in put_once]  # nothing put was lost
+    assert chain.get([k for k, _ in put_once]) == [b for _, b in put_once]  # nothing put was lost
     # Every key the chain knows in a tier is really there.
     for index, tier in enumerate(chain.tiers):
         known = [k for k, _ in items if chain.known_in(k, index)]
@@ -209,7 +209,7 @@ def test_a_held_disk_get_does_not_block_ram(tmp_path):
     chain.put(on_disk, 1)
     chain.put(in_ram, 0)
     slow: list = []
-    getter = threading.Thread(target=lambda: slow.append(chain.fetch([k for k, _ in on_disk], promote=True)))
+    getter = threading.Thread(target=lambda: slow.append(chain.get([k for k, _ in on_disk], load=True)))
     getter.start()
     try:
         assert disk.entered.wait(30)
@@ -219,7 +219,7 @@ def test_a_held_disk_get_does_not_block_ram(tmp_path):
             keys = [k for k, _ in in_ram]
             done.append(chain.locate(keys))
             done.append(chain.locate(keys, leading=True))
-            done.append(chain.fetch(keys))
+            done.append(chain.get(keys))
             done.append(chain.put(new, 0))
             done.append(chain.contains([k for k, _ in new], 0))
 
@@ -233,14 +233,14 @@ def test_a_held_disk_get_does_not_block_ram(tmp_path):
         disk.release.set()
         getter.join(30)
     assert slow == [[b for _, b in on_disk]]
-    assert chain.locate([k for k, _ in on_disk]) == [0, 0, 0]  # promoted
+    assert chain.locate([k for k, _ in on_disk]) == [0, 0, 0]  # loaded into RAM
 
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
 
 
-def test_fetch_observers_get_blob_bytes_or_pages_as_they_asked(tmp_path):
+def test_get_observers_see_blob_bytes_or_pages_as_they_asked(tmp_path):
     # Compressed blobs are smaller than the pages they hold; the reuse policy prices pages, so it
     # asks for a count of pages; the metrics ask for the bytes that came.
     keys = PageKeyer(SPEC, "observed").keys(list(range(3 * SPEC.page_size)))
@@ -249,9 +249,9 @@ def test_fetch_observers_get_blob_bytes_or_pages_as_they_asked(tmp_path):
     assert all(len(blob) < SPEC.bytes_per_page for _, blob in items)
     chain = TierChain([DiskTier(tmp_path, 1 << 20, fsync=False)])
     seen_bytes, seen_pages = [], []
-    chain.observe_fetches(lambda tier, seconds, n: seen_bytes.append((tier, n)))
-    chain.observe_fetches(lambda tier, seconds, n: seen_pages.append((tier, n)), pages=True)
+    chain.observe_gets(lambda tier, seconds, n: seen_bytes.append((tier, n)))
+    chain.observe_gets(lambda tier, seconds, n: seen_pages.append((tier, n)), pages=True)
     chain.put(items, 0)
-    blobs = chain.fetch(keys + [b"\0" * 32])  # three pages and one the tier does not hold
+    blobs = chain.get(keys + [b"\0" * 32])  # three pages and one the tier does not hold
     assert [b is not None for b in blobs] == [True, True, True, False]
     assert seen_bytes == [("disk", sum(len(b) for _, b in items))] and seen_pages == [("disk", 3)]

@@ -230,14 +230,14 @@ def test_workers_and_shards_export_the_cache_metrics_through_ray(actors):
                     if s.name.startswith("ray_tiered_cache_") and "actor" in s.labels:
                         found[(s.name, s.labels["actor"], s.labels.get("tier", ""))] = s.value
         have = {(a, t) for (name, a, t) in found if name == "ray_tiered_cache_tier_hits_total"}
-        if wanted <= have and any(k[0] == "ray_tiered_cache_fetch_seconds_count" for k in found):
+        if wanted <= have and any(k[0] == "ray_tiered_cache_tier_get_seconds_count" for k in found):
             break
         time.sleep(2)
     assert wanted <= have, sorted(found)[:20]
     assert found[("ray_tiered_cache_tier_hits_total", "worker-0", "device")] > 0
     assert any(n == "ray_tiered_cache_tier_capacity_bytes" and a.startswith("shard-") and t == "ram"
                for n, a, t in found)
-    assert any(n == "ray_tiered_cache_fetch_seconds_count" and t == "remote" for n, _, t in found)
+    assert any(n == "ray_tiered_cache_tier_get_seconds_count" and t == "remote" for n, _, t in found)
     assert any(n == "ray_tiered_cache_server_requests_total" for n, _, _ in found)
 
 

@@ -249,7 +249,7 @@ class Loader:
         for name in tiers:
             handle.sources[name] += 1
         handle.loaded_from += tiers[:n]
-        self.moves.promotions["host"] += tiers.count("host")
+        self.moves.loads["host"] += tiers.count("host")
         if n:
             self.ledger.device.bytes_in += n * self.spec.bytes_per_page
             node, all_pages, _ = self.ledger.adopt(handle.namespace, handle.keys[:start + n], handle.device_pages,

@@ -1,4 +1,4 @@
-"""A cache's own Prometheus endpoint (`CacheConfig.metrics_port`): its figures, live fetch
+"""A cache's own Prometheus endpoint (`CacheConfig.metrics_port`): its figures, live
 histograms, and `/tree` for `tiered-cache tree --url`."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from typing import Any
 
 def serve_metrics(cache: Any) -> Any:
     """Start the endpoint over `cache.stats()` and `cache.prefix_tree()` on the config's metrics
-    port; returns the `MetricsServer`. The live fetch histograms the chain's fetches feed go to the
-    cache's loader (its prefetch waits are timed there too)."""
+    port; returns the `MetricsServer`. The live histograms (`LiveMetrics`: the chain's gets feed
+    them) go to the cache's loader (its prefetch waits are timed there too)."""
     from tiered_cache.metrics import registry_of
     from tiered_cache.metrics.families import cache_families, tier_families
     from tiered_cache.metrics.http import MetricsServer
-    from tiered_cache.metrics.live import FetchMetrics
+    from tiered_cache.metrics.live import LiveMetrics
 
     config = cache.config
 
@@ -23,7 +23,7 @@ def serve_metrics(cache: Any) -> Any:
         return [*tier_families(figures.tiers), *cache_families(figures)]
 
     registry = registry_of(build)
-    cache.loader.live_metrics = FetchMetrics(registry)
-    cache.chain.observe_fetches(cache.loader.live_metrics.fetched)
+    cache.loader.live_metrics = LiveMetrics(registry)
+    cache.chain.observe_gets(cache.loader.live_metrics.observe_get)
     routes = {"/tree": lambda: json.dumps(cache.prefix_tree()).encode()}
     return MetricsServer(registry, config.metrics_host, config.metrics_port or 0, config.metrics_token, routes)

@@ -20,11 +20,11 @@ few slow pages between fast ones are loaded when the fast ones after them pay fo
 The estimates: `RateEstimator` fits `seconds = latency + amount / rate` to recent samples, each
 sample weighing (1 - alpha) less per newer one. A latency is fitted only when the samples differ
 enough in size to tell it from the rate (gRPC and Redis calls pay a fixed cost per call, which
-makes a one-page fetch look many times slower per byte than a big one); otherwise it is 0 and the rate
+makes a one-page load look many times slower per byte than a big one); otherwise it is 0 and the rate
 is total amount over total seconds. Past the largest amount measured that is a guess, and a
-pessimistic one (`Rate.known_up_to`: a first fetch of one page, mostly round trip, prices many
+pessimistic one (`Rate.known_up_to`: a first load of one page, mostly round trip, prices many
 pages at many round trips): the request still recomputes them (never slower than recompute on a
-guess), and `TierLoads` loads those pages aside at once, so the next plan knows the tier.
+guess), and the reuse policy gets those pages from the tier aside at once, so the next plan knows it.
 Prefill samples are fitted the same way, and only the rate (the slope: seconds per extra token)
 is used, since the engine pays a forward's fixed cost for the suffix anyway.
 
@@ -56,7 +56,7 @@ class Rate:
 
     `known_up_to`: the largest amount the fit saw, where no latency could be fitted (samples of
     one size; infinite where one was). Such a rate is total amount over total seconds, latency
-    included, so past `known_up_to` it may overstate what a bigger call costs: a first fetch of
+    included, so past `known_up_to` it may overstate what a bigger call costs: a first load of
     one page, mostly round trip, prices a hundred pages at a hundred round trips. `seconds` still
     prices them so (pessimistic: a request never waits for a load on a guess), and the reuse
     policy measures the bigger size aside (`ReuseGate._probe_skipped`)."""
@@ -204,7 +204,7 @@ class ReuseEstimates:
     def due_for_probe(self, tier: str, after_s: float, since_sample: bool = True) -> bool:
         """Whether the skipped `tier`'s estimate is older than `after_s` (with `since_sample`) and
         no probe started in that time: a tier judged slow is never loaded, so nothing else would
-        ever re-measure it (a slow first fetch, a link that recovered). Marks the probe as started."""
+        ever re-measure it (a slow first load, a link that recovered). Marks the probe as started."""
         now = time.monotonic()
         with self._lock:
             estimator = self._loads.get(tier)
@@ -251,7 +251,7 @@ def pages_to_load(plan: Sequence[int], rates: Mapping[int, Rate | None], page_by
     return best
 
 
-# A lower tier skipped as slower than recompute is re-measured (a background fetch of up to
+# A lower tier skipped as slower than recompute is re-measured (a background get of up to
 # _PROBE_PAGES of the pages skipped) once its estimate is this old; at once (one probe a second at
 # most) where the estimate priced more than it has seen (`Rate.extrapolates`), with enough of the
 # skipped pages to see a larger size.
@@ -262,7 +262,7 @@ _PROBE_PAGES = 8
 
 class ReuseGate:
     """The reuse policy of one cache: its estimates, fed by every load into the pool and every
-    batched fetch below (mixed fetches included), and the cut of each plan where loading stops
+    batched get below (the gets of mixed loads included), and the cut of each plan where loading stops
     paying; a tier skipped as slow is re-measured in the background (`_probe_skipped`)."""
 
     def __init__(self, policy: ReusePolicy, prefill_tokens_per_s: float | None, chain: TierChain,
@@ -273,10 +273,10 @@ class ReuseGate:
         self.page_bytes, self.page_tokens = page_bytes, page_tokens
         self._probing: set[str] = set()  # lower tiers with a re-measuring probe running
         self._probe_lock = threading.Lock()
-        chain.observe_fetches(self.observe, pages=True)
+        chain.observe_gets(self.observe, pages=True)
 
     def observe(self, tier: str, seconds: float, pages: int) -> None:
-        """`pages` loaded from `tier` in `seconds` (also a `TierChain` fetch observer): in page
+        """`pages` loaded from `tier` in `seconds` (also a `TierChain` get observer): in page
         bytes, as plans count them (a compressed blob is smaller, yet spares a whole page)."""
         if pages:
             self.estimates.observe_load(tier, pages * self.page_bytes, seconds)
@@ -297,10 +297,10 @@ class ReuseGate:
 
     def _probe_skipped(self, keys: list[bytes], plan: list[int]) -> None:
         """Re-measure lower tiers skipped as slow whose estimate is `REUSE_REMEASURE_S` old, or
-        that priced the skipped pages past what they have seen: a skipped tier is never fetched
-        from, so nothing else would ever update it (a first fetch slowed by connecting, a link
-        that recovered). Some of the skipped pages are fetched in the background and thrown
-        away; the fetch observers take the sample. Host RAM is not probed: its copies run at
+        that priced the skipped pages past what they have seen: a skipped tier is never loaded
+        from, so nothing else would ever update it (a first load slowed by connecting, a link
+        that recovered). Some of the skipped pages are read from it in the background
+        (`TierChain.get`) and thrown away; the get observers take the sample. Host RAM is not probed: its copies run at
         memory speed, which does not drift the way a network does."""
         for index in sorted(set(plan) - {HOST}):
             tier = self.chain.tiers[index].name
@@ -310,7 +310,7 @@ class ReuseGate:
             rate = self.estimates.load_rate(tier)
             size = len(skipped) * self.page_bytes
             if rate is not None and rate.extrapolates(size):
-                # Judged on smaller loads only (a one-page first fetch is mostly its round trip):
+                # Judged on smaller loads only (a one-page first load is mostly its round trip):
                 # measure this size now rather than skip the tier for REUSE_REMEASURE_S on a guess.
                 if not self.estimates.due_for_probe(tier, REUSE_EXTRAPOLATED_PROBE_S, since_sample=False):
                     continue
@@ -328,7 +328,7 @@ class ReuseGate:
             def probe(chosen: list[bytes] = chosen, index: int = index, tier: str = tier) -> None:
                 try:
                     with contextlib.suppress(Exception):  # a tier closed meanwhile: nothing to learn
-                        self.chain.fetch(chosen, [index] * len(chosen))
+                        self.chain.get(chosen, [index] * len(chosen))
                 finally:
                     with self._probe_lock:
                         self._probing.discard(tier)

@@ -16,14 +16,14 @@ from tiered_cache.tiers.base import TierStats
 class Movements:
     """Pages the cache moved between tiers, by tier name (the tiers cannot tell direction)."""
 
-    promotions: Counter[str] = field(default_factory=Counter)
+    loads: Counter[str] = field(default_factory=Counter)
     demotions: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)  # blobs that passed the tier, failed decode
 
     def apply(self, stats: TierStats) -> TierStats:
         """A copy of a tier's own figures with the cache's movements filled in."""
         name = stats.name
-        return replace(stats, promotions=self.promotions[name], demotions=self.demotions[name],
+        return replace(stats, loads=self.loads[name], demotions=self.demotions[name],
                        corrupt=stats.corrupt + self.refused[name])
 
 

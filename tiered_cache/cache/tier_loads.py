@@ -220,7 +220,7 @@ class TierLoads:
         below = [i for i in range(start, len(keys)) if plan[i] != HOST]
         if not below:
             return {}
-        got = self.chain.fetch_into([keys[i] for i in below], [plan[i] for i in below], [dests[i] for i in below],
+        got = self.chain.get_into([keys[i] for i in below], [plan[i] for i in below], [dests[i] for i in below],
                                     self.spec)
         return dict(zip(below, got, strict=True))
 

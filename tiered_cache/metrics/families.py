@@ -28,7 +28,7 @@ TIER_FIELDS: dict[str, tuple[str, str, str]] = {
     "misses": ("tier_misses", "counter", "Pages asked of the tier and not found"),
     "demotions": ("tier_puts", "counter", "Pages written into the tier from the one above (or by a client)"),
     "evictions": ("tier_evictions", "counter", "Pages the tier dropped to stay within its capacity"),
-    "promotions": ("tier_promotions", "counter", "Pages read from the tier to be copied up"),
+    "loads": ("tier_loads", "counter", "Pages read from the tier to be loaded up"),
     "bytes_in": ("tier_written_bytes", "counter", "Bytes written into the tier"),
     "bytes_out": ("tier_read_bytes", "counter", "Bytes read out of the tier"),
     "errors": ("tier_errors", "counter", "Failed calls to the tier (down, timed out, full)"),

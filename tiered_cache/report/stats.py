@@ -44,10 +44,10 @@ def render_stats(result: dict[str, Any], rates: dict[str, dict[str, float]] | No
              f"{t['hit_rate']:.1%}", f"{t['hits']:,}", f"{t['misses']:,}",
              f"{rates[t['name']]['hits']:,.1f}", f"{rates[t['name']]['misses']:,.1f}",
              f"{format_binary(rates[t['name']]['bytes_out'])}/s", f"{t['evictions']:,}",
-             f"{t['promotions']:,}", f"{t['demotions']:,}", format_binary(t["bytes_in"]),
+             f"{t['loads']:,}", f"{t['demotions']:,}", format_binary(t["bytes_in"]),
              format_binary(t["bytes_out"]), f"{t['errors']:,}", f"{t['corrupt']:,}",
              f"{t.get('open_breakers', 0)} ({t.get('breaker_trips', 0):,} trips)"] for t in result["tiers"]]
     table = render_table(rows, ["tier", "capacity", "used", "pages", "hit rate", "hits", "misses", "hits/s",
-                                "misses/s", "out/s", "evictions", "promoted", "demoted", "bytes in", "bytes out",
+                                "misses/s", "out/s", "evictions", "loaded", "demoted", "bytes in", "bytes out",
                                 "errors", "corrupt", "open breakers"], align_right=range(1, 18))
     return f"{head}\n{table}\nrates {over or 'since the server started'}"

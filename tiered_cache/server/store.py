@@ -2,7 +2,7 @@
 
 The store never decodes pages, so one server serves every model (fingerprints travel in the
 blobs). It is a `TierChain` with the RAM tier first: eviction from a tier demotes to the next,
-and a hit below RAM is promoted back into RAM. gRPC handlers run on a thread pool; the chain
+and a hit below RAM is loaded back into RAM. gRPC handlers run on a thread pool; the chain
 locks each tier on its own, so a Lookup answered from RAM never waits behind another client's
 Get from disk or Redis. Torch-free (the store server never imports torch).
 """
@@ -19,7 +19,7 @@ from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.memory import ENTRY_OVERHEAD_BYTES, MemoryTier
 from tiered_cache.wire.codec import IDENTITY_BYTES, BlobError, page_identity
 
-_FETCH_ROUNDS = 3  # a key that moved tier between locate and fetch (an eviction) is looked up again
+_GET_ROUNDS = 3  # a key that moved tier between locate and get (an eviction) is looked up again
 
 
 class BlobStore:
@@ -40,13 +40,13 @@ class BlobStore:
         return [None if w is None else self.chain.tiers[w].name for w in self.chain.locate(keys)]
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Each key's blob or None; blobs found below RAM are promoted into RAM."""
+        """Each key's blob or None; blobs found below RAM are loaded into RAM."""
         out: list[bytes | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        for _ in range(_FETCH_ROUNDS):
+        for _ in range(_GET_ROUNDS):
             asked = [keys[i] for i in todo]
             where = self.chain.locate(asked)
-            blobs = self.chain.fetch(asked, where, promote=True)
+            blobs = self.chain.get(asked, where, load=True)
             retry = []
             for i, w, blob in zip(todo, where, blobs, strict=True):
                 if blob is not None:
@@ -60,7 +60,7 @@ class BlobStore:
 
     def arena_refs(self, keys: Sequence[bytes]) -> tuple[list[Ref | None], list[bytes | None], int]:
         """For a same-host Get: where each key's blob lies in the arena (`ram` is an `ArenaTier`),
-        blobs held below brought up into it first; a blob that cannot go in (too large, the arena's
+        blobs held below loaded into it first; a blob that cannot go in (too large, the arena's
         oldest blob leased) comes back as bytes instead. Returns (refs, blobs, how many refs were
         in the arena already: handed out with no copy at all)."""
         arena = self.ram
@@ -71,8 +71,8 @@ class BlobStore:
         missing = [i for i, ref in enumerate(refs) if ref is None]
         if missing:
             asked = [keys[i] for i in missing]
-            fetched = self.get(asked)  # from below, promoted into the arena
-            for i, ref, blob in zip(missing, arena.refs(asked, count_misses=False), fetched, strict=True):
+            got = self.get(asked)  # from below, loaded into the arena
+            for i, ref, blob in zip(missing, arena.refs(asked, count_misses=False), got, strict=True):
                 if ref is not None:
                     refs[i] = ref
                 else:
@@ -141,11 +141,11 @@ class BlobStore:
         return self.chain.put(todo, 1) if todo else 0
 
     def stats(self) -> list[TierStats]:
-        """Each tier's figures; promotions are pages copied up into RAM, demotions pages pushed down
+        """Each tier's figures; loads are pages copied up into RAM, demotions pages pushed down
         by an eviction from the tier above. Nothing is above RAM inside the server (the chain counts
         the pages RAM serves as read out of it; its hits say that already)."""
         out = self.chain.stats()
-        return [replace(out[0], promotions=0), *out[1:]]
+        return [replace(out[0], loads=0), *out[1:]]
 
     def close(self) -> None:
         """Close tiers that hold connections (Redis clients)."""

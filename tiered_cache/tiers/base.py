@@ -57,7 +57,7 @@ class TierStats:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
-    promotions: int = 0  # pages read from this tier to be copied up
+    loads: int = 0  # pages read from this tier to be loaded up
     demotions: int = 0  # pages written into this tier from the one above
     bytes_in: int = 0
     bytes_out: int = 0
@@ -115,7 +115,7 @@ class BlobTier(Protocol):
 @runtime_checkable
 class ReadsInto(Protocol):
     """A tier that reads pages straight into their destinations (disk, Redis, remote):
-    `TierChain.fetch_into` uses it, and decodes `get`'s blobs for tiers without it."""
+    `TierChain.get_into` uses it, and decodes `get`'s blobs for tiers without it."""
 
     def get_into(self, keys: Sequence[bytes], dests: Sequence[PageDest], spec: KVSpec) -> list[int]:
         """Each key's page of `spec`, verified, written into its destination (codec.py: a staging

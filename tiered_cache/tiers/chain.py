@@ -1,5 +1,5 @@
-"""`TierChain`: blob tiers in order, fastest first, as one store with put / locate / fetch / demote.
-`fetch_into` brings pages up into their destinations (codec.py) instead of as blobs.
+"""`TierChain`: blob tiers in order, fastest first, as one store with put / locate / get / demote.
+`get_into` writes pages into their destinations (codec.py) instead of returning blobs.
 
 Used below host RAM by `TieredCache` and, with a RAM blob tier in front, by the store server's
 `BlobStore`. Torch-free (the store server never imports torch).
@@ -9,11 +9,11 @@ Used below host RAM by `TieredCache` and, with a RAM blob tier in front, by the 
   (a bounded map). It never re-puts a key a tier is known to hold, and `locate` asks a tier only
   about keys it cannot answer from that map, each tier at most once per call. Knowledge can go
   stale (Redis evicts by itself, a shared store is filled by other instances): a stale "held"
-  turns into a miss on fetch and is forgotten then; a miss never turns into wrong bytes.
+  turns into a miss on get and is forgotten then; a miss never turns into wrong bytes.
 - Concurrency: one lock per tier around every call to that tier (none for a tier marked
   `thread_safe`, e.g. Redis and remote clients), taken in tier order (a demotion
   from tier i into tier i+1 holds both), and a small lock for the counters and the residency map.
-  No lock spans the whole chain, so a fetch from Redis never waits behind a disk write.
+  No lock spans the whole chain, so a get from Redis never waits behind a disk write.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ _DEFAULT_MAX_KNOWN = 1 << 20  # keys whose residency is remembered (~100 B each)
 class TierChain:
     def __init__(self, tiers: Sequence[BlobTier], max_known: int = _DEFAULT_MAX_KNOWN) -> None:
         self.tiers: list[BlobTier] = list(tiers)
-        self.promotions: Counter[str] = Counter()  # blobs read from a tier to be copied up
+        self.loads: Counter[str] = Counter()  # blobs read from a tier to be loaded up
         self.demotions: Counter[str] = Counter()  # blobs written into a tier from the one above
         self.skipped_puts = 0  # puts avoided because the tier was known to hold the key
-        self.refused: Counter[str] = Counter()  # verified blobs `fetch_into` found were no page it asked for
-        # Called after each batched fetch from a tier with (tier name, seconds, bytes or pages):
-        # metrics and the reuse policy's load-rate estimates both listen (`observe_fetches`).
-        self._fetch_observers: list[tuple[Callable[[str, float, int], None], bool]] = []
+        self.refused: Counter[str] = Counter()  # verified blobs `get_into` found were no page it asked for
+        # Called after each batched get from a tier with (tier name, seconds, bytes or pages):
+        # metrics and the reuse policy's load-rate estimates both listen (`observe_gets`).
+        self._get_observers: list[tuple[Callable[[str, float, int], None], bool]] = []
         # Tiers that are safe to call from several threads (a Redis client pool, gRPC channels)
         # get no lock: a lookup must not queue behind another thread's multi-MiB put.
         self._tier_locks = [contextlib.nullcontext() if getattr(tier, "thread_safe", False) else threading.RLock()
@@ -60,12 +60,12 @@ class TierChain:
     def __len__(self) -> int:
         return len(self.tiers)
 
-    def observe_fetches(self, observer: Callable[[str, float, int], None], pages: bool = False) -> None:
-        """Call `observer(tier name, seconds, bytes)` after each batched fetch from a tier (on the
-        fetching thread; it must be quick and must not raise): the blobs' bytes as they came, or
+    def observe_gets(self, observer: Callable[[str, float, int], None], pages: bool = False) -> None:
+        """Call `observer(tier name, seconds, bytes)` after each batched get from a tier (on the
+        getting thread; it must be quick and must not raise): the blobs' bytes as they came, or
         with `pages` the number of pages that arrived (whatever their blobs' sizes: compressed,
         or raw with a header)."""
-        self._fetch_observers.append((observer, pages))
+        self._get_observers.append((observer, pages))
 
     # --- residency -------------------------------------------------------------------------------
     def known_in(self, key: bytes, index: int) -> bool:
@@ -124,15 +124,15 @@ class TierChain:
             where[first_miss:] = [None] * (len(where) - first_miss)
         return where
 
-    def fetch(self, keys: Sequence[bytes], where: Sequence[int | None] | None = None,
-              promote: bool = False, lease: ArenaViews | None = None) -> list[bytes | None]:
+    def get(self, keys: Sequence[bytes], where: Sequence[int | None] | None = None,
+            load: bool = False, lease: ArenaViews | None = None) -> list[bytes | None]:
         """The verified blob of each key from the tier `where` names (`locate` when not given),
         one batched `get` per tier. A key a tier turned out not to hold is None and forgotten.
-        With `promote`, blobs found below the first tier are copied into it. With `lease` (a
+        With `load`, blobs found below the first tier are loaded (copied) into it. With `lease` (a
         `ArenaViews`), tiers that can lend pages instead of copying them do (`lends_views`): the
         caller copies them out, then drops those `lease.lost()` names."""
-        if lease is not None and promote:
-            raise ValueError("fetch cannot promote lent pages (they are views, good only for a while)")
+        if lease is not None and load:
+            raise ValueError("get cannot load lent pages into the first tier (they are views, good only for a while)")
         where = self.locate(keys) if where is None else where
         out: list[bytes | None] = [None] * len(keys)
         for index, tier in enumerate(self.tiers):
@@ -144,19 +144,19 @@ class TierChain:
             with self._tier_locks[index]:
                 lends = lease is not None and getattr(tier, "lends_views", False)
                 blobs = tier.get(wanted, lease=lease) if lends else tier.get(wanted)
-            self._fetched(tier.name, started, sum(len(b) for b in blobs if b is not None),
-                          sum(1 for b in blobs if b is not None))
+            self._observe_get(tier.name, started, sum(len(b) for b in blobs if b is not None),
+                              sum(1 for b in blobs if b is not None))
             for i, blob in zip(positions, blobs, strict=True):
                 out[i] = blob
             self._mark([k for k, b in zip(wanted, blobs, strict=True) if b is None], index, False)
             hits = [(k, b) for k, b in zip(wanted, blobs, strict=True) if b is not None]
-            self._count(self.promotions, tier.name, len(hits))
-            if promote and index > 0 and hits:
+            self._count(self.loads, tier.name, len(hits))
+            if load and index > 0 and hits:
                 self.put(hits, 0)
         return out
 
-    def fetch_into(self, keys: Sequence[bytes], where: Sequence[int | None], dests: Sequence[PageDest],
-                   spec: KVSpec) -> list[bool]:
+    def get_into(self, keys: Sequence[bytes], where: Sequence[int | None], dests: Sequence[PageDest],
+                 spec: KVSpec) -> list[bool]:
         """Each key's page of `spec`, verified, decoded into `dests[i]` (a page destination,
         codec.py) from the tier `where` names, one batched call per tier; returns which arrived.
         A tier with `get_into` (which returns each arrived blob's size, 0 for a miss) writes the
@@ -176,22 +176,22 @@ class TierChain:
                     got = tier.get_into(wanted, targets, spec)
             else:
                 got = self._decoded_into(index, wanted, targets, spec)
-            self._fetched(tier.name, started, sum(got), sum(1 for size in got if size))  # blob bytes, as `fetch` counts
+            self._observe_get(tier.name, started, sum(got), sum(1 for size in got if size))  # blob bytes, as in `get`
             for i, size in zip(positions, got, strict=True):
                 arrived[i] = size > 0
             self._mark([k for k, size in zip(wanted, got, strict=True) if not size], index, False)
-            self._count(self.promotions, tier.name, sum(1 for size in got if size))
+            self._count(self.loads, tier.name, sum(1 for size in got if size))
         return arrived
 
-    def _fetched(self, tier: str, started: float, nbytes: int, pages: int) -> None:
-        """Tell the fetch observers that a batched fetch from `tier` begun at `started` brought
-        `pages` pages in `nbytes` bytes of blobs."""
+    def _observe_get(self, tier: str, started: float, nbytes: int, pages: int) -> None:
+        """Tell the get observers that a batched get from `tier` begun at `started` read `pages`
+        pages in `nbytes` bytes of blobs."""
         seconds = time.perf_counter() - started
-        for observe, in_pages in self._fetch_observers:
+        for observe, in_pages in self._get_observers:
             observe(tier, seconds, pages if in_pages else nbytes)
 
     def _decoded_into(self, index: int, keys: list[bytes], dests: list[PageDest], spec: KVSpec) -> list[int]:
-        """`fetch_into` for a tier without `get_into`: its verified blobs, decoded here (outside
+        """`get_into` for a tier without its own `get_into`: its verified blobs, decoded here (outside
         its lock). A blob that is no page of `spec` is refused: counted and deleted."""
         with self._tier_locks[index]:
             blobs = self.tiers[index].get(keys)
@@ -256,14 +256,14 @@ class TierChain:
             return list(self.tiers[index].items())
 
     def stats(self) -> list[TierStats]:
-        """Each tier's own figures with the chain's promotions and demotions filled in. Takes no
+        """Each tier's own figures with the chain's loads and demotions filled in. Takes no
         tier lock: figures are counters a tier may report while a call is under way, and a stats
         call must never wait behind data."""
         out = []
         for tier in self.tiers:
             own = tier.stats()
             with self._meta:
-                out.append(replace(own, promotions=self.promotions[tier.name],
+                out.append(replace(own, loads=self.loads[tier.name],
                                    demotions=self.demotions[tier.name],
                                    corrupt=own.corrupt + self.refused[tier.name]))
         return out

@@ -164,7 +164,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "promotions", "demotions", "bytes_in", "bytes_out", "errors", "corrupt", "breaker_trips", "open_breakers")
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "pages", "hits", "misses", "evictions", "loads", "demotions", "bytes_in", "bytes_out", "errors", "corrupt", "breaker_trips", "open_breakers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -172,7 +172,7 @@ class TierStats(_message.Message):
     HITS_FIELD_NUMBER: _ClassVar[int]
     MISSES_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
-    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    LOADS_FIELD_NUMBER: _ClassVar[int]
     DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -187,7 +187,7 @@ class TierStats(_message.Message):
     hits: int
     misses: int
     evictions: int
-    promotions: int
+    loads: int
     demotions: int
     bytes_in: int
     bytes_out: int
@@ -195,7 +195,7 @@ class TierStats(_message.Message):
     corrupt: int
     breaker_trips: int
     open_breakers: int
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., errors: _Optional[int] = ..., corrupt: _Optional[int] = ..., breaker_trips: _Optional[int] = ..., open_breakers: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., loads: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., errors: _Optional[int] = ..., corrupt: _Optional[int] = ..., breaker_trips: _Optional[int] = ..., open_breakers: _Optional[int] = ...) -> None: ...
 
 class ServerStats(_message.Message):
     __slots__ = ("version", "uptime_s", "requests", "rejected_requests", "unauthenticated", "refused_blobs", "active_streams", "refused_streams", "stalled_streams", "shm_pages", "shm_pages_reused", "shm_put_pages", "shm_offers", "cancelled_streams")

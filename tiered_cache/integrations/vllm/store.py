@@ -128,7 +128,7 @@ class BlockStore:
         shape = self.spec.staging_shape(1)[1:]
         keys = self.page_keys(block_keys, group)
         out: list[torch.Tensor | None] = []
-        for key, blob in zip(keys, self.chain.fetch(keys, lease=lease), strict=True):
+        for key, blob in zip(keys, self.chain.get(keys, lease=lease), strict=True):
             if blob is None:
                 out.append(None)
                 continue
