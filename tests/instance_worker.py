@@ -1,7 +1,7 @@
 """One inference instance in its own process, for the two-instance reuse test.
 
     python instance_worker.py put ADDRESS WORKDIR   # instance A: compute (random) KV, cache it
-    python instance_worker.py get ADDRESS WORKDIR   # instance B: empty cache, fetch it from the store
+    python instance_worker.py get ADDRESS WORKDIR   # instance B: empty cache, load it from the store
     python instance_worker.py get-metrics ADDRESS WORKDIR  # B serving /metrics; prints, then waits
                                                            # for stdin to close (the test scrapes)
 """

@@ -1,4 +1,4 @@
-"""The cache's metrics from inside Ray actors, through `ray.util.metrics`, so they land in Ray's
+"""The cache's metrics from inside Ray actors, through `ray.util.metrics`, so they appear in Ray's
 own Prometheus export (and its Grafana) beside Ray's metrics.
 
 The families are the ones `/metrics` serves (tiered_cache/metrics/families.py), mirrored every

@@ -59,17 +59,17 @@ def test_codec_measure_reports_ratio_and_error():
 
 
 def test_remote_bench_rows():
-    from tiered_cache.bench.remote_bench import bench_fetch, bench_lookup
+    from tiered_cache.bench.remote_bench import bench_get, bench_lookup
 
-    rows = bench_fetch(SPEC, 8) + bench_lookup(num_tokens=512, repeat=3)
+    rows = bench_get(SPEC, 8) + bench_lookup(num_tokens=512, repeat=3)
     assert [r.baseline_name for r in rows] == ["memcpy of the same bytes", "memcpy of the same bytes",
                                                "bare gRPC stream, kept", "bare gRPC stream, dropped",
                                                "raw Redis MGET", "bare gRPC unary, same bytes"]
     assert [r.operation for r in rows[:2]] == ["remote get_into pages, same host (arena, verified)",
                                                "remote get as bytes, same host (arena, verified)"]
     assert all(r.value > 0 and r.baseline > 0 for r in rows)
-    fetched = rows[0].work  # every page arrived, each row moved the same blobs as its baseline
-    assert fetched > 8 * SPEC.bytes_per_page and all(r.work == r.baseline_work == fetched for r in rows[:5])
+    got = rows[0].work  # every page arrived, each row moved the same blobs as its baseline
+    assert got > 8 * SPEC.bytes_per_page and all(r.work == r.baseline_work == got for r in rows[:5])
 
 
 def test_remote_put_bench_rows():

@@ -1,6 +1,6 @@
 """`tiered-cache bench cluster` on the session's Ray cluster, small: every way runs, answers equal
 recompute's, the shared store saves more prefill than workers alone, the router at least as
-much, and from the workers' own devices where round robin fetches from the store."""
+much, and from the workers' own devices where round robin loads from the store."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_bench_cluster_compares_four_ways_in_one_run(ray_cluster, tmp_path):
     # several, where round robin loses more): round robin routes the same way with or without a
     # store, and the store adds hits (another document's pages: here 656 tokens reused, alone 352);
     # the router sends each document's questions where it was prefilled, so it reuses the most
-    # there is to reuse (656 here too) and from the device, where round robin fetches from the store.
+    # there is to reuse (656 here too) and from the device, where round robin loads from the store.
     alone, shared, routed = (rows[w]["reused_tokens"] for w in ("alone", "shared_round_robin", "shared_prefix"))
     assert routed >= shared > alone > 0
     remote = {w: rows[w]["reused_from"].get("remote", 0) for w in rows}

@@ -231,7 +231,7 @@ class ForkMachine(RuleBasedStateMachine):
 
     @rule(sequence=sequences)
     def swap(self, sequence):
-        """Preempt a sequence (its pages to host RAM) or bring it back: its bytes must survive."""
+        """Preempt a sequence (its pages to host RAM) or load it back: its bytes must survive."""
         h = sequence.handle
         if h.released:
             return

@@ -204,7 +204,7 @@ def test_observe_prefill_refuses_nonsense():
                 cache.observe_prefill(*bad)
 
 
-def test_swap_in_brings_the_whole_prefix_back_even_where_match_would_recompute_it():
+def test_swap_in_loads_the_whole_prefix_back_even_where_match_would_recompute_it():
     spec = KVSpec("reuse-swap", 2, 1, 8, page_size=4)
     config = CacheConfig(pool_capacity=16 * spec.bytes_per_page, host_capacity=16 * spec.bytes_per_page,
                          prefill_tokens_per_s=1e9)

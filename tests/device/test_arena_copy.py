@@ -35,9 +35,9 @@ def copier_and_pool(device: str = "cpu", chunk_pages: int = 5, direct: bool = Tr
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "staged"])
 @pytest.mark.parametrize("chunk_pages", [1, 5, 64])
-def test_pages_lying_in_the_arena_land_in_their_pool_pages_exactly(chunk_pages, direct):
+def test_pages_lying_in_the_arena_are_placed_in_their_pool_pages_exactly(chunk_pages, direct):
     """Straight from the map (on CUDA: registered), or staged through the two host chunks (a map
-    the driver refused): with one, several or all pages a chunk, each chunk's pages land where
+    the driver refused): with one, several or all pages a chunk, each chunk's pages are placed where
     asked, host chunks reused in turn."""
     keys, pages, items = prefix()
     with StoreProcess(["--no-disk"]) as store:
@@ -63,7 +63,7 @@ def test_pages_lying_in_the_arena_land_in_their_pool_pages_exactly(chunk_pages, 
             tier.close()
 
 
-def test_pages_on_the_servers_disk_are_brought_into_the_arena_first(tmp_path):
+def test_pages_on_the_servers_disk_are_loaded_into_the_arena_first(tmp_path):
     keys, pages, items = prefix(seed=1)
     with StoreProcess(["--disk", str(tmp_path), "--ram", "1MiB"]) as store:
         tier = RemoteTier([store.address])
@@ -164,7 +164,7 @@ def test_a_page_written_over_during_the_copy_ends_the_prefix_there(direct):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_load_through_the_cache_from_a_same_host_store_is_exact_and_counted(device):
     """The whole engine path: match, load, the bytes; read in place, so nothing is prefetched
-    into staging. On a CPU pool pages land by `get_into`; on CUDA by DMA from the arena."""
+    into staging. On a CPU pool pages are placed by `get_into`; on CUDA by DMA from the arena."""
     from tiered_cache.cache import TieredCache
     from tiered_cache.config import CacheConfig
 
@@ -238,7 +238,7 @@ def test_pages_of_a_map_not_registered_are_staged_to_a_cuda_pool_exactly():
 
     keys, pages, items = prefix(seed=8)
     with StoreProcess(["--no-disk"]) as store, pytest.MonkeyPatch.context() as patch:
-        # A host chunk filled again before its DMA read it would land the wrong pages: made likely.
+        # A host chunk filled again before its DMA read it would place the wrong pages: made likely.
         patch.setattr(CopyStream, "run", slow_run)
         tier = RemoteTier([store.address])
         copier, pool = copier_and_pool("cuda", chunk_pages=5, direct=False)
@@ -249,7 +249,7 @@ def test_pages_of_a_map_not_registered_are_staged_to_a_cuda_pool_exactly():
             assert not copier.usable(where[0][0])
             targets = pool.allocate(N)[::-1].copy()
             # Work the caller queued on its stream before the load (here: late, then zeroing the
-            # pool) must come before the copies, or it would wipe the pages they brought.
+            # pool) must come before the copies, or it would wipe the pages they placed.
             torch.cuda._sleep(50_000_000)
             pool.kv.zero_()
             assert copier.to_pool(keys, where, targets) == N

@@ -89,7 +89,7 @@ def test_a_request_swapped_out_mid_decode_continues_with_the_same_tokens(model_a
         moved = sequence.swap_out()
         assert moved == len(own_before) and cache.stats().pool.used_pages == 0  # holds no device page
         assert cache.stats().pool.swapped_pages == moved
-        # Another request takes the device pages meanwhile, so swap_in lands elsewhere.
+        # Another request takes the device pages meanwhile, so swap_in loads them into other device pages.
         other, other_logits = PagedSequence.start(cache, model, prompt[:40], commit=False)
         decode(other, other_logits, 4)
         sequence.swap_in()

@@ -150,13 +150,13 @@ def test_a_load_that_outlives_its_wait_is_failed_and_never_copied_in():
         assert writer.flush(10)
         reader = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
         assert reader.leading(keys) == 2
-        gave_up, fetched = threading.Event(), []
+        gave_up, loaded = threading.Event(), []
         load = reader.load
 
         def load_after_the_wait(block_keys, group=0, lease=None):
             gave_up.wait(30)
             pages = load(block_keys, group, lease)
-            fetched.append(sum(p is not None for p in pages))
+            loaded.append(sum(p is not None for p in pages))
             return pages
 
         reader.load = load_after_the_wait
@@ -166,7 +166,7 @@ def test_a_load_that_outlives_its_wait_is_failed_and_never_copied_in():
         job.wait_for(0, "layer.0")
         gave_up.set()
         assert job.done.wait(30)
-        assert fetched and fetched[0] == 2  # the pages did arrive, after the wait
+        assert loaded and loaded[0] == 2  # the pages did arrive, after the wait
         assert job.failed == {2, 3}
         assert not any(layer.any() for layer in dst)  # and none was copied in
 
@@ -201,10 +201,10 @@ def test_a_stopped_store_server_never_hangs_the_forward_nor_gives_wrong_kv():
             assert all(torch.equal(d[[2, 3]], s[[0, 1]]) for d, s in zip(dst, src, strict=True))
 
 
-def test_pages_lent_from_the_arena_and_written_over_before_the_check_are_fetched_again(tmp_path):
+def test_pages_lent_from_the_arena_and_written_over_before_the_check_are_read_again(tmp_path):
     """A same-host store server with a 2 MiB arena (no lease) lends the pages as views into it.
-    Between the fetch and the check, another client's Put comes round the arena over them (for
-    real; they go to the disk tier): the job sees it, fetches those pages again as copies, and
+    Between the get and the check, another client's Put comes round the arena over them (for
+    real; they go to the disk tier): the job sees it, reads those pages again as copies, and
     vLLM's KV ends with exactly the saved blocks, none failed."""
     from tiered_cache.index.keys import PageKeyer
     from tiered_cache.model.spec import KVSpec
@@ -244,7 +244,7 @@ def test_pages_lent_from_the_arena_and_written_over_before_the_check_are_fetched
 
 def test_a_load_started_by_the_scheduler_is_taken_by_the_job_that_follows():
     """Whole blocks from a same-host store server: `prefetch` (the scheduler found them) starts the
-    fetch; the load job for exactly those blocks copies what it fetched, and the KV is exact. It
+    load; the load job for exactly those blocks copies what it loaded, and the KV is exact. It
     starts only where a worker loads in this process, and only for whole blocks."""
     with StoreProcess(["--no-disk"]) as server:
         writer = BlockStore(SPEC, remote_config(server.address))

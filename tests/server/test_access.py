@@ -116,7 +116,7 @@ def test_without_the_token_every_method_is_refused_and_reveals_nothing(guarded):
                 assert on_held[name].details() == on_missing[name].details(), name
             # The bulk path (aio channel) is refused too, and yields no blob; the shared-memory ring
             # it asks for first (Attach) is not revealed either.
-            result = stranger.get_all([k for k, _ in held], FINGERPRINT)
+            result = stranger.get_whole([k for k, _ in held], FINGERPRINT)
             assert result.error is not None and result.error.code() == grpc.StatusCode.UNAUTHENTICATED
             assert not stranger.uses_shm
             assert stranger.health() == "SERVING"

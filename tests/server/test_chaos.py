@@ -217,7 +217,7 @@ def test_a_silent_server_costs_the_engine_one_deadline_then_recompute(black_hole
             assert cache.lookup(tokens) == len(tokens)  # the channel is up, and the pages are there
             store.proc.send_signal(signal.SIGSTOP)
         started = time.monotonic()
-        n, _ = cache.get(tokens)  # what an engine's load does: fetch what is below
+        n, _ = cache.get(tokens)  # what an engine's load does: load what is below
         first = time.monotonic() - started
         assert n == 0  # nothing arrived: the engine computes the prefix itself
         started = time.monotonic()

@@ -54,13 +54,13 @@ def test_a_tenant_cannot_read_or_overwrite_another_tenants_pages_knowing_their_k
         assert a.put(page_of_a, FINGERPRINT).stored == 3
         keys = [k for k, _ in page_of_a]
         assert b.lookup(keys).leading == 0  # B asks for A's keys: nothing there
-        found = b.get_all(keys, FINGERPRINT)
+        found = b.get_whole(keys, FINGERPRINT)
         assert found.error is None and found.blobs == []
-        # B puts other pages under A's keys (valid blobs, right keys): they land in B's space.
+        # B puts other pages under A's keys (valid blobs, right keys): they go into B's space.
         assert b.put(forged, FINGERPRINT).stored == 3
-        assert blobs(a.get_all(keys, FINGERPRINT)) == dict(page_of_a)
-        assert blobs(b.get_all(keys, FINGERPRINT)) == dict(forged)
-        for key, blob in blobs(b.get_all(keys, FINGERPRINT)).items():
+        assert blobs(a.get_whole(keys, FINGERPRINT)) == dict(page_of_a)
+        assert blobs(b.get_whole(keys, FINGERPRINT)) == dict(forged)
+        for key, blob in blobs(b.get_whole(keys, FINGERPRINT)).items():
             assert read_header(blob).key == key  # blobs carry the key the client sent
 
 
@@ -81,7 +81,7 @@ def test_the_operators_token_reaches_every_namespace(store):
     with client(store, "token-a") as a, client(store, "token-op", "team-a") as op_in_a, \
             client(store, "token-op") as op_shared:
         assert a.put(items, FINGERPRINT).stored == 2
-        assert blobs(op_in_a.get_all(keys, FINGERPRINT)) == dict(items)
+        assert blobs(op_in_a.get_whole(keys, FINGERPRINT)) == dict(items)
         assert op_shared.lookup(keys).leading == 0  # the operator's default: the empty namespace
 
 
@@ -115,7 +115,7 @@ def test_shared_memory_is_offered_only_in_the_empty_namespace(store):
     with client(store, "token-a") as scoped, client(store, "token-op") as operator:
         scoped.put(items, FINGERPRINT)
         assert scoped.attach() is None  # the arena shows every namespace's pages
-        assert blobs(scoped.get_all(keys, FINGERPRINT)) == dict(items)  # as bytes
+        assert blobs(scoped.get_whole(keys, FINGERPRINT)) == dict(items)  # as bytes
         assert operator.attach() is not None
 
 
@@ -187,6 +187,6 @@ def test_a_tenants_pages_evicted_to_disk_come_back_whole_and_apart(tmp_path):
         assert a.put(items).stored == 12
         tiers = {t.name: t for t in op.stats().tiers}
         assert tiers["disk"].pages > 0 and tiers["ram"].evictions > 0
-        assert blobs(a.get_all(keys)) == dict(items)
-        assert b.lookup(keys).leading == 0 and blobs(b.get_all(keys)) == {}
+        assert blobs(a.get_whole(keys)) == dict(items)
+        assert b.lookup(keys).leading == 0 and blobs(b.get_whole(keys)) == {}
         assert all(t.corrupt == 0 for t in op.stats().tiers), op.stats().tiers

@@ -53,7 +53,7 @@ _LEASE_HOLDER = """
 import sys, time
 from tiered_cache.client.store_client import StoreClient
 client = StoreClient(sys.argv[1])
-client.get_all([])  # maps the arena
+client.get_whole([])  # maps the arena
 keys = [bytes.fromhex(k) for k in sys.argv[2:]]
 reply = client.lookup(keys, arena=client.arena_map)
 print("leased" if all(reply.shm_lengths) else "not leased", flush=True)
@@ -96,9 +96,9 @@ def test_a_client_killed_while_holding_leases_holds_nothing_past_the_lease(tmp_p
         assert all(t != pb.TIER_NONE for t in _tiers(store.address, keys))
 
 
-def test_a_page_written_over_under_a_reader_is_fetched_again_exactly(tmp_path):
+def test_a_page_written_over_under_a_reader_is_read_again_exactly(tmp_path):
     """get_into (the load path) with refs from a Lookup, then another client's Puts come round the
-    arena over those pages (to disk): each page is fetched again, the bytes exact, none refused."""
+    arena over those pages (to disk): each page is read again, the bytes exact, none refused."""
     good = into_items(6)
     keys = [k for k, _ in good]
     filler = pages(10, seed=44)
@@ -126,6 +126,6 @@ def test_a_hostile_process_given_the_arena_path_can_neither_write_nor_shrink_it(
         hostile = subprocess.run([sys.executable, "-c", HOSTILE, reply.path, str(reply.size)],
                                  capture_output=True, text=True, timeout=60, check=True)
         assert hostile.stdout.strip() == "", f"the hostile process could: {hostile.stdout.strip()}"
-        got = client.get_all(keys)
+        got = client.get_whole(keys)
         assert got.error is None and {r.key: bytes(r.blob) for r in got.blobs} == dict(items)
         assert client.uses_shm and np.all([r.shm is None for r in got.blobs])

@@ -74,13 +74,13 @@ def test_pages_written_over_before_they_are_read_cost_a_second_ask_not_wrong_byt
         client, other = StoreClient(store.address), StoreClient(store.address)
         try:
             client.put(items)
-            client.get_all([])  # maps the arena
+            client.get_whole([])  # maps the arena
             reply = client.lookup([k for k, _ in items], arena=client.arena_map)
             assert all(reply.shm_lengths)
             other.put(others)  # over the refs just handed out
             arena = client.arena_map
             assert not any(arena.intact(p, n) for p, n in zip(reply.shm_positions, reply.shm_lengths, strict=True))
-            result = client.get_all([k for k, _ in items])  # those still held, read again by ref
+            result = client.get_whole([k for k, _ in items])  # those still held, read again by ref
             assert result.error is None and result.blobs
             assert all(bytes(r.blob) == dict(items)[r.key] for r in result.blobs)
             assert client.uses_shm
@@ -98,15 +98,15 @@ def test_a_restarted_server_is_attached_again_and_never_read_through_the_old_are
     client = StoreClient(store.address)
     try:
         client.put(items)
-        assert {r.key: bytes(r.blob) for r in client.get_all(keys).blobs} == dict(items)
-        old_segment = client._fetcher.reader.segment
+        assert {r.key: bytes(r.blob) for r in client.get_whole(keys).blobs} == dict(items)
+        old_segment = client._streams.reader.segment
         store.stop()  # flushes RAM to disk: the restarted server has every page
         store = StoreProcess(["--disk", str(tmp_path), "--port", port])
         store.start()
         for _ in range(2):  # the first answer comes as bytes (old arena), then the new one is used
-            result = client.get_all(keys)
+            result = client.get_whole(keys)
             assert result.error is None and {r.key: bytes(r.blob) for r in result.blobs} == dict(items)
-        assert client.uses_shm and client._fetcher.reader.segment != old_segment
+        assert client.uses_shm and client._streams.reader.segment != old_segment
         assert shm_pages(store.address) == len(items)
     finally:
         client.close()
@@ -121,7 +121,7 @@ def test_a_client_on_another_host_moves_bytes(monkeypatch):
         client = StoreClient(store.address)
         try:
             client.put(items)
-            assert {r.key: bytes(r.blob) for r in client.get_all([k for k, _ in items]).blobs} == dict(items)
+            assert {r.key: bytes(r.blob) for r in client.get_whole([k for k, _ in items]).blobs} == dict(items)
             assert not client.uses_shm and shm_pages(store.address) == 0
         finally:
             client.close()
@@ -134,7 +134,7 @@ def test_pages_put_are_in_the_arena_and_a_get_hands_them_out_without_a_copy():
         client = StoreClient(store.address)
         try:
             client.put(items)
-            assert {r.key: bytes(r.blob) for r in client.get_all(keys).blobs} == dict(items)
+            assert {r.key: bytes(r.blob) for r in client.get_whole(keys).blobs} == dict(items)
             assert shm_pages(store.address) == shm_reused(store.address) == len(items)
         finally:
             client.close()
@@ -149,7 +149,7 @@ def test_lent_pages_are_views_of_the_bytes_put_and_the_views_name_those_written_
         try:
             client.put(items)
             lease = ArenaViews()
-            result = client.get_all([k for k, _ in items], lease=lease)
+            result = client.get_whole([k for k, _ in items], lease=lease)
             assert result.error is None and len(lease) == len(items)
             assert all(isinstance(r.blob, memoryview) for r in result.blobs)
             copies = {r.key: bytes(r.blob) for r in result.blobs}
@@ -215,9 +215,9 @@ def test_a_same_host_lookup_says_where_held_pages_lie_and_the_get_after_it_needs
             tier.close()
 
 
-def test_a_lookup_ref_written_over_is_fetched_again_never_read_as_wrong_bytes():
+def test_a_lookup_ref_written_over_is_asked_again_never_read_as_wrong_bytes():
     """A 2 MiB arena with no lease: the Lookup names 4 pages' refs, then 8 other pages are put
-    over them. The get finds the refs stale and fetches the pages again: no wrong bytes, no
+    over them. The get finds the refs stale and asks for the pages again: no wrong bytes, no
     corruption counted."""
     items, others = pages(4, seed=11), pages(8, seed=12)
     keys = [k for k, _ in items]
@@ -251,7 +251,7 @@ def test_a_lookup_gets_refs_only_for_held_pages_and_the_arena_it_names():
         try:
             client.put(items)
             assert client.arena_map is None  # not mapped before a bulk Get
-            client.get_all([])
+            client.get_whole([])
             reader = client.arena_map
             assert reader is not None
             reply = client.lookup([keys[0], unknown, *keys[1:]], arena=reader)

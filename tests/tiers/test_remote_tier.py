@@ -221,9 +221,9 @@ def test_warm_opens_the_channels_before_the_first_get_and_backs_off_a_dead_serve
         tier = RemoteTier([store.address, dead_address], timeout_s=2.0, breaker=BreakerPolicy(cooldown_s=5.0))
         live = next(s for s in tier.servers if s.client.address == store.address)
         gone = next(s for s in tier.servers if s.client.address == dead_address)
-        assert live.client._fetcher is None
+        assert live.client._streams is None
         tier.warm()  # never raises: the dead server's breaker opens, as on any call
-        assert live.client._fetcher is not None and live.available
+        assert live.client._streams is not None and live.available
         assert not gone.available and tier.stats().errors == 1
         got = tier.get([k for k, _ in items])
         assert [b is None or bytes(b) == blob for b, (_, blob) in zip(got, items, strict=True)] == [True] * 24

@@ -168,7 +168,7 @@ def test_stats_rollup_equals_the_sum_of_the_actors_own_figures(actors):
     for name, row in expected.items():
         for key, value in row.items():
             assert figures["totals"][name][key] == value, (name, key)
-    assert figures["totals"]["remote"]["hits"] > 0  # workers did fetch from the shards
+    assert figures["totals"]["remote"]["hits"] > 0  # workers did load from the shards
 
 
 def test_each_worker_draws_its_prefix_tree_with_text(actors):

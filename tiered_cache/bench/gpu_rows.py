@@ -131,7 +131,7 @@ class TimedLoad:
     def __init__(self, cache: TieredCache, device: str) -> None:
         self.cache = cache
         self.cuda = torch.device(device).type == "cuda"
-        self.moved = 0  # bytes brought into the pool from below it
+        self.moved = 0  # bytes loaded into the pool from below it
         self._events: tuple[Any, Any] | None = None
         self._wall = (0.0, 0.0)
 

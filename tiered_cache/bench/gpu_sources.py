@@ -6,7 +6,7 @@ cache is put back into the same state before every measurement.
 - `disk`, `store`, `store-noshm`, `redis`: a writer cache puts the prefix into the tier
   (write-through, flushed, closed); a reader cache, kept for all rounds as a running engine keeps
   its channels, staging buffers and shared-memory mapping, then finds it only there. Before each
-  measurement the reader drops what the last one brought up (device pages evicted, host RAM
+  measurement the reader drops what the last one loaded (device pages evicted, host RAM
   cleared) and forgets what it learnt the tier holds, so it asks the tier again, as an instance
   that never saw this prefix does.
 """

@@ -1,4 +1,4 @@
-"""`tiered-cache bench promote`: a prefix brought up into the device pool through `TieredCache`
+"""`tiered-cache bench promote`: a prefix loaded into the device pool through `TieredCache`
 (`match` + `load`) from host RAM, disk, Redis and a store server, each beside the raw operation
 that moves the same bytes out of that tier, measured in the same run; and the demotion of the
 pool into host RAM (`evict`) beside memcpy.
@@ -176,7 +176,7 @@ def _disk_row(prefix: Prefix, rounds: int, folder: str | None) -> PromoteRow:
         tier = DiskTier(Path(tmp, "tier"), 2 * sum(len(b) for _, b in blobs) + 2**20, fsync=False)
         tier.put(blobs)
         files = [tier.file_of(k) for k in prefix.keys]
-        rows = np.ones((len(files), len(blobs[0][1])), dtype=np.uint8)  # touched: a read lands in faulted memory
+        rows = np.ones((len(files), len(blobs[0][1])), dtype=np.uint8)  # touched: a read writes into faulted-in memory
 
         def read_files() -> int:
             got = 0
@@ -317,7 +317,7 @@ def _check_pool(cache: TieredCache, pages: np.ndarray, prefix: Prefix) -> None:
     import torch
 
     if len(pages) != prefix.num_pages or not torch.equal(cache.pool.gather(pages), prefix.pages):
-        raise AssertionError(f"the load brought {len(pages)} of {prefix.num_pages} pages, or wrong bytes")
+        raise AssertionError(f"the load gave {len(pages)} of {prefix.num_pages} pages, or wrong bytes")
 
 
 def _clock(fn: Callable[[], Any]) -> tuple[float, Any]:

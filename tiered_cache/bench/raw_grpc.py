@@ -1,7 +1,7 @@
 """A bare gRPC server for baselines: streams N byte messages of a given size from memory, takes a
 client stream of byte messages (counting their bytes, keeping none), and answers a unary echo.
 Same HTTP/2 options as the store server. It is deliberately not the store: it is the bare-gRPC
-baseline that `bench remote` sets the store's own Get (client/fetch.py) beside. Run as a child
+baseline that `bench remote` sets the store's own Get (client/get_streams.py) beside. Run as a child
 process:
 
     python -m tiered_cache.bench.raw_grpc   # prints "listening on 127.0.0.1:PORT"

@@ -1,8 +1,8 @@
-"""`tiered-cache bench remote`: fetching a many-page prefix through `RemoteTier` beside a bare gRPC
+"""`tiered-cache bench remote`: getting a many-page prefix through `RemoteTier` beside a bare gRPC
 stream of the same bytes and a raw Redis MGET of the same blobs, all in one run; and lookup
 latency for a 32k-token prompt beside a bare gRPC unary call of the same request size.
 
-`bench_clients`: N client processes fetching one prefix at once (aggregate GiB/s) while another
+`bench_clients`: N client processes getting one prefix at once (aggregate GiB/s) while another
 process times Lookups, beside N bare gRPC streams. `bench_long_prefix`: a prefix of GiBs through
 `RemoteTier` with its default deadlines, whole and verified, beside one bare gRPC stream."""
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from tiered_cache.bench.remote_clients import (
-    FetchClient,
+    GetClient,
     LookupClient,
     MappedBlobs,
     RawStreamClient,
@@ -72,7 +72,7 @@ def _store_args(total: int) -> list[str]:
     return ["--no-disk", "--ram", f"{2 * total // 2**20 + 64}MiB"]
 
 
-def bench_fetch(spec: KVSpec, num_pages: int) -> list[Comparison]:
+def bench_get(spec: KVSpec, num_pages: int) -> list[Comparison]:
     items = _blobs(spec, num_pages)
     keys = [k for k, _ in items]
     size = len(items[0][1])
@@ -224,7 +224,7 @@ def bench_lookup(num_tokens: int = 32768, page_size: int = 16, repeat: int = 30)
 
 def bench_clients(spec: KVSpec, num_pages: int, counts: list[int], duration_s: float = 5.0,
                   lookup_tokens: int = 32768) -> list[Comparison]:
-    """For each N in `counts`: N client processes fetch the same prefix through their own
+    """For each N in `counts`: N client processes get the same prefix through their own
     `RemoteTier` for `duration_s` (every page verified) while one more times Lookups of a
     `lookup_tokens`-token prompt; then N bare gRPC streams of the same bytes for as long. One client
     is always measured first: N clients' aggregate is also shown against it."""
@@ -243,13 +243,13 @@ def bench_clients(spec: KVSpec, num_pages: int, counts: list[int], duration_s: f
         rows: list[Comparison] = []
         one_client = 0.0
         for n in counts:
-            print(f"{n} client processes fetching {num_pages} pages for {duration_s:g} s, then {n} bare gRPC "
+            print(f"{n} client processes getting {num_pages} pages for {duration_s:g} s, then {n} bare gRPC "
                   "streams ...", file=sys.stderr)
-            fetchers = [(FetchClient, (store.address, keys, expected, f"fetch client {i}")) for i in range(n)]
-            *fetched, looked = run_together(fetchers + [lookup], duration_s)
+            getters = [(GetClient, (store.address, keys, expected, f"get client {i}")) for i in range(n)]
+            *got, looked = run_together(getters + [lookup], duration_s)
             raw = run_together([(RawStreamClient, (raw_addr, num_pages, size, f"raw client {i}"))
                                 for i in range(n)], duration_s)
-            ours, ceiling = _aggregate(fetched), _aggregate(raw)
+            ours, ceiling = _aggregate(got), _aggregate(raw)
             one_client = one_client or ours
             scale = f"{n} client{'s' if n > 1 else ''}, {num_pages} × {size / 2**20:.2f} MiB"
             rows.append(Comparison(scale, "remote get, aggregate (verified)", ours,
@@ -277,7 +277,7 @@ def _percentile(values: tuple[float, ...], q: int) -> float:
 
 
 def bench_long_prefix(spec: KVSpec, gib: float, repeat: int = 2) -> list[Comparison]:
-    """A prefix of `gib` GiB put into a store server and fetched through `RemoteTier` with its
+    """A prefix of `gib` GiB put into a store server and got through `RemoteTier` with its
     default settings (5 s progress deadline, no budget), every page verified, best of `repeat`;
     beside one bare gRPC stream of the same bytes, kept. Raises when a page is missing or wrong."""
     num_pages = max(1, round(gib * GIB / spec.bytes_per_page))
@@ -293,7 +293,7 @@ def bench_long_prefix(spec: KVSpec, gib: float, repeat: int = 2) -> list[Compari
         tier = RemoteTier([store.address])  # defaults: the progress deadline is what lets GiBs through
         ours = float("inf")
         for run in range(repeat):
-            print(f"fetching {total / GIB:.2f} GiB through the remote tier ({run + 1}/{repeat}) ...", file=sys.stderr)
+            print(f"getting {total / GIB:.2f} GiB through the remote tier ({run + 1}/{repeat}) ...", file=sys.stderr)
             start = time.perf_counter()
             blobs = tier.get(keys)
             ours = min(ours, time.perf_counter() - start)

@@ -2,7 +2,7 @@
 (spawned: nothing shared but what is passed), set up and warmed, then all released together by one
 barrier so that start-up is not timed; each runs until the same deadline and reports back.
 
-- `FetchClient`: `RemoteTier.get` of a prefix again and again (default settings); every page is
+- `GetClient`: `RemoteTier.get` of a prefix again and again (default settings); every page is
   checked byte for byte against what was put, read from one file that every client maps.
 - `RawStreamClient`: the bare gRPC stream of the same bytes from `raw_grpc.py`, messages kept.
 - `LookupClient`: a `Lookup` of a prompt every few milliseconds, each latency recorded.
@@ -96,7 +96,7 @@ class Client(Protocol):
     def close(self) -> None: ...
 
 
-class FetchClient:
+class GetClient:
     gap_s = 0.0
 
     def __init__(self, address: str, keys: list[bytes], expected: MappedBlobs, name: str) -> None:

@@ -92,7 +92,7 @@ def _cache_times(spec: KVSpec, kv: torch.Tensor, repeat: int) -> list[tuple[str,
             put_s = min(put_s, _timed(lambda t=tokens: _expect(cache.put(t, kv), n, "put")))
             get_s = min(get_s, _timed(lambda t=tokens: _expect(cache.get(t)[0], n, "get")))
             get_out_s = min(get_out_s, _timed(lambda t=tokens: _expect(cache.get(t, out=out)[0], n, "get")))
-            _evict_all(cache)  # down to host RAM: load must bring the pages back up
+            _evict_all(cache)  # down to host RAM: every load comes from there
             load_s = min(load_s, _timed(lambda t=tokens: _match_load(cache, t, n // spec.page_size)))
         _verify(cache.get(tokens)[1], kv, "TieredCache.get")
         _verify(out, kv, "TieredCache.get(out=)")

@@ -69,7 +69,7 @@ def add_parser(commands: Any) -> None:
         if name == "redis":
             sub.add_argument("--url", help="an existing Redis (default: start a throwaway redis-server)")
         subs.append(sub)
-    remote = _add(which, "remote", help="fetch and put through the remote tier vs bare gRPC and Redis; lookup latency")
+    remote = _add(which, "remote", help="get and put through the remote tier vs bare gRPC and Redis; lookup latency")
     remote.add_argument("--model", default="llama-3.1-8b", help="preset whose pages are moved")
     remote.add_argument("--page-size", type=int, default=8, help="tokens per page (default 8: 1 MiB pages)")
     remote.add_argument("--pages", type=int, default=256, help="pages in the prefix (default 256)")
@@ -79,7 +79,7 @@ def add_parser(commands: Any) -> None:
                                           "streams (1 is always measured: the scaling baseline)")
     remote.add_argument("--duration", type=float, default=5.0, help="seconds each --clients round runs (default 5)")
     remote.add_argument("--long-prefix", type=float, metavar="GIB",
-                        help="fetch a prefix of GIB GiB through the remote tier on its default settings")
+                        help="get a prefix of GIB GiB through the remote tier on its default settings")
     subs.append(remote)
     fork = _add(which, "fork", help="pool pages of n parallel samples with copy-on-write forks vs each its own copy")
     fork.add_argument("--model", default="smollm2-135m", help="preset whose pages are counted")
@@ -276,9 +276,9 @@ def _remote_rows(args: argparse.Namespace, spec: Any) -> list[Any]:
     from tiered_cache.bench import remote_bench
 
     if args.clients is None and args.long_prefix is None:
-        print(f"fetching {args.pages} pages of {spec.bytes_per_page:,} bytes through a store server ...",
+        print(f"getting {args.pages} pages of {spec.bytes_per_page:,} bytes through a store server ...",
               file=sys.stderr)
-        return (remote_bench.bench_fetch(spec, args.pages) + remote_bench.bench_put(spec, args.pages)
+        return (remote_bench.bench_get(spec, args.pages) + remote_bench.bench_put(spec, args.pages)
                 + remote_bench.bench_lookup(args.lookup_tokens))
     rows = []
     if args.clients is not None:

@@ -1,4 +1,4 @@
-"""`tiered-cache serve`: the store server other instances push pages to and fetch prefixes from."""
+"""`tiered-cache serve`: the store server other instances push pages to and get prefixes from."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The store's client: `StoreClient` (store_client.py), its one Get stream on an aio channel
-(fetch.py), and a server's figures as plain data (stats.py).
+(get_streams.py), and a server's figures as plain data (stats.py).
 
 The client imports only the stubs, `wire/` and the client's side of `shm/`, never the server:
 the remote tier, which the cache uses, does not pull the server in (DESIGN.md §2).

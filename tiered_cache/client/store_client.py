@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from tiered_cache.client.fetch import Fetcher, FetchResult
+from tiered_cache.client.get_streams import GetResult, GetStreams
 from tiered_cache.shm.arena_map import ArenaMap, ArenaViews
 from tiered_cache.shm.host import host_identity
 from tiered_cache.shm.put_ring import PutRing
@@ -56,7 +56,7 @@ class StoreClient:
             self.channel = grpc.insecure_channel(address, options=options)
         self.stub = cache_pb2_grpc.KVCacheStub(self.channel)
         # Put's items are serialized by hand (framing.page_blob_message): one copy of each blob
-        # instead of two. Get goes over an aio channel (fetch.py), its replies parsed by hand too.
+        # instead of two. Get goes over an aio channel (get_streams.py), its replies parsed by hand too.
         self._put = self.channel.stream_unary("/tiered_cache.v1.KVCache/Put", request_serializer=_put_item,
                                               response_deserializer=pb.PutResponse.FromString)
         token = check_token(token, "the store server token")
@@ -64,9 +64,9 @@ class StoreClient:
         if namespace is not None:
             self.metadata += ((NAMESPACE_METADATA, check_namespace(namespace, "remote namespace")),)
         self._options, self._tls_ca = options, tls_ca  # for the aio channel of Get
-        self._fetcher: Fetcher | None = None  # the aio channel of Get, opened on first use
-        self._attached = False  # whether the first get_all asked for the server's arena
-        self._fetcher_lock = threading.Lock()
+        self._streams: GetStreams | None = None  # the aio channel of Get, opened on first use
+        self._attached = False  # whether the first get_whole asked for the server's arena
+        self._streams_lock = threading.Lock()
         # Same-host Put: this client's own ring, which the server maps once offered (put()).
         self.put_ring_bytes = put_ring_bytes
         self._put_ring: PutRing | None = None
@@ -97,52 +97,52 @@ class StoreClient:
     @property
     def arena_map(self) -> ArenaMap | None:
         """The server's arena as mapped here (after a first bulk Get found it on this host), or None."""
-        fetcher = self._fetcher
-        return fetcher.reader if fetcher is not None and not fetcher.stale else None
+        streams = self._streams
+        return streams.reader if streams is not None and not streams.stale else None
 
     def get(self, keys: list[bytes], fingerprint: bytes = b"", timeout_s: float | None = None,
             budget_s: float | None = None) -> Iterator[ReceivedBlob]:
         """The held blobs among `keys`, streamed in order (a missing key is skipped), as bytes.
         Raises `StreamStalled` when no blob arrives for `timeout_s`; `budget_s` bounds the whole
-        call. The same Get as `get_all`, a blob at a time."""
-        yield from self._fetcher_for(attach=False).stream(keys, fingerprint, timeout_s or self.timeout_s, budget_s)
+        call. The same Get as `get_whole`, a blob at a time."""
+        yield from self._streams_for(attach=False).stream(keys, fingerprint, timeout_s or self.timeout_s, budget_s)
 
-    def get_all(self, keys: list[bytes], fingerprint: bytes = b"", timeout_s: float | None = None,
-                budget_s: float | None = None, on_blob: Callable[[ReceivedBlob], None] | None = None,
-                lease: ArenaViews | None = None) -> FetchResult:
+    def get_whole(self, keys: list[bytes], fingerprint: bytes = b"", timeout_s: float | None = None,
+                  budget_s: float | None = None, on_blob: Callable[[ReceivedBlob], None] | None = None,
+                  lease: ArenaViews | None = None) -> GetResult:
         """Like `get`, but the whole stream at once, read on an aio channel (faster for bulk
-        fetches: see fetch.py); the error that ended it, if any, is returned, not raised.
+        gets: see get_streams.py); the error that ended it, if any, is returned, not raised.
         With `lease`, pages that come as refs into the server's arena are lent as views into it (see
         `ArenaViews`: check `lease.lost()` after copying them)."""
-        fetcher = self._fetcher_for(attach=True)
-        return fetcher.get_all(keys, fingerprint, timeout_s or self.timeout_s, budget_s, on_blob, lease)
+        streams = self._streams_for(attach=True)
+        return streams.get_whole(keys, fingerprint, timeout_s or self.timeout_s, budget_s, on_blob, lease)
 
-    def _fetcher_for(self, attach: bool) -> Fetcher:
+    def _streams_for(self, attach: bool) -> GetStreams:
         """The aio channel of Get, opened on first use; with `attach`, the server's arena mapped
         on the first call (when `shm`), and again after the server restarted."""
-        with self._fetcher_lock:
-            if self._fetcher is None:
-                self._fetcher = Fetcher(self.address, self._options, self._tls_ca, self.metadata)
-            fetcher = self._fetcher
+        with self._streams_lock:
+            if self._streams is None:
+                self._streams = GetStreams(self.address, self._options, self._tls_ca, self.metadata)
+            streams = self._streams
             if attach and not self._attached:
                 self._attached = True
                 if self.shm:
-                    fetcher.reader = self.attach()
-            elif attach and fetcher.stale:  # the server restarted: its arena is another segment
-                fetcher.stale = False
+                    streams.reader = self.attach()
+            elif attach and streams.stale:  # the server restarted: its arena is another segment
+                streams.stale = False
                 # Not closed here: a Get on another thread may still be reading it (it unmaps
                 # when the last reference goes).
-                fetcher.reader = self.attach()
-        return fetcher
+                streams.reader = self.attach()
+        return streams
 
     @property
     def shm_overruns(self) -> int:
         """Pages the server's arena wrote over before this client copied them (asked again as bytes)."""
-        return self._fetcher.overruns if self._fetcher is not None else 0
+        return self._streams.overruns if self._streams is not None else 0
 
     @property
     def uses_shm(self) -> bool:
-        return self._fetcher is not None and self._fetcher.reader is not None
+        return self._streams is not None and self._streams.reader is not None
 
     def attach(self) -> ArenaMap | None:
         """The server's arena, mapped read-only, when the server keeps one and runs on this host
@@ -313,8 +313,8 @@ class StoreClient:
 
     def close(self) -> None:
         self.channel.close()
-        if self._fetcher is not None:
-            self._fetcher.close()
+        if self._streams is not None:
+            self._streams.close()
         with self._offer_lock:
             if self._put_ring is not None:  # the server's map of it stays valid until it unmaps
                 self._put_ring.close()

@@ -2,7 +2,7 @@
 line of results to stdout.
 
     python -m tiered_cache.demo.instance a STORE_ADDRESS [--repeat N]   # computes the document's KV, answers Q1
-    python -m tiered_cache.demo.instance b STORE_ADDRESS [--repeat N]   # empty cache: fetches it, answers Q2
+    python -m tiered_cache.demo.instance b STORE_ADDRESS [--repeat N]   # empty cache: loads it, answers Q2
 
 Each TTFT is measured N times (default 3) after one warm-up forward, each time from the same
 state (host RAM refilled by an eviction, a fresh empty cache for the store), so the report can

@@ -1,6 +1,6 @@
 """The two-instance story: a store server, instance A computes a long document's KV and answers a
 question; instance B, another process with an empty cache, answers another question about the
-same document by fetching the document's KV from the store instead of prefilling it."""
+same document by loading the document's KV from the store instead of prefilling it."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ class Transfers:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.pool.kv.device))
         with torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)  # everything the compute stream wrote so far lands first
+            self.stream.wait_event(ready)  # everything the compute stream wrote so far completes first
             # NOTE: gather allocates its index and staging tensors while the copy stream is current,
             # so the caching allocator ties their memory to this stream: once freed, only later
             # work on this same stream can reuse it. record_stream says so explicitly for staged.

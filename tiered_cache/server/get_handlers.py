@@ -59,7 +59,7 @@ class GetHandlers:
     def _locate(self, keys: list[bytes], arena: ArenaTier | None) -> tuple[list[str | None], list[Ref | None]]:
         """Where each key is held, and (for a client that mapped `arena`) where those in the
         arena lie, leased for the read that usually follows; no refs without an arena. Pages held
-        below are not brought up here: a Lookup stays cheap, the Get brings them."""
+        below are not loaded into the arena here: a Lookup stays cheap, the Get loads them."""
         where = self.store.locate(keys)
         if arena is None:
             return where, []
@@ -100,7 +100,7 @@ class GetHandlers:
         of about `stream_buffer_bytes` each are held per stream. `keys`: (as the client sent it,
         as the store keeps it in the call's namespace). A write waits while the client
         is not reading (HTTP/2 flow control); the watch ends the stream when that lasts. With
-        `arena`, pages go as refs into it (no copy), those held below brought into it first."""
+        `arena`, pages go as refs into it (no copy), those held below loaded into it first."""
         r = self.requests
         sizer = BatchSizer(r.config.stream_buffer_bytes)
         start = 0

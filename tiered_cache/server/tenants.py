@@ -14,7 +14,7 @@ namespace for `*` and for a server with one `--token`, which is today's single s
 The server keeps each namespace's pages under keys of their own: the key a client sends, hashed
 with the namespace (`wire/namespaces.py`: `scoped_key`; the empty namespace keeps keys as they
 are). So a client of tenant A asking for tenant B's page keys finds nothing, and its Puts of those
-keys land in A's space, never over B's pages. A blob stored that way carries the namespace's key
+keys go into A's space, never over B's pages. A blob stored that way carries the namespace's key
 (`codec.rekeyed`: every tier checks the key a blob carries) and goes back to its client carrying
 the key the client asked for.
 Same-host shared memory (the arena a client maps, the client's ring the server reads Puts from)

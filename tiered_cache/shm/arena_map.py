@@ -175,9 +175,9 @@ def _announce(arena: ArenaMap) -> None:
 
 
 class ArenaViews:
-    """Pages lent as views into arena maps instead of copied out (`StoreClient.get_all(lease=)`).
+    """Pages lent as views into arena maps instead of copied out (`StoreClient.get_whole(lease=)`).
     A view is good only while the arena has not written over it: copy the pages where they go,
-    then ask `lost()`; a page named there must not be used (fetch it again)."""
+    then ask `lost()`; a page named there must not be used (get it again)."""
 
     def __init__(self) -> None:
         self._pages: list[tuple[bytes, ArenaMap, int, int]] = []
@@ -201,7 +201,7 @@ ArenaRef = tuple[ArenaMap, int, int]  # a server's arena as mapped here, positio
 
 
 class LookupRefs:
-    """Where pages lay in same-host servers' arenas when a Lookup answered, kept for the fetch
+    """Where pages lay in same-host servers' arenas when a Lookup answered, kept for the get
     that usually follows (a load after a match): taken once, then read straight from the arena
     with no Get. A ref may be stale by then; its map says so (`ArenaMap.intact`), and the page is
     then asked for by Get like any other. Bounded: the oldest refs go first."""

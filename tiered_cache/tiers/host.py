@@ -179,7 +179,7 @@ class HostTier:
 
     def reading(self, copy: Any) -> None:
         """Note a device copy out of slab rows still in flight (`finished()`, `wait()`: a
-        `QueuedCopy`), noted before its rows can be freed; until it finishes no write lands in the slab."""
+        `QueuedCopy`), noted before its rows can be freed; until it finishes no write goes into the slab."""
         with self._reads_lock:
             self._reads = [read for read in self._reads if not read.finished()]
             self._reads.append(copy)

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec
 
 _INFO_MAX_AGE_S = 1.0  # stats() asks Redis (INFO, DBSIZE) at most once a second
-_GET_PARTS = 4  # a large get is fetched in this many MGETs, each checked while the next arrives
+_GET_PARTS = 4  # a large get is read in this many MGETs, each checked while the next arrives
 _MIN_GET_PART = 8  # keys; a get of fewer is one MGET, checked on the caller's thread
 # get_into asks for about this many bytes per MGET, the next MGET sent before this one's reply is
 # read: Redis writes a reply only once its whole command has run, and one MGET of 256 values of
@@ -120,7 +120,7 @@ class RedisTier:
         return leading_run(self.contains(keys))
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        """Verified blobs (None: missing or corrupt). A large get is fetched in `_GET_PARTS` MGETs,
+        """Verified blobs (None: missing or corrupt). A large get is read in `_GET_PARTS` MGETs,
         one after another, and each part's checksums run on a helper thread while the next part
         arrives (CRC-32C releases the GIL): the check costs about one copy of the blobs, a
         fraction of an MGET, and would otherwise come after the whole reply."""
@@ -150,7 +150,7 @@ class RedisTier:
         """Write each key's page of `spec`, verified, into `dests[i]` (codec.py's destinations);
         returns the stored size of each blob whose page arrived, 0 for a miss. From one Redis
         server the MGET replies are read off the socket straight into the destinations
-        (`resp_reader.py`: no blob per page, no fresh memory), each page checked where it lands;
+        (`resp_reader.py`: no blob per page, no fresh memory), each page checked where it is placed;
         from a cluster, the blobs of `get` are decoded. A blob that is corrupt, or no page of
         `spec`, is a miss: counted and deleted."""
         single = self._nodes.single
@@ -199,7 +199,7 @@ class RedisTier:
                     length = reader.bulk_len()
                     if length is None:
                         continue
-                    if self._land(reader, length, keys[i], dests[i], spec):
+                    if self._place(reader, length, keys[i], dests[i], spec):
                         arrived[i] = length
                     else:
                         corrupt.append(keys[i])
@@ -210,11 +210,11 @@ class RedisTier:
                 conn.disconnect()
             pool.release(conn)
 
-    def _land(self, reader: ReplyReader, length: int, key: bytes, dest: PageDest, spec: KVSpec) -> bool:
+    def _place(self, reader: ReplyReader, length: int, key: bytes, dest: PageDest, spec: KVSpec) -> bool:
         """Read the next value (`length` bytes) into `dest` and check it there; False if refused.
         A raw blob: header, payload and trailer read apart, the payload straight into `dest`
         (a page's strided blocks in a CPU pool too: one `recvmsg_into` scatters over them), its
-        checksum computed where the bytes landed. A compressed blob, or strided blocks over TLS:
+        checksum computed where the bytes were placed. A compressed blob, or strided blocks over TLS:
         into this thread's reused buffer, checked and decoded from there. Checked here, not on a
         helper thread: a same-host Redis needs the CPU a helper would take (docs/PERFORMANCE.md,
         "Issue 33, item 3")."""

@@ -36,10 +36,11 @@ if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec
 
 
-class _Landed(enum.Enum):
-    """What became of one page `get_into` received."""
+class _Placed(enum.Enum):
+    """What became of one page `get_into` received: placed (verified and written into its
+    destinations), lost or corrupt."""
 
-    ARRIVED = "arrived"
+    PLACED = "placed"
     LOST = "lost"  # a page lent from an arena the server wrote over while it was read: ask again
     CORRUPT = "corrupt"
 
@@ -64,10 +65,10 @@ class RemoteTier:
         self._stats = TierStats(self.name)
         self._refused = 0  # pages servers refused to store (counted as errors)
         # Threads checking and copying received pages: checksums and copies release the GIL, so n
-        # threads land a prefix in about 1/n of the time, up to the memory's bandwidth.
+        # threads place a prefix in about 1/n of the time, up to the memory's bandwidth.
         self.checkers = checker_threads()
         self._checker = ThreadPoolExecutor(max_workers=self.checkers, thread_name_prefix="remote-tier-crc")
-        for _ in range(self.checkers):  # started now, not by the first fetch
+        for _ in range(self.checkers):  # started now, not by the first get
             self._checker.submit(time.sleep, 0.01)
         self.stores = StoreServers(token, tls_ca, timeout_s, shm, breaker or BreakerPolicy(), namespace)
         self.arena_reads = ArenaReads(self.stores)
@@ -101,7 +102,7 @@ class RemoteTier:
         that does not answer opens its breaker, as on any call."""
         def connect(client: StoreClient) -> None:
             client.lookup([])
-            result = client.get_all([], self.fingerprint)
+            result = client.get_whole([], self.fingerprint)
             if result.error is not None:
                 raise result.error
 
@@ -138,7 +139,7 @@ class RemoteTier:
 
     def arena_pages(self, keys: Sequence[bytes]) -> list[ArenaRef | None]:
         """Where each key's page lies in a same-host server's arena, or None: refs a Lookup left,
-        a Lookup now, and for the rest a Get that first brings them into the arena (from the
+        a Lookup now, and for the rest a Get that first loads them into the arena (from the
         server's disk or Redis) and answers with refs. Nothing is copied or verified here: the
         caller copies each page from where it lies, checks it, and asks `ArenaMap.intact` after."""
         return self.arena_reads.pages(keys, self.fingerprint, self.budget_s)
@@ -163,7 +164,7 @@ class RemoteTier:
         unique = [key for key in positions_of if key not in have]
         ring = self.stores.ring
 
-        def fetch(index: int, positions: list[int]) -> list[tuple[bytes, Future[bytes | None]]]:
+        def from_server(index: int, positions: list[int]) -> list[tuple[bytes, Future[bytes | None]]]:
             asked = [unique[i] for i in positions]
             checks: list[tuple[bytes, Future[bytes | None]]] = []
 
@@ -177,14 +178,14 @@ class RemoteTier:
 
             def stream(client: StoreClient) -> None:
                 # Blobs received before a stream breaks stay usable: each is verified on its own.
-                result = client.get_all(asked, self.fingerprint, budget_s=self.budget_s, on_blob=check, lease=lease)
+                result = client.get_whole(asked, self.fingerprint, budget_s=self.budget_s, on_blob=check, lease=lease)
                 if result.error is not None:
                     raise result.error
 
             self.stores.call(ring.servers[index], stream, None)
             return checks
 
-        streamed = self.stores.each_server(StoreServers.by_server(ring, unique), fetch).values() if unique else []
+        streamed = self.stores.each_server(StoreServers.by_server(ring, unique), from_server).values() if unique else []
         for checks in [ready, *streamed]:
             for key, check in checks:
                 blob = check.result()
@@ -207,7 +208,7 @@ class RemoteTier:
         lease = LentPages()
         sizes: dict[bytes, int] = {}  # each page's blob, as received
 
-        def land(key: bytes, data: Any, lent: bool) -> _Landed:
+        def place(key: bytes, data: Any, lent: bool) -> _Placed:
             """Verify `data` where it lies (an arena view when `lent`: no copy) and decode it into
             the key's destinations; a lent page is checked intact after the copy (shm/arena.py)."""
             first, *others = positions_of[key]
@@ -217,79 +218,79 @@ class RemoteTier:
                 for other in others:  # a key asked twice: every position gets it
                     decode_into(data, spec, key, dests[other], check_crc=False)
             except BlobError:
-                return _Landed.LOST if lent and not lease.intact(key) else _Landed.CORRUPT
+                return _Placed.LOST if lent and not lease.intact(key) else _Placed.CORRUPT
             if lent and not lease.intact(key):  # after every copy: the bytes copied are the bytes checked
-                return _Landed.LOST
-            return _Landed.ARRIVED
+                return _Placed.LOST
+            return _Placed.PLACED
 
         submitted: list[Future[Any]] = []  # every page (or share of pages) handed to a checker thread
         try:
-            return self._get_into(positions_of, land, lease, submitted, sizes, len(keys))
-        finally:  # all landed (or failed) before the caller may free or reuse the destinations,
+            return self._get_into(positions_of, place, lease, submitted, sizes, len(keys))
+        finally:  # all placed (or failed) before the caller may free or reuse the destinations,
             wait(submitted)  # also when a stream raised midway
 
-    def _get_into(self, positions_of: dict[bytes, list[int]], land: Callable[[bytes, Any, bool], _Landed],
+    def _get_into(self, positions_of: dict[bytes, list[int]], place: Callable[[bytes, Any, bool], _Placed],
                   lease: LentPages, submitted: list[Future[Any]], sizes: dict[bytes, int],
                   num_keys: int) -> list[int]:
         views = self.arena_reads.read(list(positions_of), lease)
 
-        def land_all(share: list[tuple[bytes, memoryview]]) -> list[tuple[bytes, _Landed]]:
-            return [(key, land(key, view, True)) for key, view in share]
+        def place_all(share: list[tuple[bytes, memoryview]]) -> list[tuple[bytes, _Placed]]:
+            return [(key, place(key, view, True)) for key, view in share]
 
         # One share per checker thread (every n-th page), not a task per page: on a memory-bound
         # copy the per-task hand-offs cost more than they spread.
         k = self.checkers
-        shares = [self._checker.submit(land_all, views[i::k]) for i in range(min(k, len(views)))]
+        shares = [self._checker.submit(place_all, views[i::k]) for i in range(min(k, len(views)))]
         submitted.extend(shares)
         have = {key for key, _ in views}
-        outcomes = self._stream_into([k for k in positions_of if k not in have], land, lease, submitted)
+        outcomes = self._stream_into([k for k in positions_of if k not in have], place, lease, submitted)
         outcomes.update({key: what for share in shares for key, what in share.result()})
-        lost = [key for key, what in outcomes.items() if what is _Landed.LOST]
+        lost = [key for key, what in outcomes.items() if what is _Placed.LOST]
         if lost:  # as bytes this time: nothing lent, so nothing to lose
-            outcomes.update(self._stream_into(lost, land, None, submitted))
+            outcomes.update(self._stream_into(lost, place, None, submitted))
         arrived = [0] * num_keys
         for key, what in outcomes.items():
-            if what is _Landed.ARRIVED:
+            if what is _Placed.PLACED:
                 for i in positions_of[key]:
                     arrived[i] = sizes[key]
         self._stats.hits += sum(1 for n in arrived if n)
         self._stats.misses += sum(1 for n in arrived if not n)
         self._stats.bytes_out += sum(arrived)
-        self._stats.corrupt += sum(what is _Landed.CORRUPT for what in outcomes.values())
+        self._stats.corrupt += sum(what is _Placed.CORRUPT for what in outcomes.values())
         return arrived
 
-    def _stream_into(self, keys: list[bytes], land: Callable[[bytes, Any, bool], _Landed],
-                     lease: LentPages | None, submitted: list[Future[Any]]) -> dict[bytes, _Landed]:
+    def _stream_into(self, keys: list[bytes], place: Callable[[bytes, Any, bool], _Placed],
+                     lease: LentPages | None, submitted: list[Future[Any]]) -> dict[bytes, _Placed]:
         """Get `keys` (distinct) from the servers owning them, in parallel, each page handed to
-        `land` on the checker threads as it arrives (with whether it is lent from an arena, through
+        `place` on the checker threads as it arrives (with whether it is lent from an arena, through
         `lease`); what became of each page received."""
         if not keys:
             return {}
         ring = self.stores.ring
 
-        def fetch(index: int, positions: list[int]) -> list[tuple[bytes, Future[_Landed]]]:
+        def from_server(index: int, positions: list[int]) -> list[tuple[bytes, Future[_Placed]]]:
             asked = [keys[i] for i in positions]
             pending = set(asked)
-            checks: list[tuple[bytes, Future[_Landed]]] = []
+            checks: list[tuple[bytes, Future[_Placed]]] = []
 
             def arrived(item: ReceivedBlob) -> None:  # on the stream's event loop: hand it over
                 if item.key in pending:
                     pending.discard(item.key)
                     lent = lease is not None and lease.lent(item.key)  # added before this call when lent
-                    checks.append((item.key, self._checker.submit(land, item.key, item.blob, lent)))
+                    checks.append((item.key, self._checker.submit(place, item.key, item.blob, lent)))
                     submitted.append(checks[-1][1])
 
             def stream(client: StoreClient) -> None:
                 # Pages received before a stream breaks stay usable: each is checked on its own.
-                result = client.get_all(asked, self.fingerprint, budget_s=self.budget_s, on_blob=arrived,
-                                        lease=lease)
+                result = client.get_whole(asked, self.fingerprint, budget_s=self.budget_s, on_blob=arrived,
+                                          lease=lease)
                 if result.error is not None:
                     raise result.error
 
             self.stores.call(ring.servers[index], stream, None)
             return checks
 
-        streamed = self.stores.each_server(StoreServers.by_server(ring, keys), fetch).values()
+        streamed = self.stores.each_server(StoreServers.by_server(ring, keys), from_server).values()
         return {key: check.result() for checks in streamed for key, check in checks}
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:

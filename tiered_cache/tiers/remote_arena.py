@@ -2,7 +2,7 @@
 
 A server on this host keeps its RAM tier in shared memory that its clients map read-only
 (shm/arena.py). A Lookup to it also says where its pages lie there; those refs are remembered
-for the fetch that usually follows, which then reads the pages in place with no Get. A Lookup of
+for the get that usually follows, which then reads the pages in place with no Get. A Lookup of
 keys that all lie intact where the arena's published index says is answered here, without an RPC
 (and told to the server later, touch batching: remote_touch.py).
 """
@@ -20,7 +20,7 @@ from tiered_cache.tiers.remote_touch import Toucher
 
 class LentPages(ArenaViews):
     """A lease that also tells, page by page, whether a lent page is still intact: `get_into`
-    checks each page right after copying it, so a long fetch (the arena comes round many times
+    checks each page right after copying it, so a long get (the arena comes round many times
     over a few GiB) loses only pages it really read too late."""
 
     def __init__(self) -> None:
@@ -45,13 +45,13 @@ class ArenaReads:
 
     def __init__(self, servers: StoreServers) -> None:
         self._servers = servers
-        self.refs = LookupRefs()  # same-host arena refs from Lookups, for the fetches after
+        self.refs = LookupRefs()  # same-host arena refs from Lookups, for the gets after
         self.toucher = Toucher(servers)
         self.pages_from_lookup = 0
 
     def lookup(self, server: Server, keys: list[bytes]) -> Any:
         """The server's Lookup reply (None when it failed). A server on this host also says where
-        the pages in its arena lie: remembered for the fetch that usually follows, which then
+        the pages in its arena lie: remembered for the get that usually follows, which then
         reads them in place with no Get. When every key lies intact where the arena's published
         index says, that answers without an RPC (a server whose breaker is not closed is asked,
         so its health is still probed by real calls)."""
@@ -95,10 +95,10 @@ class ArenaReads:
 
     def pages(self, keys: Sequence[bytes], fingerprint: bytes, budget_s: float | None) -> list[ArenaRef | None]:
         """Where each key's page lies in a same-host server's arena, or None: refs a Lookup left,
-        a Lookup now, and for the rest a Get that first brings them into the arena and answers
+        a Lookup now, and for the rest a Get that first loads them into the arena and answers
         with refs (`RemoteTier.arena_pages`)."""
         refs = self.take_refs(keys)
-        self.pages_from_lookup += len(refs)  # placed with no Get: the caller reads them in place
+        self.pages_from_lookup += len(refs)  # located with no Get: the caller reads them in place
         missing = [key for key in dict.fromkeys(keys) if key not in refs]
         servers = self._servers
         ring = servers.ring
@@ -106,15 +106,15 @@ class ArenaReads:
         if groups and not servers.closed:
             views = ArenaViews()
 
-            def bring(index: int, positions: list[int]) -> None:
+            def get_refs(index: int, positions: list[int]) -> None:
                 def stream(client: StoreClient) -> None:
-                    result = client.get_all([missing[i] for i in positions], fingerprint, budget_s=budget_s,
-                                            lease=views)
+                    result = client.get_whole([missing[i] for i in positions], fingerprint, budget_s=budget_s,
+                                              lease=views)
                     if result.error is not None:
                         raise result.error
                 servers.call(ring.servers[index], stream, None)
 
-            servers.each_server(groups, bring)
+            servers.each_server(groups, get_refs)
             for key, arena, position, length in views.pages():
                 refs.setdefault(key, (arena, position, length))
         return [refs.get(key) for key in keys]

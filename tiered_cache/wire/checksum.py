@@ -43,7 +43,7 @@ crc32c_extend = IMPLEMENTATIONS[IMPLEMENTATION]  # (crc, buffer) -> crc
 def checker_threads(cores: int | None = None) -> int:
     """Threads that check (and copy) pages beside one transfer: half the cores this process may
     run on, 2 to 8. One thread checks 10-22 GB/s (CPU-dependent) and copies with a check at about
-    half that, while a GPU node's host->device link brings ~55 GB/s: two threads would hold it
+    half that, while a GPU node's host->device link carries ~55 GB/s: two threads would hold it
     back there; more than 8 would only take cores from the engine. `cores`: instead of counting."""
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)

@@ -471,8 +471,8 @@ def raw_blob_size(spec: KVSpec) -> int:
 
 
 def contiguous_dest(dest: PageDest) -> np.ndarray | None:
-    """A flat view of a contiguous destination, writable in place (a file or socket read can land
-    in it), or None for a strided one."""
+    """A flat view of a contiguous destination, writable in place (a file or socket read can write
+    straight into it), or None for a strided one."""
     return dest.reshape(-1) if dest.flags.c_contiguous else None
 
 

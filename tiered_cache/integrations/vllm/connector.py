@@ -10,7 +10,7 @@ blocks to load and which to save: only blocks whose every token has been compute
 partial one, and not blocks that were just loaded.
 
 Worker side: a block is stored as pages of layer groups (`layer_groups.py`). `start_load_kv`
-hands the step's loads to a loader thread, which fetches group after group and copies each into
+hands the step's loads to a loader thread, which gets group after group and copies each into
 vLLM's KV; `wait_for_layer_load` waits only for the group of the layer about to attend, so the
 first layers compute while the last are still arriving. Saves are copied out of vLLM's KV after
 the forward (`wait_for_save`) and encoded and written on a background queue, so the forward never

@@ -1,6 +1,6 @@
 """`LoadJob`: one forward step's block loads, layer group after layer group (vLLM-free).
 
-`run` (on the connector's loader thread, or inline) fetches group 0 of every block, copies it
+`run` (on the connector's loader thread, or inline) gets group 0 of every block, copies it
 into vLLM's KV and signals it, then group 1, and so on. The forward pass waits for a layer's
 group (`wait_for`) before that layer attends. Whatever goes wrong ends as failed blocks, which
 vLLM recomputes, never as a hang or as KV copied in after it was used:
@@ -26,7 +26,7 @@ from tiered_cache.integrations.vllm.store import BlockStore
 from tiered_cache.shm.arena_map import ArenaViews
 
 log = logging.getLogger(__name__)
-WAIT_S = 120.0  # the tiers' own deadlines end a stuck fetch long before this
+WAIT_S = 120.0  # the tiers' own deadlines end a stuck get long before this
 
 
 class LoadJob:
@@ -73,14 +73,14 @@ class LoadJob:
         for (keys, block_ids), prefetched in zip(self.transfers, self._prefetched, strict=True):
             started = time.perf_counter()
             # Pages from a store server on this host come as views into its arena (no copy out):
-            # copied into vLLM's KV, then checked; any the arena wrote over are fetched again
+            # copied into vLLM's KV, then checked; any the arena wrote over are read again
             # as copies before the group is signalled, so no layer ever attends to them.
             lease, pages = ArenaViews(), None
             if prefetched is not None:
                 try:
                     pages, lease = prefetched[0].result()[group], prefetched[1]
-                except Exception:  # fetched again below, as if never started
-                    log.warning("tiered-cache: a load started ahead failed; fetching again", exc_info=True)
+                except Exception:  # loaded again below, as if never started
+                    log.warning("tiered-cache: a load started ahead failed; loading again", exc_info=True)
             copied, failed = self._copy_in(layers, keys, block_ids, group, lease, pages)
             page_keys = self.store.page_keys(keys, group)
             lost = lease.lost().intersection(page_keys)  # a prefetch's lease holds every group's pages
@@ -95,11 +95,11 @@ class LoadJob:
             if self.timing:
                 print(f"[tiered-cache]   group {group}: {len(keys)} blocks in "
                       f"{1e3 * (time.perf_counter() - started):.1f} ms ({len(copied)} copied, {len(lost)} pages "
-                      "written over and fetched again)", file=sys.stderr, flush=True)
+                      "written over and read again)", file=sys.stderr, flush=True)
 
     def _copy_in(self, layers: list[torch.Tensor], keys: list[bytes], block_ids: list[int], group: int,
                  lease: ArenaViews | None, pages: list[torch.Tensor | None] | None = None) -> tuple[set[int], set[int]]:
-        """Fetch group `group` of these blocks (unless prefetched: `pages`) and copy it into
+        """Load group `group` of these blocks (unless prefetched: `pages`) and copy it into
         vLLM's KV. Returns the block ids copied in and those missing or refused."""
         if not keys:
             return set(), set()

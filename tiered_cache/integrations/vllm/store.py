@@ -54,7 +54,7 @@ class BlockStore:
         self.spec = spec if per_page == spec.num_layers else spec.with_options(num_layers=per_page)  # a page's
         self.config = config
         if config.malloc_tuning:
-            tune_malloc()  # else every fetch pays first-touch page faults on fresh buffers
+            tune_malloc()  # else every load pays first-touch page faults on fresh buffers
         tiers = [MemoryTier(config.host_capacity), *build_lower_tiers(config, self.spec.fingerprint)]
         self.chain = TierChain(tiers)
         self.writer = BackgroundQueue("vllm-block-saver", capacity=config.demotion_queue, nice=BACKGROUND_NICE)
@@ -65,7 +65,7 @@ class BlockStore:
         self.saves_dropped = 0  # blocks whose save was dropped: the queue was full
         self.load_errors = 0  # pages found but refused on decode (counted, then recomputed)
         self.load_failures = 0  # blocks a lookup promised that could not be loaded (vLLM recomputed them)
-        self.lent_lost = 0  # pages lent from a server's arena and written over before copied: fetched again
+        self.lent_lost = 0  # pages lent from a server's arena and written over before copied: read again
         # Loads started when the scheduler found the blocks, taken by the worker's load job: set
         # once a worker registers its KV in this process (scheduler and worker share the store).
         self.loads_here = False
@@ -145,9 +145,9 @@ class BlockStore:
 
     def prefetch(self, block_keys: Sequence[bytes]) -> bool:
         """Start loading every layer group of these blocks in the background, for the load job
-        that follows in this process (`take_prefetch`): the fetch overlaps what the engine does
+        that follows in this process (`take_prefetch`): the load overlaps what the engine does
         between scheduling a request and its forward. Pages from a same-host store server are
-        lent (`ArenaViews`): the job checks them after copying, as for its own fetches. Only where a
+        lent (`ArenaViews`): the job checks them after copying, as for its own loads. Only where a
         worker registered its KV here, and for whole blocks (loaded group by group, the first
         group must not wait for the last); False when not started."""
         key = tuple(block_keys)

@@ -1,12 +1,12 @@
-"""The store client's one Get: a stream on a grpc.aio channel (`Fetcher`), read whole
-(`get_all`: every blob of a stream at once, what the remote tier uses) or a blob at a time
+"""The store client's one Get: a stream on a grpc.aio channel (`GetStreams`), read whole
+(`get_whole`: every blob of a stream at once, what the remote tier uses) or a blob at a time
 (`stream`: `StoreClient.get`).
 
 The sync gRPC client hands each received message from its polling thread to the consumer (a
 thread switch and a GIL hand-off per message); the aio client reads the whole stream on one
 event loop, which moves bulk streams faster (docs/PERFORMANCE.md, "The store under many
 clients"). One event loop thread per process serves
-every `Fetcher`; each fetcher owns an aio channel bound to that loop.
+every `GetStreams`; each owns an aio channel bound to that loop.
 
 With `reader` (the server's arena, mapped: shm/arena_map.py) pages come as refs into it and are
 copied out, or with `ArenaViews` lent as views into it; a page the arena wrote over before it was
@@ -30,7 +30,7 @@ from tiered_cache.wire.deadline import ProgressDeadline
 from tiered_cache.wire.framing import ReceivedBlob, parse_page_blob
 
 _GET = "/tiered_cache.v1.KVCache/Get"
-READ_AHEAD = 32  # blobs `Fetcher.stream` reads ahead of its caller at most
+READ_AHEAD = 32  # blobs `GetStreams.stream` reads ahead of its caller at most
 READ_AHEAD_BYTES = 2 * 2**20  # and bytes
 _END = object()  # `stream`'s end of the stream
 
@@ -51,7 +51,7 @@ class _Loop:
             return cls._loop
 
 
-class FetchResult:
+class GetResult:
     """What a bulk Get received: the blobs in stream order, and the error that ended it early
     (None when the stream completed). Blobs received before an error stay usable."""
 
@@ -59,7 +59,9 @@ class FetchResult:
         self.blobs, self.error = blobs, error
 
 
-class Fetcher:
+class GetStreams:
+    """The Get streams of one store client, on one aio channel of its own."""
+
     def __init__(self, address: str, options: list[tuple[str, int]], tls_ca: str | None,
                  metadata: tuple[tuple[str, str], ...]) -> None:
         self.address = address
@@ -132,22 +134,22 @@ class Fetcher:
         finally:
             watch.close()
 
-    def get_all(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
-                on_blob: Callable[[ReceivedBlob], None] | None = None, lease: ArenaViews | None = None) -> FetchResult:
+    def get_whole(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
+                  on_blob: Callable[[ReceivedBlob], None] | None = None, lease: ArenaViews | None = None) -> GetResult:
         """Every blob the server streams for `keys`. The stream fails when nothing arrives for
         `idle_s` (progress deadline) or, when set, past `budget_s`. `on_blob` runs on the loop's
         thread as each blob arrives (e.g. to start its checksum elsewhere): keep it short. With
         `lease`, arena pages are views recorded in it, not copies (see `ArenaViews`)."""
-        return self._on_loop(self._get_all(keys, fingerprint, idle_s, budget_s, on_blob, lease))
+        return self._on_loop(self._get_whole(keys, fingerprint, idle_s, budget_s, on_blob, lease))
 
-    async def _get_all(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
-                       on_blob: Callable[[ReceivedBlob], None] | None, lease: ArenaViews | None) -> FetchResult:
+    async def _get_whole(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
+                         on_blob: Callable[[ReceivedBlob], None] | None, lease: ArenaViews | None) -> GetResult:
         blobs: list[ReceivedBlob] = []
         lost, error = await self._stream(keys, fingerprint, idle_s, budget_s, on_blob, self.reader, blobs, lease)
         if lost and error is None:
             self.overruns += len(lost)
             _, error = await self._stream(lost, fingerprint, idle_s, budget_s, on_blob, None, blobs, None)
-        return FetchResult(blobs, error)
+        return GetResult(blobs, error)
 
     async def _stream(self, keys: list[bytes], fingerprint: bytes, idle_s: float, budget_s: float | None,
                       on_blob: Callable[[ReceivedBlob], None] | None, reader: ArenaMap | None,
