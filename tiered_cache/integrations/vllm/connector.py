@@ -45,11 +45,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tiered_cache.config import CacheConfig
+from tiered_cache.integrations.vllm.block_tiers import BlockTiers
 from tiered_cache.integrations.vllm.identity import model_id_for, vllm_spec
 from tiered_cache.integrations.vllm.layer_groups import group_size
 from tiered_cache.integrations.vllm.layout import gather_blocks, layout_of, stacked_view
 from tiered_cache.integrations.vllm.load_job import LoadJob
-from tiered_cache.integrations.vllm.store import BlockStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -108,7 +108,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         device = getattr(getattr(vllm_config, "device_config", None), "device_type", "")
         per_page = group_size(self.spec.num_layers, self.spec.bytes_per_page // self.spec.num_layers,
                               extra.get("layer_groups"), kv_on_cpu=device == "cpu")
-        self.store = BlockStore.shared(self.spec, self.config, per_page)
+        self.tiers = BlockTiers.shared(self.spec, self.config, per_page)
         self._set_failure_policy(str(extra.get("load_failure_policy", "recompute")))
         self._requests: dict[str, _Request] = {}  # scheduler side
         self._layers: list[torch.Tensor] = []  # worker side
@@ -117,7 +117,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._failed: set[int] = set()
         self._job: LoadJob | None = None
         self._loader: ThreadPoolExecutor | None = None
-        self._layerwise = self.store.num_groups > 1  # off for good if a forward skips wait_for_layer_load
+        self._layerwise = self.tiers.num_groups > 1  # off for good if a forward skips wait_for_layer_load
 
     def _set_failure_policy(self, policy: str) -> None:
         """A block we fail to load must be recomputed, not fail the request (vLLM's default)."""
@@ -132,19 +132,19 @@ class TieredCacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         tokens = list(request.prompt_token_ids or [])
         namespace = getattr(request, "cache_salt", None) or self.config.namespace
-        state = _Request(len(tokens), self.store.keys(tokens, namespace))
+        state = _Request(len(tokens), self.tiers.keys(tokens, namespace))
         self._requests[request.request_id] = state
         usable = max(0, len(tokens) - 1) // self.block_size  # at least one token is computed
         first = num_computed_tokens // self.block_size  # vLLM's own prefix cache holds these
         t0 = time.perf_counter()
-        held = self.store.leading(state.keys[:usable])
+        held = self.tiers.leading(state.keys[:usable])
         if _TIMING:
             print(f"[tiered-cache] lookup {usable} blocks: {held} held, {1e3 * (time.perf_counter() - t0):.1f} ms",
                   file=sys.stderr, flush=True)
         if held <= first:
             return 0, False
         state.load = (first, held)
-        self.store.prefetch(state.keys[first:held])  # the worker's load job takes it (same process)
+        self.tiers.prefetch(state.keys[first:held])  # the worker's load job takes it (same process)
         return held * self.block_size - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -183,7 +183,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         full = min(min(computed_after, state.num_prompt_tokens) // self.block_size, len(state.keys),
                    len(state.block_ids))
         if full > state.saved:
-            todo = [i for i in range(state.saved, full) if not self.store.stored_below(state.keys[i])]
+            todo = [i for i in range(state.saved, full) if not self.tiers.stored_below(state.keys[i])]
             if todo:
                 meta.saves.append(BlockTransfer([state.keys[i] for i in todo], [state.block_ids[i] for i in todo]))
             state.saved = full
@@ -199,13 +199,13 @@ class TieredCacheConnector(KVConnectorBase_V1):
             raise ValueError(f"vLLM registered {len(self._layers)} KV layers, the model config says "
                              f"{self.spec.num_layers}")
         self._kind = layout_of(self._layers[0], self.spec.num_kv_heads, self.spec.head_dim)
-        self._group_of = {name: i // self.store.layers_per_page for i, name in enumerate(kv_caches)}
+        self._group_of = {name: i // self.tiers.layers_per_page for i, name in enumerate(kv_caches)}
         if _TIMING:
             one = stacked_view(self._layers) is not None
             print(f"[tiered-cache] {len(self._layers)} KV layers, {self._kind} layout, "
                   f"{'slices of one tensor (one copy a block)' if one else 'apart (one copy a block and layer)'}",
                   file=sys.stderr, flush=True)
-        self.store.loads_here = True  # the scheduler here may start loads ahead (BlockStore.prefetch)
+        self.tiers.loads_here = True  # the scheduler here may start loads ahead (BlockTiers.prefetch)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -213,7 +213,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._finish_load()  # a previous step's job, should one be left
         if not meta.loads:
             return
-        job = LoadJob(self.store, self._layers, self._kind, [(t.keys, t.block_ids) for t in meta.loads],
+        job = LoadJob(self.tiers, self._layers, self._kind, [(t.keys, t.block_ids) for t in meta.loads],
                       timing=_TIMING)
         self._job = job
         if self._layerwise:
@@ -226,7 +226,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self._job
         if job is not None:
-            job.wait_for(self._group_of.get(layer_name, self.store.num_groups - 1), layer_name)
+            job.wait_for(self._group_of.get(layer_name, self.tiers.num_groups - 1), layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saved all layers at once in wait_for_save, after the forward
@@ -243,7 +243,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
                         "before the forward from now on (this step's loaded blocks are recomputed)", unwaited)
             self._layerwise = False
         self._failed.update(job.failed)
-        self.store.load_failures += len(job.failed)
+        self.tiers.load_failures += len(job.failed)
 
     def wait_for_save(self) -> None:
         self._finish_load()
@@ -252,7 +252,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         for transfer in meta.saves:
             # A copy now (vLLM may reuse the blocks after this step); encoding and writing later.
             pages = gather_blocks(self._layers, transfer.block_ids, self._kind, self.spec.head_dim)
-            self.store.save(transfer.keys, pages.to(self.spec.dtype.torch).contiguous())
+            self.tiers.save(transfer.keys, pages.to(self.spec.dtype.torch).contiguous())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_load()
@@ -263,4 +263,4 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._finish_load()
         if self._loader is not None:
             self._loader.shutdown(wait=True)
-        self.store.flush(30.0)
+        self.tiers.flush(30.0)

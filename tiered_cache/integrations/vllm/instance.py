@@ -133,18 +133,18 @@ def _time_hooks(connector: str) -> Any:
 
 def _store_figures() -> list[dict[str, int]]:
     """What this process's block stores did (tests read them)."""
-    from tiered_cache.integrations.vllm import store
+    from tiered_cache.integrations.vllm import block_tiers
 
     return [{"layer_groups": s.num_groups, "load_failures": s.load_failures, "load_errors": s.load_errors,
              "saves_dropped": s.saves_dropped, "prefetches_taken": s.prefetches_taken, "lent_lost": s.lent_lost}
-            for s in list(store._STORES.values())]
+            for s in list(block_tiers._SHARED.values())]
 
 
 def _flush_stores() -> bool:
     """Finish the background writes of this process's block stores before exiting."""
-    from tiered_cache.integrations.vllm import store
+    from tiered_cache.integrations.vllm import block_tiers
 
-    return all(s.flush(60.0) for s in list(store._STORES.values()))
+    return all(s.flush(60.0) for s in list(block_tiers._SHARED.values()))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tiered_cache.integrations.vllm.block_tiers import BlockTiers
 from tiered_cache.integrations.vllm.layout import scatter_blocks
-from tiered_cache.integrations.vllm.store import BlockStore
 from tiered_cache.shm.arena_map import ArenaViews
 
 log = logging.getLogger(__name__)
@@ -30,21 +30,21 @@ WAIT_S = 120.0  # the tiers' own deadlines end a stuck get long before this
 
 
 class LoadJob:
-    def __init__(self, store: BlockStore, layers: Sequence[torch.Tensor], kind: str,
+    def __init__(self, tiers: BlockTiers, layers: Sequence[torch.Tensor], kind: str,
                  transfers: Sequence[tuple[Sequence[bytes], Sequence[int]]], timing: bool = False,
                  wait_s: float = WAIT_S) -> None:
         """`transfers`: (block keys, vLLM block ids) pairs; `layers`: vLLM's KV tensor per layer."""
-        self.store, self.layers, self.kind = store, list(layers), kind
+        self.tiers, self.layers, self.kind = tiers, list(layers), kind
         self.transfers = [(list(keys), list(ids)) for keys, ids in transfers]
         self.timing, self.wait_s = timing, wait_s
-        self.ready = [threading.Event() for _ in range(store.num_groups)]
+        self.ready = [threading.Event() for _ in range(tiers.num_groups)]
         self.done = threading.Event()
         self.failed: set[int] = set()
         self._lock = threading.Lock()  # held while copying in, and to cancel
         self._cancelled = False
         self._waited: set[str] = set()
-        # Loads the scheduler started ahead for exactly these blocks (BlockStore.prefetch).
-        self._prefetched = [store.take_prefetch(keys) for keys, _ in self.transfers]
+        # Loads the scheduler started ahead for exactly these blocks (BlockTiers.prefetch).
+        self._prefetched = [tiers.take_prefetch(keys) for keys, _ in self.transfers]
 
     @property
     def block_ids(self) -> set[int]:
@@ -54,7 +54,7 @@ class LoadJob:
         start = time.perf_counter()
         try:
             with torch.inference_mode():  # vLLM's KV tensors are inference tensors
-                for group in range(self.store.num_groups):
+                for group in range(self.tiers.num_groups):
                     self._load_group(group)
                     self.ready[group].set()
                     if self.timing:
@@ -69,7 +69,7 @@ class LoadJob:
             self.done.set()
 
     def _load_group(self, group: int) -> None:
-        layers = [self.layers[i] for i in self.store.layers_of(group)]
+        layers = [self.layers[i] for i in self.tiers.layers_of(group)]
         for (keys, block_ids), prefetched in zip(self.transfers, self._prefetched, strict=True):
             started = time.perf_counter()
             # Pages from a store server on this host come as views into its arena (no copy out):
@@ -82,10 +82,10 @@ class LoadJob:
                 except Exception:  # loaded again below, as if never started
                     log.warning("tiered-cache: a load started ahead failed; loading again", exc_info=True)
             copied, failed = self._copy_in(layers, keys, block_ids, group, lease, pages)
-            page_keys = self.store.page_keys(keys, group)
+            page_keys = self.tiers.page_keys(keys, group)
             lost = lease.lost().intersection(page_keys)  # a prefetch's lease holds every group's pages
             if lost:
-                self.store.lent_lost += len(lost)
+                self.tiers.lent_lost += len(lost)
                 again = [i for i, key in enumerate(page_keys) if key in lost]
                 recopied, _ = self._copy_in(layers, [keys[i] for i in again], [block_ids[i] for i in again], group,
                                             None)
@@ -104,13 +104,13 @@ class LoadJob:
         if not keys:
             return set(), set()
         if pages is None:
-            pages = self.store.load(keys, group, lease)
+            pages = self.tiers.load(keys, group, lease)
         good = [i for i, page in enumerate(pages) if page is not None]
         with self._lock:
             if self._cancelled:
                 return set(), set()
             scatter_blocks(layers, [block_ids[i] for i in good], [pages[i] for i in good], self.kind,
-                           self.store.block_spec.head_dim)
+                           self.tiers.block_spec.head_dim)
         return {block_ids[i] for i in good}, {block_ids[i] for i, page in enumerate(pages) if page is None}
 
     def wait_for(self, group: int, layer_name: str) -> None:

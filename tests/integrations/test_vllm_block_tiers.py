@@ -1,4 +1,4 @@
-"""The vLLM connector's block store and layer-by-layer loads, without vLLM: layer groups, pages
+"""The vLLM connector's block tiers and layer-by-layer loads, without vLLM: layer groups, pages
 through a real store server, and a load job that never copies KV in after it gave up."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch
 
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.config import CacheConfig
+from tiered_cache.integrations.vllm.block_tiers import BlockTiers
 from tiered_cache.integrations.vllm.identity import vllm_spec
 from tiered_cache.integrations.vllm.layer_groups import TARGET_PAGE_BYTES, group_keys, group_size
 from tiered_cache.integrations.vllm.layout import gather_blocks
 from tiered_cache.integrations.vllm.load_job import LoadJob
-from tiered_cache.integrations.vllm.store import BlockStore
 from tiered_cache.server.process import StoreProcess
 
 LAYERS, HEADS, DIM, BS = 6, 2, 8, 4
@@ -70,7 +70,7 @@ def test_group_keys_differ_by_group_and_one_group_is_the_block_key():
 
 def test_blocks_go_through_a_store_server_as_layer_group_pages():
     with StoreProcess(["--no-disk"]) as server:
-        writer = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
+        writer = BlockTiers(SPEC, remote_config(server.address), layers_per_page=2)
         assert (writer.num_groups, writer.spec.num_layers) == (3, 2) and writer.spec.fingerprint != SPEC.fingerprint
         keys = writer.keys(list(range(3 * BS + 1)), "tenant")  # 3 full blocks, a partial one
         assert len(keys) == 3
@@ -81,7 +81,7 @@ def test_blocks_go_through_a_store_server_as_layer_group_pages():
         assert StoreClient(server.address).stats().tiers[0].pages == 9  # 3 blocks x 3 groups
         assert all(writer.stored_below(k) for k in keys)
 
-        reader = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)  # another process's
+        reader = BlockTiers(SPEC, remote_config(server.address), layers_per_page=2)  # another process's
         assert reader.leading(keys) == 3
         for group in range(3):
             pages = reader.load(keys, group)
@@ -89,35 +89,35 @@ def test_blocks_go_through_a_store_server_as_layer_group_pages():
             for page, block in zip(pages, blocks, strict=True):
                 assert torch.equal(page, block[2 * group:2 * group + 2])
         # Another grouping of the same model shares no page: its keys and fingerprint differ.
-        whole = BlockStore(SPEC, remote_config(server.address))
+        whole = BlockTiers(SPEC, remote_config(server.address))
         assert whole.num_groups == 1 and whole.leading(whole.keys(list(range(3 * BS + 1)), "tenant")) == 0
         assert reader.leading(reader.keys(list(range(3 * BS + 1)), "other tenant")) == 0
 
 
 def test_a_block_missing_one_layer_group_is_not_held():
-    store = BlockStore(SPEC, CacheConfig(), layers_per_page=3)
-    keys = store.keys(list(range(3 * BS)), "")
-    store.save(keys, gather_blocks(vllm_layers(), [0, 1, 2], "cpu", DIM))
-    assert store.flush(10) and store.leading(keys) == 3
-    store.chain.delete([store.page_keys(keys, 1)[1]], 0)  # block 1 lost its second group
-    assert store.leading(keys) == 1
+    tiers = BlockTiers(SPEC, CacheConfig(), layers_per_page=3)
+    keys = tiers.keys(list(range(3 * BS)), "")
+    tiers.save(keys, gather_blocks(vllm_layers(), [0, 1, 2], "cpu", DIM))
+    assert tiers.flush(10) and tiers.leading(keys) == 3
+    tiers.chain.delete([tiers.page_keys(keys, 1)[1]], 0)  # block 1 lost its second group
+    assert tiers.leading(keys) == 1
 
 
-def _job(store: BlockStore, dst: list[torch.Tensor], keys: list[bytes], ids: list[int], **kw) -> LoadJob:
-    return LoadJob(store, dst, "cpu", [(keys, ids)], **kw)
+def _job(tiers: BlockTiers, dst: list[torch.Tensor], keys: list[bytes], ids: list[int], **kw) -> LoadJob:
+    return LoadJob(tiers, dst, "cpu", [(keys, ids)], **kw)
 
 
 def test_a_load_job_copies_in_group_by_group_and_reports_missing_blocks():
-    store = BlockStore(SPEC, CacheConfig(), layers_per_page=2)
+    tiers = BlockTiers(SPEC, CacheConfig(), layers_per_page=2)
     src = vllm_layers()
-    keys = store.keys(list(range(4 * BS)), "")
-    store.save(keys[:3], gather_blocks(src, [0, 1, 2], "cpu", DIM))  # the 4th block never saved
-    assert store.flush(10)
+    keys = tiers.keys(list(range(4 * BS)), "")
+    tiers.save(keys[:3], gather_blocks(src, [0, 1, 2], "cpu", DIM))  # the 4th block never saved
+    assert tiers.flush(10)
     dst = vllm_layers(fill=0.0)
-    job = _job(store, dst, keys, [4, 5, 6, 7])
+    job = _job(tiers, dst, keys, [4, 5, 6, 7])
     threading.Thread(target=job.run).start()
     for group in range(3):
-        for layer in store.layers_of(group):
+        for layer in tiers.layers_of(group):
             job.wait_for(group, f"layer.{layer}")
             assert job.ready[group].is_set()
             for src_id, dst_id in ((0, 4), (1, 5), (2, 6)):
@@ -127,11 +127,11 @@ def test_a_load_job_copies_in_group_by_group_and_reports_missing_blocks():
 
 
 def test_layers_that_attended_without_waiting_fail_every_block_of_the_job():
-    store = BlockStore(SPEC, CacheConfig(), layers_per_page=2)
-    keys = store.keys(list(range(2 * BS)), "")
-    store.save(keys, gather_blocks(vllm_layers(), [0, 1], "cpu", DIM))
-    assert store.flush(10)
-    job = _job(store, vllm_layers(fill=0.0), keys, [3, 4])
+    tiers = BlockTiers(SPEC, CacheConfig(), layers_per_page=2)
+    keys = tiers.keys(list(range(2 * BS)), "")
+    tiers.save(keys, gather_blocks(vllm_layers(), [0, 1], "cpu", DIM))
+    assert tiers.flush(10)
+    job = _job(tiers, vllm_layers(fill=0.0), keys, [3, 4])
     job.run()
     job.wait_for(0, "layer.0")  # the other layers never waited
     assert job.finish({f"layer.{i}" for i in range(LAYERS)}) == LAYERS - 1
@@ -144,11 +144,11 @@ def test_a_load_that_outlives_its_wait_is_failed_and_never_copied_in():
     the wait has given up) are not copied in: vLLM may already have given those blocks to another
     request."""
     with StoreProcess(["--no-disk"]) as server:
-        writer = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
+        writer = BlockTiers(SPEC, remote_config(server.address), layers_per_page=2)
         keys = writer.keys(list(range(2 * BS)), "")
         writer.save(keys, gather_blocks(vllm_layers(), [0, 1], "cpu", DIM))
         assert writer.flush(10)
-        reader = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
+        reader = BlockTiers(SPEC, remote_config(server.address), layers_per_page=2)
         assert reader.leading(keys) == 2
         gave_up, loaded = threading.Event(), []
         load = reader.load
@@ -177,12 +177,12 @@ def test_a_stopped_store_server_never_hangs_the_forward_nor_gives_wrong_kv():
     answers again (SIGCONT), or, where the pages were read before the stop took hold, with
     exactly the saved blocks. Which one depends on the machine's timing; wrong KV never."""
     with StoreProcess(["--no-disk"]) as server:
-        writer = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
+        writer = BlockTiers(SPEC, remote_config(server.address), layers_per_page=2)
         keys = writer.keys(list(range(2 * BS)), "")
         src = vllm_layers()
         writer.save(keys, gather_blocks(src, [0, 1], "cpu", DIM))
         assert writer.flush(10)
-        reader = BlockStore(SPEC, remote_config(server.address, remote_timeout_s=30.0), layers_per_page=2)
+        reader = BlockTiers(SPEC, remote_config(server.address, remote_timeout_s=30.0), layers_per_page=2)
         assert reader.leading(keys) == 2
         dst = vllm_layers(fill=0.0)
         job = _job(reader, dst, keys, [2, 3], wait_s=0.5)
@@ -214,12 +214,12 @@ def test_pages_lent_from_the_arena_and_written_over_before_the_check_are_read_ag
     fillers = [[(k, encode_page(torch.randn(big.staging_shape(1)[1:]), big, k, "raw"))
                 for k in PageKeyer(big, f"filler-{i}").keys(list(range(big.page_size * 10)))] for i in range(3)]
     with StoreProcess(["--disk", str(tmp_path), "--ram", "2MiB", "--arena-lease", "0"]) as server:
-        writer = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
+        writer = BlockTiers(SPEC, remote_config(server.address), layers_per_page=2)
         src = vllm_layers()
         keys = writer.keys(list(range(3 * BS)), "")
         writer.save(keys, gather_blocks(src, [0, 1, 2], "cpu", DIM))
         assert writer.flush(10)
-        reader = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
+        reader = BlockTiers(SPEC, remote_config(server.address), layers_per_page=2)
         assert reader.leading(keys) == 3
         other = StoreClient(server.address)
         load = reader.load
@@ -247,12 +247,12 @@ def test_a_load_started_by_the_scheduler_is_taken_by_the_job_that_follows():
     load; the load job for exactly those blocks copies what it loaded, and the KV is exact. It
     starts only where a worker loads in this process, and only for whole blocks."""
     with StoreProcess(["--no-disk"]) as server:
-        writer = BlockStore(SPEC, remote_config(server.address))
+        writer = BlockTiers(SPEC, remote_config(server.address))
         src = vllm_layers()
         keys = writer.keys(list(range(3 * BS)), "")
         writer.save(keys, gather_blocks(src, [0, 1, 2], "cpu", DIM))
         assert writer.flush(10)
-        reader = BlockStore(SPEC, remote_config(server.address))
+        reader = BlockTiers(SPEC, remote_config(server.address))
         assert not reader.prefetch(keys)  # no worker registered here: nothing would take it
         reader.loads_here = True
         assert reader.prefetch(keys) and reader.prefetch(keys)  # once per set of blocks
@@ -264,6 +264,6 @@ def test_a_load_started_by_the_scheduler_is_taken_by_the_job_that_follows():
             for src_id, dst_id in ((0, 5), (1, 6), (2, 7)):
                 assert torch.equal(dst[layer][dst_id], src[layer][src_id])
         assert reader.take_prefetch(keys) is None  # taken once
-        grouped = BlockStore(SPEC, remote_config(server.address), layers_per_page=2)
+        grouped = BlockTiers(SPEC, remote_config(server.address), layers_per_page=2)
         grouped.loads_here = True
         assert not grouped.prefetch(grouped.keys(list(range(3 * BS)), ""))  # group 0 must not wait for the last

@@ -1,4 +1,4 @@
-"""`BlockStore`: where the vLLM connector keeps blocks (vLLM-free).
+"""`BlockTiers`: where the vLLM connector keeps blocks (vLLM-free).
 
 A block is stored as one page per layer group (`layer_groups.py`): each page holds a run of the
 block's layers, so a load can hand the first layers to the forward pass before the last arrive.
@@ -8,7 +8,7 @@ A chain of blob tiers: a RAM blob tier (`host_capacity`) in front of the lower t
 `CacheConfig` names (disk, Redis, store servers). Saves are encoded and written on a bounded
 background queue, to every tier at once (sharing with other instances is the point), so a
 forward pass never waits for disk, Redis or gRPC; a full queue drops the save and counts it.
-One store per process and configuration: vLLM's scheduler-side and worker-side connectors in one
+One `BlockTiers` per process and configuration: vLLM's scheduler-side and worker-side connectors in one
 process (the usual single-GPU engine) share it, so the scheduler sees what the worker saved.
 """
 
@@ -35,13 +35,13 @@ from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.memory import MemoryTier
 from tiered_cache.wire.codec import BlobError, encode_page, page_view
 
-_STORES: dict[tuple[str, str, int], BlockStore] = {}  # (fingerprint, config, layers per page)
-_STORES_LOCK = threading.Lock()
+_SHARED: dict[tuple[str, str, int], BlockTiers] = {}  # (fingerprint, config, layers per page)
+_SHARED_LOCK = threading.Lock()
 _MAX_PREFETCHES = 16  # loads started ahead and not yet taken (a request vLLM then did not load)
 Pages = list[torch.Tensor | None]
 
 
-class BlockStore:
+class BlockTiers:
     def __init__(self, spec: KVSpec, config: CacheConfig, layers_per_page: int | None = None) -> None:
         """`spec`: one whole block (every layer); `layers_per_page`: layers in each stored page
         (default: all, one page a block)."""
@@ -61,26 +61,26 @@ class BlockStore:
         self._keyers: dict[str, PageKeyer] = {}
         self._lock = threading.Lock()
         # Channels to store servers open now, off the engine's start, not on the first load.
-        threading.Thread(target=self._warm, name="vllm-block-store-warm", daemon=True).start()
+        threading.Thread(target=self._warm, name="vllm-block-tiers-warm", daemon=True).start()
         self.saves_dropped = 0  # blocks whose save was dropped: the queue was full
         self.load_errors = 0  # pages found but refused on decode (counted, then recomputed)
         self.load_failures = 0  # blocks a lookup promised that could not be loaded (vLLM recomputed them)
         self.lent_lost = 0  # pages lent from a server's arena and written over before copied: read again
         # Loads started when the scheduler found the blocks, taken by the worker's load job: set
-        # once a worker registers its KV in this process (scheduler and worker share the store).
+        # once a worker registers its KV in this process (scheduler and worker share these tiers).
         self.loads_here = False
         self._prefetches: OrderedDict[tuple[bytes, ...], tuple[Future[list[Pages]], ArenaViews]] = OrderedDict()
         self._prefetcher: ThreadPoolExecutor | None = None
         self.prefetches_taken = 0
 
     @classmethod
-    def shared(cls, spec: KVSpec, config: CacheConfig, layers_per_page: int | None = None) -> BlockStore:
+    def shared(cls, spec: KVSpec, config: CacheConfig, layers_per_page: int | None = None) -> BlockTiers:
         key = (spec.fingerprint, repr(sorted(config.to_dict().items())), layers_per_page or spec.num_layers)
-        with _STORES_LOCK:
-            store = _STORES.get(key)
-            if store is None:
-                store = _STORES[key] = cls(spec, config, layers_per_page)
-            return store
+        with _SHARED_LOCK:
+            tiers = _SHARED.get(key)
+            if tiers is None:
+                tiers = _SHARED[key] = cls(spec, config, layers_per_page)
+            return tiers
 
     def _warm(self) -> None:
         for tier in self.chain.tiers:
