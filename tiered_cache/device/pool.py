@@ -375,7 +375,7 @@ def _count_runs(pages: np.ndarray) -> int:
 
 def consecutive_runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
     """(index into `pages`, first number, length) of each run of consecutive numbers (pages, or
-    host RAM slots): each run moves as one copy."""
+    host RAM rows): each run moves as one copy."""
     if not pages.size:
         return []
     starts = np.r_[0, np.flatnonzero(np.diff(pages) != 1) + 1]
