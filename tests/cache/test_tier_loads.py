@@ -1,5 +1,5 @@
 """The load path (tiered_cache/cache/tier_loads.py) as an engine drives it: a prefix in host RAM
-goes straight from its slots into device pages, also into a full pool, and nothing is staged."""
+goes straight from its rows into device pages, also into a full pool, and nothing is staged."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_a_host_hit_is_copied_straight_into_the_pool_and_prefetch_stages_nothing
     staged = count_staged(c, monkeypatch)
     h = c.match(tokens)
     assert h.available_pages == 8 and h.num_device_pages == 0
-    assert c.prefetch(h) is False  # nothing to stage: load copies the slots straight in
+    assert c.prefetch(h) is False  # nothing to stage: load copies the rows straight in
     pages = c.load(h)
     assert len(pages) == 8 and h.sources["host"] == 8 and staged == []
     assert torch.equal(c.pool.read_tokens(pages, 32), token_kv(SPEC, tokens))
@@ -83,8 +83,8 @@ def test_a_host_hit_into_a_full_pool_and_a_full_host_ram_still_loads_and_sends_t
     load_wanted_into_a_full_pool(make(pool_pages=8, host_pages=6, lower=[MemoryTier(1 << 20)]), monkeypatch)
 
 
-def test_a_copy_into_host_ram_that_fails_indexes_no_slot_and_leaks_nothing(monkeypatch):
-    # Host RAM keeps no checksum: a slot whose copy never happened must never be served as KV.
+def test_a_copy_into_host_ram_that_fails_indexes_no_row_and_leaks_nothing(monkeypatch):
+    # Host RAM keeps no checksum: a row whose copy never happened must never be served as KV.
     # (A device copy that raises, e.g. out of device memory, cannot be caused on purpose here.)
     c = make(pool_pages=8, host_pages=8)
     tokens = list(range(16))
@@ -97,7 +97,7 @@ def test_a_copy_into_host_ram_that_fails_indexes_no_slot_and_leaks_nothing(monke
     with pytest.raises(RuntimeError, match="the copy failed"):
         c.evict()
     assert len(c.host.index) == 0 and c.host.rows.num_free == c.host.num_rows
-    assert c.lookup(tokens) == 0  # a miss, never the unwritten slots
+    assert c.lookup(tokens) == 0  # a miss, never the unwritten rows
     c.check_integrity()
     monkeypatch.undo()
     c.put(tokens, token_kv(SPEC, tokens))  # and the cache still works
@@ -107,7 +107,7 @@ def test_a_copy_into_host_ram_that_fails_indexes_no_slot_and_leaks_nothing(monke
     c.close()
 
 
-def test_pages_held_out_of_host_ram_and_stored_again_meanwhile_keep_one_slot():
+def test_pages_held_out_of_host_ram_and_stored_again_meanwhile_keep_one_row():
     c = make(pool_pages=8, host_pages=8)
     tokens = list(range(16))
     c.put(tokens, token_kv(SPEC, tokens))
@@ -115,9 +115,17 @@ def test_pages_held_out_of_host_ram_and_stored_again_meanwhile_keep_one_slot():
     keys = list(c.host.index)
     held = c.host.hold(keys)
     assert not c.host.index
-    c.host.put(keys, c.host.slab[torch.tensor([slot for _, slot in held])].clone())  # the same pages again
+    c.host.put(keys, c.host.slab[torch.tensor([row for _, row in held])].clone())  # the same pages again
     c.host.unhold(held)
     assert len(c.host.index) == 4 and c.host.rows.num_free == c.host.num_rows - 4  # the spare rows freed
     n, kv = c.get(tokens)
     assert n == 16 and torch.equal(kv, token_kv(SPEC, tokens))
     c.close()
+
+
+def test_every_host_slab_copy_goes_through_the_one_copier():
+    """Loads out of host rows, staged loads and demotions into host rows share one `HostCopier`:
+    on CUDA its one copy stream (and one chunk buffer) orders a load of a row before a demotion
+    writes over it, and a second copier would hold a second chunk buffer on the device."""
+    with make(4, 8) as c:
+        assert c.host_loads.copier is c.tier_loads.copier is c.demoter.copier

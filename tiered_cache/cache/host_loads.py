@@ -25,10 +25,13 @@ from tiered_cache.tiers.host import HostTier
 class HostLoads:
     """Host RAM -> pool copies of one cache, and the ones still running (CUDA)."""
 
-    def __init__(self, pool: PagePool, host: HostTier, observe: Callable[[str, float, int], None]) -> None:
+    def __init__(self, pool: PagePool, host: HostTier, copier: HostCopier,
+                 observe: Callable[[str, float, int], None]) -> None:
         self.pool = pool
         self.host = host
-        self.copier = HostCopier(pool)
+        # The cache's one copier: its one copy stream orders these reads of host rows before a
+        # demotion writes over them (`HostTier.before_ordered_write`).
+        self.copier = copier
         self._observe = observe  # (tier, seconds, pages): the reuse policy's sample
         # Copies queued (CUDA), oldest first, with the pages they fill (pinned until settled).
         self._queued: deque[tuple[QueuedCopy, np.ndarray]] = deque()

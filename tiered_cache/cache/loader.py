@@ -168,13 +168,15 @@ class Loader:
             if self.live_metrics is not None:
                 self.live_metrics.prefetch_wait.observe(time.perf_counter() - waited)
         skip = self.canary.quarantined(handle.namespace)  # also when a page is looked for again
-        if loaded is None and HOST not in plan and (self.tier_loads.fills_pool or self.arena_loads.direct(plan)):
+        below = loaded is None and HOST not in plan
+        direct = below and self.arena_loads.direct(plan)  # asked once: it looks at the tier
+        if below and (self.tier_loads.fills_pool or direct):
             # Every page below host RAM, and a CPU pool (or, on CUDA, pages in same-host store
             # arenas): device pages first, then each page is placed straight in its own (one copy or
             # one DMA, no staging); only as many are loaded as fit. (With pages in host RAM,
             # allocating first could evict them before they are copied: the staged path copies
             # them out first.)
-            load = self.arena_loads.load if self.arena_loads.direct(plan) else self.tier_loads.load_into_pool
+            load = self.arena_loads.load if direct else self.tier_loads.load_into_pool
             return self._install(handle, start, len(wanted),
                                  lambda pages: load(wanted[:len(pages)], plan[:len(pages)], pages, skip))
         staged = loaded if loaded is not None else self.tier_loads.load(wanted, plan, skip=skip)

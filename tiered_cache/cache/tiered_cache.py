@@ -105,13 +105,14 @@ class TieredCache(SequenceOps):
                                                     retain=self.writer.retain)
         self.tree = RadixTree(config.eviction_policy)
         self.ledger = PageLedger(self, spec, self.pool, self.tree)
-        # Loading pages (loader.py's module doc), and the policy that says how far.
+        # Loading pages (loader.py's module doc), and the policy that says how far. One copier for
+        # every host slab <-> pool copy: its one stream orders loads and demotions of a row.
         copier = HostCopier(self.pool)
         self.tier_loads = TierLoads(spec, self.pool, self.host, self.chain, copier, self._lock, self.writer.in_flight,
                                     config, observe=lambda *sample: self.reuse.observe(*sample))
         self.reuse = ReuseGate(config.reuse, config.prefill_tokens_per_s, self.chain, self.tier_loads.tier_name,
                                spec.bytes_per_page, spec.page_size)
-        self.host_loads = HostLoads(self.pool, self.host, self.reuse.observe)
+        self.host_loads = HostLoads(self.pool, self.host, copier, self.reuse.observe)
         self.arena_loads = ArenaLoads(self.tier_loads, self.chain, self.reuse.observe)
         # Making room: device -> host RAM, and the engine features built on the ledger.
         self.demoter = Demoter(config, self.ledger, self.host, copier, self.writer, self.moves, self._lock,
