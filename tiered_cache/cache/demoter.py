@@ -62,7 +62,8 @@ class Demoter:
 
     # --- allocation (lock held) --------------------------------------------------------------------
     def allocate(self, n: int) -> np.ndarray:
-        """`n` device pages, evicting (device -> host, inline) when the pool is short."""
+        """`n` device pages, evicting (inline) when the pool is short: pages safe below are
+        dropped, the rest copied device -> host (`demote_now`)."""
         self._await_demoter(n)
         shortfall = n - self.pool.num_free
         if shortfall > 0:
@@ -96,10 +97,11 @@ class Demoter:
             self._demoted.wait_for(lambda: self._demoting_keys.isdisjoint(keys), timeout=1.0)
 
     def _await_demoter(self, n: int) -> None:
-        """When `n` pages are not free yet but the background demoter holds pages it is about to
-        free, wait for them (briefly, lock released meanwhile): finishing a copy already under
-        way costs the request less than starting its own eviction beside it."""
-        if self.ledger.demoting and n > self.pool.num_free:
+        """When `n` pages cannot be had from free and evictable pages, but the background demoter
+        holds pages it is about to free, wait for them (briefly, lock released meanwhile). A
+        request that can make its own room never waits for a demotion of pages it does not read:
+        evicting inline mostly drops pages already safe below (`demote_now`)."""
+        if self.ledger.demoting and n > self.pool.num_free + self.tree.size_info().evictable:
             self._demoted.wait_for(lambda: not self.ledger.demoting or n <= self.pool.num_free, timeout=1.0)
 
     # --- inline demotion (lock held) -----------------------------------------------------------------
@@ -112,13 +114,18 @@ class Demoter:
         return sum(len(node.keys) for node in evicted)
 
     def demote_now(self, evicted: list[EvictedNode]) -> None:
-        """Evicted nodes' pages: copy those host RAM lacks into it, then free them."""
+        """Evicted nodes' pages, on the request path: copy into host RAM only those neither host RAM
+        nor a lower tier holds, then free them all. A page safe below is dropped, not copied: the
+        request pays for no copy it does not need (host RAM keeps copies of pages it is meant to:
+        the background demoter copies them ahead of need, above the high watermark)."""
         if not evicted:
             return
         keys = [k for node in evicted for k in node.keys]
         pages = np.concatenate([node.values for node in evicted])
         try:
-            missing = [i for i, k in enumerate(keys) if k not in self.host.index]
+            below = self.writer.chain.known_anywhere(keys) if self.writer.chain.tiers else [False] * len(keys)
+            missing = [i for i, k in enumerate(keys) if k not in self.host.index and not below[i]]
+            self.moves.uncopied_evictions += sum(1 for i, k in enumerate(keys) if below[i] and k not in self.host.index)
             if missing:
                 chosen = [keys[i] for i in missing]
                 new, rows, overflow = self.host.reserve(chosen)

@@ -19,6 +19,7 @@ class Movements:
     loads: Counter[str] = field(default_factory=Counter)
     demotions: Counter[str] = field(default_factory=Counter)
     refused: Counter[str] = field(default_factory=Counter)  # blobs that passed the tier, failed decode
+    uncopied_evictions: int = 0  # device pages evicted on the request path without a copy: safe below
 
     def apply(self, stats: TierStats) -> TierStats:
         """A copy of a tier's own figures with the cache's movements filled in."""
@@ -39,6 +40,7 @@ class PoolFigures:
     cow_copies: int = 0  # shared pages copied because a fork wrote into them
     swapped_pages: int = 0  # host RAM rows holding swapped-out requests' private pages
     compacted_pages: int = 0  # private pages freed by retention policies (drop_tokens)
+    uncopied_evictions: int = 0  # evicted on the request path without a copy: a lower tier held them
 
     @property
     def utilisation(self) -> float:
@@ -82,6 +84,7 @@ class CacheStats:
                 "fragmentation": self.fragmentation, "shared_pages": self.pool.shared_pages,
                 "forks": self.pool.forks, "cow_copies": self.pool.cow_copies,
                 "swapped_pages": self.pool.swapped_pages, "compacted_pages": self.pool.compacted_pages,
+                "uncopied_evictions": self.pool.uncopied_evictions,
             },
             "tree": {"nodes": self.tree_nodes, "evictable_pages": self.evictable_pages,
                      "protected_pages": self.protected_pages},
@@ -100,6 +103,7 @@ def cache_stats(cache: Any) -> CacheStats:
     cache's lock, the lower tiers' outside it (their calls may wait on a network)."""
     with cache._lock:
         device, pool, size, nodes = cache.ledger.figures()
+        pool = replace(pool, uncopied_evictions=cache.moves.uncopied_evictions)
         tiers = [device, cache.moves.apply(cache.host.stats())]
     tiers += [replace(t, corrupt=t.corrupt + cache.moves.refused[t.name]) for t in cache.chain.stats()]
     return CacheStats(tiers, pool, cache.spec.page_size, nodes, size.evictable, size.protected,

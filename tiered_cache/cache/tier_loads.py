@@ -48,6 +48,7 @@ from tiered_cache.wire.codec import PageDest
 
 _NOWHERE = -2  # in a plan being built: no tier found the page (HOST is -1, lower tiers >= 0)
 _MAX_REPLANS = 3  # times one load looks again for pages that moved down while it ran
+_WARM_STAGING_BYTES = 1 << 30  # pinned staging made at start (CUDA): a larger load pins more then
 
 
 @dataclass
@@ -87,6 +88,7 @@ class TierLoads:
         self._workers = config.prefetch_workers
         self._prefetch_permits = threading.BoundedSemaphore(config.max_prefetches)
         self._executor: ThreadPoolExecutor | None = None
+        self._start_lock = threading.Lock()
 
     # --- where the pages are ------------------------------------------------------------------
     def plan(self, keys: Sequence[bytes], in_host: Sequence[bool], skip: frozenset[str] = frozenset()) -> list[int]:
@@ -117,8 +119,9 @@ class TierLoads:
         if not self._prefetch_permits.acquire(blocking=False):
             self.declined += 1
             return None
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="tiered-cache-prefetch")
+        with self._start_lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="tiered-cache-prefetch")
         cancel = threading.Event()
 
         def job() -> Loaded:
@@ -202,6 +205,18 @@ class TierLoads:
                 self.give_back(f.result())
 
         future.add_done_callback(done)
+
+    def warm(self) -> None:
+        """Start the prefetch threads, and on CUDA pin a staging buffer as large as the pool (at
+        most `_WARM_STAGING_BYTES`): pinning costs far more than the copy it serves."""
+        with self._start_lock:
+            executor = self._executor = self._executor or ThreadPoolExecutor(
+                self._workers, thread_name_prefix="tiered-cache-prefetch")
+        for _ in range(self._workers):
+            executor.submit(time.sleep, 0.01)
+        if self.staging.pin:
+            pages = min(self.pool.num_pages, max(1, _WARM_STAGING_BYTES // self.spec.bytes_per_page))
+            self.staging.give_back(self.staging.lease(pages))
 
     def close(self) -> None:
         if self._executor is not None:

@@ -55,6 +55,7 @@ from tiered_cache.cache.stats import CacheStats, Movements, cache_stats
 from tiered_cache.cache.swaps import Swaps
 from tiered_cache.cache.tier_loads import TierLoads
 from tiered_cache.cache.tree_view import tree_of
+from tiered_cache.cache.warm_up import warm_up_async
 from tiered_cache.config import CacheConfig
 from tiered_cache.device.host_copy import HostCopier
 from tiered_cache.device.malloc import tune_malloc
@@ -129,6 +130,7 @@ class TieredCache(SequenceOps):
                        if config.spare_output and self.pool.kv.device.type == "cpu" else None)
         self._keyer = functools.lru_cache(maxsize=1024)(functools.partial(PageKeyer, spec))  # per namespace
         self._closed = False
+        self.warming = warm_up_async(self.chain, self.tier_loads)  # connections, threads, staging: not on a request
         self.metrics: Any = serve_metrics(self) if config.metrics_port is not None else None  # a MetricsServer
 
     # --- tensor API ------------------------------------------------------------------------------

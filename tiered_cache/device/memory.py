@@ -32,14 +32,22 @@ class PretouchThread(threading.Thread):
     `before_write()` before its first write, which then waits for the thread.
     """
 
-    def __init__(self, tensor: torch.Tensor, chunk_bytes: int = _CHUNK_BYTES) -> None:
+    def __init__(self, tensor: torch.Tensor, chunk_bytes: int = _CHUNK_BYTES, blocks: int = 1) -> None:
+        """`blocks`: the tensor is that many equal blocks side by side, each holding a slice of
+        every page (a layer-first pool: one block per K/V and layer); they are faulted in page
+        range by page range across all blocks, so the pages handed out first (the allocator's
+        lowest) are whole first, not only their first layer."""
         assert tensor.device.type == "cpu" and tensor.is_contiguous(), "pretouch needs a contiguous CPU tensor"
         super().__init__(name="tiered-cache-pretouch", daemon=True)
         self._bytes = tensor.reshape(-1).view(torch.uint8)  # keeps the memory alive until done
         self._chunk = max(_OS_PAGE, chunk_bytes // _OS_PAGE * _OS_PAGE)
+        self._blocks = blocks if blocks > 1 and self._bytes.numel() % blocks == 0 else 1
         self.preserves_bytes = _populate(self._bytes.data_ptr(), min(self._bytes.numel(), _OS_PAGE))
 
     def run(self) -> None:
+        if self.preserves_bytes and self._blocks > 1:
+            self._populate_across_blocks()
+            return
         data, start, end = self._bytes, 0, self._bytes.numel()
         while start < end:
             stop = min(start + self._chunk, end)
@@ -50,6 +58,16 @@ class PretouchThread(threading.Thread):
                 data[stop - 1:stop].zero_()  # ... and in the page the chunk ends in
             start = stop
 
+    def _populate_across_blocks(self) -> None:
+        """Fault in the same range of every block, one range (a chunk's share) after the other."""
+        block = self._bytes.numel() // self._blocks
+        step = max(_OS_PAGE, self._chunk // self._blocks // _OS_PAGE * _OS_PAGE)
+        base = self._bytes.data_ptr()
+        for start in range(0, block, step):
+            length = min(step, block - start)
+            for b in range(self._blocks):
+                _populate(base + b * block + start, length)
+
     def before_write(self) -> None:
         """Wait for the thread if it writes zeros; return at once if it changes no byte."""
         if not self.preserves_bytes and self.is_alive():
@@ -57,13 +75,14 @@ class PretouchThread(threading.Thread):
 
 
 def allocate_pretouched(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu",
-                        pin_memory: bool = False) -> tuple[torch.Tensor, PretouchThread | None]:
+                        pin_memory: bool = False, blocks: int = 1) -> tuple[torch.Tensor, PretouchThread | None]:
     """A new tensor for a long-lived pool, and the thread pre-touching it (None when there is none).
 
     Large unpinned CPU tensors are left uninitialised and pre-touched by a daemon thread, so this
     returns at once. Pinned memory is faulted in by pinning. Small CPU tensors (up to
     `ZERO_FILL_BYTES`) and tensors on an accelerator are zero-filled at once, which costs next to
     nothing there. Callers must not rely on the bytes of a large CPU tensor before writing them.
+    `blocks`: see `PretouchThread`.
     """
     device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
@@ -72,7 +91,7 @@ def allocate_pretouched(shape: tuple[int, ...], dtype: torch.dtype, device: str 
     if device.type != "cpu" or nbytes <= ZERO_FILL_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device), None
     tensor = empty_cpu(shape, dtype)
-    return tensor, pretouch_async(tensor)
+    return tensor, pretouch_async(tensor, blocks)
 
 
 def empty_cpu(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -86,8 +105,8 @@ def empty_cpu(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return tensor
 
 
-def pretouch_async(tensor: torch.Tensor) -> PretouchThread:
+def pretouch_async(tensor: torch.Tensor, blocks: int = 1) -> PretouchThread:
     """Start faulting in `tensor`'s memory on a daemon thread and return the thread (started)."""
-    thread = PretouchThread(tensor)
+    thread = PretouchThread(tensor, blocks=blocks)
     thread.start()
     return thread

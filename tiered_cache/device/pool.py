@@ -52,7 +52,10 @@ class PagePool:
         wanted = usable_device(device)
         self.ops: PageOps = select_ops(wanted, ops)
         self.allocator = PageAllocator(num_pages)
-        self.kv, self.pretouch = allocate_pretouched(spec.pool_shape(num_pages), spec.dtype.torch, wanted)
+        # Faulted in page range by page range across its K/V and layer blocks: the pages the first
+        # loads get are whole first.
+        shape = spec.pool_shape(num_pages)
+        self.kv, self.pretouch = allocate_pretouched(shape, spec.dtype.torch, wanted, blocks=shape[0] * shape[1])
         # The device the pool really lives on: "cuda" becomes "cuda:0", so `out.device == self.device`
         # holds for a tensor on the same GPU (a bare "cuda" compared unequal and doubled every gather).
         self.device = self.kv.device

@@ -92,6 +92,8 @@ def cache_families(stats: Any) -> list[Metric]:
         ("cow_copies", "counter", "Shared pages copied because a fork wrote into them", pool.cow_copies),
         ("swapped_pages", "gauge", "Host RAM slots holding swapped-out requests' pages", pool.swapped_pages),
         ("compacted_pages", "counter", "Private pages freed by retention policies", pool.compacted_pages),
+        ("uncopied_evictions", "counter", "Device pages evicted on the request path without a copy: a lower "
+         "tier held them", pool.uncopied_evictions),
         ("tree_nodes", "gauge", "Nodes of the radix tree of token prefixes", stats.tree_nodes),
         ("tree_evictable_pages", "gauge", "Device pages no request holds (evictable)", stats.evictable_pages),
         ("prefetch_declined", "counter", "Prefetches not started: too many in flight", stats.prefetch_declined),

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from tiered_cache.shm.arena import (
     _CAPACITY,
+    _HEAD,
     _ID,
     _SLOTS,
     _TAIL,
@@ -29,6 +30,7 @@ from tiered_cache.shm.arena import (
     slot_of,
 )
 from tiered_cache.shm.host import map_read_only, still_open
+from tiered_cache.shm.read_ahead import ReadAhead
 
 
 class ArenaMap:
@@ -54,6 +56,10 @@ class ArenaMap:
         self._on_close: list[Callable[[ArenaMap], None]] = []
         self._closing = False
         self._close_lock = threading.Lock()
+        # What the server has written, faulted in off the request path (read_ahead.py).
+        self._read_ahead = ReadAhead(self, self.address(), _HEAD, DATA, self.capacity,
+                                     (self.index_at, size - self.index_at), lambda m: m.closed)
+        self._read_ahead.start()
         _announce(self)
 
     @property
@@ -138,6 +144,7 @@ class ArenaMap:
         with self._close_lock:
             self._closing = True  # no callback is added after this: `on_close` says so instead
             callbacks, self._on_close = self._on_close, []
+        self._read_ahead.stop()
         for callback in callbacks:
             callback(self)
         with contextlib.suppress(BufferError):  # pages still lent as views: unmapped when the last goes

@@ -19,6 +19,7 @@ Used below host RAM by `TieredCache` and, with a RAM blob tier in front, by the 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -32,6 +33,8 @@ from tiered_cache.wire.codec import BlobError, PageDest, decode_into
 if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec
     from tiered_cache.shm.arena_map import ArenaViews
+
+log = logging.getLogger("tiered_cache.tiers.chain")
 
 _DEFAULT_MAX_KNOWN = 1 << 20  # keys whose residency is remembered (~100 B each)
 
@@ -72,6 +75,13 @@ class TierChain:
         """Whether tier `index` is known to hold `key` (from this chain's own puts and reads)."""
         with self._meta:
             return bool(self._held.get(key, 0) >> index & 1)
+
+    def known_anywhere(self, keys: Sequence[bytes]) -> list[bool]:
+        """Per key, whether any tier of the chain is known to hold it (its own puts and reads):
+        a copy above it may be dropped instead of copied down. Knowledge can be stale (a shared
+        store evicts by itself): the page then reads as a miss later, never as wrong bytes."""
+        with self._meta:
+            return [bool(self._held.get(key, 0)) for key in keys]
 
     def _mark(self, keys: Sequence[bytes], index: int, held: bool) -> None:
         bit = 1 << index
@@ -267,6 +277,18 @@ class TierChain:
                                    demotions=self.demotions[tier.name],
                                    corrupt=own.corrupt + self.refused[tier.name]))
         return out
+
+    def warm(self) -> None:
+        """Open what tiers open on first use (connections, arena maps, reader threads), for tiers
+        that have `warm`; one that fails is logged and left to open on first use."""
+        for tier in self.tiers:
+            warm = getattr(tier, "warm", None)
+            if warm is None:
+                continue
+            try:
+                warm()
+            except Exception as exc:
+                log.info("warming up tier %s failed (%s: %s)", tier.name, type(exc).__name__, exc)
 
     def close(self) -> None:
         """Close tiers that hold connections or threads (Redis clients, gRPC channels)."""

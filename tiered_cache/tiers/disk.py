@@ -19,6 +19,8 @@ from __future__ import annotations
 import errno
 import logging
 import shutil
+import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -57,7 +59,9 @@ class DiskTier:
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recent first
         self.used = 0
         self._stats = TierStats(self.name, capacity_bytes=self.capacity)
-        self._readers: ThreadPoolExecutor | None = None  # get_into's, started on first use
+        self._readers: ThreadPoolExecutor | None = None  # get_into's, started by `warm` or on first use
+        self._start_lock = threading.Lock()
+        self._closed = False
         try:
             self._rebuild()
         except BaseException:
@@ -119,9 +123,7 @@ class DiskTier:
             return self.files.read_into(keys[i], sizes[i], dests[i], spec)
 
         if len(jobs) > 1 and sum(sizes.values()) >= _THREADED_BYTES:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(checker_threads(), thread_name_prefix="disk-tier-read")
-            reads = [self._readers.submit(read, i) for i in jobs]
+            reads = [self._reader_threads().submit(read, i) for i in jobs]
             wait(reads)  # every read done before any error surfaces: none writes into a page freed after
             found = [r.result() for r in reads]
         else:
@@ -171,12 +173,27 @@ class DiskTier:
         self._stats.used_bytes = self.used
         return self._stats
 
+    def warm(self) -> None:
+        """Start the reader threads now, not on the first large read."""
+        readers = self._reader_threads()
+        wait([readers.submit(time.sleep, 0.01) for _ in range(checker_threads())])
+
+    def _reader_threads(self) -> ThreadPoolExecutor:
+        with self._start_lock:
+            if self._readers is None:
+                if self._closed:
+                    raise ValueError(f"the disk tier at {self.root} is closed")
+                self._readers = ThreadPoolExecutor(checker_threads(), thread_name_prefix="disk-tier-read")
+            return self._readers
+
     def close(self) -> None:
         """Give up the folder (idempotent): another tier may own it now. Its files stay for the
         next owner; this tier must not be used after."""
-        if self._readers is not None:
-            self._readers.shutdown(wait=True)
-            self._readers = None
+        with self._start_lock:
+            self._closed = True
+            readers, self._readers = self._readers, None
+        if readers is not None:
+            readers.shutdown(wait=True)
         self._lock.release()
 
     # --- the books -------------------------------------------------------------------------------

@@ -1,0 +1,92 @@
+"""The first loads of a reader that just started: `bench promote` runs this module as a process
+of its own per path (`python -m tiered_cache.bench.promote_first`), the way a new instance comes
+up when a cluster scales out. It builds a `TieredCache` the way a user does (the path's tier
+from cache settings), lets it settle (`--settle` seconds from construction: what it starts in
+the background has time to finish), then loads prefixes it has never read, one after the other,
+each checked byte for byte, and prints each load's seconds as JSON. The first against the median
+of the rest is what starting costs a request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tiered_cache.bench.promote_prefixes import Prefixes
+from tiered_cache.bench.promote_serving import check_pool, clock, load, reader
+
+
+@dataclass(frozen=True)
+class FirstLoads:
+    """A new reader's loads: the first, then the steady ones after it."""
+
+    first_seconds: float
+    steady_seconds: list[float]
+    settle_s: float
+
+    @property
+    def steady(self) -> float:
+        return statistics.median(self.steady_seconds)
+
+    @property
+    def first_over_steady(self) -> float:
+        return self.first_seconds / self.steady
+
+
+def first_loads(spec_dict: dict[str, Any], mib: float, settings: dict[str, Any], path: str, first: int,
+                count: int, settle_s: float, prefetch: bool, timeout_s: float = 600) -> FirstLoads:
+    """Run a reader process on prefixes `[first, first + count)` (count >= 2) and read its loads."""
+    assert count >= 2, "a first load and at least one steady load"
+    job = {"spec": spec_dict, "mib": mib, "settings": settings, "path": path, "first": first, "count": count,
+           "settle_s": settle_s, "prefetch": prefetch}
+    done = subprocess.run([sys.executable, "-m", "tiered_cache.bench.promote_first", json.dumps(job)],
+                          capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"the reader process for {path} failed: {tail}")
+    seconds = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
+    return FirstLoads(seconds[0], seconds[1:], settle_s)
+
+
+def _run(job: dict[str, Any]) -> list[float]:
+    from tiered_cache.model.spec import KVSpec
+
+    prefixes = Prefixes(KVSpec.from_dict(job["spec"]), job["mib"])
+    mine = [prefixes[job["first"] + i] for i in range(job["count"])]
+    for prefix in mine:  # the bench's own work (the pool check needs the pages): before the cache
+        prefix.pages  # noqa: B018
+    room = job["count"] + 1  # an instance that just started: its pool and host RAM have room
+    started = time.monotonic()
+    cache = reader(prefixes, job["settings"], room, room)
+    try:
+        if job["path"] == "host":  # its own prefixes into its host RAM: written, then demoted
+            for prefix in mine:
+                cache.put(prefix.tokens, prefix.kv())
+                cache.evict()
+        time.sleep(max(0.0, job["settle_s"] - (time.monotonic() - started)))
+        seconds = []
+        for prefix in mine:
+            took, pages = clock(lambda p=prefix: load(cache, p, job["prefetch"]))
+            check_pool(cache, pages, prefix)
+            seconds.append(took)
+        return seconds
+    finally:
+        cache.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("job", help="the job as JSON (promote_first.first_loads writes it)")
+    args = parser.parse_args(argv)
+    print(json.dumps({"seconds": _run(json.loads(args.job))}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""What a new cache opens and faults in ahead of its first request, on a daemon thread started
+with the cache: the lower tiers' connections and threads (`TierChain.warm`: a store server's
+channels and arena maps, disk's reader threads), the prefetch threads, and on CUDA the pinned
+staging a load from below goes through (pinning is slow: the first load must not pay it). A
+reader's first load then costs what its tenth does (docs/PERFORMANCE.md, "bench promote").
+Nothing here is needed for correctness: a failure is logged and the first request pays instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from tiered_cache.cache.tier_loads import TierLoads
+from tiered_cache.tiers.chain import TierChain
+
+log = logging.getLogger("tiered_cache.cache.warm_up")
+
+
+def warm_up_async(chain: TierChain, tier_loads: TierLoads) -> threading.Thread:
+    """Start warming `chain` and `tier_loads` up on a daemon thread; returns the thread."""
+    def run() -> None:
+        try:
+            tier_loads.warm()
+            chain.warm()
+        except Exception as exc:  # the first request opens what this could not
+            log.info("warming up the cache's tiers failed (%s: %s); the first load opens them", type(exc).__name__, exc)
+
+    thread = threading.Thread(target=run, name="tiered-cache-warm-up", daemon=True)
+    thread.start()
+    return thread

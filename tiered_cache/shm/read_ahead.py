@@ -1,0 +1,80 @@
+"""`ReadAhead`: keeps a client's read-only map of a store server's arena faulted in as far as the
+server has written, on a daemon thread.
+
+A fresh map has no page-table entries: the first read of every 4 KiB page of it is a fault, so a
+new reader's first load from the arena ran several times slower than its next ones, and every
+prefix the server wrote since was slow again the first time it was read. MADV_POPULATE_READ
+(Linux 5.14+) maps what the server has written without reading a byte into this process, and
+never commits memory the server has not (only the written range is asked for). Where the kernel
+lacks it, pages fault in on first read, as without this thread.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from tiered_cache.shm.advice import madvise
+
+MADV_POPULATE_READ = 22  # Linux 5.14+: fault pages in as if read
+_CHUNK_BYTES = 16 * 2**20
+_POLL_S = 0.02  # how often the server's head is looked at
+
+
+class ReadAhead(threading.Thread):
+    """Follows the arena's write head (a u64 at `head_at` in the map, an absolute position in a
+    ring of `capacity` data bytes starting at `data_at`) and faults the written data in; the
+    index (`extra`: (offset, length)) once at start. Ends when `owner` closes (`closed(owner)`)
+    or is collected; `stop()` waits for the chunk under way, so no madvise outlives the map."""
+
+    def __init__(self, owner: Any, address: int, head_at: int, data_at: int, capacity: int,
+                 extra: tuple[int, int], closed: Callable[[Any], bool]) -> None:
+        super().__init__(name="tiered-cache-read-ahead", daemon=True)
+        self._owner = weakref.ref(owner)
+        self._address, self._head_at, self._data_at, self._capacity = address, head_at, data_at, capacity
+        self._extra = extra
+        self._closed = closed
+        self._stopping = threading.Event()
+        self._chunk_lock = threading.Lock()
+        self.faulted = 0  # data bytes faulted in, from the start of the ring
+
+    def run(self) -> None:
+        if not self._advise(*self._extra):
+            return  # not offered here: reads fault pages in, as without this thread
+        while not self._stopping.is_set():
+            head = self._head()
+            if head is None:
+                return
+            target = min(head, self._capacity)
+            while self.faulted < target and not self._stopping.is_set():
+                stop = min(target, self.faulted + _CHUNK_BYTES)
+                if not self._advise(self._data_at + self.faulted, stop - self.faulted):
+                    return
+                self.faulted = stop
+            if self.faulted >= self._capacity:
+                return  # the ring has come round: every page is mapped
+            self._stopping.wait(_POLL_S)
+
+    def _head(self) -> int | None:
+        owner = self._owner()
+        if owner is None or self._closed(owner):
+            return None
+        raw = owner.raw
+        try:
+            return struct.unpack_from("<Q", raw, self._head_at)[0]
+        except (ValueError, TypeError):  # closed meanwhile
+            return None
+
+    def _advise(self, offset: int, length: int) -> bool:
+        with self._chunk_lock:
+            if self._stopping.is_set():
+                return False
+            return madvise(self._address + offset, length, MADV_POPULATE_READ)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._chunk_lock:  # the chunk under way ends before the map may be closed
+            pass
