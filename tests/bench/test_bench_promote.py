@@ -1,42 +1,57 @@
-"""`tiered-cache bench promote`, run small: every path's row beside a baseline that really ran,
-each having moved the whole prefix (no timing asserts: this machine is shared and noisy)."""
+"""`tiered-cache bench promote`, run small: every path's serving, first-load and warm figures
+beside a limit that really ran, each load having placed the whole prefix (checked byte for byte
+inside the bench, which raises otherwise; no timing asserts: this machine is shared and noisy)."""
 
 import json
 
 from conftest import run_cli_here as run_cli
 
-from tiered_cache.bench.promote_bench import PATHS, bench_promote
+from tiered_cache.bench.promote_bench import bench_promote
+from tiered_cache.bench.promote_prefixes import Prefixes
+from tiered_cache.bench.promote_sites import PATHS
 from tiered_cache.model.spec import DType, KVSpec
 from tiered_cache.wire.codec import raw_blob_size
 
 SPEC = KVSpec("promote-bench-test", 4, 2, 64, dtype=DType.FP16, page_size=8)  # 16 KiB pages
 
 
-def test_every_path_moves_the_whole_prefix_beside_its_baseline(tmp_path, redis_server):
-    rows = bench_promote(SPEC, mib=1, rounds=2, paths=PATHS, folder=str(tmp_path), redis_url=redis_server.url)
-    assert [r.path for r in rows] == ["host RAM -> pool (match + load)", "pool -> host RAM (evict)",
-                                      "disk -> pool (match + load)", "Redis -> pool (match + load)",
-                                      "same-host store server -> pool (match + prefetch + load)"]
-    num_pages = 2**20 // SPEC.bytes_per_page
-    blobs = num_pages * raw_blob_size(SPEC)
-    # What each baseline's last call returned: memcpy the KV bytes; the tiers' raw reads the blobs.
-    assert [r.baseline_work for r in rows] == [2**20, 2**20, blobs, blobs, 2**20]
+def test_every_path_loads_new_prefixes_into_a_full_pool_beside_its_limit(tmp_path, redis_server):
+    rows = bench_promote(SPEC, mib=1, rounds=2, paths=PATHS, folder=str(tmp_path), redis_url=redis_server.url,
+                         pool_prefixes=3, settle_s=0.2)
+    assert [r.path for r in rows] == list(PATHS)
+    blobs = (2**20 // SPEC.bytes_per_page) * raw_blob_size(SPEC)
+    # What each limit's last call returned: memcpy the KV bytes; the tiers' raw reads the blobs.
+    assert [r.serving.baseline_work for r in rows] == [2**20, blobs, blobs, 2**20]
     for row in rows:
-        # The last timed load (or demotion) moved every page; the load's bytes were checked equal
-        # to the prefix's inside the bench, which raises otherwise.
-        assert row.nbytes == row.work == 2**20, row
-        assert row.seconds > 0 and row.baseline_seconds > 0 and row.rounds == 2
-    assert "redis-py + hiredis MGET" in rows[3].baseline_name and "memcpy" in rows[4].baseline_name
+        for timed in (row.serving, row.warm):
+            assert timed.work == row.nbytes == 2**20 and timed.seconds > 0 and timed.baseline_seconds > 0, row
+        assert row.serving.rounds == 2
+        first = row.first  # the reader process: a first load and three steady ones, and memcpy's
+        assert first is not None and first.first_seconds > 0 and len(first.steady_seconds) == 3
+        assert first.memcpy_first_seconds > 0 and len(first.memcpy_steady_seconds) == 3
+    assert rows[0].demotion is not None and rows[0].demotion.work == 2**20
+    assert all(r.demotion is None for r in rows[1:])
     assert list(tmp_path.iterdir()) == []  # the disk tier's folder is gone
 
 
-def test_bench_promote_cli_prints_rows_and_refuses_unknown_paths():
-    data = json.loads(run_cli("bench", "promote", "--model", "smollm2-135m", "--page-size", "4", "--mib", "1",
-                              "--rounds", "1", "--paths", "host", "--json").stdout)
-    assert [r["path"] for r in data] == ["host RAM -> pool (match + load)", "pool -> host RAM (evict)"]
-    assert all(r["work"] == r["nbytes"] and r["baseline_gb_per_s"] > 0 for r in data)
-    table = run_cli("bench", "promote", "--model", "smollm2-135m", "--page-size", "4", "--mib", "1", "--rounds", "1",
-                    "--paths", "host").stdout
-    assert "memcpy" in table and "vs baseline" in table and "median of 1 rounds" in table
+def test_prefixes_never_share_a_key_and_differ_page_for_page():
+    prefixes = Prefixes(SPEC, 0.25)
+    a, b = prefixes[0], prefixes[1]
+    assert not set(a.keys) & set(b.keys) and len(a.tokens) == len(b.tokens)
+    assert not any(bool((pa == pb).all()) for pa, pb in zip(a.pages, b.pages, strict=True))
+    again = Prefixes(SPEC, 0.25)[1]  # another process rebuilds the same prefix
+    assert again.keys == b.keys and bool((again.pages == b.pages).all())
+
+
+def test_bench_promote_cli_prints_rows_and_refuses_bad_arguments():
+    args = ("bench", "promote", "--model", "smollm2-135m", "--page-size", "4", "--mib", "1", "--rounds", "1",
+            "--paths", "host", "--pool-prefixes", "2", "--settle", "0", "--no-first")
+    data = json.loads(run_cli(*args, "--json").stdout)
+    assert [r["path"] for r in data] == ["host"] and data[0]["first"] is None
+    assert data[0]["serving"]["work"] == data[0]["nbytes"] and data[0]["warm"]["baseline_gb_per_s"] > 0
+    table = run_cli(*args).stdout
+    assert "memcpy" in table and "vs limit" in table and "full pool of 2 prefixes" in table
     bad = run_cli("bench", "promote", "--paths", "tape", check=False)
     assert bad.returncode != 0 and "--paths takes some of host,disk,redis,remote" in bad.stderr
+    bad = run_cli("bench", "promote", "--pool-prefixes", "1", check=False)
+    assert bad.returncode != 0 and "--pool-prefixes at least 2" in bad.stderr

@@ -24,11 +24,15 @@ from tiered_cache.bench.promote_serving import check_pool, clock, load, reader
 
 @dataclass(frozen=True)
 class FirstLoads:
-    """A new reader's loads: the first, then the steady ones after it."""
+    """A new reader's loads: the first, then the steady ones after it; and the same for a memcpy
+    of the same bytes after the same idle time (what the machine itself charges a first
+    operation after a pause: a VM's vCPU, caches and TLBs gone cold), in the same process."""
 
     first_seconds: float
     steady_seconds: list[float]
     settle_s: float
+    memcpy_first_seconds: float
+    memcpy_steady_seconds: list[float]
 
     @property
     def steady(self) -> float:
@@ -37,6 +41,10 @@ class FirstLoads:
     @property
     def first_over_steady(self) -> float:
         return self.first_seconds / self.steady
+
+    @property
+    def memcpy_first_over_steady(self) -> float:
+        return self.memcpy_first_seconds / statistics.median(self.memcpy_steady_seconds)
 
 
 def first_loads(spec_dict: dict[str, Any], mib: float, settings: dict[str, Any], path: str, first: int,
@@ -50,11 +58,14 @@ def first_loads(spec_dict: dict[str, Any], mib: float, settings: dict[str, Any],
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RuntimeError(f"the reader process for {path} failed: {tail}")
-    seconds = json.loads(done.stdout.strip().splitlines()[-1])["seconds"]
-    return FirstLoads(seconds[0], seconds[1:], settle_s)
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    loads, memcpy = out["seconds"], out["memcpy_seconds"]
+    return FirstLoads(loads[0], loads[1:], settle_s, memcpy[0], memcpy[1:])
 
 
-def _run(job: dict[str, Any]) -> list[float]:
+def _run(job: dict[str, Any]) -> dict[str, list[float]]:
+    import torch
+
     from tiered_cache.model.spec import KVSpec
 
     prefixes = Prefixes(KVSpec.from_dict(job["spec"]), job["mib"])
@@ -75,7 +86,12 @@ def _run(job: dict[str, Any]) -> list[float]:
             took, pages = clock(lambda p=prefix: load(cache, p, job["prefetch"]))
             check_pool(cache, pages, prefix)
             seconds.append(took)
-        return seconds
+        # The machine's own first-after-idle cost: a memcpy of the same bytes, after the same pause.
+        src, dst = torch.ones(prefixes.nbytes, dtype=torch.uint8), torch.zeros(prefixes.nbytes, dtype=torch.uint8)
+        dst.copy_(src)
+        time.sleep(job["settle_s"])
+        memcpy = [clock(lambda: dst.copy_(src))[0] for _ in range(job["count"])]
+        return {"seconds": seconds, "memcpy_seconds": memcpy}
     finally:
         cache.close()
 
@@ -84,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("job", help="the job as JSON (promote_first.first_loads writes it)")
     args = parser.parse_args(argv)
-    print(json.dumps({"seconds": _run(json.loads(args.job))}))
+    print(json.dumps(_run(json.loads(args.job))))
     return 0
 
 

@@ -267,6 +267,13 @@ class RedisTier:
                     out[i] = None
         return corrupt
 
+    def warm(self) -> None:
+        """Connect to every node now (a PING each) and start the checker thread, so the first
+        load does not pay for them. A node that does not answer opens its breaker, as on any call."""
+        for node in self._nodes.masters():
+            self._nodes.on(node, lambda client: client.ping(), None)
+        self._checker().submit(lambda: None).result()
+
     def _checker(self) -> ThreadPoolExecutor:
         if self._checks is None:
             with self._lock:

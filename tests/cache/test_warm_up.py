@@ -1,0 +1,88 @@
+"""A new cache opens what its first load would otherwise pay for, in the background: the lower
+tiers' threads and connections (a real disk tier, a real store server in another process, a
+Redis), the prefetch threads; a tier that fails to warm up is left to open on first use."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from kv_oracle import token_kv
+
+from tiered_cache.cache import TieredCache
+from tiered_cache.config import CacheConfig
+from tiered_cache.model.spec import DType, KVSpec
+from tiered_cache.server.process import StoreProcess
+from tiered_cache.tiers.chain import TierChain
+from tiered_cache.tiers.memory import MemoryTier
+
+SPEC = KVSpec("warm-up-test", 2, 2, 8, dtype=DType.FP32, page_size=4)
+
+
+def threads_named(prefix: str) -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith(prefix))
+
+
+def test_disk_readers_and_prefetch_threads_start_with_the_cache(tmp_path):
+    before = threads_named("disk-tier-read"), threads_named("tiered-cache-prefetch")
+    config = CacheConfig(pool_capacity="64KiB", host_capacity="64KiB", lower_tiers="disk",
+                         disk_path=str(tmp_path / "disk"), malloc_tuning=False)
+    cache = TieredCache(SPEC, config)
+    try:
+        cache.warming.join(10)
+        assert threads_named("disk-tier-read") > before[0]
+        assert threads_named("tiered-cache-prefetch") > before[1]
+    finally:
+        cache.close()
+
+
+def test_a_store_server_is_connected_and_mapped_before_the_first_request():
+    with StoreProcess(["--no-disk", "--ram", "64MiB"]) as store:
+        config = CacheConfig(pool_capacity="64KiB", host_capacity="64KiB", lower_tiers="remote",
+                             remote_addresses=store.address, malloc_tuning=False, write_policy="write_through")
+        cache = TieredCache(SPEC, config)
+        try:
+            cache.warming.join(30)
+            remote = cache.chain.tiers[0]
+            assert remote.same_host  # the arena is mapped: a load reads pages in place from the start
+            tokens = list(range(16))
+            cache.put(tokens, token_kv(SPEC, tokens))
+            cache.flush()
+            assert remote.contains_prefix(cache._keyer("").keys(tokens)) == 4
+        finally:
+            cache.close()
+
+
+class RefusingTier(MemoryTier):
+    def warm(self) -> None:
+        raise ConnectionError("down")
+
+
+def test_a_tier_that_fails_to_warm_up_is_skipped_and_the_next_warms():
+    warmed = []
+
+    class Counting(MemoryTier):
+        def warm(self) -> None:
+            warmed.append(True)
+
+    chain = TierChain([RefusingTier(1 << 16), Counting(1 << 16)])
+    chain.warm()
+    assert warmed == [True]
+    chain.put([(b"k" * 32, b"v")], 0)
+    assert chain.locate([b"k" * 32]) == [0]
+
+
+def test_the_pool_is_faulted_in_page_range_by_page_range_across_its_blocks(monkeypatch):
+    import tiered_cache.device.memory as memory
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(memory, "_populate", lambda address, length: (calls.append((address, length)), True)[1])
+    tensor = torch.empty(2, 4, 8 * 1024, dtype=torch.uint8)  # 8 blocks of 8 KiB
+    thread = memory.PretouchThread(tensor, chunk_bytes=8 * 4096, blocks=8)
+    calls.clear()  # the probe in the constructor
+    thread.run()
+    base, block = tensor.data_ptr(), 8 * 1024
+    assert {(a, n) for a, n in calls} == {(base + b * block + s, 4096) for b in range(8) for s in (0, 4096)}
+    # The first page range of every block comes before the second range of any block.
+    first = [i for i, (a, _) in enumerate(calls) if (a - base) % block == 0]
+    assert max(first) < min(i for i, (a, _) in enumerate(calls) if (a - base) % block == 4096)

@@ -1,0 +1,59 @@
+"""A reader's map of an arena is faulted in as far as the server has written, off the request
+path (shm/read_ahead.py): measured by the reader's own mapping in /proc/self/smaps (pages mapped
+in that range of this process), not by the thread's counters."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from test_prefault import _populate_offered
+
+from tiered_cache.shm.arena import Arena
+from tiered_cache.shm.arena_map import ArenaMap
+
+MIB = 2**20
+pytestmark = pytest.mark.skipif(not _populate_offered(), reason="no MADV_POPULATE (Linux 5.14+)")
+
+
+def mapped_bytes(address: int) -> int:
+    """Rss of the mapping that starts at `address` in this process."""
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            first = line.split()[0]
+            if "-" in first and not first.endswith(":"):
+                inside = int(first.split("-")[0], 16) == address
+            elif inside and first == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def test_a_new_map_is_faulted_in_up_to_the_head_and_follows_later_writes():
+    arena = Arena(16 * MIB, lease_s=0)
+    try:
+        arena.put([(i.to_bytes(32, "little"), bytes([i]) * MIB) for i in range(4)])  # ~4 MiB written
+        reader = ArenaMap(arena.path, arena.size, arena.id)
+        try:
+            address = reader.address()
+            index = reader.size - reader.index_at
+            assert wait_for(lambda: mapped_bytes(address) >= 4 * MIB + index)
+            # Nothing past the head: the rest of the data is not the reader's to commit.
+            assert mapped_bytes(address) < 6 * MIB + index
+            arena.put([(i.to_bytes(32, "little"), bytes([i]) * MIB) for i in range(4, 10)])  # ~10 MiB now
+            assert wait_for(lambda: mapped_bytes(address) >= 10 * MIB + index)
+            assert reader.read(*arena.refs([(7).to_bytes(32, "little")], lease=False)[0]) == bytes([7]) * MIB
+        finally:
+            reader.close()
+        assert not reader._read_ahead.is_alive() or wait_for(lambda: not reader._read_ahead.is_alive(), 2.0)
+    finally:
+        arena.close()

@@ -1,0 +1,70 @@
+"""`bench promote`'s side column: the warm loop. One prefix, loaded again and again by one warm
+reader whose pool has room: before each round the prefix is dropped from the pool and host RAM
+(only the tier below holds it), then loaded (`match` + `load`) beside the path's limit,
+alternating which goes first; the first round warms up. For host RAM, each round demotes the
+pool into host RAM (`evict`, timed too: "pool -> host RAM") and loads it back. This flatters
+every path (the pages, the maps, the page cache are all warm): the serving rounds
+(promote_serving.py) are the headline.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING
+
+from tiered_cache.bench.promote_prefixes import Prefix, Prefixes
+from tiered_cache.bench.promote_serving import Timed, check_pool, clock, load, reader
+
+if TYPE_CHECKING:
+    from tiered_cache.bench.promote_sites import Site
+    from tiered_cache.cache import TieredCache
+
+
+def warm_rounds(site: Site, prefixes: Prefixes, rounds: int) -> tuple[Timed, Timed | None]:
+    """(the load, and for host RAM the demotion) of prefix 0 of `site`, warm (see the module doc)."""
+    prefix = prefixes[0]
+    cache = reader(prefixes, site.settings, 2, 2)
+    baseline = site.baseline(prefix)
+    host = site.path == "host"
+    try:
+        for memory in (cache.pool.pretouch, cache.host.pretouch):
+            if memory is not None:
+                memory.join()
+        if host:
+            cache.put(prefix.tokens, prefix.kv())
+        ours, base, demote = [], [], []
+        pages, got = None, 0
+        for r in range(rounds + 1):  # round 0 warms up
+            if host:
+                drop_host_copies(cache, prefix)
+                seconds_demote, _ = clock(cache.evict)
+            else:
+                cache.evict()
+                cache.flush()
+                drop_host_copies(cache, prefix)
+            if r % 2:
+                seconds, pages = clock(lambda: load(cache, prefix, site.prefetch))
+                seconds_base, got = clock(baseline)
+            else:
+                seconds_base, got = clock(baseline)
+                seconds, pages = clock(lambda: load(cache, prefix, site.prefetch))
+            if r:
+                ours.append(seconds)
+                base.append(seconds_base)
+                if host:
+                    demote.append(seconds_demote)
+        assert pages is not None
+        check_pool(cache, pages, prefix)
+        work = len(pages) * prefixes.spec.bytes_per_page
+        loaded = Timed(statistics.median(ours), statistics.median(base), work, got, rounds)
+        demoted = Timed(statistics.median(demote), statistics.median(base), work, got, rounds) if host else None
+        return loaded, demoted
+    finally:
+        cache.close()
+
+
+def drop_host_copies(cache: TieredCache, prefix: Prefix) -> None:
+    """Forget the prefix's pages in host RAM. No public call does this; host RAM's index is
+    guarded by the cache's lock, so it is taken here."""
+    with cache._lock:
+        cache.host.delete(prefix.keys)
