@@ -4,7 +4,7 @@ Same HTTP/2 options as the store server. It is deliberately not the store: it is
 baseline that `bench remote` sets the store's own Get (client/get_streams.py) beside. Run as a child
 process:
 
-    python -m tiered_cache.bench.raw_grpc   # prints "listening on 127.0.0.1:PORT"
+    python -m tiered_cache.bench.raw_grpc [HOST]   # prints "listening on HOST:PORT" (127.0.0.1)
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ def main() -> None:
                 "Echo": grpc.unary_unary_rpc_method_handler(_echo),
                 "Absorb": grpc.stream_unary_rpc_method_handler(_absorb)}
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("raw.Raw", handlers)])
-    port = server.add_insecure_port("127.0.0.1:0")
+    host = sys.argv[1] if len(sys.argv) > 1 else "127.0.0.1"  # another only in a bench's own network namespace
+    port = server.add_insecure_port(f"{host}:0")
     server.start()
-    print(f"listening on 127.0.0.1:{port}", flush=True)
+    print(f"listening on {host}:{port}", flush=True)
     threading.Event().wait() if sys.stdin is None else sys.stdin.read()  # until the parent closes stdin
     server.stop(0)
 

@@ -80,6 +80,9 @@ def add_parser(commands: Any) -> None:
     remote.add_argument("--duration", type=float, default=5.0, help="seconds each --clients round runs (default 5)")
     remote.add_argument("--long-prefix", type=float, metavar="GIB",
                         help="get a prefix of GIB GiB through the remote tier on its default settings")
+    remote.add_argument("--netns", action="store_true",
+                        help="(root) the store in another network namespace (veth): new prefixes of --pages pages "
+                             "into a full pool vs a raw TCP stream and a bare gRPC stream between the namespaces")
     subs.append(remote)
     fork = _add(which, "fork", help="pool pages of n parallel samples with copy-on-write forks vs each its own copy")
     fork.add_argument("--model", default="smollm2-135m", help="preset whose pages are counted")
@@ -275,6 +278,8 @@ def _positive_counts(text: str, what: str) -> list[int]:
 def _remote_rows(args: argparse.Namespace, spec: Any) -> list[Any]:
     from tiered_cache.bench import remote_bench
 
+    if args.netns:
+        return _netns_rows(spec, args.pages)
     if args.clients is None and args.long_prefix is None:
         print(f"getting {args.pages} pages of {spec.bytes_per_page:,} bytes through a store server ...",
               file=sys.stderr)
@@ -291,6 +296,23 @@ def _remote_rows(args: argparse.Namespace, spec: Any) -> list[Any]:
             raise SystemExit(f"tiered-cache bench remote: --long-prefix takes GiB > 0, got {args.long_prefix:g}")
         rows += remote_bench.bench_long_prefix(spec, args.long_prefix)
     return rows
+
+
+def _netns_rows(spec: Any, pages: int) -> list[Any]:
+    from tiered_cache.bench import netns_bench
+    from tiered_cache.bench.timing import Comparison
+
+    why = netns_bench.unavailable()
+    if why is not None:
+        print(f"tiered-cache {why}", file=sys.stderr)
+        raise SystemExit(0)
+    mib = pages * spec.bytes_per_page / 2**20
+    print(f"two network namespaces; {mib:,.0f} MiB prefixes, new each round, into a full pool of 8 ...",
+          file=sys.stderr)
+    figures = netns_bench.bench_netns(spec.to_dict(), mib, rounds=5, pool_prefixes=8)
+    scale = f"{mib:,.0f} MiB, another namespace"
+    return [Comparison(scale, "store -> pool, new prefix, full pool", load, limit_name, limit, "GB/s", True,
+                       figures.nbytes, figures.wire_bytes) for limit_name, load, limit in figures.rows()]
 
 
 def _run_model_bench(args: argparse.Namespace) -> int:
