@@ -34,6 +34,9 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--shm", dest="shm", metavar="on|off",
                    help="keep the RAM tier in shared memory that clients on this host (same user) read in place, "
                         "with no copy by the server (default on; off: every page goes over gRPC)")
+    p.add_argument("--bulk-port", dest="bulk_port", metavar="PORT|off",
+                   help="port of the bulk Get (plain TCP beside gRPC, same host and tokens: the fast path for "
+                        "pages from another host; default 0: a free port; off: none; never with TLS)")
     p.add_argument("--arena-lease", dest="arena_lease_s", type=float, metavar="SECONDS",
                    help="how long a page handed to a same-host client is not written over (default 2)")
     p.add_argument("--write-through", action="store_true", default=None,
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in
                  ("host", "port", "token", "tls_cert", "tls_key", "ram_capacity", "disk_path", "disk_capacity",
                   "redis_url", "max_page_bytes", "write_through", "workers", "max_streams", "stream_idle_s",
-                  "metrics_port", "metrics_host", "shm", "arena_lease_s")}
+                  "metrics_port", "metrics_host", "shm", "arena_lease_s", "bulk_port")}
     if args.token is not None:
         print("tiered-cache serve: WARNING: --token is visible to every local user (/proc/<pid>/cmdline); "
               f"give it as ${TOKEN_ENV} or in a --token-file", file=sys.stderr, flush=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from tiered_cache.client.bulk_client import BulkClient
 from tiered_cache.client.get_streams import GetResult, GetStreams
 from tiered_cache.shm.arena_map import ArenaMap, ArenaViews
 from tiered_cache.shm.host import host_identity
@@ -75,6 +76,11 @@ class StoreClient:
         self._ring_put_lock = threading.Lock()
         self.shm_put_resent = 0  # pages the server found written over (or unmapped), sent again as bytes
         self.arena_lookups = 0  # Lookups answered from the arena's published index, without an RPC
+        # The bulk Get (client/bulk_client.py): its port from Attach (None: not asked yet; 0: none).
+        self._bulk_port: int | None = None
+        self._bulk: BulkClient | None = None
+        self._bulk_lock = threading.Lock()
+        self._closed = False
 
     def lookup(self, keys: list[bytes], timeout_s: float | None = None, arena: ArenaMap | None = None
                ) -> pb.LookupResponse:
@@ -147,9 +153,8 @@ class StoreClient:
     def attach(self) -> ArenaMap | None:
         """The server's arena, mapped read-only, when the server keeps one and runs on this host
         as this user; None otherwise (Get then moves bytes, as to any other host)."""
-        try:
-            reply = self.stub.Attach(pb.AttachRequest(), timeout=self.timeout_s, metadata=self.metadata)
-        except grpc.RpcError:
+        reply = self._attach_reply()
+        if reply is None:
             return None  # down, or a server without Attach: bytes
         if not reply.path or not reply.host or reply.host != host_identity():
             return None
@@ -157,6 +162,41 @@ class StoreClient:
             return ArenaMap(reply.path, reply.size, reply.segment)
         except (OSError, ValueError):
             return None  # another container, another user, or the pid is not the server's any more
+
+    def _attach_reply(self) -> pb.AttachResponse | None:
+        try:
+            reply = self.stub.Attach(pb.AttachRequest(), timeout=self.timeout_s, metadata=self.metadata)
+        except grpc.RpcError:
+            return None
+        self._bulk_port = reply.bulk_port
+        return reply
+
+    def bulk(self) -> BulkClient | None:
+        """The server's bulk Get (client/bulk_client.py: pages as bytes over plain TCP, the fast
+        path from another host), when it offers one and this client does not read its arena;
+        None otherwise (gRPC's Get). Asks the server once (Attach), again while it is down."""
+        if self._tls_ca:
+            return None
+        if self.shm and self._streams_for(attach=True).reader is not None:
+            return None  # on the server's host: its arena is faster still
+        with self._bulk_lock:
+            if self._bulk is None and not self._closed:
+                if self._bulk_port is None and self._attach_reply() is None:
+                    return None
+                if self._bulk_port:
+                    metadata = dict(self.metadata)
+                    self._bulk = BulkClient(self.address.rsplit(":", 1)[0], self._bulk_port,
+                                            metadata.get("authorization", ""), metadata.get(NAMESPACE_METADATA, ""),
+                                            self.timeout_s)
+            return self._bulk
+
+    def drop_bulk(self) -> bool:
+        """Stop using the bulk Get with this server (it refused us); whether it was in use."""
+        with self._bulk_lock:
+            bulk, self._bulk, self._bulk_port = self._bulk, None, 0
+        if bulk is not None:
+            bulk.close()
+        return bulk is not None
 
     def put(self, items: Iterable[tuple[bytes, bytes]], fingerprint: bytes = b"",
             timeout_s: float | None = None, budget_s: float | None = None) -> pb.PutResponse:
@@ -312,6 +352,10 @@ class StoreClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def close(self) -> None:
+        with self._bulk_lock:
+            self._closed = True
+            if self._bulk is not None:
+                self._bulk.close()
         self.channel.close()
         if self._streams is not None:
             self._streams.close()

@@ -16,7 +16,7 @@ from tiered_cache.wire.options import DEFAULT_MAX_PAGE_BYTES, DEFAULT_PORT, max_
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 MIN_CAPACITY = 2**20  # a tier smaller than this is a unit forgotten (`--ram 10` is 10 bytes), not a choice
 DEFAULT_DISK = "default"  # <$TIERED_CACHE_DIR or ~/.cache/tiered-cache>/store
-_INTS = ("port", "max_keys", "workers", "max_streams", "metrics_port")
+_INTS = ("port", "max_keys", "workers", "max_streams", "metrics_port", "bulk_port")
 _FLOATS = ("stream_idle_s", "grace_s", "arena_lease_s")
 _SIZES = ("ram_capacity", "disk_capacity", "max_page_bytes", "stream_buffer_bytes")
 _ON = {"on": True, "1": True, "true": True, "yes": True, "off": False, "0": False, "false": False, "no": False}
@@ -29,6 +29,8 @@ def default_store_folder() -> str:
 def _coerce(name: str, value: Any) -> Any:
     """A YAML or flag value as the field's type, or ValueError naming the setting."""
     if value is None:
+        return None
+    if name == "bulk_port" and str(value).strip().lower() == "off":
         return None
     try:
         if name in _SIZES:
@@ -84,6 +86,9 @@ class ServerConfig:
     shm: bool = True
     # How long a page handed to a same-host client by ref is not written over (shm/arena.py).
     arena_lease_s: float = 2.0
+    # The bulk Get (wire/bulk.py): plain TCP beside gRPC on `host`, this port (0: a free one);
+    # None: off. Never with TLS (it would carry pages in the clear): clients then use gRPC's Get.
+    bulk_port: int | None = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -98,7 +103,7 @@ class ServerConfig:
                                  f"unit, e.g. 4GiB (a bare number is bytes; at least 1MiB)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both tls_cert and tls_key")
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "bulk_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= int(value) < 65536:
                 raise ValueError(f"{name} must be in 0..65535, got {value}")
@@ -131,6 +136,11 @@ class ServerConfig:
     @property
     def max_message_bytes(self) -> int:
         return max_message_bytes(self.max_page_bytes)
+
+    @property
+    def serves_bulk(self) -> bool:
+        """Whether the bulk Get listens (on, and no TLS: it would send pages in the clear)."""
+        return self.bulk_port is not None and not self.tls_cert
 
     @property
     def loopback_only(self) -> bool:

@@ -144,12 +144,19 @@ class GetHandlers:
                     continue
                 sizer.see(ref[1])
                 messages.append(page_ref_message(key, *ref))
-            elif blob is not None and not (fingerprint and not _fingerprint_ok(blob, fingerprint)):
-                if key != kept:  # a namespace's page: the client gets it with the key it asked for
-                    blob = rekeyed(blob, key)
+            elif (blob := as_sent(key, kept, blob, fingerprint)) is not None:
                 sizer.see(len(blob))
                 messages.append(page_blob_message(key, blob))
         return messages, sum(ref is not None for ref in refs), reused
+
+
+def as_sent(key: bytes, kept: bytes, blob: bytes | None, fingerprint: bytes) -> bytes | None:
+    """The blob the store holds under `kept` as a Get sends it for `key` (the key the client asked
+    for: a namespace's page is rekeyed), or None when there is none or it is of another model
+    than `fingerprint` (b"": any). Every Get, gRPC or bulk (server/bulk_gets.py), sends through here."""
+    if blob is None or (fingerprint and not _fingerprint_ok(blob, fingerprint)):
+        return None
+    return rekeyed(blob, key) if key != kept else blob
 
 
 def _fingerprint_ok(blob: bytes, fingerprint: bytes) -> bool:

@@ -45,6 +45,7 @@ class KVCacheService:
         self.arena = arena  # the RAM tier in shared memory, when on: same-host clients read it in place
         self.gets = GetHandlers(self.requests, store, arena)
         self.puts = PutHandlers(self.requests, store, offers)
+        self.bulk_port = 0  # the bulk Get's listener (bulk_gets.py), told to clients by Attach; 0: none
 
     @property
     def permits(self) -> StreamPermits:
@@ -80,12 +81,13 @@ class KVCacheService:
         """Where a client on this host finds the arena (empty when shared memory is off, and for a
         call in a namespace other than the empty one: server/tenants.py)."""
         await self.requests.take_unary(request, context)
-        arena = self.arena
+        arena, bulk_port = self.arena, self.bulk_port
         if await self.requests.namespace(context):  # shared memory shows every namespace: not offered
-            return pb.AttachResponse()
+            return pb.AttachResponse(bulk_port=bulk_port)
         if arena is None:
-            return pb.AttachResponse(host=host_identity() if self.offers is not None else "")
-        return pb.AttachResponse(path=arena.path, size=arena.size, segment=arena.id, host=host_identity())
+            return pb.AttachResponse(host=host_identity() if self.offers is not None else "", bulk_port=bulk_port)
+        return pb.AttachResponse(path=arena.path, size=arena.size, segment=arena.id, host=host_identity(),
+                                 bulk_port=bulk_port)
 
     async def Stats(self, request: Any, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         await self.requests.take_unary(request, context)

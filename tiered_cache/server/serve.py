@@ -32,6 +32,10 @@ def serve(config: ServerConfig) -> int:
     from tiered_cache.server.startup import describe_tiers, redis_problem
 
     print(f"tiered-cache serve: tiers: {describe_tiers(config)}", flush=True)
+    if server.bulk is not None:
+        print(f"tiered-cache serve: bulk Get at {config.host}:{server.bulk.port} (plain TCP, same tokens)", flush=True)
+    elif config.bulk_port is not None:
+        print("tiered-cache serve: no bulk Get with TLS (it is plain TCP): clients use gRPC's Get", flush=True)
     if config.redis_url and (problem := redis_problem(config.redis_url)):
         print(f"tiered-cache serve: WARNING: {problem}; the Redis tier answers misses until it is back",
               file=sys.stderr, flush=True)

@@ -20,6 +20,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tiered_cache.server.arena_tier import ArenaTier
+from tiered_cache.server.bulk_gets import BulkGets
 from tiered_cache.server.config import ServerConfig
 from tiered_cache.server.handlers import KVCacheService
 from tiered_cache.server.requests import ServerCounters, parse_put_item, parser
@@ -66,6 +67,7 @@ class StoreServer:
         arena = self.store.ram if isinstance(self.store.ram, ArenaTier) else None
         self.service = KVCacheService(self.store, config, self.counters, self._io, self._meta, arena,
                                       OfferedSegments() if shared_memory(config) else None)
+        self.bulk = BulkGets(config, self.store, self._io) if config.serves_bulk else None  # bulk_gets.py
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
@@ -78,8 +80,12 @@ class StoreServer:
         self._thread = threading.Thread(target=loop.run_forever, name="tiered-cache-store-loop", daemon=True)
         self._thread.start()
         try:
+            if self.bulk is not None:
+                self.service.bulk_port = self.bulk.start()
             self.port = asyncio.run_coroutine_threadsafe(self._start(), loop).result()
         except BaseException:
+            if self.bulk is not None:
+                self.bulk.stop()
             self._stop_loop()
             raise
         if self.config.metrics_port is not None:
@@ -134,6 +140,8 @@ class StoreServer:
         if self.metrics is not None:
             self.metrics.stop()
             self.metrics = None
+        if self.bulk is not None:
+            self.bulk.stop()
         if self._loop is not None and self._server is not None:
             asyncio.run_coroutine_threadsafe(self._drain(), self._loop).result()
         self._stop_loop()

@@ -16,12 +16,15 @@ keys into misses, never into errors. Servers on this host are read in place in t
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
+from tiered_cache.client.bulk_client import BulkRefused
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.shm.arena_map import ArenaRef, ArenaViews
 from tiered_cache.tiers.base import TierStats, leading_run
@@ -34,6 +37,10 @@ from tiered_cache.wire.framing import ReceivedBlob
 
 if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec
+
+log = logging.getLogger("tiered_cache.tiers.remote")
+_DONE: Future[Any] = Future()
+_DONE.set_result(None)
 
 
 class _Placed(enum.Enum):
@@ -64,6 +71,7 @@ class RemoteTier:
         self.fingerprint = fingerprint  # when set, servers skip and refuse blobs of other models
         self._stats = TierStats(self.name)
         self._refused = 0  # pages servers refused to store (counted as errors)
+        self.bulk_gets = 0  # server calls of `get_into` served by a bulk Get (client/bulk_client.py)
         # Threads checking and copying received pages: checksums and copies release the GIL, so n
         # threads place a prefix in about 1/n of the time, up to the memory's bandwidth.
         self.checkers = checker_threads()
@@ -108,6 +116,7 @@ class RemoteTier:
 
         for server in self.stores.ring.servers:
             self.stores.call(server, connect, None)
+            self.stores.call(server, _warm_bulk, None)
 
     # --- interface -----------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -280,8 +289,24 @@ class RemoteTier:
                     checks.append((item.key, self._checker.submit(place, item.key, item.blob, lent)))
                     submitted.append(checks[-1][1])
 
+            def placed(key: bytes, data: memoryview) -> Future[Any]:  # a bulk Get's page, in a reused buffer
+                if key not in pending:
+                    return _DONE
+                pending.discard(key)
+                checks.append((key, self._checker.submit(place, key, data, False)))
+                submitted.append(checks[-1][1])
+                return checks[-1][1]
+
             def stream(client: StoreClient) -> None:
                 # Pages received before a stream breaks stay usable: each is checked on its own.
+                bulk = client.bulk()
+                if bulk is not None:
+                    try:
+                        bulk.get_into(asked, self.fingerprint, placed, self.budget_s)
+                        self.bulk_gets += 1
+                        return
+                    except BulkRefused as exc:  # the server says no: its gRPC Get says why, in its own terms
+                        self._refused_bulk(client, exc)
                 result = client.get_whole(asked, self.fingerprint, budget_s=self.budget_s, on_blob=arrived,
                                           lease=lease)
                 if result.error is not None:
@@ -292,6 +317,11 @@ class RemoteTier:
 
         streamed = self.stores.each_server(StoreServers.by_server(ring, keys), from_server).values()
         return {key: check.result() for checks in streamed for key, check in checks}
+
+    def _refused_bulk(self, client: StoreClient, exc: BulkRefused) -> None:
+        """A server refused our bulk connection: say so once, and use gRPC's Get with it from now on."""
+        if client.drop_bulk():
+            log.warning("%s; using gRPC's Get with this server", exc)
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         ring = self.stores.ring
@@ -336,3 +366,11 @@ class RemoteTier:
                 self._stats.corrupt += 1
             return None
         return blob
+
+
+def _warm_bulk(client: StoreClient) -> None:
+    """Open a bulk Get connection now, where the server offers one (a refusal shows on first use)."""
+    bulk = client.bulk()
+    if bulk is not None:
+        with contextlib.suppress(BulkRefused):
+            bulk.warm()

@@ -114,13 +114,13 @@ class StoreServers:
         return groups
 
     def call(self, server: Server, fn: Callable[[StoreClient], T], default: T) -> T:
-        """`fn(server's client)` unless closed or its breaker is open; a gRPC error is counted,
-        told to the breaker, and returns `default`."""
+        """`fn(server's client)` unless closed or its breaker is open; a gRPC error (or a socket's,
+        from the bulk Get) is counted, told to the breaker, and returns `default`."""
         if self.closed or not server.breaker.allow():
             return default
         try:
             result = fn(server.client)
-        except grpc.RpcError as exc:
+        except (grpc.RpcError, OSError) as exc:
             self.errors += 1
             if server.breaker.failed(_why(exc)):
                 self.breaker_trips += 1
@@ -148,9 +148,11 @@ class StoreServers:
         self._fanout.shutdown(wait=False)
 
 
-def _why(exc: grpc.RpcError) -> str:
+def _why(exc: grpc.RpcError | OSError) -> str:
     """What an operator should read first when a server's calls fail: a refused token or TLS
     is not an outage (the server is up, and says no)."""
+    if isinstance(exc, OSError):  # the bulk Get's socket: its own words say what happened
+        return f"is down or unreachable (bulk Get: {type(exc).__name__}: {exc})"
     code = exc.code() if hasattr(exc, "code") else None
     if code is grpc.StatusCode.UNAUTHENTICATED:
         return "is up and refuses this client's token (UNAUTHENTICATED: check remote_token)"

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btiered_cache/v1/cache.proto\x12\x0ftiered_cache.v1\"2\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x13\n\x0bshm_segment\x18\x02 \x01(\x0c\"s\n\x0eLookupResponse\x12\x0f\n\x07leading\x18\x01 \x01(\r\x12$\n\x05tiers\x18\x02 \x03(\x0e\x32\x15.tiered_cache.v1.Tier\x12\x15\n\rshm_positions\x18\x03 \x03(\x04\x12\x13\n\x0bshm_lengths\x18\x04 \x03(\x04\"D\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0bshm_segment\x18\x03 \x01(\x0c\"d\n\x08PageBlob\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x62lob\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\x0c\x12\x14\n\x0cshm_position\x18\x04 \x01(\x04\x12\x12\n\nshm_length\x18\x05 \x01(\x04\"\x0f\n\rAttachRequest\"K\n\x0e\x41ttachResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07segment\x18\x03 \x01(\x0c\x12\x0c\n\x04host\x18\x04 \x01(\t\"I\n\x0cOfferRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07segment\x18\x03 \x01(\x0c\x12\x0c\n\x04host\x18\x04 \x01(\t\"1\n\rOfferResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"<\n\x0bOfferedPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"f\n\x11PutOfferedRequest\x12\x0f\n\x07segment\x18\x01 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12+\n\x05pages\x18\x03 \x03(\x0b\x32\x1c.tiered_cache.v1.OfferedPage\"W\n\x07Refusal\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12.\n\x06reason\x18\x02 \x01(\x0e\x32\x1e.tiered_cache.v1.RefusalReason\x12\x0f\n\x07message\x18\x03 \x01(\t\"^\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x14\n\x0c\x61lready_held\x18\x02 \x01(\r\x12)\n\x07refused\x18\x03 \x03(\x0b\x32\x18.tiered_cache.v1.Refusal\"\x0e\n\x0cStatsRequest\"\x9b\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\r\n\x05pages\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\r\n\x05loads\x18\x08 \x01(\x04\x12\x11\n\tdemotions\x18\t \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\n \x01(\x04\x12\x11\n\tbytes_out\x18\x0b \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x0c \x01(\x04\x12\x0f\n\x07\x63orrupt\x18\r \x01(\x04\x12\x15\n\rbreaker_trips\x18\x0e \x01(\x04\x12\x15\n\ropen_breakers\x18\x0f \x01(\x04\"\xca\x02\n\x0bServerStats\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x10\n\x08requests\x18\x03 \x01(\x04\x12\x19\n\x11rejected_requests\x18\x04 \x01(\x04\x12\x17\n\x0funauthenticated\x18\x05 \x01(\x04\x12\x15\n\rrefused_blobs\x18\x06 \x01(\x04\x12\x16\n\x0e\x61\x63tive_streams\x18\x07 \x01(\x04\x12\x17\n\x0frefused_streams\x18\x08 \x01(\x04\x12\x17\n\x0fstalled_streams\x18\t \x01(\x04\x12\x11\n\tshm_pages\x18\n \x01(\x04\x12\x18\n\x10shm_pages_reused\x18\x0b \x01(\x04\x12\x15\n\rshm_put_pages\x18\x0c \x01(\x04\x12\x12\n\nshm_offers\x18\r \x01(\x04\x12\x19\n\x11\x63\x61ncelled_streams\x18\x0e \x01(\x04\"h\n\rStatsResponse\x12)\n\x05tiers\x18\x01 \x03(\x0b\x32\x1a.tiered_cache.v1.TierStats\x12,\n\x06server\x18\x02 \x01(\x0b\x32\x1c.tiered_cache.v1.ServerStats*B\n\x04Tier\x12\r\n\tTIER_NONE\x10\x00\x12\x0c\n\x08TIER_RAM\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x12\x0e\n\nTIER_REDIS\x10\x03*\xb1\x01\n\rRefusalReason\x12\x17\n\x13REFUSAL_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x42\x41\x44_KEY\x10\x01\x12\x10\n\x0c\x43ORRUPT_BLOB\x10\x02\x12\x10\n\x0cKEY_MISMATCH\x10\x03\x12\x18\n\x14\x46INGERPRINT_MISMATCH\x10\x04\x12\x11\n\rUNKNOWN_CODEC\x10\x05\x12\r\n\tTOO_LARGE\x10\x06\x12\x0c\n\x08NO_SPACE\x10\x07\x12\x0c\n\x08SHM_LOST\x10\x08\x32\x82\x04\n\x07KVCache\x12I\n\x06Lookup\x12\x1e.tiered_cache.v1.LookupRequest\x1a\x1f.tiered_cache.v1.LookupResponse\x12?\n\x03Get\x12\x1b.tiered_cache.v1.GetRequest\x1a\x19.tiered_cache.v1.PageBlob0\x01\x12@\n\x03Put\x12\x19.tiered_cache.v1.PageBlob\x1a\x1c.tiered_cache.v1.PutResponse(\x01\x12\x46\n\x05Stats\x12\x1d.tiered_cache.v1.StatsRequest\x1a\x1e.tiered_cache.v1.StatsResponse\x12I\n\x06\x41ttach\x12\x1e.tiered_cache.v1.AttachRequest\x1a\x1f.tiered_cache.v1.AttachResponse\x12\x46\n\x05Offer\x12\x1d.tiered_cache.v1.OfferRequest\x1a\x1e.tiered_cache.v1.OfferResponse\x12N\n\nPutOffered\x12\".tiered_cache.v1.PutOfferedRequest\x1a\x1c.tiered_cache.v1.PutResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1btiered_cache/v1/cache.proto\x12\x0ftiered_cache.v1\"2\n\rLookupRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x13\n\x0bshm_segment\x18\x02 \x01(\x0c\"s\n\x0eLookupResponse\x12\x0f\n\x07leading\x18\x01 \x01(\r\x12$\n\x05tiers\x18\x02 \x03(\x0e\x32\x15.tiered_cache.v1.Tier\x12\x15\n\rshm_positions\x18\x03 \x03(\x04\x12\x13\n\x0bshm_lengths\x18\x04 \x03(\x04\"D\n\nGetRequest\x12\x0c\n\x04keys\x18\x01 \x03(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12\x13\n\x0bshm_segment\x18\x03 \x01(\x0c\"d\n\x08PageBlob\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x62lob\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\x0c\x12\x14\n\x0cshm_position\x18\x04 \x01(\x04\x12\x12\n\nshm_length\x18\x05 \x01(\x04\"\x0f\n\rAttachRequest\"^\n\x0e\x41ttachResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07segment\x18\x03 \x01(\x0c\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x11\n\tbulk_port\x18\x05 \x01(\r\"I\n\x0cOfferRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x0f\n\x07segment\x18\x03 \x01(\x0c\x12\x0c\n\x04host\x18\x04 \x01(\t\"1\n\rOfferResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"<\n\x0bOfferedPage\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x10\n\x08position\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"f\n\x11PutOfferedRequest\x12\x0f\n\x07segment\x18\x01 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\x0c\x12+\n\x05pages\x18\x03 \x03(\x0b\x32\x1c.tiered_cache.v1.OfferedPage\"W\n\x07Refusal\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12.\n\x06reason\x18\x02 \x01(\x0e\x32\x1e.tiered_cache.v1.RefusalReason\x12\x0f\n\x07message\x18\x03 \x01(\t\"^\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x14\n\x0c\x61lready_held\x18\x02 \x01(\r\x12)\n\x07refused\x18\x03 \x03(\x0b\x32\x18.tiered_cache.v1.Refusal\"\x0e\n\x0cStatsRequest\"\x9b\x02\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\r\n\x05pages\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\r\n\x05loads\x18\x08 \x01(\x04\x12\x11\n\tdemotions\x18\t \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\n \x01(\x04\x12\x11\n\tbytes_out\x18\x0b \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x0c \x01(\x04\x12\x0f\n\x07\x63orrupt\x18\r \x01(\x04\x12\x15\n\rbreaker_trips\x18\x0e \x01(\x04\x12\x15\n\ropen_breakers\x18\x0f \x01(\x04\"\xca\x02\n\x0bServerStats\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12\x10\n\x08requests\x18\x03 \x01(\x04\x12\x19\n\x11rejected_requests\x18\x04 \x01(\x04\x12\x17\n\x0funauthenticated\x18\x05 \x01(\x04\x12\x15\n\rrefused_blobs\x18\x06 \x01(\x04\x12\x16\n\x0e\x61\x63tive_streams\x18\x07 \x01(\x04\x12\x17\n\x0frefused_streams\x18\x08 \x01(\x04\x12\x17\n\x0fstalled_streams\x18\t \x01(\x04\x12\x11\n\tshm_pages\x18\n \x01(\x04\x12\x18\n\x10shm_pages_reused\x18\x0b \x01(\x04\x12\x15\n\rshm_put_pages\x18\x0c \x01(\x04\x12\x12\n\nshm_offers\x18\r \x01(\x04\x12\x19\n\x11\x63\x61ncelled_streams\x18\x0e \x01(\x04\"h\n\rStatsResponse\x12)\n\x05tiers\x18\x01 \x03(\x0b\x32\x1a.tiered_cache.v1.TierStats\x12,\n\x06server\x18\x02 \x01(\x0b\x32\x1c.tiered_cache.v1.ServerStats*B\n\x04Tier\x12\r\n\tTIER_NONE\x10\x00\x12\x0c\n\x08TIER_RAM\x10\x01\x12\r\n\tTIER_DISK\x10\x02\x12\x0e\n\nTIER_REDIS\x10\x03*\xb1\x01\n\rRefusalReason\x12\x17\n\x13REFUSAL_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x42\x41\x44_KEY\x10\x01\x12\x10\n\x0c\x43ORRUPT_BLOB\x10\x02\x12\x10\n\x0cKEY_MISMATCH\x10\x03\x12\x18\n\x14\x46INGERPRINT_MISMATCH\x10\x04\x12\x11\n\rUNKNOWN_CODEC\x10\x05\x12\r\n\tTOO_LARGE\x10\x06\x12\x0c\n\x08NO_SPACE\x10\x07\x12\x0c\n\x08SHM_LOST\x10\x08\x32\x82\x04\n\x07KVCache\x12I\n\x06Lookup\x12\x1e.tiered_cache.v1.LookupRequest\x1a\x1f.tiered_cache.v1.LookupResponse\x12?\n\x03Get\x12\x1b.tiered_cache.v1.GetRequest\x1a\x19.tiered_cache.v1.PageBlob0\x01\x12@\n\x03Put\x12\x19.tiered_cache.v1.PageBlob\x1a\x1c.tiered_cache.v1.PutResponse(\x01\x12\x46\n\x05Stats\x12\x1d.tiered_cache.v1.StatsRequest\x1a\x1e.tiered_cache.v1.StatsResponse\x12I\n\x06\x41ttach\x12\x1e.tiered_cache.v1.AttachRequest\x1a\x1f.tiered_cache.v1.AttachResponse\x12\x46\n\x05Offer\x12\x1d.tiered_cache.v1.OfferRequest\x1a\x1e.tiered_cache.v1.OfferResponse\x12N\n\nPutOffered\x12\".tiered_cache.v1.PutOfferedRequest\x1a\x1c.tiered_cache.v1.PutResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tiered_cache.v1.cache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1701
-  _globals['_TIER']._serialized_end=1767
-  _globals['_REFUSALREASON']._serialized_start=1770
-  _globals['_REFUSALREASON']._serialized_end=1947
+  _globals['_TIER']._serialized_start=1720
+  _globals['_TIER']._serialized_end=1786
+  _globals['_REFUSALREASON']._serialized_start=1789
+  _globals['_REFUSALREASON']._serialized_end=1966
   _globals['_LOOKUPREQUEST']._serialized_start=48
   _globals['_LOOKUPREQUEST']._serialized_end=98
   _globals['_LOOKUPRESPONSE']._serialized_start=100
@@ -46,27 +46,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ATTACHREQUEST']._serialized_start=389
   _globals['_ATTACHREQUEST']._serialized_end=404
   _globals['_ATTACHRESPONSE']._serialized_start=406
-  _globals['_ATTACHRESPONSE']._serialized_end=481
-  _globals['_OFFERREQUEST']._serialized_start=483
-  _globals['_OFFERREQUEST']._serialized_end=556
-  _globals['_OFFERRESPONSE']._serialized_start=558
-  _globals['_OFFERRESPONSE']._serialized_end=607
-  _globals['_OFFEREDPAGE']._serialized_start=609
-  _globals['_OFFEREDPAGE']._serialized_end=669
-  _globals['_PUTOFFEREDREQUEST']._serialized_start=671
-  _globals['_PUTOFFEREDREQUEST']._serialized_end=773
-  _globals['_REFUSAL']._serialized_start=775
-  _globals['_REFUSAL']._serialized_end=862
-  _globals['_PUTRESPONSE']._serialized_start=864
-  _globals['_PUTRESPONSE']._serialized_end=958
-  _globals['_STATSREQUEST']._serialized_start=960
-  _globals['_STATSREQUEST']._serialized_end=974
-  _globals['_TIERSTATS']._serialized_start=977
-  _globals['_TIERSTATS']._serialized_end=1260
-  _globals['_SERVERSTATS']._serialized_start=1263
-  _globals['_SERVERSTATS']._serialized_end=1593
-  _globals['_STATSRESPONSE']._serialized_start=1595
-  _globals['_STATSRESPONSE']._serialized_end=1699
-  _globals['_KVCACHE']._serialized_start=1950
-  _globals['_KVCACHE']._serialized_end=2464
+  _globals['_ATTACHRESPONSE']._serialized_end=500
+  _globals['_OFFERREQUEST']._serialized_start=502
+  _globals['_OFFERREQUEST']._serialized_end=575
+  _globals['_OFFERRESPONSE']._serialized_start=577
+  _globals['_OFFERRESPONSE']._serialized_end=626
+  _globals['_OFFEREDPAGE']._serialized_start=628
+  _globals['_OFFEREDPAGE']._serialized_end=688
+  _globals['_PUTOFFEREDREQUEST']._serialized_start=690
+  _globals['_PUTOFFEREDREQUEST']._serialized_end=792
+  _globals['_REFUSAL']._serialized_start=794
+  _globals['_REFUSAL']._serialized_end=881
+  _globals['_PUTRESPONSE']._serialized_start=883
+  _globals['_PUTRESPONSE']._serialized_end=977
+  _globals['_STATSREQUEST']._serialized_start=979
+  _globals['_STATSREQUEST']._serialized_end=993
+  _globals['_TIERSTATS']._serialized_start=996
+  _globals['_TIERSTATS']._serialized_end=1279
+  _globals['_SERVERSTATS']._serialized_start=1282
+  _globals['_SERVERSTATS']._serialized_end=1612
+  _globals['_STATSRESPONSE']._serialized_start=1614
+  _globals['_STATSRESPONSE']._serialized_end=1718
+  _globals['_KVCACHE']._serialized_start=1969
+  _globals['_KVCACHE']._serialized_end=2483
 # @@protoc_insertion_point(module_scope)

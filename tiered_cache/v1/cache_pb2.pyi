@@ -88,16 +88,18 @@ class AttachRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("path", "size", "segment", "host")
+    __slots__ = ("path", "size", "segment", "host", "bulk_port")
     PATH_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     path: str
     size: int
     segment: bytes
     host: str
-    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., segment: _Optional[bytes] = ..., host: _Optional[str] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., segment: _Optional[bytes] = ..., host: _Optional[str] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class OfferRequest(_message.Message):
     __slots__ = ("path", "size", "segment", "host")
