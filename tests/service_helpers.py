@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import struct
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -42,3 +44,12 @@ def checksummed(spec: KVSpec, codec_id: int, dtype_id: int, shape: tuple[int, ..
                        bytes.fromhex(spec.fingerprint), key, spec.page_size, 0, raw_len, len(payload))
     body += struct.pack(f"<{len(shape)}I", *shape) + payload
     return body + struct.pack("<I", codec.blob_checksum(body))
+
+
+def self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """A throwaway certificate for localhost and 127.0.0.1 and its key (openssl): (cert, key)."""
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key

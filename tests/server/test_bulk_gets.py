@@ -7,13 +7,12 @@ dies, and is not offered with TLS."""
 from __future__ import annotations
 
 import socket
-import subprocess
 import time
 from concurrent.futures import Future
 
 import numpy as np
 import pytest
-from service_helpers import FINGERPRINT, SPEC, make_items
+from service_helpers import FINGERPRINT, SPEC, make_items, self_signed_cert
 from throttle_proxy import ThrottledProxy
 
 from tiered_cache.client.bulk_client import BulkClient, BulkRefused
@@ -139,10 +138,7 @@ def test_a_stalled_or_killed_server_ends_the_call_within_its_deadline():
 
 
 def test_a_server_with_tls_offers_no_bulk_get(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    cert, key = self_signed_cert(tmp_path)
     with StoreProcess(["--no-disk", "--tls-cert", str(cert), "--tls-key", str(key)]) as store:
         assert said(store, "no bulk Get with TLS")
         with StoreClient(store.address, tls_ca=str(cert), shm=False) as client:

@@ -1,12 +1,11 @@
 """The store server in its own process, driven through the client and raw gRPC."""
 
 import signal
-import subprocess
 import threading
 
 import grpc
 import pytest
-from service_helpers import FINGERPRINT, SPEC, large_items, make_items, with_codec_byte
+from service_helpers import FINGERPRINT, SPEC, large_items, make_items, self_signed_cert, with_codec_byte
 from tier_helpers import HeldDisk
 
 from tiered_cache.client.store_client import StoreClient
@@ -125,10 +124,7 @@ def test_restart_on_the_same_folder_serves_pages_again(tmp_path):
 
 
 def test_tls(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    cert, key = self_signed_cert(tmp_path)
     with StoreProcess(["--no-disk", "--tls-cert", str(cert), "--tls-key", str(key)]) as proc:
         assert "(TLS" in proc.output[0]
         with StoreClient(proc.address, tls_ca=str(cert)) as client:
