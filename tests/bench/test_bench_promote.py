@@ -52,6 +52,6 @@ def test_bench_promote_cli_prints_rows_and_refuses_bad_arguments():
     table = run_cli(*args).stdout
     assert "memcpy" in table and "vs limit" in table and "full pool of 2 prefixes" in table
     bad = run_cli("bench", "promote", "--paths", "tape", check=False)
-    assert bad.returncode != 0 and "--paths takes some of host,disk,redis,remote" in bad.stderr
+    assert bad.returncode != 0 and "--paths takes some of host,tensor,disk,redis,remote" in bad.stderr
     bad = run_cli("bench", "promote", "--pool-prefixes", "1", check=False)
     assert bad.returncode != 0 and "--pool-prefixes at least 2" in bad.stderr

@@ -286,7 +286,7 @@ def test_a_cache_loads_from_disk_into_its_pool_and_a_corrupt_page_ends_the_prefi
     staged = []
     real = cache.tier_loads.staged_to_pool
     cache.tier_loads.staged_to_pool = lambda *a: (staged.append(1), real(*a))[1]
-    n, kv = cache.get(tokens)
+    n, kv = loaded(cache, tokens)
     assert n == len(tokens) and torch.equal(kv, token_kv(SPEC, tokens))
     assert staged == ([] if into_pool else [1])  # straight into the pool, or one copy from staging
     cache.evict()
@@ -294,7 +294,7 @@ def test_a_cache_loads_from_disk_into_its_pool_and_a_corrupt_page_ends_the_prefi
     flipped = bytearray(disk.file_of(keys[4]).read_bytes())
     flipped[-50] ^= 1
     disk.file_of(keys[4]).write_bytes(bytes(flipped))
-    n, kv = cache.get(tokens)
+    n, kv = loaded(cache, tokens)
     assert n == 4 * SPEC.page_size and torch.equal(kv, token_kv(SPEC, tokens[:n]))  # the prefix ends there
     assert cache.stats().tier("disk").corrupt == 1 and not disk.file_of(keys[4]).exists()
     cache.check_integrity()
@@ -330,3 +330,14 @@ def test_a_garbled_mget_reply_is_a_connection_error_never_a_value_error(reply):
         theirs.sendall(reply)
         with pytest.raises(ReplyError):
             ReplyReader(ours).array_len()
+
+
+def loaded(cache, tokens):
+    """The paged API's load into the pool (`get` reads past the pool), read back: (tokens, KV)."""
+    handle = cache.match(tokens)
+    try:
+        pages = cache.load(handle)
+        n = len(pages) * SPEC.page_size
+        return n, cache.pool.read_tokens(pages, n)
+    finally:
+        cache.release(handle)

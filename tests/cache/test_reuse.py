@@ -236,9 +236,11 @@ PROMPT = list(range(5 * PAGE_TOKENS, 13 * PAGE_TOKENS))  # 8 pages: 4 in host RA
 
 @pytest.fixture(scope="module")
 def slow_store():
-    """A store server (no shared memory: every byte crosses the link) behind a 1 MB/s proxy,
-    holding WARM's pages and PROMPT's last four, put straight into the store (not through it)."""
-    with StoreProcess(["--no-disk", "--shm", "off"]) as store, ThrottledProxy(store.address, LINK) as proxy:
+    """A store server (no shared memory, no bulk Get: every byte crosses the link, which carries
+    gRPC only) behind a 1 MB/s proxy, holding WARM's pages and PROMPT's last four, put straight
+    into the store (not through it)."""
+    with StoreProcess(["--no-disk", "--shm", "off", "--bulk-port", "off"]) as store, \
+            ThrottledProxy(store.address, LINK) as proxy:
         keyer = PageKeyer(SPEC, "")
         wanted = keyer.keys(WARM) + keyer.keys(PROMPT)[4:]
         pages = torch.randn(SPEC.staging_shape(len(wanted)), generator=torch.Generator().manual_seed(3)).half()

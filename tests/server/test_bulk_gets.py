@@ -159,3 +159,26 @@ def _done() -> Future:
     done: Future = Future()
     done.set_result(None)
     return done
+
+
+def test_an_unreachable_bulk_port_falls_back_to_grpc_without_counting_against_the_server():
+    items = make_items(6, seed=9)
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk", "--shm", "off"]) as store:
+        with StoreClient(store.address, shm=False) as client:
+            client.put(items, FINGERPRINT)
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        closed.close()  # a port nobody listens on: connections are refused, for real
+        tier = RemoteTier([store.address], fingerprint=FINGERPRINT, shm=False)
+        try:
+            server = tier.servers[0]
+            server.client._bulk_port = port  # as a firewall that passes gRPC's port only would leave it
+            dests = [np.zeros((SPEC.num_layers, 2, SPEC.bytes_per_page // SPEC.num_layers // 2), np.uint8)
+                     for _ in keys]
+            assert tier.get_into(keys, dests, SPEC) == [raw_blob_size(SPEC)] * 6  # over gRPC
+            assert tier.bulk_gets == 0 and tier.stats().errors == 0 and server.closed
+            assert server.client.bulk() is None  # dropped for a while, not tried on every call
+        finally:
+            tier.close()

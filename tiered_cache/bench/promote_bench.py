@@ -87,7 +87,7 @@ def bench_promote(spec: KVSpec, mib: float = 256, rounds: int = 7, paths: tuple[
             if first:
                 say(f"{path}: a reader process, {settle_s:g} s settle, {FIRST_LOADS} loads ...")
                 first_figures = first_loads(spec.to_dict(), mib, where.settings, path, pool_prefixes + rounds,
-                                            FIRST_LOADS, settle_s, where.prefetch)
+                                            FIRST_LOADS, settle_s, where.way.value)
             say(f"{path}: {rounds} new prefixes into a full pool of {pool_prefixes} ...")
             serving = serving_rounds(where, prefixes, rounds, pool_prefixes)
             loaded, demoted = None, None

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiered_cache.bench.promote_prefixes import Prefixes
-from tiered_cache.bench.promote_serving import check_pool, clock, load, reader
+from tiered_cache.bench.promote_serving import Way, check_pool, clock, load, reader
 
 
 @dataclass(frozen=True)
@@ -48,11 +48,11 @@ class FirstLoads:
 
 
 def first_loads(spec_dict: dict[str, Any], mib: float, settings: dict[str, Any], path: str, first: int,
-                count: int, settle_s: float, prefetch: bool, timeout_s: float = 600) -> FirstLoads:
+                count: int, settle_s: float, way: str, timeout_s: float = 600) -> FirstLoads:
     """Run a reader process on prefixes `[first, first + count)` (count >= 2) and read its loads."""
     assert count >= 2, "a first load and at least one steady load"
     job = {"spec": spec_dict, "mib": mib, "settings": settings, "path": path, "first": first, "count": count,
-           "settle_s": settle_s, "prefetch": prefetch}
+           "settle_s": settle_s, "way": way}
     done = subprocess.run([sys.executable, "-m", "tiered_cache.bench.promote_first", json.dumps(job)],
                           capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
@@ -76,15 +76,16 @@ def _run(job: dict[str, Any]) -> dict[str, list[float]]:
     started = time.monotonic()
     cache = reader(prefixes, job["settings"], room, room)
     try:
-        if job["path"] == "host":  # its own prefixes into its host RAM: written, then demoted
+        if job["path"] in ("host", "tensor"):  # its own prefixes into its host RAM: written, then demoted
             for prefix in mine:
                 cache.put(prefix.tokens, prefix.kv())
                 cache.evict()
         time.sleep(max(0.0, job["settle_s"] - (time.monotonic() - started)))
         seconds = []
         for prefix in mine:
-            took, pages = clock(lambda p=prefix: load(cache, p, job["prefetch"]))
-            check_pool(cache, pages, prefix)
+            took, placed = clock(lambda p=prefix: load(cache, p, Way(job["way"])))
+            check_pool(cache, placed, prefix)
+            del placed
             seconds.append(took)
         # The machine's own first-after-idle cost: a memcpy of the same bytes, after the same pause.
         src, dst = torch.ones(prefixes.nbytes, dtype=torch.uint8), torch.zeros(prefixes.nbytes, dtype=torch.uint8)

@@ -14,6 +14,7 @@ are timed, and the ones after that go to a reader process started for the bench
 
 from __future__ import annotations
 
+import enum
 import statistics
 import time
 from collections.abc import Callable
@@ -23,8 +24,6 @@ from typing import TYPE_CHECKING, Any
 from tiered_cache.bench.promote_prefixes import NAMESPACE, Prefix, Prefixes
 
 if TYPE_CHECKING:
-    import numpy as np
-
     from tiered_cache.bench.promote_sites import Site
     from tiered_cache.cache import TieredCache
 
@@ -63,7 +62,7 @@ def serving_rounds(site: Site, prefixes: Prefixes, rounds: int, pool_prefixes: i
     """The timed rounds of `site` (see the module doc)."""
     fill = range(pool_prefixes)
     timed = [prefixes[pool_prefixes + r] for r in range(rounds)]
-    host = site.path == "host"
+    host = site.path in ("host", "tensor")
     # Host RAM holds the timed prefixes and what the pool demotes; below it, a pool's worth.
     cache = reader(prefixes, site.settings, pool_prefixes, rounds + pool_prefixes + 2 if host else pool_prefixes)
     try:
@@ -77,7 +76,7 @@ def serving_rounds(site: Site, prefixes: Prefixes, rounds: int, pool_prefixes: i
                 prefixes[i].drop_pages()
         else:
             for i in fill:
-                got = load(cache, prefixes[i], site.prefetch)
+                got = load(cache, prefixes[i])
                 if len(got) != prefixes.num_pages:
                     raise RuntimeError(f"{site.label}: filling the pool loaded {len(got)} of {prefixes.num_pages} "
                                        "pages of a prefix")
@@ -92,42 +91,57 @@ def timed_loads(cache: TieredCache, site: Site, timed: list[Prefix]) -> Timed:
     checked byte for byte, then its demotions are let finish."""
     ours: list[float] = []
     base: list[float] = []
-    pages: Any = None
-    got = 0
+    work = got = 0
     for r, prefix in enumerate(timed):
         baseline = site.baseline(prefix)
         if r % 2:
             seconds_base, got = clock(baseline)
-            seconds, pages = clock(lambda p=prefix: load(cache, p, site.prefetch))
+            seconds, placed = clock(lambda p=prefix: load(cache, p, site.way))
         else:
-            seconds, pages = clock(lambda p=prefix: load(cache, p, site.prefetch))
+            seconds, placed = clock(lambda p=prefix: load(cache, p, site.way))
             seconds_base, got = clock(baseline)
-        check_pool(cache, pages, prefix)
+        work = check_pool(cache, placed, prefix)
+        del placed
         prefix.drop_pages()
         ours.append(seconds)
         base.append(seconds_base)
         cache.demoter.flush(_SETTLE_S)
-    return Timed(statistics.median(ours), statistics.median(base), len(pages) * cache.spec.bytes_per_page, got,
-                 len(timed))
+    return Timed(statistics.median(ours), statistics.median(base), work, got, len(timed))
 
 
-def load(cache: TieredCache, prefix: Prefix, prefetch: bool = False) -> np.ndarray:
-    """`match` (+ `prefetch`) + `load` of `prefix`: the device pages it got."""
+class Way(enum.Enum):
+    """How a reader takes a prefix: the paged API into its pool, or the tensor API into a tensor."""
+
+    LOAD = "match + load"
+    PREFETCH = "match + prefetch + load"
+    GET = "get()"
+
+
+def load(cache: TieredCache, prefix: Prefix, way: Way = Way.LOAD) -> Any:
+    """Take `prefix` the way `way` says: the device pages it got (paged API), or (tokens, KV) (`get`)."""
+    if way is Way.GET:
+        return cache.get(prefix.tokens)
     handle = cache.match(prefix.tokens)
     try:
-        if prefetch:
+        if way is Way.PREFETCH:
             cache.prefetch(handle)
         return cache.load(handle)
     finally:
         cache.release(handle)
 
 
-def check_pool(cache: TieredCache, pages: np.ndarray, prefix: Prefix) -> None:
-    """The loaded pages hold the prefix's bytes exactly (else the figures are of a broken load)."""
+def check_pool(cache: TieredCache, got: Any, prefix: Prefix) -> int:
+    """The bytes `load` placed, checked equal to the prefix's (else the figures are of a broken load)."""
     import torch
 
-    if len(pages) != prefix.num_pages or not torch.equal(cache.pool.gather(pages), prefix.pages):
-        raise AssertionError(f"the load gave {len(pages)} of {prefix.num_pages} pages, or wrong bytes")
+    if isinstance(got, tuple):  # get(): (tokens, KV)
+        n, kv = got
+        if n != len(prefix.tokens) or not torch.equal(kv, prefix.kv()):
+            raise AssertionError(f"get() gave {n} of {len(prefix.tokens)} tokens, or wrong bytes")
+        return kv.numel() * kv.element_size()
+    if len(got) != prefix.num_pages or not torch.equal(cache.pool.gather(got), prefix.pages):
+        raise AssertionError(f"the load gave {len(got)} of {prefix.num_pages} pages, or wrong bytes")
+    return len(got) * cache.spec.bytes_per_page
 
 
 def clock(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from tiered_cache.bench.promote_prefixes import NAMESPACE, Prefix, Prefixes
+from tiered_cache.bench.promote_serving import Way
 
-PATHS = ("host", "disk", "redis", "remote")
+PATHS = ("host", "tensor", "disk", "redis", "remote")
 _MEMCPY = "memcpy (torch copy_), same bytes"
 
 
@@ -35,7 +36,7 @@ class Site:
     baseline_name: str
     settings: dict[str, Any]  # CacheConfig settings that put the tier below a reader's host RAM
     baseline: Callable[[Prefix], Callable[[], int]]  # the raw read of a prefix: returns bytes moved
-    prefetch: bool = False  # the load is match + prefetch + load (a store server's way)
+    way: Way = Way.LOAD
     closers: list[Callable[[], None]] = field(default_factory=list)
 
 
@@ -55,6 +56,8 @@ def site(path: str, prefixes: Prefixes, count: int, folder: str | None = None,
     closed: readers never saw them), removed afterwards."""
     if path == "host":
         yield Site("host", "host RAM -> pool (match + load)", _MEMCPY, {}, memcpy_of(prefixes.nbytes))
+    elif path == "tensor":  # the tensor API (LMCache's way): the KV handed back in a tensor
+        yield Site("tensor", "host RAM -> tensor (get())", _MEMCPY, {}, memcpy_of(prefixes.nbytes), Way.GET)
     elif path == "disk":
         with _disk_site(prefixes, count, folder) as made:
             yield made

@@ -25,7 +25,7 @@ def warm_rounds(site: Site, prefixes: Prefixes, rounds: int) -> tuple[Timed, Tim
     prefix = prefixes[0]
     cache = reader(prefixes, site.settings, 2, 2)
     baseline = site.baseline(prefix)
-    host = site.path == "host"
+    host = site.path in ("host", "tensor")
     try:
         for memory in (cache.pool.pretouch, cache.host.pretouch):
             if memory is not None:
@@ -33,7 +33,7 @@ def warm_rounds(site: Site, prefixes: Prefixes, rounds: int) -> tuple[Timed, Tim
         if host:
             cache.put(prefix.tokens, prefix.kv())
         ours, base, demote = [], [], []
-        pages, got = None, 0
+        placed, got = None, 0
         for r in range(rounds + 1):  # round 0 warms up
             if host:
                 drop_host_copies(cache, prefix)
@@ -43,21 +43,21 @@ def warm_rounds(site: Site, prefixes: Prefixes, rounds: int) -> tuple[Timed, Tim
                 cache.flush()
                 drop_host_copies(cache, prefix)
             if r % 2:
-                seconds, pages = clock(lambda: load(cache, prefix, site.prefetch))
+                seconds, placed = clock(lambda: load(cache, prefix, site.way))
                 seconds_base, got = clock(baseline)
             else:
                 seconds_base, got = clock(baseline)
-                seconds, pages = clock(lambda: load(cache, prefix, site.prefetch))
+                seconds, placed = clock(lambda: load(cache, prefix, site.way))
             if r:
                 ours.append(seconds)
                 base.append(seconds_base)
                 if host:
                     demote.append(seconds_demote)
-        assert pages is not None
-        check_pool(cache, pages, prefix)
-        work = len(pages) * prefixes.spec.bytes_per_page
+        assert placed is not None
+        work = check_pool(cache, placed, prefix)
         loaded = Timed(statistics.median(ours), statistics.median(base), work, got, rounds)
-        demoted = Timed(statistics.median(demote), statistics.median(base), work, got, rounds) if host else None
+        demoted = (Timed(statistics.median(demote), statistics.median(base), work, got, rounds)
+                   if site.path == "host" else None)
         return loaded, demoted
     finally:
         cache.close()

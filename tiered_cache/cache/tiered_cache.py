@@ -53,6 +53,7 @@ from tiered_cache.cache.sequence_ops import SequenceOps
 from tiered_cache.cache.spare_output import SpareOutput
 from tiered_cache.cache.stats import CacheStats, Movements, cache_stats
 from tiered_cache.cache.swaps import Swaps
+from tiered_cache.cache.tensor_reads import TensorReads
 from tiered_cache.cache.tier_loads import TierLoads
 from tiered_cache.cache.tree_view import tree_of
 from tiered_cache.cache.warm_up import warm_up_async
@@ -122,6 +123,8 @@ class TieredCache(SequenceOps):
         self.canary = Canary(config.verify_fraction)  # checks a sample of hits (integrations with the model)
         self.loader = Loader(self.ledger, self.demoter, self.tier_loads, self.host_loads, self.arena_loads, self.reuse,
                              self.writer.in_flight, self.moves, self._lock, self.canary)
+        self.tensor_reads = TensorReads(spec, self.pool, self.host, self.chain, self._lock, self.writer.in_flight,
+                                        self.moves, self.reuse.observe)
         self.forks = Forks(self.ledger, self.demoter)
         self.swaps = Swaps(self.ledger, self.demoter, self.host, self.tier_loads.staging, self._lock)
         self.compaction = Compaction(self.ledger, self.forks)
@@ -157,8 +160,9 @@ class TieredCache(SequenceOps):
     @request_path
     def get(self, tokens: Any, namespace: str | None = None,
             out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
-        """The longest cached prefix of `tokens` that fits on the device: (n tokens, KV of shape
-        (layers, 2, n, heads, dim)). Pages found below the device are loaded first.
+        """The longest cached prefix of `tokens`: (n tokens, KV of shape (layers, 2, n, heads,
+        dim)). Each page is copied once, from the device, host RAM or a tier below, straight into
+        the result; nothing is loaded into the pool on the way (tensor_reads.py).
 
         `out`, a (layers, 2, len(tokens), heads, dim) tensor of the spec's dtype on any device,
         receives the KV (its first n tokens; the view is returned): reusing it saves faulting in
@@ -169,14 +173,12 @@ class TieredCache(SequenceOps):
             check_tensor("out", out, self.spec.kv_shape(len(toks)), self.spec.dtype.torch, self.spec.model_id)
         handle = self.match(toks, namespace)
         try:
-            pages = self.load(handle)
-            n = len(pages) * self.spec.page_size
-            if out is not None:
-                return n, self.pool.read_tokens(pages, n, out=out[:, :, :n])
-            spare = self._spare.output(self.spec.kv_shape(n), self.pool.kv.dtype) if self._spare and n else None
-            return n, self.pool.read_tokens(pages, n, out=spare)
+            return self.tensor_reads.get(handle, out, self.load, self._spare_output)
         finally:
             self.release(handle)
+
+    def _spare_output(self, shape: tuple[int, ...]) -> torch.Tensor | None:
+        return self._spare.output(shape, self.pool.kv.dtype) if self._spare is not None else None
 
     # --- paged API -------------------------------------------------------------------------------
     @request_path

@@ -32,6 +32,11 @@ class BulkRefused(BulkError):
     """The server refused the connection (token, namespace, too many connections): its reason."""
 
 
+class BulkUnreachable(BulkError):
+    """No connection to the bulk port (a firewall or proxy that passes gRPC's port only, or the
+    server is down): nothing was asked, so gRPC's Get can be tried instead."""
+
+
 class BulkClient:
     def __init__(self, host: str, port: int, authorization: str, namespace: str, timeout_s: float) -> None:
         self.address = (host.strip("[]"), port)
@@ -125,7 +130,11 @@ class BulkClient:
             return self._rings.pop() if self._rings else _ring()
 
     def _connect(self) -> socket.socket:
-        sock = socket.create_connection(self.address, timeout=self.timeout_s)
+        try:
+            sock = socket.create_connection(self.address, timeout=self.timeout_s)
+        except OSError as exc:
+            raise BulkUnreachable(f"the store server's bulk Get at {self.address[0]}:{self.address[1]} is "
+                                  f"unreachable ({exc})") from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(self.hello)

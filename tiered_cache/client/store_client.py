@@ -33,6 +33,7 @@ from tiered_cache.wire.namespaces import NAMESPACE_METADATA, check_namespace
 from tiered_cache.wire.options import DEFAULT_MAX_MESSAGE, channel_options
 
 PUT_RING_BYTES = 64 * 2**20  # a client's ring for same-host Put: Puts of up to half of it each
+BULK_RETRY_S = 60.0  # a bulk Get refused or unreachable is tried again after this long
 _MAX_OFFERED_PAGES = 4096  # pages per PutOffered request (about 200 KiB of message)
 # Answers meaning this server will not take Puts through our ring (older, or not ours to use).
 _NO_SHM_PUT = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -80,6 +81,7 @@ class StoreClient:
         self._bulk_port: int | None = None
         self._bulk: BulkClient | None = None
         self._bulk_lock = threading.Lock()
+        self._bulk_retry_at = float("inf")  # `drop_bulk` sets when to ask the server again
         self._closed = False
 
     def lookup(self, keys: list[bytes], timeout_s: float | None = None, arena: ArenaMap | None = None
@@ -181,6 +183,8 @@ class StoreClient:
             return None  # on the server's host: its arena is faster still
         with self._bulk_lock:
             if self._bulk is None and not self._closed:
+                if self._bulk_port == 0 and time.monotonic() >= self._bulk_retry_at:
+                    self._bulk_port = None  # dropped a while ago: ask again (the server may have changed)
                 if self._bulk_port is None and self._attach_reply() is None:
                     return None
                 if self._bulk_port:
@@ -191,9 +195,11 @@ class StoreClient:
             return self._bulk
 
     def drop_bulk(self) -> bool:
-        """Stop using the bulk Get with this server (it refused us); whether it was in use."""
+        """Stop using the bulk Get with this server for `BULK_RETRY_S` (it refused us, or its port
+        is unreachable from here); whether it was in use."""
         with self._bulk_lock:
             bulk, self._bulk, self._bulk_port = self._bulk, None, 0
+            self._bulk_retry_at = time.monotonic() + BULK_RETRY_S
         if bulk is not None:
             bulk.close()
         return bulk is not None

@@ -16,7 +16,6 @@ keys into misses, never into errors. Servers on this host are read in place in t
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
 import time
@@ -24,13 +23,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-from tiered_cache.client.bulk_client import BulkRefused
+from tiered_cache.client.bulk_client import BulkRefused, BulkUnreachable
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.shm.arena_map import ArenaRef, ArenaViews
 from tiered_cache.tiers.base import TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, breaker_states
 from tiered_cache.tiers.remote_arena import ArenaReads, LentPages
 from tiered_cache.tiers.remote_servers import Server, StoreServers
+from tiered_cache.wire.bulk import BulkError
 from tiered_cache.wire.checksum import checker_threads
 from tiered_cache.wire.codec import BlobError, PageDest, check_fingerprint, decode_into, verify_blob
 from tiered_cache.wire.framing import ReceivedBlob
@@ -305,8 +305,8 @@ class RemoteTier:
                         bulk.get_into(asked, self.fingerprint, placed, self.budget_s)
                         self.bulk_gets += 1
                         return
-                    except BulkRefused as exc:  # the server says no: its gRPC Get says why, in its own terms
-                        self._refused_bulk(client, exc)
+                    except (BulkRefused, BulkUnreachable) as exc:  # nothing asked yet: gRPC's Get instead
+                        self._no_bulk(client, exc)
                 result = client.get_whole(asked, self.fingerprint, budget_s=self.budget_s, on_blob=arrived,
                                           lease=lease)
                 if result.error is not None:
@@ -318,8 +318,9 @@ class RemoteTier:
         streamed = self.stores.each_server(StoreServers.by_server(ring, keys), from_server).values()
         return {key: check.result() for checks in streamed for key, check in checks}
 
-    def _refused_bulk(self, client: StoreClient, exc: BulkRefused) -> None:
-        """A server refused our bulk connection: say so once, and use gRPC's Get with it from now on."""
+    def _no_bulk(self, client: StoreClient, exc: BulkError) -> None:
+        """A server's bulk Get refused us or cannot be reached: say so once, and use gRPC's Get with
+        it for a while (`StoreClient.drop_bulk`)."""
         if client.drop_bulk():
             log.warning("%s; using gRPC's Get with this server", exc)
 
@@ -369,8 +370,12 @@ class RemoteTier:
 
 
 def _warm_bulk(client: StoreClient) -> None:
-    """Open a bulk Get connection now, where the server offers one (a refusal shows on first use)."""
+    """Open a bulk Get connection now, where the server offers one; one that is refused or cannot
+    be reached is dropped (gRPC's Get serves), never counted against the server."""
     bulk = client.bulk()
     if bulk is not None:
-        with contextlib.suppress(BulkRefused):
+        try:
             bulk.warm()
+        except (BulkRefused, BulkUnreachable) as exc:
+            if client.drop_bulk():
+                log.warning("%s; using gRPC's Get with this server", exc)

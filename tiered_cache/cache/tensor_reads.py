@@ -1,0 +1,145 @@
+"""`TensorReads`: the tensor API's `get`, each page copied once, from wherever it is, straight
+into the output tensor.
+
+A caller of `get` wants the KV in a tensor of its own, not in the pool: pages on the device are
+read from the pool, pages in host RAM are copied from their rows into the output (one strided
+copy per run of rows, under the cache's lock so the rows stay put), and pages below host RAM are
+placed into the output by their tier (`TierChain.get_into`: each verified where it lands). Nothing
+is loaded into the pool on the way: loading first and reading back was a second copy of every
+byte (docs/PERFORMANCE.md, "bench promote"). The prefix ends at the first page that does not
+arrive. For an output on another device, or pages whose inner layout is not the output's (HND),
+`get` loads into the pool and reads back (`via_pool`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import torch
+
+from tiered_cache.cache.handle import HOST, CacheHandle
+from tiered_cache.cache.stats import Movements
+from tiered_cache.device.memory import empty_cpu
+from tiered_cache.device.pool import PagePool
+from tiered_cache.model.spec import KVSpec, Layout
+from tiered_cache.tiers.chain import TierChain
+from tiered_cache.tiers.host import HostTier
+from tiered_cache.wire.codec import PageDest
+
+
+class TensorReads:
+    def __init__(self, spec: KVSpec, pool: PagePool, host: HostTier, chain: TierChain, lock: threading.RLock,
+                 in_flight: Mapping[bytes, torch.Tensor], moves: Movements,
+                 observe: Callable[[str, float, int], None]) -> None:
+        self.spec = spec
+        self.pool = pool
+        self.host = host
+        self.chain = chain
+        self._lock = lock  # the cache's: guards host RAM's index and rows, and `in_flight`
+        self._in_flight = in_flight  # pages on their way below, still served from memory
+        self.moves = moves  # pages read up from host RAM count as its loads, as a paged load's do
+        self._observe = observe  # (tier, seconds, pages) of a read from one tier: the reuse policy's sample
+
+    def get(self, handle: CacheHandle, out: torch.Tensor | None, load: Callable[[CacheHandle], np.ndarray],
+            spare: Callable[[tuple[int, ...]], torch.Tensor | None]) -> tuple[int, torch.Tensor]:
+        """`TieredCache.get` of a matched `handle`: (tokens, their KV) in `out` (checked by the
+        caller) or in a tensor of its own (`spare`'s, when it has one of the shape, else new);
+        `load` is the paged load, for `via_pool`."""
+        ps = self.spec.page_size
+        if not self.direct(out):  # via_pool: load into the pool, then read back
+            pages = load(handle)
+            n = len(pages) * ps
+            target = out[:, :, :n] if out is not None else spare(self.spec.kv_shape(n)) if n else None
+            return n, self.pool.read_tokens(pages, n, out=target)
+        whole = handle.available_pages * ps
+        if out is None:
+            shape = self.spec.kv_shape(whole)
+            made = spare(shape) if whole else None
+            out = made if made is not None else empty_cpu(shape, self.spec.dtype.torch)
+            n = self.read(handle, out)
+            return n, out if n == whole else out[:, :, :n].clone()  # a short prefix: a tensor of its own
+        n = self.read(handle, out)
+        return n, out[:, :, :n]
+
+    def direct(self, out: torch.Tensor | None) -> bool:
+        """Whether pages can be copied straight into `out` (None: a tensor made for the call, on
+        the pool's device)."""
+        if self.spec.layout is not Layout.NHD:
+            return False
+        if out is None:
+            return self.pool.device.type == "cpu"
+        return out.device.type == "cpu" and out.is_contiguous()
+
+    def read(self, handle: CacheHandle, out: torch.Tensor) -> int:
+        """Copy the handle's prefix into `out` (tensor-API shape, contiguous, on the CPU, at least
+        `available_pages` pages of tokens long); returns the tokens that arrived, a whole number
+        of pages from the first."""
+        ps = self.spec.page_size
+        start = handle.num_device_pages
+        if start:
+            self.pool.read_tokens(handle.device_pages, start * ps, out=out[:, :, :start * ps])
+        keys = handle.keys[start:handle.available_pages]
+        plan = handle.plan[:len(keys)]
+        done = 0
+        while done < len(keys):
+            end = done
+            kind = plan[done] == HOST
+            while end < len(keys) and (plan[end] == HOST) == kind:
+                end += 1
+            started = time.perf_counter()
+            if kind:
+                with self._lock:
+                    got = self._from_host(keys[done:end], out, start + done)
+            else:
+                got = self._from_below(keys[done:end], plan[done:end], out, start + done)
+            tiers = {self.host.name} if kind else {self.chain.tiers[w].name for w in plan[done:end]}
+            if got and len(tiers) == 1:  # a rate per tier: mixed reads tell none
+                self._observe(tiers.pop(), time.perf_counter() - started, got)
+            done += got
+            if done < end:
+                break  # a page that did not arrive ends the prefix
+        return (start + done) * ps
+
+    def _from_host(self, keys: list[bytes], out: torch.Tensor, first: int) -> int:
+        """Copy the leading run of `keys` held in host RAM (or on their way below) into pages
+        `first`.. of `out` (lock held); how many arrived."""
+        n = 0
+        while n < len(keys):
+            key = keys[n]
+            if key in self._in_flight:
+                self._pages(out, first + n, 1).copy_(_page_major(self._in_flight[key].unsqueeze(0)))
+                n += 1
+                continue
+            rows = self.host.leading_rows(keys[n:])
+            if not len(rows):
+                break
+            runs = np.flatnonzero(np.diff(rows) != 1) + 1  # consecutive rows: one copy each run
+            for run in np.split(np.arange(len(rows)), runs):
+                a, k = int(rows[run[0]]), len(run)
+                self._pages(out, first + n + int(run[0]), k).copy_(_page_major(self.host.slab[a:a + k]))
+            n += len(rows)
+        self.moves.loads["host"] += n
+        return n
+
+    def _from_below(self, keys: list[bytes], where: list[int], out: torch.Tensor, first: int) -> int:
+        """Have the tiers place `keys` into pages `first`.. of `out`; the leading run that arrived."""
+        with torch.inference_mode(False):
+            raw = out.detach().view(torch.uint8).numpy()  # (L, 2, tokens, heads, dim * item)
+        ps = self.spec.page_size
+        dests: list[PageDest] = [raw[:, :, (first + i) * ps:(first + i + 1) * ps].reshape(*raw.shape[:2], -1)
+                                 for i in range(len(keys))]
+        arrived = self.chain.get_into(keys, where, dests, self.spec)
+        return next((i for i, ok in enumerate(arrived) if not ok), len(keys))
+
+    def _pages(self, out: torch.Tensor, first: int, k: int) -> torch.Tensor:
+        """Pages `first`..`first + k` of `out` as (layers, 2, k, page, heads, dim)."""
+        ps = self.spec.page_size
+        return out[:, :, first * ps:(first + k) * ps].unflatten(2, (k, ps))
+
+
+def _page_major(rows: torch.Tensor) -> torch.Tensor:
+    """Host rows (k, layers, 2, page, heads, dim) viewed as (layers, 2, k, page, heads, dim)."""
+    return rows.permute(1, 2, 0, *range(3, rows.dim()))
