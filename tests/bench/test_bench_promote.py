@@ -21,7 +21,7 @@ def test_every_path_loads_new_prefixes_into_a_full_pool_beside_its_limit(tmp_pat
     assert [r.path for r in rows] == list(PATHS)
     blobs = (2**20 // SPEC.bytes_per_page) * raw_blob_size(SPEC)
     # What each limit's last call returned: memcpy the KV bytes; the tiers' raw reads the blobs.
-    assert [r.serving.baseline_work for r in rows] == [2**20, blobs, blobs, 2**20]
+    assert [r.serving.baseline_work for r in rows] == [2**20, 2**20, blobs, blobs, 2**20]
     for row in rows:
         for timed in (row.serving, row.warm):
             assert timed.work == row.nbytes == 2**20 and timed.seconds > 0 and timed.baseline_seconds > 0, row
@@ -31,6 +31,7 @@ def test_every_path_loads_new_prefixes_into_a_full_pool_beside_its_limit(tmp_pat
         assert first.memcpy_first_seconds > 0 and len(first.memcpy_steady_seconds) == 3
     assert rows[0].demotion is not None and rows[0].demotion.work == 2**20
     assert all(r.demotion is None for r in rows[1:])
+    assert rows[1].label == "host RAM -> tensor (get())"  # the tensor API: KV handed back, checked whole
     assert list(tmp_path.iterdir()) == []  # the disk tier's folder is gone
 
 
