@@ -41,7 +41,8 @@ def received(client: BulkClient, keys: list[bytes], fingerprint: bytes = FINGERP
 
 def bulk_of(address: str, token: str | None = None, namespace: str | None = None) -> BulkClient:
     client = StoreClient(address, token=token, namespace=namespace, shm=False)
-    found = client.bulk()
+    endpoint = client.bulk()
+    found = endpoint.client() if endpoint is not None else None
     assert found is not None, "the server offers a bulk Get"
     return found
 
@@ -174,11 +175,11 @@ def test_an_unreachable_bulk_port_falls_back_to_grpc_without_counting_against_th
         tier = RemoteTier([store.address], fingerprint=FINGERPRINT, shm=False)
         try:
             server = tier.servers[0]
-            server.client._bulk_port = port  # as a firewall that passes gRPC's port only would leave it
+            server.client._bulk.port = port  # as a firewall that passes gRPC's port only would leave it
             dests = [np.zeros((SPEC.num_layers, 2, SPEC.bytes_per_page // SPEC.num_layers // 2), np.uint8)
                      for _ in keys]
             assert tier.get_into(keys, dests, SPEC) == [raw_blob_size(SPEC)] * 6  # over gRPC
             assert tier.bulk_gets == 0 and tier.stats().errors == 0 and server.closed
-            assert server.client.bulk() is None  # dropped for a while, not tried on every call
+            assert server.client.bulk().client() is None  # dropped for a while, not tried on every call
         finally:
             tier.close()

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from tiered_cache.client.bulk_client import BulkClient
+from tiered_cache.client.bulk_endpoint import BulkEndpoint
 from tiered_cache.client.get_streams import GetResult, GetStreams
 from tiered_cache.shm.arena_map import ArenaMap, ArenaViews
 from tiered_cache.shm.host import host_identity
@@ -33,7 +33,6 @@ from tiered_cache.wire.namespaces import NAMESPACE_METADATA, check_namespace
 from tiered_cache.wire.options import DEFAULT_MAX_MESSAGE, channel_options
 
 PUT_RING_BYTES = 64 * 2**20  # a client's ring for same-host Put: Puts of up to half of it each
-BULK_RETRY_S = 60.0  # a bulk Get refused or unreachable is tried again after this long
 _MAX_OFFERED_PAGES = 4096  # pages per PutOffered request (about 200 KiB of message)
 # Answers meaning this server will not take Puts through our ring (older, or not ours to use).
 _NO_SHM_PUT = (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
@@ -77,12 +76,11 @@ class StoreClient:
         self._ring_put_lock = threading.Lock()
         self.shm_put_resent = 0  # pages the server found written over (or unmapped), sent again as bytes
         self.arena_lookups = 0  # Lookups answered from the arena's published index, without an RPC
-        # The bulk Get (client/bulk_client.py): its port from Attach (None: not asked yet; 0: none).
-        self._bulk_port: int | None = None
-        self._bulk: BulkClient | None = None
-        self._bulk_lock = threading.Lock()
-        self._bulk_retry_at = float("inf")  # `drop_bulk` sets when to ask the server again
-        self._closed = False
+        # The bulk Get: its port from Attach (`_attach_reply`), asked for on first use.
+        metadata = dict(self.metadata)
+        self._bulk = BulkEndpoint(address.rsplit(":", 1)[0], metadata.get("authorization", ""),
+                                  metadata.get(NAMESPACE_METADATA, ""), timeout_s,
+                                  lambda: None if (reply := self._attach_reply()) is None else reply.bulk_port)
 
     def lookup(self, keys: list[bytes], timeout_s: float | None = None, arena: ArenaMap | None = None
                ) -> pb.LookupResponse:
@@ -90,17 +88,6 @@ class StoreClient:
         pages in its arena lie (`shm_positions`, `shm_lengths`), each leased for a short while."""
         request = pb.LookupRequest(keys=keys, shm_segment=arena.id if arena is not None else b"")
         return self.stub.Lookup(request, timeout=timeout_s or self.timeout_s, metadata=self.metadata)
-
-    def lookup_in_arena(self, keys: list[bytes], arena: ArenaMap) -> pb.LookupResponse | None:
-        """A Lookup answered here, without an RPC, when every key lies intact where the arena's
-        published index says (`ArenaMap.find`) and the server still holds the arena: all held,
-        with their refs (not leased). None otherwise: ask the server (`lookup`)."""
-        found = arena.find(keys) if arena.server_alive() else None  # a dead server's pages: ask (and fail)
-        if found is None:
-            return None
-        self.arena_lookups += 1
-        return pb.LookupResponse(leading=len(keys), tiers=[pb.TIER_RAM] * len(keys),
-                                 shm_positions=[p for p, _ in found], shm_lengths=[n for _, n in found])
 
     @property
     def arena_map(self) -> ArenaMap | None:
@@ -167,42 +154,17 @@ class StoreClient:
 
     def _attach_reply(self) -> pb.AttachResponse | None:
         try:
-            reply = self.stub.Attach(pb.AttachRequest(), timeout=self.timeout_s, metadata=self.metadata)
+            return self.stub.Attach(pb.AttachRequest(), timeout=self.timeout_s, metadata=self.metadata)
         except grpc.RpcError:
             return None
-        self._bulk_port = reply.bulk_port
-        return reply
 
-    def bulk(self) -> BulkClient | None:
-        """The server's bulk Get (client/bulk_client.py: pages as bytes over plain TCP, the fast
-        path from another host), when it offers one and this client does not read its arena;
-        None otherwise (gRPC's Get). Asks the server once (Attach), again while it is down."""
-        if self._tls_ca:
+    def bulk(self) -> BulkEndpoint | None:
+        """The server's bulk Get (client/bulk_endpoint.py: pages as bytes over plain TCP, the fast
+        path from another host), unless this client reads the server's arena (same host) or uses
+        TLS; None then (gRPC's Get)."""
+        if self._tls_ca or (self.shm and self._streams_for(attach=True).reader is not None):
             return None
-        if self.shm and self._streams_for(attach=True).reader is not None:
-            return None  # on the server's host: its arena is faster still
-        with self._bulk_lock:
-            if self._bulk is None and not self._closed:
-                if self._bulk_port == 0 and time.monotonic() >= self._bulk_retry_at:
-                    self._bulk_port = None  # dropped a while ago: ask again (the server may have changed)
-                if self._bulk_port is None and self._attach_reply() is None:
-                    return None
-                if self._bulk_port:
-                    metadata = dict(self.metadata)
-                    self._bulk = BulkClient(self.address.rsplit(":", 1)[0], self._bulk_port,
-                                            metadata.get("authorization", ""), metadata.get(NAMESPACE_METADATA, ""),
-                                            self.timeout_s)
-            return self._bulk
-
-    def drop_bulk(self) -> bool:
-        """Stop using the bulk Get with this server for `BULK_RETRY_S` (it refused us, or its port
-        is unreachable from here); whether it was in use."""
-        with self._bulk_lock:
-            bulk, self._bulk, self._bulk_port = self._bulk, None, 0
-            self._bulk_retry_at = time.monotonic() + BULK_RETRY_S
-        if bulk is not None:
-            bulk.close()
-        return bulk is not None
+        return self._bulk
 
     def put(self, items: Iterable[tuple[bytes, bytes]], fingerprint: bytes = b"",
             timeout_s: float | None = None, budget_s: float | None = None) -> pb.PutResponse:
@@ -225,7 +187,7 @@ class StoreClient:
             if ends is not None and time.monotonic() >= ends:  # a call past its budget is not made
                 raise BudgetSpent(f"Put to {self.address}", budget_s or 0.0)
             with self._ring_put_lock:
-                self._merge(reply, self._put_through(ring, chunk, fingerprint, timeout_s, ends))
+                _add_up(reply, self._put_through(ring, chunk, fingerprint, timeout_s, ends))
         return reply
 
     def _put_through(self, ring: PutRing, items: list[tuple[bytes, bytes]], fingerprint: bytes,
@@ -273,14 +235,8 @@ class StoreClient:
                     lost[key] -= 1
                     rest.append((key, blob))
         if rest:
-            self._merge(reply, self._put_bytes(rest, fingerprint, timeout_s, _left(ends)))
+            _add_up(reply, self._put_bytes(rest, fingerprint, timeout_s, _left(ends)))
         return reply
-
-    @staticmethod
-    def _merge(into: pb.PutResponse, reply: pb.PutResponse) -> None:
-        into.stored += reply.stored
-        into.already_held += reply.already_held
-        into.refused.extend(reply.refused)
 
     def _offered_ring(self) -> PutRing | None:
         """This client's Put ring once the server (on this host) maps it; None where it cannot
@@ -358,10 +314,7 @@ class StoreClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def close(self) -> None:
-        with self._bulk_lock:
-            self._closed = True
-            if self._bulk is not None:
-                self._bulk.close()
+        self._bulk.close()
         self.channel.close()
         if self._streams is not None:
             self._streams.close()
@@ -403,3 +356,10 @@ def _chunks(items: Iterable[tuple[bytes, bytes]], max_bytes: int, max_count: int
         size += len(blob)
     if chunk:
         yield chunk
+
+
+def _add_up(into: pb.PutResponse, reply: pb.PutResponse) -> None:
+    """Add a Put's `reply` to the ack of the whole call."""
+    into.stored += reply.stored
+    into.already_held += reply.already_held
+    into.refused.extend(reply.refused)

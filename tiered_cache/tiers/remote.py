@@ -17,20 +17,17 @@ keys into misses, never into errors. Servers on this host are read in place in t
 from __future__ import annotations
 
 import enum
-import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-from tiered_cache.client.bulk_client import BulkRefused, BulkUnreachable
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.shm.arena_map import ArenaRef, ArenaViews
 from tiered_cache.tiers.base import TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, breaker_states
 from tiered_cache.tiers.remote_arena import ArenaReads, LentPages
 from tiered_cache.tiers.remote_servers import Server, StoreServers
-from tiered_cache.wire.bulk import BulkError
 from tiered_cache.wire.checksum import checker_threads
 from tiered_cache.wire.codec import BlobError, PageDest, check_fingerprint, decode_into, verify_blob
 from tiered_cache.wire.framing import ReceivedBlob
@@ -38,7 +35,6 @@ from tiered_cache.wire.framing import ReceivedBlob
 if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec
 
-log = logging.getLogger("tiered_cache.tiers.remote")
 _DONE: Future[Any] = Future()
 _DONE.set_result(None)
 
@@ -105,18 +101,11 @@ class RemoteTier:
         return self.stores.set_addresses(addresses)
 
     def warm(self) -> None:
-        """Open every server's channels now (connection, HTTP/2 handshake, the aio channel of bulk
-        Gets) with an empty Lookup and Get, so the first request does not pay for them. A server
-        that does not answer opens its breaker, as on any call."""
-        def connect(client: StoreClient) -> None:
-            client.lookup([])
-            result = client.get_whole([], self.fingerprint)
-            if result.error is not None:
-                raise result.error
-
+        """Open every server's channels now (connection, HTTP/2 handshake, the aio channel of Get,
+        the bulk Get's connection) with an empty Lookup and Get, so the first request does not
+        pay for them. A server that does not answer opens its breaker, as on any call."""
         for server in self.stores.ring.servers:
-            self.stores.call(server, connect, None)
-            self.stores.call(server, _warm_bulk, None)
+            self.stores.call(server, lambda client: _connect(client, self.fingerprint), None)
 
     # --- interface -----------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -282,31 +271,24 @@ class RemoteTier:
             pending = set(asked)
             checks: list[tuple[bytes, Future[_Placed]]] = []
 
-            def arrived(item: ReceivedBlob) -> None:  # on the stream's event loop: hand it over
-                if item.key in pending:
-                    pending.discard(item.key)
-                    lent = lease is not None and lease.lent(item.key)  # added before this call when lent
-                    checks.append((item.key, self._checker.submit(place, item.key, item.blob, lent)))
-                    submitted.append(checks[-1][1])
-
-            def placed(key: bytes, data: memoryview) -> Future[Any]:  # a bulk Get's page, in a reused buffer
+            def placed(key: bytes, data: Any, lent: bool = False) -> Future[Any]:  # to a checker thread
+                # (a bulk Get's page lies in a reused buffer: it waits for the future to read into it again)
                 if key not in pending:
                     return _DONE
                 pending.discard(key)
-                checks.append((key, self._checker.submit(place, key, data, False)))
+                checks.append((key, self._checker.submit(place, key, data, lent)))
                 submitted.append(checks[-1][1])
                 return checks[-1][1]
+
+            def arrived(item: ReceivedBlob) -> None:  # on the stream's event loop; lent: added before this call
+                placed(item.key, item.blob, lease is not None and lease.lent(item.key))
 
             def stream(client: StoreClient) -> None:
                 # Pages received before a stream breaks stay usable: each is checked on its own.
                 bulk = client.bulk()
-                if bulk is not None:
-                    try:
-                        bulk.get_into(asked, self.fingerprint, placed, self.budget_s)
-                        self.bulk_gets += 1
-                        return
-                    except (BulkRefused, BulkUnreachable) as exc:  # nothing asked yet: gRPC's Get instead
-                        self._no_bulk(client, exc)
+                if bulk is not None and bulk.get_into(asked, self.fingerprint, placed, self.budget_s):
+                    self.bulk_gets += 1
+                    return
                 result = client.get_whole(asked, self.fingerprint, budget_s=self.budget_s, on_blob=arrived,
                                           lease=lease)
                 if result.error is not None:
@@ -317,12 +299,6 @@ class RemoteTier:
 
         streamed = self.stores.each_server(StoreServers.by_server(ring, keys), from_server).values()
         return {key: check.result() for checks in streamed for key, check in checks}
-
-    def _no_bulk(self, client: StoreClient, exc: BulkError) -> None:
-        """A server's bulk Get refused us or cannot be reached: say so once, and use gRPC's Get with
-        it for a while (`StoreClient.drop_bulk`)."""
-        if client.drop_bulk():
-            log.warning("%s; using gRPC's Get with this server", exc)
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         ring = self.stores.ring
@@ -369,13 +345,12 @@ class RemoteTier:
         return blob
 
 
-def _warm_bulk(client: StoreClient) -> None:
-    """Open a bulk Get connection now, where the server offers one; one that is refused or cannot
-    be reached is dropped (gRPC's Get serves), never counted against the server."""
+def _connect(client: StoreClient, fingerprint: bytes) -> None:
+    """`RemoteTier.warm` of one server: its channels, its arena map, its bulk Get's connection."""
+    client.lookup([])
+    result = client.get_whole([], fingerprint)
+    if result.error is not None:
+        raise result.error
     bulk = client.bulk()
     if bulk is not None:
-        try:
-            bulk.warm()
-        except (BulkRefused, BulkUnreachable) as exc:
-            if client.drop_bulk():
-                log.warning("%s; using gRPC's Get with this server", exc)
+        bulk.warm()  # refused or unreachable: dropped (gRPC's Get serves), not held against the server
