@@ -133,7 +133,8 @@ class TieredCache(SequenceOps):
                        if config.spare_output and self.pool.kv.device.type == "cpu" else None)
         self._keyer = functools.lru_cache(maxsize=1024)(functools.partial(PageKeyer, spec))  # per namespace
         self._closed = False
-        self.warming = warm_up_async(self.chain, self.tier_loads)  # connections, threads, staging: not on a request
+        # Connections, threads, staging, memory faulted in: not on a request. Join it to wait until ready.
+        self.warming = warm_up_async(self.chain, self.tier_loads, (self.pool.pretouch, self.host.pretouch))
         self.metrics: Any = serve_metrics(self) if config.metrics_port is not None else None  # a MetricsServer
 
     # --- tensor API ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 
 from tiered_cache.cache.tier_loads import TierLoads
 from tiered_cache.tiers.chain import TierChain
@@ -17,14 +18,20 @@ from tiered_cache.tiers.chain import TierChain
 log = logging.getLogger("tiered_cache.cache.warm_up")
 
 
-def warm_up_async(chain: TierChain, tier_loads: TierLoads) -> threading.Thread:
-    """Start warming `chain` and `tier_loads` up on a daemon thread; returns the thread."""
+def warm_up_async(chain: TierChain, tier_loads: TierLoads,
+                  pretouches: Sequence[threading.Thread | None] = ()) -> threading.Thread:
+    """Start warming `chain` and `tier_loads` up on a daemon thread; returns the thread, which ends
+    once that is done and the `pretouches` (the pool's, host RAM's) have ended too: joining it
+    waits until the cache is ready (`TieredCache.warming`)."""
     def run() -> None:
         try:
             tier_loads.warm()
             chain.warm()
         except Exception as exc:  # the first request opens what this could not
             log.info("warming up the cache's tiers failed (%s: %s); the first load opens them", type(exc).__name__, exc)
+        for thread in pretouches:
+            if thread is not None:
+                thread.join()
 
     thread = threading.Thread(target=run, name="tiered-cache-warm-up", daemon=True)
     thread.start()

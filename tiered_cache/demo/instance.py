@@ -98,6 +98,7 @@ def main() -> None:
         more = []
         for _ in range(repeat - 1):  # each from a fresh, empty local cache: the store answers again
             with TieredCache(spec, config.replace(write_policy="write_back")) as fresh:
+                fresh.warming.join(30)  # an instance that has come up (connected, its memory faulted in)
                 more.append(ttft(fresh))
         rows.append(_row("prefix from the remote store", first, tokenizer, more))
     tree = None
