@@ -172,3 +172,23 @@ def test_host_copier_moves_pinned_rows_into_pages_and_back_on_the_copy_stream(sp
     for src, dst in zip(rows, dest, strict=True):
         assert torch.equal(back[dst], slab[src])
     assert not back[[r for r in range(24) if r not in dest]].any()
+
+
+def test_a_page_demoted_while_its_load_is_still_queued_is_demoted_whole():
+    """Loads and demotions run on two copy streams (PCIe is full duplex): a demotion of pages whose
+    load was only queued (`wait=False`, as a host RAM hit returns) still reads them whole, because
+    the demotion's stream waits for the loads queued before it; the streams are two."""
+    from tiered_cache.device.host_copy import HostCopier
+
+    spec = SPECS[0]
+    pool = PagePool(spec, 64, "cuda")
+    copier = HostCopier(pool, chunk_bytes=4 * spec.bytes_per_page)
+    assert copier._loads.copies.stream != copier._demotions.copies.stream
+    slab = torch.randn(spec.staging_shape(48)).to(spec.dtype.torch).pin_memory()
+    rows, pages = list(range(48)), pool.allocate(48)
+    queued = copier.to_pool(slab, rows, pages, wait=False)
+    back = torch.zeros_like(slab).pin_memory()
+    copier.from_pool(pages, back, rows)  # queued at once, behind the load only through its event
+    assert queued is not None
+    queued.wait()
+    assert torch.equal(back, slab)

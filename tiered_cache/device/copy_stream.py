@@ -49,7 +49,7 @@ class CopyStream:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
-        self._stream: Any = torch.cuda.Stream(device) if self.cuda else None
+        self.stream: Any = torch.cuda.Stream(device) if self.cuda else None
         # One transfer at a time uses the chunk buffer (they share one link anyway). Never held
         # while waiting for anything but the copy itself.
         self._busy = threading.Lock()
@@ -69,7 +69,7 @@ class CopyStream:
                 with self._busy:
                     chunk(start, end)
             return None
-        stream, caller = self._stream, torch.cuda.current_stream(self.device)
+        stream, caller = self.stream, torch.cuda.current_stream(self.device)
         if follow_caller:
             stream.wait_stream(caller)
         # Recorded with the first chunk, under the lock: a transfer queued behind another's chunks

@@ -9,10 +9,15 @@ a page cannot cross as one contiguous copy. On CUDA the layout change is done wh
 and the reverse for demotion (gather kernel into the chunk buffer, then one DMA per run of rows
 into the slab). The DMA moves every byte once at PCIe speed; the kernel touches it again in HBM,
 an order of magnitude faster, so the load runs close to a plain pinned host -> device copy of the same bytes.
-The chunk buffer (`chunk_bytes`, default 64 MiB) bounds the device memory this needs; each chunk
-is queued under a small lock, so transfers of several threads interleave chunk by chunk on the
-one stream, and a background transfer (`background=True`: demotion, write-through) waits for each
-chunk before queueing the next, so a request's load queues behind one chunk, not a whole
+Loads (host -> device) and demotions (device -> host) run on two copy streams, each with its own
+chunk buffer (`chunk_bytes`, default 64 MiB, bounds the device memory each needs): PCIe is full
+duplex, so a request's load never queues behind a demotion, and the two directions overlap. A
+demotion's stream first waits for the loads queued before it (a page just loaded may be
+demoted at once, and must be whole when it is read); loads wait for no demotion (a row a demotion
+writes is not indexed until its copy is done, and a page it reads is not free until then). Within
+a direction, each chunk is queued under a small lock, so transfers of several threads interleave
+chunk by chunk, and a background transfer (`background=True`: demotion, write-through) waits for
+each chunk before queueing the next, so a request's transfer queues behind one chunk, not a whole
 transfer. The consumer's stream waits on an event recorded after the last kernel, and the call
 returns only when the copy is done (also when it raised), because the caller's slab rows are
 guaranteed to stay put, and its pages allocated, only until then; a caller that keeps them so
@@ -46,10 +51,10 @@ class HostCopier:
         self.cuda = pool.device.type == "cuda"
         self.chunked = self.cuda if chunked is None else chunked
         self.chunk_pages = max(1, chunk_bytes // pool.spec.bytes_per_page)
-        self._copies: CopyStream | None = None
-        self._buffer: torch.Tensor | None = None
+        self._loads: _Direction | None = None  # host -> device
+        self._demotions: _Direction | None = None  # device -> host
         if self.cuda and self.chunked:
-            self._copy_stream_ready()  # made now: the first request that loads pays nothing for it
+            self._streams_ready()  # made now: the first request that loads pays nothing for it
 
     def to_pool(self, source: torch.Tensor, rows: Any, pages: Any, background: bool = False,
                 wait: bool = True) -> QueuedCopy | None:
@@ -71,7 +76,7 @@ class HostCopier:
                 buffer[i:i + count].copy_(source[row:row + count], non_blocking=True)
             self.pool.ops.scatter(self.pool.kv, index[start:end], buffer[:end - start])
 
-        return self._transfer(len(rows), chunk, background, wait)
+        return self._transfer(self._streams_ready()[0], len(rows), chunk, background, wait)
 
     def from_pool(self, pages: Any, dest: torch.Tensor, rows: Any, background: bool = False,
                   after: Sequence[Any] = ()) -> None:
@@ -92,7 +97,9 @@ class HostCopier:
             for i, row, count in consecutive_runs(rows[start:end]):
                 dest[row:row + count].copy_(buffer[i:i + count], non_blocking=True)
 
-        self._transfer(len(rows), chunk, background, after=after)
+        loads, demotions = self._streams_ready()
+        # Loads queued so far end before this reads their pages (a page loaded may be demoted at once).
+        self._transfer(demotions, len(rows), chunk, background, after=[*after, *loads.mark()])
 
     def _device_index(self, pages: np.ndarray) -> torch.Tensor:
         """`pages`, checked (allocated, each once) and on the pool's device, once per transfer: the
@@ -101,22 +108,31 @@ class HostCopier:
         self.pool.check_pages(pages)
         return device_index(pages, self.pool.device)
 
-    def _transfer(self, n: int, chunk: Callable[[torch.Tensor, int, int], None], background: bool,
-                  wait: bool = True, after: Sequence[Any] = ()) -> QueuedCopy | None:
-        """Run `chunk(buffer, start, end)` over `n` pages on the copy stream (copy_stream.py)."""
-        self._copy_stream_ready()
-        buffer = self._buffer
-        assert buffer is not None and self._copies is not None
-        return self._copies.run(n, self.chunk_pages, lambda start, end: chunk(buffer, start, end), background, wait,
-                                after=after)
+    def _transfer(self, direction: _Direction, n: int, chunk: Callable[[torch.Tensor, int, int], None],
+                  background: bool, wait: bool = True, after: Sequence[Any] = ()) -> QueuedCopy | None:
+        """Run `chunk(buffer, start, end)` over `n` pages on `direction`'s stream (copy_stream.py)."""
+        buffer = direction.buffer
+        return direction.copies.run(n, self.chunk_pages, lambda start, end: chunk(buffer, start, end), background,
+                                    wait, after=after)
 
-    def _copy_stream_ready(self) -> None:
-        if self._buffer is None:
-            with torch.inference_mode(False):
-                self._buffer = torch.empty(self.pool.spec.staging_shape(self.chunk_pages), dtype=self.pool.kv.dtype,
-                                           device=self.pool.device)
-        if self._copies is None:
-            self._copies = CopyStream(self.pool.device)
+    def _streams_ready(self) -> tuple[_Direction, _Direction]:
+        """(loads, demotions), each made on first use."""
+        if self._loads is None or self._demotions is None:
+            self._loads, self._demotions = (_Direction(self.pool, self.chunk_pages) for _ in range(2))
+        return self._loads, self._demotions
+
+
+class _Direction:
+    """One direction's copy stream and chunk buffer."""
+
+    def __init__(self, pool: PagePool, chunk_pages: int) -> None:
+        with torch.inference_mode(False):
+            self.buffer = torch.empty(pool.spec.staging_shape(chunk_pages), dtype=pool.kv.dtype, device=pool.device)
+        self.copies = CopyStream(pool.device)
+
+    def mark(self) -> list[Any]:
+        """An event where this direction's stream has got to (none on the CPU: copies ran already)."""
+        return [self.copies.stream.record_event()] if self.copies.cuda else []
 
 def _as_index(values: Any) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
