@@ -3,8 +3,9 @@ network namespaces joined by a veth pair stand for two hosts: the store server (
 arena; a token, as anything bound beyond loopback must have), a bare gRPC server and a raw TCP
 server run in one, the reader in the other, so every byte crosses the veth. The reader loads
 prefixes it never read into a full pool (the serving rounds of `bench promote`), beside a raw TCP
-stream of the same bytes between the same two namespaces (the wire's limit from Python) and a
-bare gRPC stream of them (kept, as a load must). Needs root and iproute2 (`ip netns`).
+stream of the same bytes between the same two namespaces (the wire's limit from Python), a bare
+gRPC stream of them (kept, as a load must), and the same load from a second server without the
+bulk Get (`--bulk-port off`: gRPC's Get). Needs root and iproute2 (`ip netns`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class NetnsFigures:
     """Seconds per prefix (medians) of the store's load and the two limits, and the bytes moved."""
 
     load_s: float
+    grpc_load_s: float  # the same from a server without the bulk Get: gRPC's Get
     raw_tcp_s: float
     bare_grpc_s: float
     nbytes: int  # KV bytes of a prefix
@@ -41,7 +43,8 @@ class NetnsFigures:
         """(limit, load GB/s, limit GB/s) per limit."""
         load = self.nbytes / self.load_s / 1e9
         return [("raw TCP stream, same bytes", load, self.wire_bytes / self.raw_tcp_s / 1e9),
-                ("bare gRPC stream, same bytes, kept", load, self.wire_bytes / self.bare_grpc_s / 1e9)]
+                ("bare gRPC stream, same bytes, kept", load, self.wire_bytes / self.bare_grpc_s / 1e9),
+                ("the same load over gRPC's Get (--bulk-port off)", load, self.nbytes / self.grpc_load_s / 1e9)]
 
 
 def unavailable() -> str | None:
@@ -112,20 +115,21 @@ def bench_netns(spec_dict: dict[str, Any], mib: float, rounds: int, pool_prefixe
     token = secrets.token_hex(16)
     env = {**os.environ, "TIERED_CACHE_SERVE_TOKEN": token}
     with two_hosts() as (server_ns, client_ns, host), ExitStack() as stack:
-        store = stack.enter_context(_in_namespace(server_ns, [
-            "tiered_cache.cli.main", "serve", "--host", host, "--port", "0", "--no-disk", "--shm", "off",
-            "--ram", f"{total * 5 // 4 // 2**20 + 64}MiB"], env))
+        serve = ["tiered_cache.cli.main", "serve", "--host", host, "--port", "0", "--no-disk", "--shm", "off",
+                 "--ram", f"{total * 5 // 4 // 2**20 + 64}MiB"]
+        store = stack.enter_context(_in_namespace(server_ns, serve, env))
+        grpc_store = stack.enter_context(_in_namespace(server_ns, [*serve, "--bulk-port", "off"], env))
         grpc_at = stack.enter_context(_in_namespace(server_ns, ["tiered_cache.bench.raw_grpc", host]))
         tcp_at = stack.enter_context(_in_namespace(server_ns, ["tiered_cache.bench.raw_tcp", host]))
         job = {"spec": spec_dict, "mib": mib, "rounds": rounds, "pool_prefixes": pool_prefixes, "store": store,
-               "grpc": grpc_at, "tcp": tcp_at}
+               "grpc_store": grpc_store, "grpc": grpc_at, "tcp": tcp_at}
         done = subprocess.run(["ip", "netns", "exec", client_ns, sys.executable, "-m", "tiered_cache.bench.netns_bench",
                                json.dumps(job)], capture_output=True, text=True, timeout=1800, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"the reader in {client_ns} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
         out = json.loads(done.stdout.strip().splitlines()[-1])
-    return NetnsFigures(out["load_s"], out["raw_tcp_s"], out["bare_grpc_s"], prefixes.nbytes, out["wire_bytes"],
-                        rounds)
+    return NetnsFigures(out["load_s"], out["grpc_load_s"], out["raw_tcp_s"], out["bare_grpc_s"], prefixes.nbytes,
+                        out["wire_bytes"], rounds)
 
 
 def _reader(job: dict[str, Any]) -> dict[str, Any]:
@@ -148,23 +152,25 @@ def _reader(job: dict[str, Any]) -> dict[str, Any]:
     tune_malloc()
     prefixes = Prefixes(KVSpec.from_dict(job["spec"]), job["mib"])
     token = os.environ["TIERED_CACHE_SERVE_TOKEN"]
-    writer = RemoteTier([job["store"]], token=token, timeout_s=60, fingerprint=bytes.fromhex(prefixes.spec.fingerprint))
-    try:
-        _fill(writer.put, prefixes, job["pool_prefixes"] + job["rounds"], f"the store server at {job['store']}")
-    finally:
-        writer.close()
+    for store in (job["store"], job["grpc_store"]):
+        writer = RemoteTier([store], token=token, timeout_s=60, fingerprint=bytes.fromhex(prefixes.spec.fingerprint))
+        try:
+            _fill(writer.put, prefixes, job["pool_prefixes"] + job["rounds"], f"the store server at {store}")
+        finally:
+            writer.close()
     blob = raw_blob_size(prefixes.spec)
     wire = prefixes.num_pages * blob
     host, port = job["tcp"].rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=60)
     into = memoryview(torch.ones(wire, dtype=torch.uint8).numpy())  # touched, as the pool is
 
-    settings = {"lower_tiers": "remote", "remote_addresses": job["store"], "remote_token": token,
-                "remote_timeout_s": 60}
-    site = Site("remote", "store server in another namespace -> pool (match + load)", "raw TCP stream, same bytes",
-                settings, lambda _prefix: lambda: receive(sock, into))
     receive(sock, into)  # the connection warmed, as the cache's are
-    timed = serving_rounds(site, prefixes, job["rounds"], job["pool_prefixes"])
+    timed = {}
+    for store in (job["store"], job["grpc_store"]):
+        settings = {"lower_tiers": "remote", "remote_addresses": store, "remote_token": token, "remote_timeout_s": 60}
+        site = Site("remote", "store server in another namespace -> pool (match + load)",
+                    "raw TCP stream, same bytes", settings, lambda _prefix: lambda: receive(sock, into))
+        timed[store] = serving_rounds(site, prefixes, job["rounds"], job["pool_prefixes"])
     sock.close()
     channel = raw_channel(job["grpc"])
     stream = channel.unary_stream("/raw.Raw/Stream")
@@ -176,8 +182,9 @@ def _reader(job: dict[str, Any]) -> dict[str, Any]:
         grpc_s.append(time.perf_counter() - started)
         del kept
     channel.close()
-    return {"load_s": timed.seconds, "raw_tcp_s": timed.baseline_seconds, "bare_grpc_s": statistics.median(grpc_s[1:]),
-            "wire_bytes": wire}
+    bulk = timed[job["store"]]
+    return {"load_s": bulk.seconds, "grpc_load_s": timed[job["grpc_store"]].seconds, "raw_tcp_s": bulk.baseline_seconds,
+            "bare_grpc_s": statistics.median(grpc_s[1:]), "wire_bytes": wire}
 
 
 if __name__ == "__main__":
