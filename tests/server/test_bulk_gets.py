@@ -183,3 +183,16 @@ def test_an_unreachable_bulk_port_falls_back_to_grpc_without_counting_against_th
             assert server.client.bulk().client() is None  # dropped for a while, not tried on every call
         finally:
             tier.close()
+
+
+def test_a_kept_connection_the_server_closed_while_idle_is_replaced_once():
+    items = make_items(3, seed=10)
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk", "--stream-idle", "1"]) as store:
+        with StoreClient(store.address, shm=False) as client:
+            client.put(items, FINGERPRINT)
+        bulk_client = bulk_of(store.address)
+        assert received(bulk_client, keys) == dict(items)
+        time.sleep(2.0)  # past the server's stream_idle_s: it closes the kept connection
+        assert received(bulk_client, keys) == dict(items)
+        assert bulk_client.reconnects == 1
