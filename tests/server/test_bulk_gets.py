@@ -42,7 +42,9 @@ def received(client: BulkClient, keys: list[bytes], fingerprint: bytes = FINGERP
 def bulk_of(address: str, token: str | None = None, namespace: str | None = None) -> BulkClient:
     client = StoreClient(address, token=token, namespace=namespace, shm=False)
     endpoint = client.bulk()
-    found = endpoint.client() if endpoint is not None else None
+    assert endpoint is not None
+    endpoint.warm()  # the probe a cache's warm-up makes
+    found = endpoint.client()
     assert found is not None, "the server offers a bulk Get"
     return found
 
@@ -175,12 +177,13 @@ def test_an_unreachable_bulk_port_falls_back_to_grpc_without_counting_against_th
         tier = RemoteTier([store.address], fingerprint=FINGERPRINT, shm=False)
         try:
             server = tier.servers[0]
-            server.client._bulk.port = port  # as a firewall that passes gRPC's port only would leave it
+            server.client._bulk._ask_port = lambda: port  # as a firewall that passes gRPC's port only would leave it
+            tier.warm()
             dests = [np.zeros((SPEC.num_layers, 2, SPEC.bytes_per_page // SPEC.num_layers // 2), np.uint8)
                      for _ in keys]
             assert tier.get_into(keys, dests, SPEC) == [raw_blob_size(SPEC)] * 6  # over gRPC
             assert tier.bulk_gets == 0 and tier.stats().errors == 0 and server.closed
-            assert server.client.bulk().client() is None  # dropped for a while, not tried on every call
+            assert server.client.bulk().client() is None  # dropped for a while, not probed on every call
         finally:
             tier.close()
 
@@ -196,3 +199,23 @@ def test_a_kept_connection_the_server_closed_while_idle_is_replaced_once():
         time.sleep(2.0)  # past the server's stream_idle_s: it closes the kept connection
         assert received(bulk_client, keys) == dict(items)
         assert bulk_client.reconnects == 1
+
+
+def test_a_cache_that_never_warmed_up_uses_grpc_until_a_probe_has_connected_off_the_request_path():
+    items = make_items(4, seed=11)
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk", "--shm", "off"]) as store:
+        with StoreClient(store.address, shm=False) as client:
+            client.put(items, FINGERPRINT)
+        tier = RemoteTier([store.address], fingerprint=FINGERPRINT, shm=False)
+        try:
+            dests = [np.zeros((SPEC.num_layers, 2, SPEC.bytes_per_page // SPEC.num_layers // 2), np.uint8)
+                     for _ in keys]
+            assert tier.get_into(keys, dests, SPEC) == [raw_blob_size(SPEC)] * 4 and tier.bulk_gets == 0
+            endpoint = tier.servers[0].client.bulk()
+            deadline = time.monotonic() + 10
+            while endpoint.client() is None and time.monotonic() < deadline:  # the probe the first call started
+                time.sleep(0.05)
+            assert tier.get_into(keys, dests, SPEC) == [raw_blob_size(SPEC)] * 4 and tier.bulk_gets == 1
+        finally:
+            tier.close()
