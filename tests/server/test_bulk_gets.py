@@ -7,6 +7,8 @@ dies, and is not offered with TLS."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import Future
 
@@ -219,3 +221,16 @@ def test_a_cache_that_never_warmed_up_uses_grpc_until_a_probe_has_connected_off_
             assert tier.get_into(keys, dests, SPEC) == [raw_blob_size(SPEC)] * 4 and tier.bulk_gets == 1
         finally:
             tier.close()
+
+
+def test_a_bulk_port_in_use_is_refused_at_start_in_one_line():
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "tiered_cache.cli.main", "serve", "--port", "0", "--no-disk",
+                               "--bulk-port", str(port)], capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0
+        assert f"cannot listen for the bulk Get on 127.0.0.1:{port}" in done.stderr and "--bulk-port" in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
+    finally:
+        taken.close()

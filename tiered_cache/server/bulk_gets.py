@@ -58,7 +58,11 @@ class BulkGets:
         """Listen on the gRPC host, on `config.bulk_port` (0: a free port); returns the port."""
         host = self.config.host
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-        self._listener = socket.create_server((host.strip("[]"), self.config.bulk_port or 0), family=family)
+        try:
+            self._listener = socket.create_server((host.strip("[]"), self.config.bulk_port or 0), family=family)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot listen for the bulk Get on {host}:{self.config.bulk_port} "
+                                     f"({exc.strerror}): give another --bulk-port, 0 for a free one, or off") from None
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, name="tiered-cache-bulk-accept", daemon=True).start()
         return self.port
