@@ -1,14 +1,13 @@
-"""`TensorReads`: the tensor API's `get`, each page copied once, from wherever it is, straight
-into the output tensor.
+"""`TensorReads`: the tensor API's `get` of a prefix held on the device and in host RAM, each
+page copied once straight into the output tensor.
 
-A caller of `get` wants the KV in a tensor of its own, not in the pool: pages on the device are
-read from the pool, pages in host RAM are copied from their rows into the output (one strided
-copy per run of rows, under the cache's lock so the rows stay put), and pages below host RAM are
-placed into the output by their tier (`TierChain.get_into`: each verified where it lands). Nothing
-is loaded into the pool on the way: loading first and reading back was a second copy of every
-byte (docs/PERFORMANCE.md, "bench promote"). The prefix ends at the first page that does not
-arrive. For an output on another device, or pages whose inner layout is not the output's (HND),
-`get` loads into the pool and reads back (`via_pool`).
+Pages on the device are read from the pool; pages in host RAM are copied from their rows into
+the output (one strided copy per run of rows, under the cache's lock so the rows stay put), not
+loaded into the pool and read back (a second copy of every byte: docs/PERFORMANCE.md, "bench
+promote"); they stay in host RAM for the next `get`. A prefix with pages below host RAM is loaded
+into the pool first, as a paged load is (`via_pool`): so it is cached on this instance, and the
+next `get` finds it here instead of asking the tier again. So is an output on another device, or
+pages whose inner layout is not the output's (HND).
 """
 
 from __future__ import annotations
@@ -25,19 +24,16 @@ from tiered_cache.cache.stats import Movements
 from tiered_cache.device.memory import empty_cpu
 from tiered_cache.device.pool import PagePool
 from tiered_cache.model.spec import KVSpec, Layout
-from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.host import HostTier
-from tiered_cache.wire.codec import PageDest
 
 
 class TensorReads:
-    def __init__(self, spec: KVSpec, pool: PagePool, host: HostTier, chain: TierChain, lock: threading.RLock,
+    def __init__(self, spec: KVSpec, pool: PagePool, host: HostTier, lock: threading.RLock,
                  in_flight: Mapping[bytes, torch.Tensor], moves: Movements,
                  observe: Callable[[str, float, int], None]) -> None:
         self.spec = spec
         self.pool = pool
         self.host = host
-        self.chain = chain
         self._lock = lock  # the cache's: guards host RAM's index and rows, and `in_flight`
         self._in_flight = in_flight  # pages on their way below, still served from memory
         self.moves = moves  # pages read up from host RAM count as its loads, as a paged load's do
@@ -49,7 +45,8 @@ class TensorReads:
         caller) or in a tensor of its own (`spare`'s, when it has one of the shape, else new);
         `load` is the paged load, for `via_pool`."""
         ps = self.spec.page_size
-        if not self.direct(out):  # via_pool: load into the pool, then read back
+        below = handle.plan[:handle.available_pages - handle.num_device_pages]
+        if not self.direct(out) or any(where != HOST for where in below):  # via_pool: load, read back
             pages = load(handle)
             n = len(pages) * ps
             target = out[:, :, :n] if out is not None else spare(self.spec.kv_shape(n)) if n else None
@@ -74,34 +71,22 @@ class TensorReads:
         return out.device.type == "cpu" and out.is_contiguous()
 
     def read(self, handle: CacheHandle, out: torch.Tensor) -> int:
-        """Copy the handle's prefix into `out` (tensor-API shape, contiguous, on the CPU, at least
-        `available_pages` pages of tokens long); returns the tokens that arrived, a whole number
-        of pages from the first."""
+        """Copy the handle's prefix (on the device, then in host RAM) into `out` (tensor-API shape,
+        contiguous, on the CPU, at least `available_pages` pages of tokens long); returns the
+        tokens that arrived, a whole number of pages from the first."""
         ps = self.spec.page_size
         start = handle.num_device_pages
         if start:
             self.pool.read_tokens(handle.device_pages, start * ps, out=out[:, :, :start * ps])
         keys = handle.keys[start:handle.available_pages]
-        plan = handle.plan[:len(keys)]
-        done = 0
-        while done < len(keys):
-            end = done
-            kind = plan[done] == HOST
-            while end < len(keys) and (plan[end] == HOST) == kind:
-                end += 1
-            started = time.perf_counter()
-            if kind:
-                with self._lock:
-                    got = self._from_host(keys[done:end], out, start + done)
-            else:
-                got = self._from_below(keys[done:end], plan[done:end], out, start + done)
-            tiers = {self.host.name} if kind else {self.chain.tiers[w].name for w in plan[done:end]}
-            if got and len(tiers) == 1:  # a rate per tier: mixed reads tell none
-                self._observe(tiers.pop(), time.perf_counter() - started, got)
-            done += got
-            if done < end:
-                break  # a page that did not arrive ends the prefix
-        return (start + done) * ps
+        if not keys:
+            return start * ps
+        started = time.perf_counter()
+        with self._lock:
+            got = self._from_host(keys, out, start)
+        if got:
+            self._observe(self.host.name, time.perf_counter() - started, got)
+        return (start + got) * ps
 
     def _from_host(self, keys: list[bytes], out: torch.Tensor, first: int) -> int:
         """Copy the leading run of `keys` held in host RAM (or on their way below) into pages
@@ -123,16 +108,6 @@ class TensorReads:
             n += len(rows)
         self.moves.loads["host"] += n
         return n
-
-    def _from_below(self, keys: list[bytes], where: list[int], out: torch.Tensor, first: int) -> int:
-        """Have the tiers place `keys` into pages `first`.. of `out`; the leading run that arrived."""
-        with torch.inference_mode(False):
-            raw = out.detach().view(torch.uint8).numpy()  # (L, 2, tokens, heads, dim * item)
-        ps = self.spec.page_size
-        dests: list[PageDest] = [raw[:, :, (first + i) * ps:(first + i + 1) * ps].reshape(*raw.shape[:2], -1)
-                                 for i in range(len(keys))]
-        arrived = self.chain.get_into(keys, where, dests, self.spec)
-        return next((i for i, ok in enumerate(arrived) if not ok), len(keys))
 
     def _pages(self, out: torch.Tensor, first: int, k: int) -> torch.Tensor:
         """Pages `first`..`first + k` of `out` as (layers, 2, k, page, heads, dim)."""
