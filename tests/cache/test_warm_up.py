@@ -86,3 +86,25 @@ def test_the_pool_is_faulted_in_page_range_by_page_range_across_its_blocks(monke
     # The first page range of every block comes before the second range of any block.
     first = [i for i, (a, _) in enumerate(calls) if (a - base) % block == 0]
     assert max(first) < min(i for i, (a, _) in enumerate(calls) if (a - base) % block == 4096)
+
+
+def test_a_new_caches_pretouch_steps_aside_while_a_request_runs():
+    import tiered_cache.device.memory as memory
+    from tiered_cache.cache.foreground import Foreground
+    from tiered_cache.cache.warm_up import warm_up_async
+
+    tensor = torch.empty(4 * 4096 * 2, dtype=torch.uint8)
+    thread = memory.PretouchThread(tensor, chunk_bytes=4 * 4096)
+    if not thread.preserves_bytes:
+        return  # no MADV_POPULATE_WRITE here: the thread writes zeros, and a request may wait for it instead
+    foreground = Foreground()
+    waits: list[bool] = []  # per chunk: whether the request was still running when the wait ended
+    chain = TierChain([])
+    with foreground:  # a request in progress the whole time: every chunk waits for it, briefly
+        loads = type("NoLoads", (), {"warm": lambda self: None})()
+        warm_up_async(chain, loads, [thread], foreground)
+        real = thread.yield_to
+        thread.yield_to = lambda: waits.append(not real())  # wait_idle: False when it timed out busy
+        thread.start()
+        thread.join(30)
+    assert waits == [True, True]  # before each chunk of 4 OS pages, it waited for the request

@@ -133,8 +133,9 @@ class TieredCache(SequenceOps):
                        if config.spare_output and self.pool.kv.device.type == "cpu" else None)
         self._keyer = functools.lru_cache(maxsize=1024)(functools.partial(PageKeyer, spec))  # per namespace
         self._closed = False
-        # Connections, threads, staging, memory faulted in: not on a request. Join it to wait until ready.
-        self.warming = warm_up_async(self.chain, self.tier_loads, (self.pool.pretouch, self.host.pretouch))
+        # Connections, threads, staging, memory faulted in, off the request path: join it to wait until ready.
+        memory = (self.pool.pretouch, self.host.pretouch)
+        self.warming = warm_up_async(self.chain, self.tier_loads, memory, self._foreground)
         self.metrics: Any = serve_metrics(self) if config.metrics_port is not None else None  # a MetricsServer
 
     # --- tensor API ------------------------------------------------------------------------------
@@ -175,12 +176,10 @@ class TieredCache(SequenceOps):
             check_tensor("out", out, self.spec.kv_shape(len(toks)), self.spec.dtype.torch, self.spec.model_id)
         handle = self.match(toks, namespace)
         try:
-            return self.tensor_reads.get(handle, out, self.load, self._spare_output)
+            spare, dtype = self._spare, self.pool.kv.dtype
+            return self.tensor_reads.get(handle, out, self.load, lambda shape: spare and spare.output(shape, dtype))
         finally:
             self.release(handle)
-
-    def _spare_output(self, shape: tuple[int, ...]) -> torch.Tensor | None:
-        return self._spare.output(shape, self.pool.kv.dtype) if self._spare is not None else None
 
     # --- paged API -------------------------------------------------------------------------------
     @request_path

@@ -12,17 +12,24 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from tiered_cache.cache.foreground import Foreground
 from tiered_cache.cache.tier_loads import TierLoads
+from tiered_cache.device.memory import PretouchThread
 from tiered_cache.tiers.chain import TierChain
 
 log = logging.getLogger("tiered_cache.cache.warm_up")
+_YIELD_S = 0.5  # the longest a pre-touch chunk waits for a request to end (it is not urgent)
 
 
-def warm_up_async(chain: TierChain, tier_loads: TierLoads,
-                  pretouches: Sequence[threading.Thread | None] = ()) -> threading.Thread:
+def warm_up_async(chain: TierChain, tier_loads: TierLoads, pretouches: Sequence[PretouchThread | None] = (),
+                  foreground: Foreground | None = None) -> threading.Thread:
     """Start warming `chain` and `tier_loads` up on a daemon thread; returns the thread, which ends
     once that is done and the `pretouches` (the pool's, host RAM's) have ended too: joining it
-    waits until the cache is ready (`TieredCache.warming`)."""
+    waits until the cache is ready (`TieredCache.warming`). With `foreground`, the pre-touches
+    step aside while a request runs (at most `_YIELD_S` per chunk)."""
+    for pretouch in pretouches:
+        if pretouch is not None and foreground is not None and pretouch.preserves_bytes:
+            pretouch.yield_to = lambda: foreground.wait_idle(_YIELD_S)
     def run() -> None:
         try:
             tier_loads.warm()
@@ -30,7 +37,7 @@ def warm_up_async(chain: TierChain, tier_loads: TierLoads,
         except Exception as exc:  # the first request opens what this could not
             log.info("warming up the cache's tiers failed (%s: %s); the first load opens them", type(exc).__name__, exc)
         for thread in pretouches:
-            if thread is not None:
+            if thread is not None and thread.is_alive():
                 thread.join()
 
     thread = threading.Thread(target=run, name="tiered-cache-warm-up", daemon=True)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import mmap
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -43,6 +45,10 @@ class PretouchThread(threading.Thread):
         self._chunk = max(_OS_PAGE, chunk_bytes // _OS_PAGE * _OS_PAGE)
         self._blocks = blocks if blocks > 1 and self._bytes.numel() % blocks == 0 else 1
         self.preserves_bytes = _populate(self._bytes.data_ptr(), min(self._bytes.numel(), _OS_PAGE))
+        # Called between chunks (set by the owner: e.g. wait, briefly, while a request runs), so a
+        # new cache's first requests do not share the cores and the memory bus with its pre-touch.
+        # Only where the thread changes no byte: a request may then write meanwhile, never wait for it.
+        self.yield_to: Callable[[], Any] | None = None
 
     def run(self) -> None:
         if self.preserves_bytes and self._blocks > 1:
@@ -52,6 +58,7 @@ class PretouchThread(threading.Thread):
         while start < end:
             stop = min(start + self._chunk, end)
             if self.preserves_bytes:
+                self._step_aside()
                 _populate(data.data_ptr() + start, stop - start)  # a refusal leaves faults to first use
             else:
                 data[start:stop:_OS_PAGE].zero_()  # one byte in each OS page of the chunk ...
@@ -65,8 +72,14 @@ class PretouchThread(threading.Thread):
         base = self._bytes.data_ptr()
         for start in range(0, block, step):
             length = min(step, block - start)
+            self._step_aside()
             for b in range(self._blocks):
                 _populate(base + b * block + start, length)
+
+    def _step_aside(self) -> None:
+        yield_to = self.yield_to
+        if yield_to is not None:
+            yield_to()
 
     def before_write(self) -> None:
         """Wait for the thread if it writes zeros; return at once if it changes no byte."""
