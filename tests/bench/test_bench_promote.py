@@ -29,6 +29,7 @@ def test_every_path_loads_new_prefixes_into_a_full_pool_beside_its_limit(tmp_pat
         first = row.first  # the reader process: a first load and three steady ones, and memcpy's
         assert first is not None and first.first_seconds > 0 and len(first.steady_seconds) == 3
         assert first.memcpy_first_seconds > 0 and len(first.memcpy_steady_seconds) == 3
+        assert isinstance(first.ready, bool)
     assert rows[0].demotion is not None and rows[0].demotion.work == 2**20
     assert all(r.demotion is None for r in rows[1:])
     assert rows[1].label == "host RAM -> tensor (get())"  # the tensor API: KV handed back, checked whole

@@ -57,3 +57,17 @@ def test_a_new_map_is_faulted_in_up_to_the_head_and_follows_later_writes():
         assert not reader._read_ahead.is_alive() or wait_for(lambda: not reader._read_ahead.is_alive(), 2.0)
     finally:
         arena.close()
+
+
+def test_a_range_that_wraps_round_the_ring_is_faulted_in_two_pieces():
+    from tiered_cache.shm.read_ahead import ReadAhead
+
+    owner = type("Owner", (), {})()
+    ahead = ReadAhead(owner, address=1 << 20, head_at=40, data_at=4096, capacity=1000, extra=(0, 0),
+                      closed=lambda _: False, backlog=300)
+    calls: list[tuple[int, int]] = []
+    ahead._advise = lambda offset, length: (calls.append((offset, length)), True)[1]
+    assert ahead._advise_ring(900, 1050)  # 100 bytes to the ring's end, then 50 from its start
+    assert calls == [(4096 + 900, 100), (4096, 50)]
+    calls.clear()
+    assert ahead._advise_ring(2100, 2200) and calls == [(4096 + 100, 100)]

@@ -15,6 +15,7 @@ Per path, three figures, the serving case first:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -90,10 +91,12 @@ def bench_promote(spec: KVSpec, mib: float = 256, rounds: int = 7, paths: tuple[
                                             FIRST_LOADS, settle_s, where.way.value)
             say(f"{path}: {rounds} new prefixes into a full pool of {pool_prefixes} ...")
             serving = serving_rounds(where, prefixes, rounds, pool_prefixes)
+            gc.collect()  # the reader's pool and host RAM go now (its parts refer to each other), not later
             loaded, demoted = None, None
             if warm:
                 say(f"{path}: the warm loop, {rounds} rounds ...")
                 loaded, demoted = warm_rounds(where, prefixes, rounds)
+                gc.collect()
             rows.append(PromoteRow(path, where.label, where.baseline_name, prefixes.nbytes, serving, first_figures,
                                    loaded, demoted))
     return rows
@@ -151,8 +154,9 @@ def render(rows: list[PromoteRow]) -> str:
     table = []
     for r in rows:
         s = r.serving
-        first = (f"{ms(r.first.first_seconds)} / {ms(r.first.steady)}", f"{r.first.first_over_steady:.2f}x",
-                 f"{r.first.memcpy_first_over_steady:.2f}x") if r.first else ("-", "-", "-")
+        first = (f"{ms(r.first.first_seconds)} / {ms(r.first.steady)}" + _up(r.first),
+                 f"{r.first.first_over_steady:.2f}x", f"{r.first.memcpy_first_over_steady:.2f}x") if r.first else \
+            ("-", "-", "-")
         table.append([r.label, ms(s.seconds), f"{r.nbytes / s.seconds / 1e9:,.2f} GB/s", r.baseline_name,
                       ms(s.baseline_seconds), f"{s.ratio:.2f}x", *first,
                       f"{r.warm.ratio:.2f}x" if r.warm else "-"])
@@ -163,3 +167,10 @@ def render(rows: list[PromoteRow]) -> str:
     return render_table(table, ["path", "serving: load", "rate", "limit", "limit time", "vs limit",
                                 "new reader: first / steady", "first/steady", "memcpy first/steady", "warm: vs limit"],
                         align_right=(1, 2, 4, 5, 7, 8, 9))
+
+
+def _up(first: FirstLoads) -> str:
+    """Whether the new reader had come up by its first load, and when it did."""
+    if first.ready:
+        return ""
+    return f" (up at {first.up_s:.1f} s)" if first.up_s is not None else " (not up by the end)"

@@ -14,6 +14,7 @@ import json
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ class FirstLoads:
     settle_s: float
     memcpy_first_seconds: float
     memcpy_steady_seconds: list[float]
+    ready: bool = True  # the cache had come up (`TieredCache.warming` ended) by its first load
+    up_s: float | None = None  # when it had, from its construction (None: not by the end of the run)
 
     @property
     def steady(self) -> float:
@@ -60,10 +63,10 @@ def first_loads(spec_dict: dict[str, Any], mib: float, settings: dict[str, Any],
         raise RuntimeError(f"the reader process for {path} failed: {tail}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
     loads, memcpy = out["seconds"], out["memcpy_seconds"]
-    return FirstLoads(loads[0], loads[1:], settle_s, memcpy[0], memcpy[1:])
+    return FirstLoads(loads[0], loads[1:], settle_s, memcpy[0], memcpy[1:], out["ready"], out["up_s"])
 
 
-def _run(job: dict[str, Any]) -> dict[str, list[float]]:
+def _run(job: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from tiered_cache.model.spec import KVSpec
@@ -75,12 +78,15 @@ def _run(job: dict[str, Any]) -> dict[str, list[float]]:
     room = job["count"] + 1  # an instance that just started: its pool and host RAM have room
     started = time.monotonic()
     cache = reader(prefixes, job["settings"], room, room)
+    up: list[float] = []  # when the cache had come up, from its construction
+    threading.Thread(target=lambda: (cache.warming.join(), up.append(time.monotonic() - started)), daemon=True).start()
     try:
         if job["path"] in ("host", "tensor"):  # its own prefixes into its host RAM: written, then demoted
             for prefix in mine:
                 cache.put(prefix.tokens, prefix.kv())
                 cache.evict()
         time.sleep(max(0.0, job["settle_s"] - (time.monotonic() - started)))
+        ready = not cache.warming.is_alive()
         seconds = []
         for prefix in mine:
             took, placed = clock(lambda p=prefix: load(cache, p, Way(job["way"])))
@@ -92,7 +98,7 @@ def _run(job: dict[str, Any]) -> dict[str, list[float]]:
         dst.copy_(src)
         time.sleep(job["settle_s"])
         memcpy = [clock(lambda: dst.copy_(src))[0] for _ in range(job["count"])]
-        return {"seconds": seconds, "memcpy_seconds": memcpy}
+        return {"seconds": seconds, "memcpy_seconds": memcpy, "ready": ready, "up_s": up[0] if up else None}
     finally:
         cache.close()
 

@@ -6,7 +6,8 @@ new reader's first load from the arena ran several times slower than its next on
 prefix the server wrote since was slow again the first time it was read. MADV_POPULATE_READ
 (Linux 5.14+) maps what the server has written without reading a byte into this process, and
 never commits memory the server has not (only the written range is asked for). Where the kernel
-lacks it, pages fault in on first read, as without this thread.
+lacks it, pages fault in on first read, as without this thread. At start only the last
+`BACKLOG_BYTES` written are mapped: a reader of a large arena reads the newest pages first.
 """
 
 from __future__ import annotations
@@ -22,41 +23,54 @@ from tiered_cache.shm.advice import madvise
 MADV_POPULATE_READ = 22  # Linux 5.14+: fault pages in as if read
 _CHUNK_BYTES = 16 * 2**20
 _POLL_S = 0.02  # how often the server's head is looked at
+BACKLOG_BYTES = 1 << 30  # at start, this much of what the server wrote last is faulted in
 
 
 class ReadAhead(threading.Thread):
     """Follows the arena's write head (a u64 at `head_at` in the map, an absolute position in a
-    ring of `capacity` data bytes starting at `data_at`) and faults the written data in; the
-    index (`extra`: (offset, length)) once at start. Ends when `owner` closes (`closed(owner)`)
-    or is collected; `stop()` waits for the chunk under way, so no madvise outlives the map."""
+    ring of `capacity` data bytes starting at `data_at`) and faults the written data in: at start
+    the last `backlog` bytes written (the pages most likely read next: a large arena is not all
+    mapped by every reader), then what the server writes. The index (`extra`: (offset, length))
+    once at start. Ends when `owner` closes (`closed(owner)`) or is collected; `stop()` waits for
+    the chunk under way, so no madvise outlives the map."""
 
     def __init__(self, owner: Any, address: int, head_at: int, data_at: int, capacity: int,
-                 extra: tuple[int, int], closed: Callable[[Any], bool]) -> None:
+                 extra: tuple[int, int], closed: Callable[[Any], bool], backlog: int = BACKLOG_BYTES) -> None:
         super().__init__(name="tiered-cache-read-ahead", daemon=True)
         self._owner = weakref.ref(owner)
         self._address, self._head_at, self._data_at, self._capacity = address, head_at, data_at, capacity
         self._extra = extra
         self._closed = closed
+        self._backlog = min(backlog, capacity)
         self._stopping = threading.Event()
         self._chunk_lock = threading.Lock()
-        self.faulted = 0  # data bytes faulted in, from the start of the ring
+        self.mapped_to = 0  # absolute position up to which the written data is faulted in
 
     def run(self) -> None:
         if not self._advise(*self._extra):
             return  # not offered here: reads fault pages in, as without this thread
+        head = self._head()
+        if head is None:
+            return
+        self.mapped_to = max(0, head - self._backlog)
         while not self._stopping.is_set():
             head = self._head()
             if head is None:
                 return
-            target = min(head, self._capacity)
-            while self.faulted < target and not self._stopping.is_set():
-                stop = min(target, self.faulted + _CHUNK_BYTES)
-                if not self._advise(self._data_at + self.faulted, stop - self.faulted):
+            while self.mapped_to < head and not self._stopping.is_set():
+                stop = min(head, self.mapped_to + _CHUNK_BYTES)
+                if not self._advise_ring(self.mapped_to, stop):
                     return
-                self.faulted = stop
-            if self.faulted >= self._capacity:
-                return  # the ring has come round: every page is mapped
+                self.mapped_to = stop
             self._stopping.wait(_POLL_S)
+
+    def _advise_ring(self, start: int, stop: int) -> bool:
+        """Fault in absolute positions [start, stop) of the ring (split where it wraps)."""
+        offset, length = start % self._capacity, stop - start
+        first = min(length, self._capacity - offset)
+        if not self._advise(self._data_at + offset, first):
+            return False
+        return first == length or self._advise(self._data_at, length - first)
 
     def _head(self) -> int | None:
         owner = self._owner()
