@@ -71,3 +71,31 @@ def test_a_range_that_wraps_round_the_ring_is_faulted_in_two_pieces():
     assert calls == [(4096 + 900, 100), (4096, 50)]
     calls.clear()
     assert ahead._advise_ring(2100, 2200) and calls == [(4096 + 100, 100)]
+
+
+def test_the_newest_backlog_comes_first_then_the_rest_of_the_ring_newest_first():
+    import struct
+
+    from tiered_cache.shm.read_ahead import ReadAhead
+
+    class Owner:
+        raw = bytearray(64)
+
+    owner = Owner()
+    struct.pack_into("<Q", owner.raw, 40, 1500)  # the head: 1,500 bytes written into a ring of 1,000
+    ahead = ReadAhead(owner, address=0, head_at=40, data_at=4096, capacity=1000, extra=(8, 16),
+                      closed=lambda _: False, backlog=300)
+    spans: list[tuple[int, int]] = []
+
+    def advise(offset: int, length: int) -> bool:
+        spans.append((offset, length))
+        if sum(n for o, n in spans if o >= 4096) >= 1000:  # the whole ring: done
+            ahead._stopping.set()
+        return True
+
+    ahead._advise = advise
+    ahead.run()
+    assert spans[0] == (8, 16)  # the index, once
+    assert spans[1] == (4096 + 200, 300)  # positions 1,200-1,500 (offsets 200-500): the newest first
+    rest = sorted((o - 4096, o - 4096 + n) for o, n in spans[2:])
+    assert rest == [(0, 200), (500, 1000)]  # then what was written before (positions 500-1,200), no more

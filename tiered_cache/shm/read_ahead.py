@@ -6,8 +6,8 @@ new reader's first load from the arena ran several times slower than its next on
 prefix the server wrote since was slow again the first time it was read. MADV_POPULATE_READ
 (Linux 5.14+) maps what the server has written without reading a byte into this process, and
 never commits memory the server has not (only the written range is asked for). Where the kernel
-lacks it, pages fault in on first read, as without this thread. At start only the last
-`BACKLOG_BYTES` written are mapped: a reader of a large arena reads the newest pages first.
+lacks it, pages fault in on first read, as without this thread. The last `BACKLOG_BYTES` written
+are mapped first, new writes as they come, the older rest after.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ BACKLOG_BYTES = 1 << 30  # at start, this much of what the server wrote last is 
 class ReadAhead(threading.Thread):
     """Follows the arena's write head (a u64 at `head_at` in the map, an absolute position in a
     ring of `capacity` data bytes starting at `data_at`) and faults the written data in: at start
-    the last `backlog` bytes written (the pages most likely read next: a large arena is not all
-    mapped by every reader), then what the server writes. The index (`extra`: (offset, length))
-    once at start. Ends when `owner` closes (`closed(owner)`) or is collected; `stop()` waits for
-    the chunk under way, so no madvise outlives the map."""
+    the last `backlog` bytes written (the pages most likely read next), then what the server
+    writes, and between looks at the head the rest of what was written before, newest first. The
+    index (`extra`: (offset, length)) once at start. Ends when `owner` closes (`closed(owner)`) or
+    is collected; `stop()` waits for the chunk under way, so no madvise outlives the map."""
 
     def __init__(self, owner: Any, address: int, head_at: int, data_at: int, capacity: int,
                  extra: tuple[int, int], closed: Callable[[Any], bool], backlog: int = BACKLOG_BYTES) -> None:
@@ -53,15 +53,22 @@ class ReadAhead(threading.Thread):
         if head is None:
             return
         self.mapped_to = max(0, head - self._backlog)
+        older, oldest = self.mapped_to, max(0, head - self._capacity)  # [oldest, older): written before
         while not self._stopping.is_set():
             head = self._head()
             if head is None:
                 return
-            while self.mapped_to < head and not self._stopping.is_set():
+            while self.mapped_to < head and not self._stopping.is_set():  # what is written now comes first
                 stop = min(head, self.mapped_to + _CHUNK_BYTES)
                 if not self._advise_ring(self.mapped_to, stop):
                     return
                 self.mapped_to = stop
+            if older > oldest:  # then the rest of the ring, newest first, a chunk between looks at the head
+                start = max(oldest, older - _CHUNK_BYTES)
+                if not self._advise_ring(start, older):
+                    return
+                older = start
+                continue
             self._stopping.wait(_POLL_S)
 
     def _advise_ring(self, start: int, stop: int) -> bool:
