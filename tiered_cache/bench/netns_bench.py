@@ -15,7 +15,6 @@ import os
 import re
 import secrets
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -123,69 +122,10 @@ def bench_netns(spec_dict: dict[str, Any], mib: float, rounds: int, pool_prefixe
         tcp_at = stack.enter_context(_in_namespace(server_ns, ["tiered_cache.bench.raw_tcp", host]))
         job = {"spec": spec_dict, "mib": mib, "rounds": rounds, "pool_prefixes": pool_prefixes, "store": store,
                "grpc_store": grpc_store, "grpc": grpc_at, "tcp": tcp_at}
-        done = subprocess.run(["ip", "netns", "exec", client_ns, sys.executable, "-m", "tiered_cache.bench.netns_bench",
-                               json.dumps(job)], capture_output=True, text=True, timeout=1800, env=env)
+        reader = ["ip", "netns", "exec", client_ns, sys.executable, "-m", "tiered_cache.bench.netns_reader"]
+        done = subprocess.run([*reader, json.dumps(job)], capture_output=True, text=True, timeout=1800, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"the reader in {client_ns} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
         out = json.loads(done.stdout.strip().splitlines()[-1])
     return NetnsFigures(out["load_s"], out["grpc_load_s"], out["raw_tcp_s"], out["bare_grpc_s"], prefixes.nbytes,
                         out["wire_bytes"], rounds)
-
-
-def _reader(job: dict[str, Any]) -> dict[str, Any]:
-    """In the client namespace: fill the store, then the serving rounds beside the raw TCP stream,
-    then the bare gRPC stream of the same bytes."""
-    import socket
-
-    import torch
-
-    from tiered_cache.bench.promote_prefixes import Prefixes
-    from tiered_cache.bench.promote_serving import serving_rounds
-    from tiered_cache.bench.promote_sites import Site, _fill
-    from tiered_cache.bench.raw_tcp import receive
-    from tiered_cache.bench.remote_clients import raw_channel, raw_stream_request
-    from tiered_cache.device.malloc import tune_malloc
-    from tiered_cache.model.spec import KVSpec
-    from tiered_cache.tiers.remote import RemoteTier
-    from tiered_cache.wire.codec import raw_blob_size
-
-    tune_malloc()
-    prefixes = Prefixes(KVSpec.from_dict(job["spec"]), job["mib"])
-    token = os.environ["TIERED_CACHE_SERVE_TOKEN"]
-    for store in (job["store"], job["grpc_store"]):
-        writer = RemoteTier([store], token=token, timeout_s=60, fingerprint=bytes.fromhex(prefixes.spec.fingerprint))
-        try:
-            _fill(writer.put, prefixes, job["pool_prefixes"] + job["rounds"], f"the store server at {store}")
-        finally:
-            writer.close()
-    blob = raw_blob_size(prefixes.spec)
-    wire = prefixes.num_pages * blob
-    host, port = job["tcp"].rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=60)
-    into = memoryview(torch.ones(wire, dtype=torch.uint8).numpy())  # touched, as the pool is
-
-    receive(sock, into)  # the connection warmed, as the cache's are
-    timed = {}
-    for store in (job["store"], job["grpc_store"]):
-        settings = {"lower_tiers": "remote", "remote_addresses": store, "remote_token": token, "remote_timeout_s": 60}
-        site = Site("remote", "store server in another namespace -> pool (match + load)",
-                    "raw TCP stream, same bytes", settings, lambda _prefix: lambda: receive(sock, into))
-        timed[store] = serving_rounds(site, prefixes, job["rounds"], job["pool_prefixes"])
-    sock.close()
-    channel = raw_channel(job["grpc"])
-    stream = channel.unary_stream("/raw.Raw/Stream")
-    request = raw_stream_request(prefixes.num_pages, blob)
-    grpc_s = []
-    for _ in range(job["rounds"] + 1):
-        started = time.perf_counter()
-        kept = list(stream(request, timeout=120))
-        grpc_s.append(time.perf_counter() - started)
-        del kept
-    channel.close()
-    bulk = timed[job["store"]]
-    return {"load_s": bulk.seconds, "grpc_load_s": timed[job["grpc_store"]].seconds, "raw_tcp_s": bulk.baseline_seconds,
-            "bare_grpc_s": statistics.median(grpc_s[1:]), "wire_bytes": wire}
-
-
-if __name__ == "__main__":
-    print(json.dumps(_reader(json.loads(sys.argv[1]))))

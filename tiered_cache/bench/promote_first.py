@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tiered_cache.bench.promote_prefixes import Prefixes
-from tiered_cache.bench.promote_serving import Way, check_pool, clock, load, reader
+from tiered_cache.bench.promote_serving import check_pool, clock, load, reader
+from tiered_cache.bench.promote_sites import Way
 
 
 @dataclass(frozen=True)

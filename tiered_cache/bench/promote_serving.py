@@ -14,7 +14,6 @@ are timed, and the ones after that go to a reader process started for the bench
 
 from __future__ import annotations
 
-import enum
 import statistics
 import time
 from collections.abc import Callable
@@ -22,9 +21,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tiered_cache.bench.promote_prefixes import NAMESPACE, Prefix, Prefixes
+from tiered_cache.bench.promote_sites import Site, Way
 
 if TYPE_CHECKING:
-    from tiered_cache.bench.promote_sites import Site
     from tiered_cache.cache import TieredCache
 
 _SETTLE_S = 30.0  # at most this long for a round's demotions to finish before the next round
@@ -107,14 +106,6 @@ def timed_loads(cache: TieredCache, site: Site, timed: list[Prefix]) -> Timed:
         base.append(seconds_base)
         cache.demoter.flush(_SETTLE_S)
     return Timed(statistics.median(ours), statistics.median(base), work, got, len(timed))
-
-
-class Way(enum.Enum):
-    """How a reader takes a prefix: the paged API into its pool, or the tensor API into a tensor."""
-
-    LOAD = "match + load"
-    PREFETCH = "match + prefetch + load"
-    GET = "get()"
 
 
 def load(cache: TieredCache, prefix: Prefix, way: Way = Way.LOAD) -> Any:

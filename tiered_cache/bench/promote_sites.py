@@ -12,6 +12,7 @@ asks (`MGET_INTO_BYTES`), values kept.
 
 from __future__ import annotations
 
+import enum
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -21,9 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from tiered_cache.bench.promote_prefixes import NAMESPACE, Prefix, Prefixes
-from tiered_cache.bench.promote_serving import Way
 
 PATHS = ("host", "tensor", "disk", "redis", "remote")
+
+
+class Way(enum.Enum):
+    """How a reader takes a prefix: the paged API into its pool, or the tensor API into a tensor."""
+
+    LOAD = "match + load"
+    PREFETCH = "match + prefetch + load"
+    GET = "get()"
 _MEMCPY = "memcpy (torch copy_), same bytes"
 
 
@@ -71,7 +79,7 @@ def site(path: str, prefixes: Prefixes, count: int, folder: str | None = None,
         raise ValueError(f"unknown path {path!r}; expected one of {', '.join(PATHS)}")
 
 
-def _fill(put: Callable[[list[tuple[bytes, bytes]]], int], prefixes: Prefixes, count: int, where: str) -> int:
+def put_prefixes(put: Callable[[list[tuple[bytes, bytes]]], int], prefixes: Prefixes, count: int, where: str) -> int:
     """Put the blobs of prefixes `[0, count)` with `put`, one prefix at a time; their total bytes."""
     total = 0
     for i in range(count):
@@ -97,7 +105,7 @@ def _disk_site(prefixes: Prefixes, count: int, folder: str | None) -> Iterator[S
         root = Path(tmp, "tier")
         writer = DiskTier(root, capacity, fsync=False)
         try:
-            _fill(writer.put, prefixes, count, "the disk tier")
+            put_prefixes(writer.put, prefixes, count, "the disk tier")
             file_of = writer.file_of
         finally:
             writer.close()  # the folder has one owner: the reader opens it next
@@ -137,7 +145,7 @@ def _redis_site(prefixes: Prefixes, count: int, url: str | None) -> Iterator[Sit
                                    socket_read_size=SOCKET_READ_SIZE)  # the tier's own settings
         names: list[str] = []
         try:
-            _fill(writer.put, prefixes, count, f"Redis at {where}")
+            put_prefixes(writer.put, prefixes, count, f"Redis at {where}")
             names = [writer.name_of(k) for i in range(count) for k in prefixes[i].keys]
             step = max(1, MGET_INTO_BYTES // raw_blob_size(prefixes.spec))
 
@@ -172,7 +180,7 @@ def _remote_site(prefixes: Prefixes, count: int, shm: bool = True) -> Iterator[S
     with StoreProcess(args) as store:
         writer = RemoteTier([store.address], timeout_s=30, fingerprint=bytes.fromhex(prefixes.spec.fingerprint))
         try:
-            _fill(writer.put, prefixes, count, f"the store server at {store.address}")
+            put_prefixes(writer.put, prefixes, count, f"the store server at {store.address}")
         finally:
             writer.close()
         settings = {"lower_tiers": "remote", "remote_addresses": store.address, "remote_timeout_s": 30}

@@ -1,12 +1,11 @@
 """`ReadAhead`: keeps a client's read-only map of a store server's arena faulted in as far as the
 server has written, on a daemon thread.
 
-A fresh map has no page-table entries: the first read of every 4 KiB page of it is a fault, so a
-new reader's first load from the arena ran several times slower than its next ones, and every
-prefix the server wrote since was slow again the first time it was read. MADV_POPULATE_READ
-(Linux 5.14+) maps what the server has written without reading a byte into this process, and
-never commits memory the server has not (only the written range is asked for). Where the kernel
-lacks it, pages fault in on first read, as without this thread. The last `BACKLOG_BYTES` written
+A fresh map has no page-table entries: the first read of each 4 KiB page is a fault, so a new
+reader's first load from the arena ran several times slower than its next ones, and every prefix
+written since was slow again when first read. MADV_POPULATE_READ (Linux 5.14+) maps what the
+server has written, reading no byte and committing nothing it has not (only written ranges are
+asked for); without it pages fault in on first read, as before. The last `BACKLOG_BYTES` written
 are mapped first, new writes as they come, the older rest after.
 """
 

@@ -1,14 +1,12 @@
 """The bulk Get: page blobs as bytes over a plain TCP connection, beside the gRPC service.
 
 gRPC frames every page in HTTP/2 and protobuf and hands it over through its own buffers: from
-another host it moved pages at about half the speed of a raw TCP stream on the same link
-(docs/PERFORMANCE.md). The bulk Get carries the same pages with nothing but a length in front
-of each, so a client reads each one straight into a buffer it reuses, and the server writes each
-straight from the blob it holds. It is only a faster way to do Get: the same keys, the same
-token and namespace rules (a connection authenticates once), the same fingerprint filter; every
-page is still a self-checking blob that the client verifies before use. It is plain TCP, so a
-server with TLS offers none (clients then use gRPC's Get). Clients learn the port from Attach
-(`AttachResponse.bulk_port`).
+another host it moved pages at about half a raw TCP stream's speed (docs/PERFORMANCE.md). The bulk
+Get carries the same pages with only a length in front of each: a client reads each straight into
+a buffer it reuses, the server writes each from the blob it holds. Only a faster Get: the same
+keys, token and namespace rules (a connection authenticates once) and fingerprint filter; every
+page is still a self-checking blob the client verifies. Plain TCP: a server with TLS offers none.
+Clients learn the port from Attach (`AttachResponse.bulk_port`).
 
 The conversation, all integers little-endian:
 - client: `MAGIC`, u16 n + the `authorization` value it would send to gRPC (`Bearer TOKEN`, or

@@ -1,0 +1,75 @@
+"""The reader side of `bench remote --netns` (netns_bench.py), run in the client's network
+namespace: it fills both store servers with the run's prefixes (through the veth, as another
+instance would), then times the serving rounds of `bench promote` against each, beside a raw TCP
+stream of the same bytes, and a bare gRPC stream of them; prints the figures as JSON.
+
+    python -m tiered_cache.bench.netns_reader JOB   # JOB: the JSON netns_bench.py writes
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+
+def read(job: dict[str, Any]) -> dict[str, Any]:
+    """In the client namespace: fill the store, then the serving rounds beside the raw TCP stream,
+    then the bare gRPC stream of the same bytes."""
+    import socket
+
+    import torch
+
+    from tiered_cache.bench.promote_prefixes import Prefixes
+    from tiered_cache.bench.promote_serving import serving_rounds
+    from tiered_cache.bench.promote_sites import Site, put_prefixes
+    from tiered_cache.bench.raw_tcp import receive
+    from tiered_cache.bench.remote_clients import raw_channel, raw_stream_request
+    from tiered_cache.device.malloc import tune_malloc
+    from tiered_cache.model.spec import KVSpec
+    from tiered_cache.tiers.remote import RemoteTier
+    from tiered_cache.wire.codec import raw_blob_size
+
+    tune_malloc()
+    prefixes = Prefixes(KVSpec.from_dict(job["spec"]), job["mib"])
+    token = os.environ["TIERED_CACHE_SERVE_TOKEN"]
+    for store in (job["store"], job["grpc_store"]):
+        writer = RemoteTier([store], token=token, timeout_s=60, fingerprint=bytes.fromhex(prefixes.spec.fingerprint))
+        try:
+            put_prefixes(writer.put, prefixes, job["pool_prefixes"] + job["rounds"], f"the store server at {store}")
+        finally:
+            writer.close()
+    blob = raw_blob_size(prefixes.spec)
+    wire = prefixes.num_pages * blob
+    host, port = job["tcp"].rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    into = memoryview(torch.ones(wire, dtype=torch.uint8).numpy())  # touched, as the pool is
+
+    receive(sock, into)  # the connection warmed, as the cache's are
+    timed = {}
+    for store in (job["store"], job["grpc_store"]):
+        settings = {"lower_tiers": "remote", "remote_addresses": store, "remote_token": token, "remote_timeout_s": 60}
+        site = Site("remote", "store server in another namespace -> pool (match + load)",
+                    "raw TCP stream, same bytes", settings, lambda _prefix: lambda: receive(sock, into))
+        timed[store] = serving_rounds(site, prefixes, job["rounds"], job["pool_prefixes"])
+    sock.close()
+    channel = raw_channel(job["grpc"])
+    stream = channel.unary_stream("/raw.Raw/Stream")
+    request = raw_stream_request(prefixes.num_pages, blob)
+    grpc_s = []
+    for _ in range(job["rounds"] + 1):
+        started = time.perf_counter()
+        kept = list(stream(request, timeout=120))
+        grpc_s.append(time.perf_counter() - started)
+        del kept
+    channel.close()
+    bulk = timed[job["store"]]
+    return {"load_s": bulk.seconds, "grpc_load_s": timed[job["grpc_store"]].seconds, "raw_tcp_s": bulk.baseline_seconds,
+            "bare_grpc_s": statistics.median(grpc_s[1:]), "wire_bytes": wire}
+
+
+if __name__ == "__main__":
+    print(json.dumps(read(json.loads(sys.argv[1]))))
