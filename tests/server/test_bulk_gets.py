@@ -41,6 +41,17 @@ def received(client: BulkClient, keys: list[bytes], fingerprint: bytes = FINGERP
     return got
 
 
+def stored(store: StoreProcess, items: list[tuple[bytes, bytes]], token: str | None = None) -> int:
+    """Put `items` into `store` over gRPC, as another instance would; how many it stored."""
+    with StoreClient(store.address, token=token, shm=False) as client:
+        return client.put(items, FINGERPRINT).stored
+
+
+def page_dests(n: int) -> list[np.ndarray]:
+    """`n` page destinations of SPEC (layers, 2, bytes), zeroed."""
+    return [np.zeros((SPEC.num_layers, 2, SPEC.bytes_per_page // SPEC.num_layers // 2), np.uint8) for _ in range(n)]
+
+
 def bulk_of(address: str, token: str | None = None, namespace: str | None = None) -> BulkClient:
     client = StoreClient(address, token=token, namespace=namespace, shm=False)
     endpoint = client.bulk()
@@ -84,8 +95,7 @@ def test_tenants_stay_apart_and_a_wrong_token_is_refused_by_name(tmp_path):
     items = make_items(3, seed=6)
     keys = [k for k, _ in items]
     with StoreProcess(["--no-disk", "--token-file", str(tmp_path / "tokens")]) as store:
-        with StoreClient(store.address, token="token-a", shm=False) as a:
-            assert a.put(items, FINGERPRINT).stored == 3
+        assert stored(store, items, token="token-a") == 3
         assert received(bulk_of(store.address, "token-a"), keys) == dict(items)
         assert received(bulk_of(store.address, "token-b"), keys) == {}  # B knows A's keys: still nothing
         port = bulk_of(store.address, "token-a").address[1]
@@ -97,7 +107,7 @@ def test_tenants_stay_apart_and_a_wrong_token_is_refused_by_name(tmp_path):
         # A remote tier whose token is refused loads nothing and raises nothing.
         tier = RemoteTier([store.address], token="nope", fingerprint=FINGERPRINT, shm=False)
         try:
-            dests = [np.zeros((SPEC.num_layers, 2, SPEC.bytes_per_page // SPEC.num_layers // 2), np.uint8)] * 3
+            dests = page_dests(3)
             assert tier.get_into(keys, dests, SPEC) == [0, 0, 0]
         finally:
             tier.close()
@@ -106,8 +116,7 @@ def test_tenants_stay_apart_and_a_wrong_token_is_refused_by_name(tmp_path):
 def test_a_malformed_request_gets_a_message_and_the_server_serves_the_next_client():
     items = make_items(2, seed=7)
     with StoreProcess(["--no-disk"]) as store:
-        with StoreClient(store.address, shm=False) as client:
-            client.put(items, FINGERPRINT)
+        stored(store, items)
         port = bulk_of(store.address).address[1]
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
@@ -123,8 +132,7 @@ def test_a_stalled_or_killed_server_ends_the_call_within_its_deadline():
     items = make_items(64, seed=8)  # 128 KiB: minutes through the proxy below
     keys = [k for k, _ in items]
     with StoreProcess(["--no-disk"]) as store:
-        with StoreClient(store.address, shm=False) as client:
-            client.put(items, FINGERPRINT)
+        stored(store, items)
         port = bulk_of(store.address).address[1]
         with ThrottledProxy(f"127.0.0.1:{port}", bytes_per_s=20_000) as proxy:  # a link that all but stops
             host, slow_port = proxy.address.rsplit(":", 1)
@@ -170,8 +178,7 @@ def test_an_unreachable_bulk_port_falls_back_to_grpc_without_counting_against_th
     items = make_items(6, seed=9)
     keys = [k for k, _ in items]
     with StoreProcess(["--no-disk", "--shm", "off"]) as store:
-        with StoreClient(store.address, shm=False) as client:
-            client.put(items, FINGERPRINT)
+        stored(store, items)
         closed = socket.socket()
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
@@ -181,8 +188,7 @@ def test_an_unreachable_bulk_port_falls_back_to_grpc_without_counting_against_th
             server = tier.servers[0]
             server.client._bulk._ask_port = lambda: port  # as a firewall that passes gRPC's port only would leave it
             tier.warm()
-            dests = [np.zeros((SPEC.num_layers, 2, SPEC.bytes_per_page // SPEC.num_layers // 2), np.uint8)
-                     for _ in keys]
+            dests = page_dests(len(keys))
             assert tier.get_into(keys, dests, SPEC) == [raw_blob_size(SPEC)] * 6  # over gRPC
             assert tier.bulk_gets == 0 and tier.stats().errors == 0 and server.closed
             assert server.client.bulk().client() is None  # dropped for a while, not probed on every call
@@ -194,8 +200,7 @@ def test_a_kept_connection_the_server_closed_while_idle_is_replaced_once():
     items = make_items(3, seed=10)
     keys = [k for k, _ in items]
     with StoreProcess(["--no-disk", "--stream-idle", "1"]) as store:
-        with StoreClient(store.address, shm=False) as client:
-            client.put(items, FINGERPRINT)
+        stored(store, items)
         bulk_client = bulk_of(store.address)
         assert received(bulk_client, keys) == dict(items)
         time.sleep(2.0)  # past the server's stream_idle_s: it closes the kept connection
@@ -207,12 +212,10 @@ def test_a_cache_that_never_warmed_up_uses_grpc_until_a_probe_has_connected_off_
     items = make_items(4, seed=11)
     keys = [k for k, _ in items]
     with StoreProcess(["--no-disk", "--shm", "off"]) as store:
-        with StoreClient(store.address, shm=False) as client:
-            client.put(items, FINGERPRINT)
+        stored(store, items)
         tier = RemoteTier([store.address], fingerprint=FINGERPRINT, shm=False)
         try:
-            dests = [np.zeros((SPEC.num_layers, 2, SPEC.bytes_per_page // SPEC.num_layers // 2), np.uint8)
-                     for _ in keys]
+            dests = page_dests(len(keys))
             assert tier.get_into(keys, dests, SPEC) == [raw_blob_size(SPEC)] * 4 and tier.bulk_gets == 0
             endpoint = tier.servers[0].client.bulk()
             deadline = time.monotonic() + 10

@@ -4,10 +4,8 @@ in that range of this process), not by the thread's counters."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from test_prefault import _populate_offered
+from test_prefault import _populate_offered, wait_for
 
 from tiered_cache.shm.arena import Arena
 from tiered_cache.shm.arena_map import ArenaMap
@@ -27,15 +25,6 @@ def mapped_bytes(address: int) -> int:
             elif inside and first == "Rss:":
                 return int(line.split()[1]) * 1024
     raise AssertionError(f"no mapping at {address:#x}")
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def test_a_new_map_is_faulted_in_up_to_the_head_and_follows_later_writes():

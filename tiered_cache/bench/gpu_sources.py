@@ -118,9 +118,7 @@ class LowerSource:
     def __init__(self, row: str, spec: KVSpec, settings: CacheConfig) -> None:
         self.row = row
         self.cache = TieredCache(spec, settings)
-        for tier in self.cache.chain.tiers:
-            if hasattr(tier, "warm"):
-                tier.warm()  # open its channels now: a running engine has them open
+        self.cache.warming.join()  # its channels open now: a running engine has them open
 
     def reset(self) -> None:
         """Drop the prefix from the reader's device pool and host RAM, and what it knows the tier

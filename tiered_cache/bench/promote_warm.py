@@ -27,9 +27,7 @@ def warm_rounds(site: Site, prefixes: Prefixes, rounds: int) -> tuple[Timed, Tim
     baseline = site.baseline(prefix)
     host, tensor = site.path == "host", site.path == "tensor"
     try:
-        for memory in (cache.pool.pretouch, cache.host.pretouch):
-            if memory is not None:
-                memory.join()
+        cache.warming.join()
         if host or tensor:
             cache.put(prefix.tokens, prefix.kv())
         if tensor:  # in host RAM for good: get() reads it from there every round

@@ -123,9 +123,10 @@ class Demoter:
         keys = [k for node in evicted for k in node.keys]
         pages = np.concatenate([node.values for node in evicted])
         try:
-            below = self.writer.chain.known_anywhere(keys) if self.writer.chain.tiers else [False] * len(keys)
-            missing = [i for i, k in enumerate(keys) if k not in self.host.index and not below[i]]
-            self.moves.uncopied_evictions += sum(1 for i, k in enumerate(keys) if below[i] and k not in self.host.index)
+            below = self.writer.chain.known_anywhere(keys)
+            unhosted = [i for i, k in enumerate(keys) if k not in self.host.index]
+            missing = [i for i in unhosted if not below[i]]
+            self.moves.uncopied_evictions += len(unhosted) - len(missing)
             if missing:
                 chosen = [keys[i] for i in missing]
                 new, rows, overflow = self.host.reserve(chosen)

@@ -30,6 +30,7 @@ def warm_up_async(chain: TierChain, tier_loads: TierLoads, pretouches: Sequence[
     for pretouch in pretouches:
         if pretouch is not None and foreground is not None and pretouch.preserves_bytes:
             pretouch.yield_to = lambda: foreground.wait_idle(_YIELD_S)
+
     def run() -> None:
         try:
             tier_loads.warm()

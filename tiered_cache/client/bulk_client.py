@@ -53,7 +53,6 @@ class BulkClient:
         sock = self._connect()
         with self._lock:
             self._idle.append(sock)
-            self._rings.append(_ring())
 
     def get_into(self, keys: list[bytes], fingerprint: bytes, place: Callable[[bytes, memoryview], Future[Any]],
                  budget_s: float | None = None) -> None:

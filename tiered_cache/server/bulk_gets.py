@@ -5,8 +5,7 @@ with a message and uses gRPC's Get). A connection authenticates once, with the t
 namespace rules of gRPC calls (`Grants`); each request is read whole, checked (key count, key
 sizes, fingerprint), and answered page by page from the store, a batch read ahead of the one
 being sent. A client that reads nothing for `stream_idle_s` is dropped. Bad input ends the
-connection with a message, never the server. Figures: `figures()`, shown by `Stats` and the
-metrics beside gRPC's.
+connection with a message, never the server.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
 
 from tiered_cache.index.keys import KEY_BYTES
 from tiered_cache.server.config import ServerConfig
@@ -30,16 +28,6 @@ from tiered_cache.wire.namespaces import check_namespace, scoped_keys
 log = logging.getLogger("tiered_cache.server.bulk_gets")
 
 
-@dataclass
-class BulkFigures:
-    connections: int = 0  # connections accepted and authenticated
-    refused: int = 0  # connections refused: bad hello, wrong token or namespace, too many at once
-    requests: int = 0
-    pages: int = 0  # pages sent
-    bytes_out: int = 0
-    failed: int = 0  # requests ended with a message (malformed), or connections dropped mid-request
-
-
 class BulkGets:
     """The listener and its connections (see the module doc)."""
 
@@ -49,7 +37,6 @@ class BulkGets:
         self._io = io  # the store's reads run here, a batch ahead of the socket
         self._permits = threading.BoundedSemaphore(config.max_streams)
         self._lock = threading.Lock()
-        self._figures = BulkFigures()
         self._conns: set[socket.socket] = set()
         self._listener: socket.socket | None = None
         self.port = 0
@@ -77,15 +64,6 @@ class BulkGets:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
 
-    def figures(self) -> BulkFigures:
-        with self._lock:
-            return BulkFigures(**vars(self._figures))
-
-    def _count(self, **changes: int) -> None:
-        with self._lock:
-            for name, n in changes.items():
-                setattr(self._figures, name, getattr(self._figures, name) + n)
-
     def _accept(self) -> None:
         while (listener := self._listener) is not None:
             try:
@@ -98,7 +76,6 @@ class BulkGets:
             threading.Thread(target=self._serve, args=(conn,), name="tiered-cache-bulk", daemon=True).start()
 
     def _refuse(self, conn: socket.socket, why: str) -> None:
-        self._count(refused=1)
         try:
             conn.settimeout(1.0)
             conn.sendall(bulk.answer(bulk.REFUSED, why))
@@ -115,7 +92,6 @@ class BulkGets:
             namespace = self._hello(conn)
             if namespace is None:
                 return
-            self._count(connections=1)
             while self._answer(conn, namespace):
                 pass
         except (OSError, bulk.BulkError) as exc:  # the client went away or stalled: its loss only
@@ -164,12 +140,10 @@ class BulkGets:
         fingerprint = b"" if fingerprint == bulk.NO_FINGERPRINT else fingerprint
         raw = bulk.read_exact(conn, count * KEY_BYTES)
         keys = [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
-        self._count(requests=1)
         self._send_pages(conn, list(zip(keys, scoped_keys(namespace, keys), strict=True)), fingerprint)
         return True
 
     def _fail(self, conn: socket.socket, message: str) -> bool:
-        self._count(failed=1)
         conn.sendall(bulk.failure(message))
         return False
 
@@ -187,7 +161,6 @@ class BulkGets:
             return self._io.submit(self._read, chunk, fingerprint, sizer.see)
 
         pending = next_batch()
-        pages = sent = 0
         try:
             while pending is not None:
                 blobs = pending.result()
@@ -195,16 +168,11 @@ class BulkGets:
                 for blob in blobs:
                     if blob is None:
                         conn.sendall(bulk.length(0))
-                        continue
-                    _send_parts(conn, [bulk.length(len(blob)), memoryview(blob)])
-                    pages, sent = pages + 1, sent + len(blob)
-        except BaseException:
-            self._count(failed=1)
-            raise
+                    else:
+                        _send_parts(conn, [bulk.length(len(blob)), memoryview(blob)])
         finally:
             if pending is not None:
                 pending.cancel()
-            self._count(pages=pages, bytes_out=sent)
 
     def _read(self, chunk: list[tuple[bytes, bytes]], fingerprint: bytes,
               see: Callable[[int], None]) -> list[bytes | None]:

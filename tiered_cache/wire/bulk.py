@@ -38,26 +38,21 @@ class BulkError(ConnectionError):
     """The bulk connection failed or was refused; the message says which and why."""
 
 
-def read_exact(sock: socket.socket, n: int) -> bytes:
-    """`n` bytes from `sock`, or BulkError when it closes first (timeouts raise `socket.timeout`)."""
-    out = bytearray(n)
-    view, got = memoryview(out), 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise BulkError(f"the connection closed after {got} of {n} bytes")
-        got += k
-    return bytes(out)
-
-
 def read_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from `sock` (BulkError when it closes first)."""
+    """Fill `view` from `sock`: BulkError when it closes first (timeouts raise `TimeoutError`)."""
     got, n = 0, len(view)
     while got < n:
         k = sock.recv_into(view[got:])
         if not k:
-            raise BulkError(f"the connection closed after {got:,} of {n:,} bytes of a page")
+            raise BulkError(f"the connection closed after {got:,} of {n:,} bytes")
         got += k
+
+
+def read_exact(sock: socket.socket, n: int) -> bytes:
+    """`n` bytes from `sock` (as `read_into`)."""
+    out = bytearray(n)
+    read_into(sock, memoryview(out))
+    return bytes(out)
 
 
 def text(value: str) -> bytes:
