@@ -22,17 +22,32 @@ TIER = {"device": "device", "host": "host", "disk": "disk", "store": "remote", "
         "redis": "redis"}
 
 
-@pytest.fixture(scope="module")
-def bench() -> dict:
+def run_bench(state: str) -> dict:
     result = run_cli("bench", "gpu", "--model", "tiny", "--device", "cpu", "--tokens", ",".join(map(str, TOKENS)),
-                     "--rounds", "2", "--json")
+                     "--rounds", "2", "--state", state, "--json")
     assert "recompute 2/2" in result.stderr and "store 2/2" in result.stderr  # progress goes to stderr
     return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def warm() -> dict:
+    return run_bench("warm")
+
+
+@pytest.fixture(scope="module")
+def serving() -> dict:
+    return run_bench("serving")
+
+
+@pytest.fixture(params=["warm", "serving"])
+def bench(request: pytest.FixtureRequest) -> dict:
+    return request.getfixturevalue(request.param)
 
 
 def test_every_reuse_row_reuses_the_whole_prefix_from_its_tier(bench):
     setup, rows = bench["setup"], bench["rows"]
     assert (setup["layers"], setup["total_layers"], setup["dtype"]) == (2, 2, "fp32")
+    assert setup["pool_prefixes"] == (8 if setup["state"] == "serving" else 1)
     # What checks the pages (the store rows' rate may hang on it), as this process runs it.
     from tiered_cache.wire import checksum
 
@@ -100,6 +115,9 @@ def test_a_model_is_cut_to_the_layers_that_fit():
     eight, seventy = model_config("llama-3.1-8b"), model_config("llama-3-70b")
     # An 80 GB card holds all of the 8B with 32k tokens of KV; the 70B's 140 GB of weights do not fit.
     assert layers_that_fit(eight, 79 * GiB, 32776) == 32
+    # The serving state's pool of 8 such prefixes leaves room for fewer layers on that card, all on a 141 GB one.
+    assert layers_that_fit(eight, 79 * GiB, 32776, pool_prefixes=8) < 32 == layers_that_fit(eight, 139 * GiB, 32776,
+                                                                                             pool_prefixes=8)
     on_h100, on_h200 = layers_that_fit(seventy, 79 * GiB, 8200), layers_that_fit(seventy, 139 * GiB, 8200)
     assert 20 < on_h100 < on_h200 < 80
     assert layers_that_fit(seventy, 139 * GiB, 32776) < on_h200  # a longer prompt leaves room for fewer
@@ -110,9 +128,27 @@ def test_a_model_is_cut_to_the_layers_that_fit():
 def test_bad_tokens_are_refused_before_anything_is_built():
     result = run_cli("bench", "gpu", "--model", "tiny", "--device", "cpu", "--tokens", "100", check=False)
     assert result.returncode != 0 and "multiples of the page size (16)" in result.stderr
+    result = run_cli("bench", "gpu", "--model", "tiny", "--device", "cpu", "--pool-prefixes", "0", check=False)
+    assert result.returncode != 0 and "--pool-prefixes must be at least 1, got 0" in result.stderr
 
 
-def test_the_host_row_times_the_demotion_that_put_the_prefix_there_beside_a_copy_back(bench):
+def test_serving_loads_a_new_prefix_per_round_into_a_full_pool(serving, warm):
+    """Each round moved the whole prefix into the pool (a prefix read before would be a device
+    hit: see test_each_load_is_timed_beside_a_copy_of_the_same_bytes) and matched its own
+    prompt's recomputed logits; the pool was at its watermarks as every load began, where the
+    warm state's cache had room."""
+    for row in serving["rows"]:
+        if row["row"] in ("recompute", "device"):
+            continue
+        assert len(row["pool_full"]) == 2 and min(row["pool_full"]) >= 0.6, row
+    assert all(max(r["pool_full"]) < 0.5 for r in warm["rows"] if r["row"] not in ("recompute", "device"))
+    assert "in the serving state: each round a prefix the reading cache never read" in run_cli(
+        "bench", "gpu", "--model", "tiny", "--device", "cpu", "--tokens", "32", "--rounds", "1", "--rows", "host",
+        "--pool-prefixes", "2").stdout
+
+
+def test_the_host_row_times_the_demotion_that_put_the_prefix_there_beside_a_copy_back(warm):
+    bench = warm
     page = bench["setup"]["bytes_per_page"]
     for row in bench["rows"]:
         if row["row"] != "host":

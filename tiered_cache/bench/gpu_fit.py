@@ -23,11 +23,12 @@ class DoesNotFit(ValueError):
     """Not one layer of the model fits beside the KV of the longest prompt."""
 
 
-def layers_that_fit(config: dict[str, Any], free_bytes: int, longest_tokens: int, dtype: str = "bf16") -> int:
+def layers_that_fit(config: dict[str, Any], free_bytes: int, longest_tokens: int, dtype: str = "bf16",
+                    pool_prefixes: int = 1) -> int:
     """How many of `config`'s layers fit in `free_bytes` of device memory, with the KV of a
-    `longest_tokens` prompt (KV_COPIES times), its full-prompt logits and prefill activations
-    beside the weights, all in `dtype`. At most the config's own layer count. Raises DoesNotFit
-    if not one fits."""
+    `longest_tokens` prompt (KV_COPIES times, the pool's copy `pool_prefixes` times), its
+    full-prompt logits and prefill activations beside the weights, all in `dtype`. At most the
+    config's own layer count. Raises DoesNotFit if not one fits."""
     hf = read_hf_config(config)
     spec = spec_from_hf_config(config, model_id="sizing", dtype=dtype)
     dtype_bytes = spec.dtype.itemsize
@@ -40,7 +41,8 @@ def layers_that_fit(config: dict[str, Any], free_bytes: int, longest_tokens: int
     activations = longest_tokens * (4 * hf.intermediate_size + 8 * hf.hidden_size) * dtype_bytes
     room = free_bytes - RESERVE_BYTES - int(RESERVE_SHARE * free_bytes) - other_params * dtype_bytes \
         - logits - activations
-    layers = min(hf.num_layers, room // (per_layer_params * dtype_bytes + KV_COPIES * kv_per_layer))
+    copies = KV_COPIES - 1 + pool_prefixes
+    layers = min(hf.num_layers, room // (per_layer_params * dtype_bytes + copies * kv_per_layer))
     if layers < 1:
         raise DoesNotFit(f"not one layer of this model fits in {free_bytes / GiB:.1f} GiB of free device memory "
                          f"with a {longest_tokens:,}-token prompt: ask for fewer --tokens")

@@ -64,15 +64,17 @@ def build_random_model(config: dict[str, Any], device: str, dtype: torch.dtype, 
     return model.eval()
 
 
-def load_random_model(name: str, device: str, dtype: torch.dtype, longest_tokens: int, seed: int = 0) -> RandomModel:
+def load_random_model(name: str, device: str, dtype: torch.dtype, longest_tokens: int, pool_prefixes: int = 1,
+                      seed: int = 0) -> RandomModel:
     """`name`'s shape with random weights; on CUDA cut to the layers that fit beside the KV of a
-    `longest_tokens` prompt (free memory is read now, before anything is built)."""
+    `longest_tokens` prompt in a pool of `pool_prefixes` of them (free memory is read now, before
+    anything is built)."""
     config = model_config(name)
     total = int(config["num_hidden_layers"])
     layers = total
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(torch.device(device))
-        layers = layers_that_fit(config, free, longest_tokens, str(dtype).removeprefix("torch."))
+        layers = layers_that_fit(config, free, longest_tokens, str(dtype).removeprefix("torch."), pool_prefixes)
     config = {**config, "num_hidden_layers": layers}
     model = build_random_model(config, device, dtype, seed)
     model_id = f"random:{name}:{layers}of{total}:seed{seed}:{str(dtype).removeprefix('torch.')}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, cast
 
@@ -45,6 +45,7 @@ class GpuRow:
     margin: float | None = None  # recompute's gap between its top two logits
     recompute_s: float | None = None  # median recompute TTFT at this length
     first_s: float | None = None  # the unmeasured first round's TTFT: what a cold process pays once
+    pool_full: list[float] = field(default_factory=list)  # share of the pool's pages in use as each load began
     # `host` only: the demotion that put the prefix there each round (device -> host RAM, every
     # page copied), beside a pinned device -> host copy of the same bytes
     evict_s: list[float] = field(default_factory=list)
@@ -218,19 +219,21 @@ def measure_recompute(model: Any, prompt: list[int], prefix: int, rounds: int,
     return row, reference
 
 
-def measure_reuse(model: Any, source: Source, tier: str, prompt: list[int], prefix: int, rounds: int,
-                  reference: GpuRow, reference_logits: torch.Tensor, device: str, progress: Progress) -> GpuRow:
-    """A reuse row: rounds of `generate` from the same state (`source.reset`), each timing its
-    load too. One round runs first unmeasured: a running engine has its allocator's blocks for
-    these sizes, its staging buffers pinned and its shared-memory mapping faulted in (a fresh
-    process's first load paid 2-3x for them on the H200)."""
+def measure_reuse(model: Any, source: Source, tier: str, prompts: Iterator[tuple[list[int], torch.Tensor]],
+                  prefix: int, rounds: int, reference: GpuRow, device: str, progress: Progress) -> GpuRow:
+    """A reuse row: rounds of `generate`, each on the next of `prompts` (a prompt and its
+    recomputed first-token logits) after `source.reset`, each timing its load too. One round runs
+    first unmeasured (its TTFT is the row's `first`): a running engine has its allocator's blocks
+    for these sizes, its staging buffers pinned and its shared-memory mapping faulted in."""
     row = GpuRow(prefix, source.row, tier, [], [], [], margin=reference.margin, recompute_s=reference.p50_s)
     worst, agrees = 0.0, True
-    for i in range(-1, rounds):
+    for i, (prompt, reference_logits) in zip(range(-1, rounds), prompts, strict=False):
         source.reset()
         timed = TimedLoad(source.cache, device)
         synchronize(device)  # before the clock starts: the GPU is idle when match begins
         arena_before = arena_figures(source.cache)
+        pool = source.cache.pool
+        full = 1 - pool.num_free / pool.num_pages
         result = generate(model, prompt, cast(TieredCache, timed), 1)
         arena = arena_round(arena_before, arena_figures(source.cache))
         if i < 0:
@@ -239,6 +242,7 @@ def measure_reuse(model: Any, source: Source, tier: str, prompt: list[int], pref
         if arena is not None:
             row.arena.append(arena)
         row.ttft_s.append(result.ttft_s)
+        row.pool_full.append(full)
         row.load_s.append(timed.seconds)
         row.load_bytes.append(timed.moved)
         row.reused_tokens.append(result.reused_tokens)

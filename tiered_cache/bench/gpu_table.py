@@ -7,8 +7,8 @@ from typing import Any
 
 from tiered_cache.bench.gpu_rows import GpuRow, describe_arena
 
-HEADERS = ["tokens", "row", "TTFT p50", "min-max", "max/p50", "first", "speed-up", "reused from", "load", "load GB/s",
-           "limit GB/s", "load/limit", "max|dlogit|", "greedy"]
+HEADERS = ["tokens", "row", "TTFT p50", "min-max", "max/p50", "first", "speed-up", "reused from", "pool full",
+           "load", "load GB/s", "limit GB/s", "load/limit", "max|dlogit|", "greedy"]
 
 
 def _ms(seconds: float) -> str:
@@ -37,12 +37,20 @@ def _cells(row: GpuRow) -> list[str]:
         f"{row.tokens:,}", row.row, f"{_ms(row.p50_s)} ms", f"{_ms(min(row.ttft_s))}-{_ms(max(row.ttft_s))} ms",
         f"{max(row.ttft_s) / row.p50_s:.2f}", f"{_ms(row.first_s)} ms" if row.first_s is not None else "-",
         f"{row.speedup:.2f}x" if row.speedup else "-", _reused(row),
+        f"{min(row.pool_full):.0%}-{max(row.pool_full):.0%}" if row.pool_full else "-",
         f"{_ms(statistics.median(row.load_s))} ms" if row.load_s else "-",
         f"{load:.2f}" if moves else ("no copy" if row.load_s else "-"),
         f"{row.limit_gbps:.2f}" if moves and row.limit_gbps else "-",
         f"{row.ratio:.2f}x" if moves and row.ratio else "-",
         f"{row.max_abs_diff:.3g}" if row.max_abs_diff is not None else "-", _greedy(row),
     ]
+
+
+def _state(setup: dict[str, Any]) -> str:
+    if setup.get("state", "warm") == "warm":
+        return "from the same state (warm: one prefix, put back in its tier each round, a pool with room)"
+    return (f"in the serving state: each round a prefix the reading cache never read, into a pool of "
+            f"{setup['pool_prefixes']} prefixes kept full")
 
 
 def render(setup: dict[str, Any], rows: list[GpuRow]) -> str:
@@ -54,11 +62,12 @@ def render(setup: dict[str, Any], rows: list[GpuRow]) -> str:
     head = (f"{setup['model']}, random weights ({layers}), {setup['dtype']} on {setup['device']}; KV "
             f"{format_binary(setup['bytes_per_token'])}/token in pages of {setup['page_size']} tokens; prompt = prefix "
             f"+ {setup['suffix_tokens']} tokens; per row 1 unmeasured round (its TTFT: first), then "
-            f"{setup['rounds']} from the same state.\nload = match + prefetch + load within that TTFT; "
+            f"{setup['rounds']} {_state(setup)}.\nload = match + prefetch + load within that TTFT; "
             f"limit = {limit} of the same bytes, fastest of "
             f"{max(3, setup['rounds'])}; speed-up = recompute TTFT p50 / row TTFT p50; max|dlogit| = first-token "
-            f"logits vs recompute's." + (f"\nChecks: {setup['checks']}." if setup.get("checks") else ""))
-    table = render_table([_cells(r) for r in rows], HEADERS, align_right=(0, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12))
+            f"logits vs recompute's; pool full = its pages in use as the loads began."
+            + (f"\nChecks: {setup['checks']}." if setup.get("checks") else ""))
+    table = render_table([_cells(r) for r in rows], HEADERS, align_right=(0, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13))
     demotions = [f"demotion at {r.tokens:,} tokens (evict: device -> host RAM, every page copied): "
                  f"{r.evict_gbps:.2f} GB/s, {'pinned device->host copy' if 'pinned' in limit else 'memcpy'} "
                  f"{r.evict_limit_gbps:.2f} GB/s, {r.evict_gbps / r.evict_limit_gbps:.2f}x"

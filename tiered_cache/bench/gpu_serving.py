@@ -1,0 +1,143 @@
+"""`bench gpu`'s default state, the one serving lives in: every round a prompt whose prefix this
+cache never read, loaded into a pool of `pool_prefixes` prefixes that is full and stays full.
+
+Per prefix length: `rounds + 1` prompts of their own random tokens, computed once by an upper
+cache (each one's first-token logits are that prompt's reference) and written by a writer cache
+into every lower row's tier. A reuse row's cache (the upper one for `device` and `host`, a new
+reader for each lower row, its channels warmed up) has its pool filled with filler pages of
+other prefixes, then loads one prompt per round, the first unmeasured (a new instance's first
+load: the row's `first`). Filler pages are in no lower tier, so making room copies them to host
+RAM: the background demoter, above the high watermark, does it between rounds, the gap between
+one request's prefill and the next.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from tiered_cache.bench.gpu_args import SUFFIX
+from tiered_cache.bench.gpu_rows import GpuRow, Progress, measure_reuse
+from tiered_cache.bench.gpu_sources import TIER_OF, Servers, cache_config, fill_tier
+from tiered_cache.cache import TieredCache
+from tiered_cache.config import CacheConfig
+from tiered_cache.integrations.transformers import generate
+from tiered_cache.model.spec import KVSpec
+
+_SETTLE_S = 30.0  # at most this long for a round's demotions to finish before the next round
+_SLACK_PAGES = 4
+
+
+@dataclass
+class Prompts:
+    """A length's prompts: each a prefix of `tokens` random tokens and a suffix shorter than a page,
+    with the first-token logits recomputation gives it."""
+
+    tokens: int
+    prompts: list[list[int]]
+    references: list[torch.Tensor]
+
+    def prefix(self, i: int) -> list[int]:
+        return self.prompts[i][:self.tokens]
+
+
+class ServingSource:
+    """A cache in the serving state (see the module doc) and the prompts it reads, one per round."""
+
+    def __init__(self, row: str, cache: TieredCache, prompts: Prompts, kv_like: torch.Tensor,
+                 pool_prefixes: int, seed: int) -> None:
+        self.row = row
+        self.cache = cache
+        self._prompts = prompts
+        self._next = 0
+        filler = torch.randn(kv_like.shape, generator=torch.Generator().manual_seed(seed)).to(kv_like)
+        tokens = torch.Generator().manual_seed(seed + 1)
+        for _ in range(pool_prefixes):  # each a prefix of its own, the same bytes under other keys
+            cache.put(torch.randint(0, 2**20, (prompts.tokens,), generator=tokens).tolist(), filler)
+        cache.demoter.flush(_SETTLE_S)
+
+    def prompts(self) -> Iterator[tuple[list[int], torch.Tensor]]:
+        """The next prompt (never read by this cache) and its reference logits, once per round."""
+        while True:
+            i = self._next
+            self._next += 1
+            yield self._prompts.prompts[i], self._prompts.references[i]
+
+    def reset(self) -> None:
+        """Between rounds: the last load's demotions finish; nothing is dropped."""
+        self.cache.flush()
+        self.cache.demoter.flush(_SETTLE_S)
+
+
+def serving_config(device: str, spec: KVSpec, tokens: int, pool_prefixes: int, host_prefixes: int) -> CacheConfig:
+    """A cache whose pool holds `pool_prefixes` prefixes of `tokens` and its host RAM
+    `host_prefixes`, with the default watermarks (the background demoter makes the room)."""
+    prefix = spec.bytes_for_tokens(tokens)
+    slack = _SLACK_PAGES * spec.bytes_per_page
+    return cache_config(device, pool_prefixes * prefix + slack, host_prefixes * prefix + slack).replace(
+        high_watermark=CacheConfig.high_watermark, low_watermark=CacheConfig.low_watermark)
+
+
+def measure_serving(model: object, spec: KVSpec, n: int, rows: tuple[str, ...], rounds: int, device: str,
+                    pool_prefixes: int, servers: Servers, recompute: GpuRow, progress: Progress,
+                    seed: int) -> list[GpuRow]:
+    """Every reuse row at prefix length `n` in the serving state."""
+    count = rounds + 1  # the unmeasured first round's prompt and one per measured round
+    lower = [r for r in rows if r not in ("device", "host")]
+    # Host RAM takes the prompts and what the pool demotes: the filler's room at the low
+    # watermark after the fill, then a prefix's worth a round.
+    host_prefixes = count + 2 + (pool_prefixes + 3) // 4 + count
+    out = []
+    with TieredCache(spec, serving_config(device, spec, n, pool_prefixes, host_prefixes)) as upper:
+        prompts = _compute(model, upper, spec, n, count, lower, servers, progress, seed)
+        _, kv_like = upper.get(prompts.prefix(0))
+        for row in (r for r in rows if r in ("device", "host")):
+            if row == "host":
+                upper.flush()
+                upper.evict()  # every prompt's pages to host RAM; the filler fills the pool after
+            source = ServingSource(row, upper, prompts, kv_like, pool_prefixes if row == "host" else 0, seed)
+            out.append(measure_reuse(model, source, TIER_OF[row], source.prompts(), n, rounds, recompute, device,
+                                     progress))
+        del kv_like
+    gc.collect()  # the upper cache's pool goes back to the allocator before the readers' come
+    for row in lower:
+        settings = serving_config(device, spec, n, pool_prefixes, (pool_prefixes + 3) // 4 + count + 2)
+        reader = TieredCache(spec, settings.replace(**servers.lower_settings(row, n)))
+        try:
+            reader.warming.join()  # its channels open now: a running engine has them open
+            kv_like = torch.empty(spec.kv_shape(n), dtype=spec.dtype.torch, device=reader.pool.device)
+            source = ServingSource(row, reader, prompts, kv_like, pool_prefixes, seed)
+            del kv_like
+            out.append(measure_reuse(model, source, TIER_OF[row], source.prompts(), n, rounds, recompute, device,
+                                     progress))
+        finally:
+            reader.close()
+            del reader
+            gc.collect()
+    return out
+
+
+def _compute(model: object, upper: TieredCache, spec: KVSpec, n: int, count: int, lower: list[str],
+             servers: Servers, progress: Progress, seed: int) -> Prompts:
+    """`count` prompts of `n`-token prefixes computed by `upper` (which keeps them) and written into
+    every lower row's tier."""
+    vocab = model.config.vocab_size  # type: ignore[attr-defined]
+    made = Prompts(n, [], [])
+    for i in range(count):
+        ids = torch.randint(0, vocab, (n + SUFFIX,), generator=torch.Generator().manual_seed(seed * 1000 + i))
+        prompt = ids.tolist()
+        result = generate(model, prompt, upper, 1)  # computes the prefix (never seen) and caches it
+        if result.reused_tokens or result.first_logits is None:
+            raise RuntimeError(f"prompt {i} of the {n:,}-token prefixes was not computed ({result.sources})")
+        made.prompts.append(prompt)
+        made.references.append(result.first_logits)
+        if lower:
+            _, kv = upper.get(prompt[:n])
+            for row in lower:
+                fill_tier(spec, upper.config.replace(**servers.lower_settings(row, n)), prompt[:n], kv)
+            del kv
+        progress(f"  prompt {i + 1}/{count} computed" + (f" and written to {', '.join(lower)}" if lower else ""))
+    return made
