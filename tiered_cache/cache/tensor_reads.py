@@ -1,13 +1,15 @@
-"""`TensorReads`: the tensor API's `get` of a prefix held on the device and in host RAM, each
-page copied once straight into the output tensor.
+"""`TensorReads`: the tensor API's `get` of a prefix, each page copied once into the output tensor,
+from wherever it lies.
 
 Pages on the device are read from the pool; pages in host RAM are copied from their rows into
 the output (one strided copy per run of rows, under the cache's lock so the rows stay put), not
 loaded into the pool and read back (a second copy of every byte: docs/PERFORMANCE.md, "bench
-promote"); they stay in host RAM for the next `get`. A prefix with pages below host RAM is loaded
-into the pool first, as a paged load is (`via_pool`): so it is cached on this instance, and the
-next `get` finds it here instead of asking the tier again. So is an output on another device, or
-pages whose inner layout is not the output's (HND).
+promote"); they stay in host RAM for the next `get`. Pages below host RAM are read by their tier
+straight into their place in the output (`TierChain.get_into`: each verified there, no staging
+and no pool page in between); they are not kept above their tier, whose copy the next `get`
+reads again (the caller holds the KV now; a paged `load` is what caches pages in the pool).
+Pages go through the pool instead (`via_pool`: a paged load, read back) for an output on another
+device, or pages whose inner layout is not the output's (HND).
 """
 
 from __future__ import annotations
@@ -24,16 +26,18 @@ from tiered_cache.cache.stats import Movements
 from tiered_cache.device.memory import empty_cpu
 from tiered_cache.device.pool import PagePool
 from tiered_cache.model.spec import KVSpec, Layout
+from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.host import HostTier
 
 
 class TensorReads:
-    def __init__(self, spec: KVSpec, pool: PagePool, host: HostTier, lock: threading.RLock,
+    def __init__(self, spec: KVSpec, pool: PagePool, host: HostTier, chain: TierChain, lock: threading.RLock,
                  in_flight: Mapping[bytes, torch.Tensor], moves: Movements,
                  observe: Callable[[str, float, int], None]) -> None:
         self.spec = spec
         self.pool = pool
         self.host = host
+        self.chain = chain
         self._lock = lock  # the cache's: guards host RAM's index and rows, and `in_flight`
         self._in_flight = in_flight  # pages on their way below, still served from memory
         self.moves = moves  # pages read up from host RAM count as its loads, as a paged load's do
@@ -45,8 +49,7 @@ class TensorReads:
         caller) or in a tensor of its own (`spare`'s, when it has one of the shape, else new);
         `load` is the paged load, for `via_pool`."""
         ps = self.spec.page_size
-        below = handle.plan[:handle.available_pages - handle.num_device_pages]
-        if not self.direct(out) or any(where != HOST for where in below):  # via_pool: load, read back
+        if not self.direct(out):  # via_pool: load, read back
             pages = load(handle)
             n = len(pages) * ps
             target = out[:, :, :n] if out is not None else spare(self.spec.kv_shape(n)) if n else None
@@ -71,22 +74,53 @@ class TensorReads:
         return out.device.type == "cpu" and out.is_contiguous()
 
     def read(self, handle: CacheHandle, out: torch.Tensor) -> int:
-        """Copy the handle's prefix (on the device, then in host RAM) into `out` (tensor-API shape,
-        contiguous, on the CPU, at least `available_pages` pages of tokens long); returns the
-        tokens that arrived, a whole number of pages from the first."""
+        """Copy the handle's prefix into `out` (tensor-API shape, contiguous, on the CPU, at least
+        `available_pages` pages of tokens long): the device's pages, the pages below host RAM by
+        their tiers, then host RAM's. Returns the tokens that arrived, a whole number of pages
+        from the first."""
         ps = self.spec.page_size
         start = handle.num_device_pages
         if start:
             self.pool.read_tokens(handle.device_pages, start * ps, out=out[:, :, :start * ps])
-        keys = handle.keys[start:handle.available_pages]
-        if not keys:
-            return start * ps
+        keys, plan = handle.keys[start:handle.available_pages], handle.plan[:handle.available_pages - start]
+        arrived = self._from_below(keys, plan, out, start)
+        n = 0
         started = time.perf_counter()
         with self._lock:
-            got = self._from_host(keys, out, start)
-        if got:
-            self._observe(self.host.name, time.perf_counter() - started, got)
-        return (start + got) * ps
+            while n < len(keys):
+                if plan[n] != HOST:
+                    if not arrived.get(n):
+                        break
+                    n += 1
+                    continue
+                end = next((i for i in range(n, len(keys)) if plan[i] != HOST), len(keys))
+                got = self._from_host(keys[n:end], out, start + n)
+                self.moves.loads["host"] += got
+                n += got
+                if n < end:
+                    break
+        from_host = sum(1 for where in plan[:n] if where == HOST)
+        if from_host:
+            self._observe(self.host.name, time.perf_counter() - started, from_host)
+        return (start + n) * ps
+
+    def _from_below(self, keys: list[bytes], plan: list[int], out: torch.Tensor, first: int) -> dict[int, bool]:
+        """Read the pages `plan` places below host RAM straight into pages `first + i` of `out`
+        (one call per tier, each page verified in place); whether each arrived, by position."""
+        below = [i for i, where in enumerate(plan) if where != HOST]
+        if not below:
+            return {}
+        ps = self.spec.page_size
+        raw = out.view(torch.uint8)
+        layers = self.spec.num_layers
+        # Each page's (layers, 2, bytes) blocks, strided in the output: a view, never a copy.
+        dests = [raw[:, :, (first + i) * ps:(first + i + 1) * ps].view(layers, 2, -1).numpy() for i in below]
+        started = time.perf_counter()
+        got = self.chain.get_into([keys[i] for i in below], [plan[i] for i in below], dests, self.spec)
+        tiers = {plan[i] for i, ok in zip(below, got, strict=True) if ok}
+        if len(tiers) == 1:  # a rate per tier: mixed reads tell none
+            self._observe(self.chain.tiers[tiers.pop()].name, time.perf_counter() - started, sum(got))
+        return dict(zip(below, got, strict=True))
 
     def _from_host(self, keys: list[bytes], out: torch.Tensor, first: int) -> int:
         """Copy the leading run of `keys` held in host RAM (or on their way below) into pages
@@ -106,7 +140,6 @@ class TensorReads:
                 a, k = int(rows[run[0]]), len(run)
                 self._pages(out, first + n + int(run[0]), k).copy_(_page_major(self.host.slab[a:a + k]))
             n += len(rows)
-        self.moves.loads["host"] += n
         return n
 
     def _pages(self, out: torch.Tensor, first: int, k: int) -> torch.Tensor:

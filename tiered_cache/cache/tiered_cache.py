@@ -123,7 +123,7 @@ class TieredCache(SequenceOps):
         self.canary = Canary(config.verify_fraction)  # checks a sample of hits (integrations with the model)
         self.loader = Loader(self.ledger, self.demoter, self.tier_loads, self.host_loads, self.arena_loads, self.reuse,
                              self.writer.in_flight, self.moves, self._lock, self.canary)
-        self.tensor_reads = TensorReads(spec, self.pool, self.host, self._lock, self.writer.in_flight,
+        self.tensor_reads = TensorReads(spec, self.pool, self.host, self.chain, self._lock, self.writer.in_flight,
                                         self.moves, self.reuse.observe)
         self.forks = Forks(self.ledger, self.demoter)
         self.swaps = Swaps(self.ledger, self.demoter, self.host, self.tier_loads.staging, self._lock)
@@ -163,9 +163,8 @@ class TieredCache(SequenceOps):
     def get(self, tokens: Any, namespace: str | None = None,
             out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
         """The longest cached prefix of `tokens`: (n tokens, KV of shape (layers, 2, n, heads,
-        dim)). Pages on the device and in host RAM are copied once, straight into the result;
-        pages below host RAM are loaded into the pool first, so they are cached here for the next
-        call (tensor_reads.py).
+        dim)), each page copied once into the result from where it lies: the pool, host RAM (where
+        it stays), or, read by its tier, a tier below (tensor_reads.py).
 
         `out`, a (layers, 2, len(tokens), heads, dim) tensor of the spec's dtype on any device,
         receives the KV (its first n tokens; the view is returned): reusing it saves faulting in
