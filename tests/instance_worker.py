@@ -1,7 +1,7 @@
 """One inference instance in its own process, for the two-instance reuse test.
 
     python instance_worker.py put ADDRESS WORKDIR   # instance A: compute (random) KV, cache it
-    python instance_worker.py get ADDRESS WORKDIR   # instance B: empty cache, load it from the store
+    python instance_worker.py get ADDRESS WORKDIR   # instance B: empty cache, load it from the store into its pool
     python instance_worker.py get-metrics ADDRESS WORKDIR  # B serving /metrics; prints, then waits
                                                            # for stdin to close (the test scrapes)
 """
@@ -34,7 +34,11 @@ def main() -> None:
         return
     before = cache.stats().tier("remote").loads
     n = cache.lookup(TOKENS)
-    got_n, kv = cache.get(TOKENS)
+    handle = cache.match(TOKENS)  # as an engine reuses a prefix: into its pool, kept there
+    pages = cache.load(handle)
+    got_n = len(pages) * SPEC.page_size
+    kv = cache.pool.read_tokens(pages, got_n)
+    cache.release(handle)
     reference = torch.load(workdir / "kv_a.pt")
     st = cache.stats()
     print(json.dumps({"lookup": n, "got": got_n, "identical": bool(torch.equal(kv, reference[:, :, :got_n])),
