@@ -33,6 +33,8 @@ import tempfile
 import time
 from typing import Any
 
+from tiered_cache.bench.timing import timed
+
 LAYERS, HEADS, DIM = 32, 8, 128
 
 
@@ -59,14 +61,14 @@ def ours(mib: int, where: str, rounds: int, folder: str) -> dict[str, Any]:
     prefixes, src, out = _inputs(n, rounds, (LAYERS, 2, n, HEADS, DIM))
     stores, retrieves = [], []
     for tokens in prefixes:
-        stores.append(_clock(lambda t=tokens: cache.put(t, src)))
+        stores.append(timed(lambda t=tokens: cache.put(t, src), 1)[0])
         cache.evict()  # into host RAM (and, written through, on disk)
         cache.flush()
     if where == "disk":
         cache.host.delete(list(cache.host.index))
     for tokens in prefixes:
         out.zero_()
-        seconds, (got, _) = _timed(lambda t=tokens: cache.get(t, out=out))
+        seconds, (got, _) = timed(lambda t=tokens: cache.get(t, out=out), 1)
         if got != n or not torch.equal(out, src):
             raise SystemExit(f"ours: get gave {got} of {n} tokens, or wrong bytes")
         retrieves.append(seconds)
@@ -115,13 +117,13 @@ def lmcache(mib: int, where: str, rounds: int, folder: str) -> dict[str, Any]:
     prefixes, src, out = _inputs(n, rounds, (2, LAYERS, n, HEADS * DIM))
     stores, retrieves = [], []
     for tokens in prefixes:
-        stores.append(_clock(lambda t=tokens: engine.store(torch.tensor(t), kvcaches=src)))
+        stores.append(timed(lambda t=tokens: engine.store(torch.tensor(t), kvcaches=src), 1)[0])
     if where == "disk":
         time.sleep(2)  # its disk writes are asynchronous
         engine.storage_manager.clear(locations=["LocalCPUBackend"])
     for tokens in prefixes:
         out.zero_()
-        seconds, mask = _timed(lambda t=tokens: engine.retrieve(torch.tensor(t), kvcaches=out))
+        seconds, mask = timed(lambda t=tokens: engine.retrieve(torch.tensor(t), kvcaches=out), 1)
         if int(mask.sum()) != n or not torch.equal(out, src):
             raise SystemExit(f"lmcache: retrieve gave {int(mask.sum())} of {n} tokens, or wrong bytes")
         retrieves.append(seconds)
@@ -138,16 +140,6 @@ def _inputs(n: int, rounds: int, shape: tuple[int, ...]) -> tuple[list[list[int]
     src = torch.randn(shape, generator=g).half()
     out = src.clone()
     return prefixes, src, out
-
-
-def _timed(fn: Any) -> tuple[float, Any]:
-    started = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - started, result
-
-
-def _clock(fn: Any) -> float:
-    return _timed(fn)[0]
 
 
 def side(args: argparse.Namespace) -> int:

@@ -40,31 +40,24 @@ class Prompts:
     prompts: list[list[int]]
     references: list[torch.Tensor]
 
-    def prefix(self, i: int) -> list[int]:
-        return self.prompts[i][:self.tokens]
-
 
 class ServingSource:
     """A cache in the serving state (see the module doc) and the prompts it reads, one per round."""
 
-    def __init__(self, row: str, cache: TieredCache, prompts: Prompts, kv_like: torch.Tensor,
-                 pool_prefixes: int, seed: int) -> None:
+    def __init__(self, row: str, cache: TieredCache, prompts: Prompts, pool_prefixes: int, seed: int) -> None:
         self.row = row
         self.cache = cache
         self._prompts = prompts
-        self._next = 0
-        filler = torch.randn(kv_like.shape, generator=torch.Generator().manual_seed(seed)).to(kv_like)
+        shape, dtype = cache.spec.kv_shape(prompts.tokens), cache.spec.dtype.torch
+        filler = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(cache.pool.device, dtype)
         tokens = torch.Generator().manual_seed(seed + 1)
         for _ in range(pool_prefixes):  # each a prefix of its own, the same bytes under other keys
             cache.put(torch.randint(0, 2**20, (prompts.tokens,), generator=tokens).tolist(), filler)
         cache.demoter.flush(_SETTLE_S)
 
     def prompts(self) -> Iterator[tuple[list[int], torch.Tensor]]:
-        """The next prompt (never read by this cache) and its reference logits, once per round."""
-        while True:
-            i = self._next
-            self._next += 1
-            yield self._prompts.prompts[i], self._prompts.references[i]
+        """Each prompt (none read by this cache before) and its reference logits, one per round."""
+        return zip(self._prompts.prompts, self._prompts.references, strict=True)
 
     def reset(self) -> None:
         """Between rounds: the last load's demotions finish; nothing is dropped."""
@@ -87,30 +80,26 @@ def measure_serving(model: object, spec: KVSpec, n: int, rows: tuple[str, ...], 
     """Every reuse row at prefix length `n` in the serving state."""
     count = rounds + 1  # the unmeasured first round's prompt and one per measured round
     lower = [r for r in rows if r not in ("device", "host")]
-    # Host RAM takes the prompts and what the pool demotes: the filler's room at the low
-    # watermark after the fill, then a prefix's worth a round.
-    host_prefixes = count + 2 + (pool_prefixes + 3) // 4 + count
+    # Host RAM takes what the pool demotes (the filler's room at the low watermark after the fill,
+    # then a prefix's worth a round), and for the host row the prompts too.
+    demoted = (pool_prefixes + 3) // 4 + count + 2
     out = []
-    with TieredCache(spec, serving_config(device, spec, n, pool_prefixes, host_prefixes)) as upper:
+    with TieredCache(spec, serving_config(device, spec, n, pool_prefixes, count + demoted)) as upper:
         prompts = _compute(model, upper, spec, n, count, lower, servers, progress, seed)
-        _, kv_like = upper.get(prompts.prefix(0))
         for row in (r for r in rows if r in ("device", "host")):
             if row == "host":
                 upper.flush()
                 upper.evict()  # every prompt's pages to host RAM; the filler fills the pool after
-            source = ServingSource(row, upper, prompts, kv_like, pool_prefixes if row == "host" else 0, seed)
+            source = ServingSource(row, upper, prompts, pool_prefixes if row == "host" else 0, seed)
             out.append(measure_reuse(model, source, TIER_OF[row], source.prompts(), n, rounds, recompute, device,
                                      progress))
-        del kv_like
     gc.collect()  # the upper cache's pool goes back to the allocator before the readers' come
     for row in lower:
-        settings = serving_config(device, spec, n, pool_prefixes, (pool_prefixes + 3) // 4 + count + 2)
+        settings = serving_config(device, spec, n, pool_prefixes, demoted)
         reader = TieredCache(spec, settings.replace(**servers.lower_settings(row, n)))
         try:
             reader.warming.join()  # its channels open now: a running engine has them open
-            kv_like = torch.empty(spec.kv_shape(n), dtype=spec.dtype.torch, device=reader.pool.device)
-            source = ServingSource(row, reader, prompts, kv_like, pool_prefixes, seed)
-            del kv_like
+            source = ServingSource(row, reader, prompts, pool_prefixes, seed)
             out.append(measure_reuse(model, source, TIER_OF[row], source.prompts(), n, rounds, recompute, device,
                                      progress))
         finally:

@@ -84,7 +84,7 @@ class TensorReads:
             self.pool.read_tokens(handle.device_pages, start * ps, out=out[:, :, :start * ps])
         keys, plan = handle.keys[start:handle.available_pages], handle.plan[:handle.available_pages - start]
         arrived = self._from_below(keys, plan, out, start)
-        n = 0
+        n = from_host = 0
         started = time.perf_counter()
         with self._lock:
             while n < len(keys):
@@ -95,11 +95,11 @@ class TensorReads:
                     continue
                 end = next((i for i in range(n, len(keys)) if plan[i] != HOST), len(keys))
                 got = self._from_host(keys[n:end], out, start + n)
-                self.moves.loads["host"] += got
+                from_host += got
                 n += got
                 if n < end:
                     break
-        from_host = sum(1 for where in plan[:n] if where == HOST)
+        self.moves.loads["host"] += from_host
         if from_host:
             self._observe(self.host.name, time.perf_counter() - started, from_host)
         return (start + n) * ps
