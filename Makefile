@@ -5,8 +5,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-dev
 VLLM_STAMP := .venv-vllm/.installed
+SGLANG_STAMP := .venv-sglang/.installed
+SGLANG_PYTEST := .venv-sglang/bin/python -m pytest -p no:cacheprovider
 
-.PHONY: demo test test-long lint fmt bench check-kernels clean install install-vllm wheel
+.PHONY: demo test test-long test-sglang lint fmt bench check-kernels clean install install-vllm install-sglang wheel
 
 $(STAMP): pyproject.toml setup.py tiered_cache/wire/_checked_copy.c scripts/install.sh
 	bash scripts/install.sh
@@ -21,12 +23,26 @@ $(VLLM_STAMP): pyproject.toml scripts/install_vllm.sh
 
 install-vllm: $(VLLM_STAMP)
 
+# A third venv with SGLang (CPU torch, no CUDA stack) for the HiCache backend's tests and `bench sglang`.
+$(SGLANG_STAMP): pyproject.toml scripts/install_sglang.sh
+	bash scripts/install_sglang.sh
+	@touch $@
+
+install-sglang: $(SGLANG_STAMP)
+
 # Two instances, one store server, one long document: instance B reuses A's KV instead of prefilling.
 demo: $(STAMP)
 	$(BIN)/tiered-cache demo
 
-test: $(STAMP) $(VLLM_STAMP) lint check-kernels
+# The suite, then the SGLang backend's contract tests in SGLang's venv (its engine tests: test-sglang).
+test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) lint check-kernels
 	$(BIN)/python -m pytest
+	$(SGLANG_PYTEST) tests/integrations/test_sglang_backend.py
+
+# Two real SGLang servers (CPU engine) sharing prefixes through a real store server (CI runs it
+# after `make test`: its servers' start-up alone would take the suite past its time budget).
+test-sglang: $(STAMP) $(SGLANG_STAMP)
+	$(SGLANG_PYTEST) tests/integrations/test_sglang_engine.py
 
 # The tests marked `long` (CI runs them after `make test`): the real `ray up
 # deploy/cluster-local.yaml` over SSH to a user of its own on this machine (as root: it adds the
@@ -62,4 +78,4 @@ check-kernels:
 	else echo "check-kernels: no .cu files yet"; fi
 
 clean:
-	rm -rf $(VENV) .venv-vllm build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .venv-vllm .venv-sglang build dist *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -220,3 +220,11 @@ def small_fs(tmp_path):
     yield folder
     if subprocess.run(["umount", str(folder)]).returncode != 0:
         subprocess.run(["umount", "--lazy", str(folder)], check=True)  # a tier the test left open
+
+
+# SGLang's tests run in .venv-sglang (its own pytest: `make test`, `make test-sglang`): this
+# interpreter has no SGLang, so it does not collect them.
+try:
+    import sglang  # noqa: F401
+except ImportError:
+    collect_ignore = ["integrations/test_sglang_backend.py", "integrations/test_sglang_engine.py"]

@@ -124,6 +124,12 @@ def add_parser(commands: Any) -> None:
     vllm.add_argument("--shm", metavar="on|off", help="the store server's RAM tier as a shared-memory arena "
                                                       "instance B reads in place (default on)")
     subs.append(vllm)
+    sgl = _add(which, "sglang", help="TTFT of a second SGLang instance: no L3 vs SGLang's file backend vs "
+                                     "tiered-cache (store server), in .venv-sglang")
+    sgl.add_argument("--prompts", type=int, default=4, help="prompts each instance asks (default 4)")
+    sgl.add_argument("--chars", type=int, default=1200, help="document characters in each prompt (default 1200)")
+    sgl.add_argument("--rounds", type=int, default=1, help="rounds, the ways taking turns (default 1)")
+    subs.append(sgl)
     clus = _add(which, "cluster", help="shared-prefix workload on a Ray cluster: workers alone vs a shared "
                                             "store with round robin vs with the prefix router, vs recompute")
     clus.add_argument("--address", help="an existing Ray cluster (default: start a local one for the run)")
@@ -378,6 +384,18 @@ def run(args: argparse.Namespace) -> int:
         rows = bench_vllm(args.doc_chars, args.rounds, args.shm,
                           progress=lambda m: print(m, file=sys.stderr, flush=True))
         print(json.dumps([r.to_dict(rows[0]) for r in rows], indent=2) if args.json else render_vllm(rows))
+        return 0
+    if args.bench == "sglang":
+        from tiered_cache.bench.sglang_bench import bench_sglang, render_reads
+        from tiered_cache.bench.sglang_bench import render as render_sglang
+
+        rows, reads = bench_sglang(args.prompts, args.chars, args.rounds,
+                                   progress=lambda m: print(m, file=sys.stderr, flush=True))
+        file = next((r for r in rows if "file" in r.way), None)
+        if args.json:
+            print(json.dumps({"instances": [r.to_dict(rows[0], file) for r in rows], "l3_reads": reads}, indent=2))
+        else:
+            print(f"{render_sglang(rows)}\n\n{render_reads(reads)}")
         return 0
     if args.bench == "cluster":
         from tiered_cache.bench.cluster_bench import bench_cluster, render
