@@ -35,6 +35,20 @@ def host_pool(layout: str = "layer_first", heads: int = HEADS, dtype: torch.dtyp
     return pool
 
 
+def mla_pool(layout: str = "layer_first", dtype: torch.dtype = torch.bfloat16) -> Any:
+    """An MLA host pool of SGLang's own (one latent per token and layer, shared by every TP rank)."""
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+    device = MLATokenToKVPool(64, PAGE, dtype, 16, 8, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS)
+    pool = MLATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, layout, pin_memory=False,
+                                device="cpu", device_capacity_tokens=device.size, start_layer=0, end_layer=LAYERS,
+                                target_layer_num=LAYERS)
+    pool.kv_buffer.view(torch.uint8).copy_(torch.randint(0, 256, pool.kv_buffer.view(torch.uint8).shape,
+                                                         dtype=torch.uint8))
+    return pool
+
+
 def slots(pages: list[int]) -> torch.Tensor:
     """The token slots of these host pages, as SGLang passes `host_indices`."""
     return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE) for p in pages]).to(torch.int64)

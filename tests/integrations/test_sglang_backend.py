@@ -11,23 +11,33 @@ import time
 from typing import Any
 
 import pytest
-from sglang_pools import PAGE, host_pool, page_bytes, slots  # the stand-ins first: SGLang's CPU engine needs them
+import torch
+from sglang_pools import PAGE, host_pool, mla_pool, page_bytes, slots  # first: the stand-ins SGLang's CPU engine needs
 
 sglang_storage = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
 from tiered_cache.client.store_client import StoreClient  # noqa: E402
 from tiered_cache.server.process import StoreProcess  # noqa: E402
 
+MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+MLA_LAYOUTS = ["mla:layer_first", "mla:page_first", "mla:page_first_direct"]
+
+
+def any_pool(layout: str) -> Any:
+    return mla_pool(layout.removeprefix("mla:")) if layout.startswith("mla:") else host_pool(layout)
+
 
 def backend(address: str, pool: Any, model: str = "model-a", tp_rank: int = 0, tp_size: int = 1, **extra: Any) -> Any:
+    """Our backend as SGLang builds it, `model` its `model_id` (no local checkpoint here)."""
     from tiered_cache.integrations.sglang.backend import TieredCacheStorage
 
+    mla = "MLA" in type(pool).__name__
     config = sglang_storage.HiCacheStorageConfig(
-        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-        enable_storage_metrics=True, is_page_first_layout=pool.layout == "page_first", model_name=model,
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
+        enable_storage_metrics=True, is_page_first_layout=pool.layout == "page_first", model_name="served-name",
         extra_config={"backend_name": "tiered-cache", "module_path": "tiered_cache.integrations.sglang.backend",
                       "class_name": "TieredCacheStorage", "interface_v1": 1, "remote_addresses": address,
-                      "remote_timeout_s": 1.0, **extra})
+                      "remote_timeout_s": 1.0, "model_id": model, **extra})
     storage = TieredCacheStorage(config, {})
     assert isinstance(storage, sglang_storage.HiCacheStorage)
     storage.register_mem_pool_host(pool)
@@ -44,9 +54,9 @@ def keys(tag: str, n: int) -> list[str]:
     return [f"{tag}-{i:04d}" for i in range(n)]
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("layout", MHA_LAYOUTS + MLA_LAYOUTS)
 def test_v1_pages_round_trip_into_another_instance_pool(store, layout):
-    writer, reader = host_pool(layout), host_pool(layout)
+    writer, reader = any_pool(layout), any_pool(layout)
     a, b = backend(store.address, writer), backend(store.address, reader)
     names = keys(f"v1-{layout}", 4)
     assert b.batch_exists(names) == 0
@@ -76,11 +86,12 @@ def test_our_metrics_endpoint_shows_the_backend_s_store_tier(store):
     assert hits and float(hits[0].split()[-1]) == 2
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("layout", MHA_LAYOUTS + MLA_LAYOUTS)
 def test_generic_and_v1_pages_are_the_same_blobs(store, layout):
     """A page set through the generic calls (a flat page SGLang copied out) reads back through v1,
-    and the other way round: an instance on either interface shares with one on the other."""
-    pool, other = host_pool(layout), host_pool(layout)
+    and a page set through v1 comes back through the generic calls into the pool as SGLang puts it
+    there (`set_from_flat_data_page`): an instance on either interface shares with one on the other."""
+    pool, other = any_pool(layout), any_pool(layout)
     a, b = backend(store.address, pool), backend(store.address, other)
     flat = [pool.get_data_page(p * PAGE, flat=True).clone() for p in (5, 6)]
     assert a.batch_set(keys(f"generic-{layout}", 2), flat) is True
@@ -89,9 +100,11 @@ def test_generic_and_v1_pages_are_the_same_blobs(store, layout):
     assert a.batch_set_v1(keys(f"v1to-{layout}", 2), slots([8, 9])) == [True, True]
     got = b.batch_get(keys(f"v1to-{layout}", 2) + ["absent"], [other.get_dummy_flat_data_page() for _ in range(3)])
     assert got[2] is None
-    assert [t.view(__import__("torch").uint8).numpy().tobytes() for t in got[:2]] == [page_bytes(pool, 8),
-                                                                                       page_bytes(pool, 9)]
-    assert b.get(keys(f"v1to-{layout}", 2)[0], other.get_dummy_flat_data_page()) is not None
+    for page, flat_page in zip((22, 23), got[:2], strict=True):
+        other.set_from_flat_data_page(page * PAGE, flat_page)  # what SGLang's generic prefetch does with it
+    assert [page_bytes(other, 22), page_bytes(other, 23)] == [page_bytes(pool, 8), page_bytes(pool, 9)]
+    one = b.get(keys(f"v1to-{layout}", 2)[0], other.get_dummy_flat_data_page())
+    assert one is not None and torch.equal(one.view(torch.uint8), pool.get_data_page(8 * PAGE).view(torch.uint8))
     assert b.exists(keys(f"v1to-{layout}", 2)[1]) and not b.exists("absent")
 
 
@@ -105,6 +118,8 @@ def test_a_page_is_read_only_by_its_own_model_layout_and_rank(store):
                    backend(store.address, host_pool(), model="model-a", tp_rank=1, tp_size=2),
                    backend(store.address, host_pool(), model="model-a", tp_rank=0, tp_size=1),
                    backend(store.address, host_pool("page_first"), model="model-a", tp_rank=0, tp_size=2),
+                   backend(store.address, host_pool(dtype=torch.bfloat16), model="model-a", tp_rank=0, tp_size=2),
+                   backend(store.address, host_pool(heads=1), model="model-a", tp_rank=0, tp_size=2),
                    backend(store.address, host_pool(), model="model-a", tp_rank=0, tp_size=2,
                            remote_namespace="tenant-b")):
         assert reader.batch_exists(names) == 0
@@ -131,7 +146,6 @@ def test_a_corrupt_page_ends_the_run_and_is_never_served(tmp_path):
         b = backend(server.address, other)
         assert b.batch_get_v1(names, slots([10, 11, 12, 13])) == [True, False, False, False]
         assert page_bytes(other, 10) == page_bytes(pool, 1)
-        assert page_bytes(other, 11) != page_bytes(pool, 2)
         assert b.batch_exists(names) == 1  # the server dropped the page it refused
         assert sum(t.corrupt for t in StoreClient(server.address).stats().tiers) == 1
 
@@ -170,13 +184,36 @@ def test_a_dead_store_is_a_bounded_miss_and_reuse_comes_back_with_it(tmp_path):
         assert b.batch_set_v1(keys("outage-new", 1), slots([7])) == [True]
 
 
+def test_hybrid_model_calls_answer_misses_without_raising(store):
+    storage = backend(store.address, host_pool())
+    transfer = sglang_storage.PoolTransfer(name=sglang_storage.PoolName.MAMBA, keys=["k1", "k2"])
+    assert storage.batch_exists_v2(["k1", "k2"], [transfer]).kv_hit_pages == 0
+    assert storage.batch_get_v2([transfer]) == {transfer.name: [False, False]}
+    assert storage.batch_set_v2([transfer]) == {transfer.name: [False, False]}
+
+
+def test_the_model_identity_is_the_checkpoint_or_model_id_never_a_bare_name(tmp_path):
+    from tiered_cache.integrations.sglang.settings import model_identity
+
+    with pytest.raises(ValueError, match="set model_id in the extra config"):
+        model_identity("meta-llama/Llama-3.1-8B-Instruct", None)
+    assert model_identity("meta-llama/Llama-3.1-8B-Instruct", "llama@abc123") == "llama@abc123"
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}" + b"\0" * 64)
+    plain = model_identity(str(checkpoint), None)
+    tagged = model_identity(f"{checkpoint}-unified-token-major", None)  # SGLang's page-format tag
+    assert "weights:" in plain and tagged.startswith(plain) and tagged != plain
+
+
 def test_calls_before_the_pool_is_registered_and_bad_configs():
     from tiered_cache.integrations.sglang.backend import TieredCacheStorage
 
     def config(**extra: Any) -> Any:
         return sglang_storage.HiCacheStorageConfig(
             tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
-            enable_storage_metrics=False, is_page_first_layout=False, model_name="m", extra_config=extra)
+            enable_storage_metrics=False, is_page_first_layout=False, model_name="m",
+            extra_config={"model_id": "m", **extra})
 
     with pytest.raises(ValueError, match="remote_addresses"):
         TieredCacheStorage(config(backend_name="x"), {})

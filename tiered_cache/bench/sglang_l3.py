@@ -49,7 +49,7 @@ def measure(address: str, folder: str, prefixes: int = 8, pages: int = 18) -> di
     from tiered_cache.integrations.sglang.backend import TieredCacheStorage
 
     pool = _pool(prefixes * pages * PAGE * 2)
-    ours = TieredCacheStorage(_config({"remote_addresses": address}), {})
+    ours = TieredCacheStorage(_config({"remote_addresses": address, "model_id": "smollm2-135m-shape"}), {})
     ours.register_mem_pool_host(pool)
     file = HiCacheFile(_config({"file_storage_path": folder}))
     span = pages * PAGE

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -134,7 +134,10 @@ class StoreServers:
         if len(items) <= 1:
             return {index: fn(index, positions) for index, positions in items}
         futures = {index: self._fanout.submit(fn, index, positions) for index, positions in items[1:]}
-        results = {items[0][0]: fn(*items[0])}
+        try:
+            results = {items[0][0]: fn(*items[0])}
+        finally:  # none outlives the call, even when one raised: its stream may still write a caller's buffers
+            wait(futures.values())
         results.update({index: future.result() for index, future in futures.items()})
         return results
 

@@ -54,6 +54,16 @@ def _miss_on_fault(default: Callable[..., Any]) -> Callable[[Callable[..., _T]],
     return wrap
 
 
+def _no_hit() -> Any:
+    from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+
+    return PoolTransferResult.empty()
+
+
+def _none_moved(transfers: list[Any]) -> dict[str, list[bool]]:
+    return {transfer.name: [False] * len(transfer.keys or []) for transfer in transfers}
+
+
 class TieredCacheStorage(HiCacheStorage):
     """SGLang's HiCache storage backend over our store servers (module doc)."""
 
@@ -67,6 +77,7 @@ class TieredCacheStorage(HiCacheStorage):
         self.transfers = StoreTransfers(self.config, record_batches=storage_config.enable_storage_metrics)
         self.format: PageFormat | None = None
         self.mem_pool_host: Any = None
+        self._said_hybrid = False
         self._metrics_server = serve_metrics(self.config, self.transfers.remote)
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -114,6 +125,29 @@ class TieredCacheStorage(HiCacheStorage):
                   target_sizes: Any = None) -> bool:
         fmt = self._format()
         return all(self.transfers.write(fmt, [fmt.key(k) for k in keys], [byte_view(v) for v in values]))
+
+    # --- hybrid models (Mamba, SWA, DSA): their extra pools are not stored here yet ----------------
+    @_miss_on_fault(lambda keys, *_: _no_hit())
+    def batch_exists_v2(self, keys: list[str], pool_transfers: Any = None, extra_info: Any = None) -> Any:
+        """No L3 hit for a hybrid model (its state pools are not stored): SGLang recomputes."""
+        self._say_hybrid_once()
+        return _no_hit()
+
+    @_miss_on_fault(lambda transfers, *_: _none_moved(transfers))
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        self._say_hybrid_once()
+        return _none_moved(transfers)
+
+    @_miss_on_fault(lambda transfers, *_: _none_moved(transfers))
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[str, list[bool]]:
+        self._say_hybrid_once()
+        return _none_moved(transfers)
+
+    def _say_hybrid_once(self) -> None:
+        if not self._said_hybrid:
+            self._said_hybrid = True
+            log.warning("tiered-cache: this model's hybrid pools (Mamba/SWA state, indexers) are not stored in "
+                        "tiered-cache yet: its L3 answers misses and SGLang recomputes")
 
     # --- presence --------------------------------------------------------------------------------
     @_miss_on_fault(lambda *_: False)

@@ -48,14 +48,19 @@ class PageFormat:
     def of_pool(cls, pool: Any, model_id: str, rank: str) -> PageFormat:
         """The format of `pool`'s pages. The spec's geometry is the page's bytes (layers, then a
         head dimension that makes up the rest), its model id the real identity and layout."""
-        page = pool.get_data_page(0, flat=False)
+        try:
+            page = pool.get_data_page(0, flat=False)
+        except Exception as exc:  # a pool whose pages are no flat data page (an asymmetric K/V width, ...)
+            raise ValueError(f"tiered-cache cannot store the pages of SGLang's {type(pool).__name__} (layout "
+                             f"{getattr(pool, 'layout', '?')}): {type(exc).__name__}: {exc}") from None
         nbytes = page.numel() * page.element_size()
         dtype = _DTYPES.get(page.dtype, DType.FP8_E4M3)  # a 1-byte type: the geometry counts bytes
         layers = int(getattr(pool, "layer_num", 1) or 1)
         per_layer = 2 * pool.page_size * dtype.itemsize * layers
         if nbytes % per_layer:
             layers, per_layer = 1, 2 * pool.page_size * dtype.itemsize
-        model = f"{model_id}|sglang:{pool.layout}:{type(pool).__name__}:{page.dtype}:{tuple(page.shape)}|{rank}"
+        span = f"layers{getattr(pool, 'start_layer', 0)}-{getattr(pool, 'end_layer', '')}"  # a pipeline stage's
+        model = f"{model_id}|sglang:{pool.layout}:{type(pool).__name__}:{page.dtype}:{tuple(page.shape)}|{rank}|{span}"
         spec = KVSpec(model_id=model, num_layers=layers, num_kv_heads=1, head_dim=nbytes // per_layer,
                       dtype=dtype, page_size=pool.page_size)
         if spec.bytes_per_page != nbytes:

@@ -3,16 +3,15 @@ and the identity of the model whose KV it keeps (module doc of backend.py: the k
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from tiered_cache.config import CacheConfig
 from tiered_cache.integrations.vllm.identity import model_id_for
 
-log = logging.getLogger(__name__)
 # SGLang's own keys of the extra config; the rest are ours.
-_SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "interface_v2", "tp_lcm_size"}
+_SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1", "interface_v2", "tp_lcm_size",
+                "file_storage_path"}
 _OUR_KEYS = {"config", "model_id"}
 
 
@@ -27,13 +26,17 @@ def store_settings(extra: dict[str, Any]) -> CacheConfig:
 
 
 def model_identity(model_name: str | None, explicit: str | None) -> str:
-    """Who computed the KV: `model_id` if given, a hash of a local checkpoint's weights, else the name."""
+    """Who computed the KV: `model_id` if given, else a hash of the weights of the local checkpoint
+    SGLang names (its name may end in `-TAG`, the host pool's page format: kept in the identity).
+    A name that is no local folder (a Hub id, a served name) raises: pages are never keyed by a
+    guess, as two sets of weights can share a name."""
     if explicit:
         return str(explicit)
-    if model_name and Path(model_name).is_dir():
-        return model_id_for(model_name, None)
-    if not model_name:
-        raise ValueError("tiered-cache: SGLang gave no model name: set model_id in the extra config")
-    log.warning("tiered-cache: pages keyed by the model name %r: set model_id in the extra config if other "
-                "weights are served under that name", model_name)
-    return model_name
+    name = model_name or ""
+    if Path(name).is_dir():
+        return model_id_for(name, None)
+    for cut in (i for i, c in enumerate(name) if c == "-"):  # the tag may hold dashes, so may the folder
+        if Path(name[:cut]).is_dir():
+            return f"{model_id_for(name[:cut], None)}|{name[cut + 1:]}"
+    raise ValueError(f"tiered-cache: cannot tell which weights {name or 'the model'!r} are (not a local checkpoint "
+                     "folder): set model_id in the extra config, e.g. the Hub id with its revision")
