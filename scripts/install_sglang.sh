@@ -14,7 +14,9 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=.venv-sglang
-quiet() { grep -v "^WARNING: Location '" || true; }
+# pip's resolver then lists every CUDA pin of SGLang's it did not install: expected, said once instead.
+quiet() { grep -v -e "^WARNING: Location '" -e "^sglang [0-9.]* requires " -e "dependency resolver does not currently" \
+          -e "^ERROR: pip's dependency resolver" || true; }
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "==> creating $VENV (SGLang on the CPU) with $($PYTHON --version 2>&1)"
@@ -34,6 +36,7 @@ if ! "$VENV/bin/python" -c "import sglang.srt.server_args, transformers, xgramma
         partial_json_parser packaging pillow regex tqdm xxhash zstandard gguf safetensors \
         huggingface_hub watchfiles distro easydict "python-dateutil<3" anthropic IPython \
         "mistral_common>=1.11.5" modelscope datasets nvidia-ml-py "soundfile==0.13.1" "torch==2.13.0" 2>&1 | quiet
+    echo "    (SGLang's CUDA pins are left out on purpose: pip check names them)"
 fi
 $PIP install -q --no-deps -e . 2>&1 | quiet
 $PIP install -q lz4 google-crc32c "crc32c>=2.4" "redis[hiredis]>=5.0" grpcio grpcio-health-checking \
