@@ -36,8 +36,8 @@ def backend(address: str, pool: Any, model: str = "model-a", tp_rank: int = 0, t
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla,
         enable_storage_metrics=True, is_page_first_layout=pool.layout == "page_first", model_name="served-name",
         extra_config={"backend_name": "tiered-cache", "module_path": "tiered_cache.integrations.sglang.backend",
-                      "class_name": "TieredCacheStorage", "interface_v1": 1, "remote_addresses": address,
-                      "remote_timeout_s": 1.0, "model_id": model, **extra})
+                      "class_name": "TieredCacheStorage", "interface_v1": 1, "remote_timeout_s": 1.0,
+                      "model_id": model, **({"remote_addresses": address} if address else {}), **extra})
     storage = TieredCacheStorage(config, {})
     assert isinstance(storage, sglang_storage.HiCacheStorage)
     storage.register_mem_pool_host(pool)
@@ -182,6 +182,36 @@ def test_a_dead_store_is_a_bounded_miss_and_reuse_comes_back_with_it(tmp_path):
         assert got == [True] * 3
         assert page_bytes(pool, 4) == page_bytes(pool, 1)
         assert b.batch_set_v1(keys("outage-new", 1), slots([7])) == [True]
+
+
+def test_tenants_tokens_and_several_servers_through_the_extra_config(tmp_path):
+    """Pages spread over two servers that require tokens scoped to namespaces; the settings come
+    from a YAML file the extra config names (`config`) and inline keys: the tenant reads its pages
+    back, another tenant and a wrong token read nothing, and a refused call is a miss, not an error."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("tok-a tenant-a\ntok-b tenant-b\nops *\n")
+    with StoreProcess(["--no-disk", "--token-file", str(tokens)]) as one, \
+            StoreProcess(["--no-disk", "--token-file", str(tokens)]) as two:
+        yaml = tmp_path / "cache.yaml"
+        yaml.write_text(f"remote_addresses: [{one.address}, {two.address}]\nremote_token: tok-a\n")
+        pool, other = host_pool(), host_pool()
+        names = keys("tenant", 12)
+        writer = backend("", pool, config=str(yaml), remote_namespace="tenant-a")
+        assert writer.batch_set_v1(names, slots(list(range(1, 13)))) == [True] * 12
+        held = [StoreClient(s.address, token="ops").stats().tiers[0].pages for s in (one, two)]
+        assert sum(held) == 12 and min(held) > 0, held  # keys spread over both servers
+        reader = backend("", other, config=str(yaml), remote_namespace="tenant-a")
+        assert reader.batch_exists(names) == 12
+        assert reader.batch_get_v1(names, slots(list(range(20, 32)))) == [True] * 12
+        assert all(page_bytes(other, 19 + i) == page_bytes(pool, i) for i in range(1, 13))
+        other_tenant = backend(f"{one.address},{two.address}", host_pool(), remote_token="tok-b",
+                               remote_namespace="tenant-b")
+        assert other_tenant.batch_exists(names) == 0 and other_tenant.batch_get_v1(names[:2], slots([1, 2])) == [
+            False, False]
+        stranger = backend(f"{one.address},{two.address}", host_pool(), remote_token="wrong-token",
+                           remote_namespace="tenant-a")
+        assert stranger.batch_exists(names) == 0 and stranger.batch_get_v1(names[:2], slots([1, 2])) == [False, False]
+        assert stranger.stats()["tier"]["errors"] >= 1
 
 
 def test_hybrid_model_calls_answer_misses_without_raising(store):
