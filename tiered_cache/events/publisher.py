@@ -1,0 +1,151 @@
+"""KV event batches over ZMQ, as vLLM's `ZmqEventPublisher` sends them, so its subscribers read ours.
+
+A PUB socket this side binds (subscribers connect) sends each batch as three frames: the topic,
+the batch's sequence number (8 bytes, big-endian, from 0) and the payload (`schema.encode_batch`).
+The last `buffer_batches` are kept for a ROUTER replay endpoint: a subscriber that starts late, or
+saw a gap in the numbers, sends (empty frame, first wanted number as 8 bytes) and gets every kept
+batch from there as (empty, topic, number, payload), then (empty, b"", -1 as 8 signed bytes, b"").
+
+`publish` never blocks the caller: batches go to a bounded queue a thread drains; when it is full
+the batch is dropped and counted (`dropped`), as every background queue here does. Endpoints are
+loopback unless `beyond_loopback=True`: ZMQ carries no token, so anyone who reaches the port reads
+which prefixes are cached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from tiered_cache.events.schema import encode_batch
+
+log = logging.getLogger(__name__)
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+def check_endpoint(endpoint: str, beyond_loopback: bool = False) -> str:
+    """`tcp://HOST:PORT` (PORT 0: any free one) with HOST on loopback unless allowed; ValueError naming
+    what is wrong otherwise."""
+    if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
+        raise ValueError(f"a KV events endpoint is tcp://HOST:PORT, got {endpoint!r}")
+    host, _, port = endpoint[6:].rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"a KV events endpoint needs a port 0-65535, got {endpoint!r}")
+    host = host.strip("[]")
+    loopback = host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback)
+    if not loopback and not beyond_loopback:
+        raise ValueError(f"KV events endpoint {endpoint} listens beyond loopback: ZMQ has no token, so anyone who "
+                         "reaches it reads which prefixes are cached; use 127.0.0.1, or allow it explicitly")
+    if ":" in host:  # IPv6
+        return f"tcp://[{host}]:{port}"
+    return f"tcp://{'127.0.0.1' if host == 'localhost' else host}:{port}"
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+class EventPublisher:
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
+                 buffer_batches: int = 10_000, max_queue: int = 10_000, data_parallel_rank: int | None = None,
+                 beyond_loopback: bool = False) -> None:
+        import zmq
+
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self.endpoint = self._bind(self._pub, check_endpoint(endpoint, beyond_loopback))
+        self._replay = None
+        self.replay_endpoint: str | None = None
+        if replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self.replay_endpoint = self._bind(self._replay, check_endpoint(replay_endpoint, beyond_loopback))
+        self._topic = topic.encode()
+        self._rank = data_parallel_rank
+        self._queue: queue.Queue[list[dict[str, Any]] | None] = queue.Queue(maxsize=max_queue)
+        self._kept: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self.published = self.dropped = self.replayed = 0
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _bind(sock: Any, endpoint: str) -> str:
+        import zmq
+
+        if endpoint.endswith(":0"):
+            sock.bind(endpoint[:-2] + ":*")
+        else:
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError as exc:
+                raise OSError(f"cannot publish KV events on {endpoint}: {exc}") from None
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def publish(self, events: Sequence[dict[str, Any]]) -> bool:
+        """Queue one batch (schema.py's events); False when the queue is full and it was dropped."""
+        if not events or not self._running:
+            return False
+        try:
+            self._queue.put_nowait(list(events))
+        except queue.Full:
+            self.dropped += 1
+            return False
+        return True
+
+    def _run(self) -> None:
+        seq = 0
+        while self._running or not self._queue.empty():
+            if self._replay is not None and self._replay.poll(0):
+                self._serve_replay()
+            try:
+                events = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if events is None:
+                break
+            payload = encode_batch(time.time(), events, self._rank)
+            number = seq.to_bytes(8, "big")
+            try:
+                self._pub.send_multipart((self._topic, number, payload))
+            except Exception as exc:  # a socket closed under us at shutdown: nothing left to tell
+                log.warning("tiered-cache: KV events stopped: %s", exc)
+                return
+            self._kept.append((seq, payload))
+            self.published += 1
+            seq += 1
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("tiered-cache: a KV events replay request of %d frames ignored", len(frames))
+            return
+        client, _, first = frames
+        start = int.from_bytes(first, "big")
+        for seq, payload in list(self._kept):
+            if seq >= start:
+                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
+                self.replayed += 1
+        self._replay.send_multipart((client, b"", b"", END_OF_REPLAY, b""))
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued (within `timeout_s`), then close the sockets."""
+        self._running = False
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=timeout_s)
+        self._thread.join(timeout=timeout_s)
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
