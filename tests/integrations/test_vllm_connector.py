@@ -207,3 +207,31 @@ def test_blocks_corrupted_on_disk_after_the_lookup_are_recomputed_with_the_same_
     out = run_instance(launcher, model_folder, "--disk", str(disk), "-q", Q2)
     assert out["stores"][0]["load_failures"] > 0
     assert out["rows"][0]["tokens"] == reference["tokens"] and out["rows"][0]["text"] == reference["text"]
+
+
+VLLM_ASKS = """
+import json
+from vllm.plugins import load_general_plugins
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+load_general_plugins()  # as every vLLM process does: our entry point registers the connector by name
+cls = KVConnectorFactory.get_connector_class_by_name("TieredCacheConnector")
+print(json.dumps({"delivery": cls.requires_kv_delivery.fget(None),
+                  "piecewise": {repr(g): cls.requires_piecewise_for_cudagraph({"layer_groups": g})
+                                for g in ("auto", 1, "1", 6)},
+                  "piecewise_default": cls.requires_piecewise_for_cudagraph({})}))
+"""
+
+
+def test_the_connector_says_what_vllm_asks_of_a_best_effort_per_layer_connector():
+    """vLLM's scheduler makes a preempted request wait for (or recompute over) a hand-off when its
+    connector requires delivery: a cache never does. CUDA graphs must run piecewise when loads wait
+    per layer group, and need not when whole blocks load before the forward."""
+    import json
+    import subprocess
+
+    run = subprocess.run([str(VLLM_PYTHON), "-c", VLLM_ASKS], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    said = json.loads(run.stdout.strip().splitlines()[-1])
+    assert said["delivery"] is False
+    assert said["piecewise"] == {"'auto'": True, "1": False, "'1'": False, "6": True}
+    assert said["piecewise_default"] is True

@@ -119,6 +119,19 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._loader: ThreadPoolExecutor | None = None
         self._layerwise = self.tiers.num_groups > 1  # off for good if a forward skips wait_for_layer_load
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a save a preemption dropped is a later miss, never a hand-off a
+        request must wait for or be recomputed over (vLLM defaults producers to True)."""
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Loads that wait per layer (`wait_for_layer_load`, several layer groups) need Python between
+        graph pieces: replayed whole, a CUDA graph would skip the waits. Whole blocks (`layer_groups`
+        1) load before the forward and need nothing; "auto" groups by layer on a GPU."""
+        return str((extra_config or {}).get("layer_groups", "auto")).strip() != "1"
+
     def _set_failure_policy(self, policy: str) -> None:
         """A block we fail to load must be recomputed, not fail the request (vLLM's default)."""
         if policy not in _POLICIES:
