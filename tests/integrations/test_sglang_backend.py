@@ -6,7 +6,6 @@ nothing of a page."""
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ from sglang_pools import PAGE, host_pool, mla_pool, page_bytes, slots  # first: 
 
 sglang_storage = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 
+from tiered_cache.bench.redis_process import free_port  # noqa: E402
 from tiered_cache.client.store_client import StoreClient  # noqa: E402
 from tiered_cache.server.process import StoreProcess  # noqa: E402
 
@@ -148,12 +148,6 @@ def test_a_corrupt_page_ends_the_run_and_is_never_served(tmp_path):
         assert page_bytes(other, 10) == page_bytes(pool, 1)
         assert b.batch_exists(names) == 1  # the server dropped the page it refused
         assert sum(t.corrupt for t in StoreClient(server.address).stats().tiers) == 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_dead_store_is_a_bounded_miss_and_reuse_comes_back_with_it(tmp_path):

@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("sglang")
 
-from tiered_cache.bench.sglang_server import OUR_BACKEND, SGLangServer, free_port, model_folder
+from tiered_cache.bench.redis_process import free_port
+from tiered_cache.bench.sglang_server import OUR_BACKEND, SGLangServer, model_folder
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.server.process import StoreProcess
 

@@ -14,7 +14,6 @@ where computing the prompt's last page and SGLang's scheduling take most of B's 
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import tempfile
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tiered_cache.bench.sglang_server import OUR_BACKEND, SGLANG_PYTHON, STANDINS, SGLangServer, model_folder
+from tiered_cache.bench.sglang_server import OUR_BACKEND, SGLANG_PYTHON, SGLangServer, model_folder, sglang_env
 
 DOC = Path(__file__).resolve().parents[1] / "data" / "document.txt"
 KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2  # SmolLM2-135M: K and V, 30 layers, 3 KV heads of 64, bf16
@@ -71,10 +70,8 @@ def _settle(seconds: float = 3.0) -> None:
 
 def l3_reads(store_address: str, folder: Path) -> dict[str, Any]:
     """`sglang_l3.py`'s figures, in SGLang's venv (with the CPU stand-ins)."""
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([str(SGLANG_PYTHON), "-m", "tiered_cache.bench.sglang_l3", store_address, str(folder)],
-                         capture_output=True, text=True, env=env, timeout=600)
+                         capture_output=True, text=True, env=sglang_env(), timeout=600)
     if out.returncode != 0:
         raise RuntimeError(f"the L3 read bench failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

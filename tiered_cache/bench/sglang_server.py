@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from tiered_cache.bench.redis_process import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
@@ -34,10 +35,13 @@ def model_folder() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def sglang_env(standins: bool = True) -> dict[str, str]:
+    """The environment of an SGLang process here: its CPU engine, and the stand-ins it needs on a
+    machine without CUDA when `standins`."""
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    if standins:
+        env["PYTHONPATH"] = os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")])
+    return env
 
 
 class SGLangServer:
@@ -45,7 +49,7 @@ class SGLangServer:
     `storage=None`: HiCache with no L3. The CPU engine (torch attention, `direct` host copies)."""
 
     def __init__(self, model: str, log: Path, storage: str | None = "dynamic", extra: dict[str, Any] | None = None,
-                 start_timeout_s: float = 300.0, standins: bool = True, env: dict[str, str] | None = None) -> None:
+                 start_timeout_s: float = 300.0, standins: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
@@ -58,11 +62,9 @@ class SGLangServer:
             cmd += ["--hicache-storage-backend", storage]
         if extra is not None:
             cmd += ["--hicache-storage-backend-extra-config", json.dumps(extra)]
-        env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
-        if standins:
-            env["PYTHONPATH"] = os.pathsep.join([str(STANDINS), os.environ.get("PYTHONPATH", "")])
         self._out = log.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=sglang_env(standins),
+                                     start_new_session=True)
         self._wait_ready(start_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:

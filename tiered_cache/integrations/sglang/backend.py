@@ -91,16 +91,17 @@ class TieredCacheStorage(HiCacheStorage):
     @_miss_on_fault(lambda keys, *_: [False] * len(keys))
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        fmt = self._format()
-        return self.transfers.read(fmt, [fmt.key(k) for k in keys], fmt.pool_pages(self.mem_pool_host, host_indices,
-                                                                                  len(keys)))
+        return self.transfers.read(*self._in_pool(keys, host_indices))
 
     @_miss_on_fault(lambda keys, *_: [False] * len(keys))
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        return self.transfers.write(*self._in_pool(keys, host_indices))
+
+    def _in_pool(self, keys: list[str], host_indices: torch.Tensor) -> tuple[PageFormat, list[bytes], list[Any]]:
+        """The format, our page keys and the pool's page views of a v1 call."""
         fmt = self._format()
-        return self.transfers.write(fmt, [fmt.key(k) for k in keys], fmt.pool_pages(self.mem_pool_host, host_indices,
-                                                                                   len(keys)))
+        return fmt, [fmt.key(k) for k in keys], fmt.pool_pages(self.mem_pool_host, host_indices, len(keys))
 
     # --- the generic calls: flat pages SGLang copies in and out itself -----------------------------
     @_miss_on_fault(lambda key, *_: None)

@@ -21,7 +21,6 @@ import torch
 
 from tiered_cache.model.spec import DType, KVSpec
 
-_DTYPES = {torch.float16: DType.FP16, torch.bfloat16: DType.BF16, torch.float32: DType.FP32}
 _KEY_DOMAIN = b"tiered-cache sglang page v1\0"
 
 
@@ -54,7 +53,7 @@ class PageFormat:
             raise ValueError(f"tiered-cache cannot store the pages of SGLang's {type(pool).__name__} (layout "
                              f"{getattr(pool, 'layout', '?')}): {type(exc).__name__}: {exc}") from None
         nbytes = page.numel() * page.element_size()
-        dtype = _DTYPES.get(page.dtype, DType.FP8_E4M3)  # a 1-byte type: the geometry counts bytes
+        dtype = _page_dtype(page.dtype)
         layers = int(getattr(pool, "layer_num", 1) or 1)
         per_layer = 2 * pool.page_size * dtype.itemsize * layers
         if nbytes % per_layer:
@@ -76,6 +75,15 @@ class PageFormat:
         views into the pool, in flat-page order: where v1 reads land and writes come from."""
         starts = host_indices[: count * self.page_size : self.page_size].tolist()
         return [byte_view(pool.get_data_page(int(start), flat=False)) for start in starts]
+
+
+def _page_dtype(dtype: torch.dtype) -> DType:
+    """The page's element type for its spec; a type we do not store by name (int8, fp8 e5m2, ...)
+    as 1-byte elements: the geometry then counts bytes, and the model id carries the real type."""
+    try:
+        return DType.parse(dtype)
+    except ValueError:
+        return DType.FP8_E4M3
 
 
 def byte_view(page: torch.Tensor) -> np.ndarray:
