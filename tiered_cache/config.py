@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tiered_cache.events.endpoints import check_endpoint
 from tiered_cache.index.eviction_queue import EvictionPolicy
 from tiered_cache.model.units import parse_size
 from tiered_cache.tiers.base import Tier
@@ -95,6 +96,14 @@ class CacheConfig:
     # model recomputes off the request path and compares with the reused KV; a tier whose pages
     # differ is quarantined for the namespace. 0: off.
     verify_fraction: float = 0.0
+    # KV events (tiered_cache/events/): vLLM's BlockStored / BlockRemoved / AllBlocksCleared for
+    # every page this cache's tiers gain or lose, on a ZMQ PUB socket bound at this endpoint
+    # (tcp://HOST:PORT; None: off), with a replay endpoint (default: the next port). Loopback
+    # unless `kv_events_beyond_loopback`: ZMQ has no token, and the events say what is cached.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_beyond_loopback: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -122,6 +131,9 @@ class CacheConfig:
             raise ValueError(f"metrics_port must be in 0..65535 or None, got {self.metrics_port}")
         if not 0.0 <= self.verify_fraction <= 1.0:
             raise ValueError(f"verify_fraction must be between 0 and 1 (a share of hits), got {self.verify_fraction}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            if getattr(self, name) is not None:
+                check_endpoint(getattr(self, name), self.kv_events_beyond_loopback)
         if self.prefill_tokens_per_s is not None and not (0 < self.prefill_tokens_per_s < float("inf")):
             raise ValueError(f"prefill_tokens_per_s must be a positive number of tokens per second or None "
                              f"(learned), got {self.prefill_tokens_per_s}")
@@ -231,7 +243,7 @@ def _coerce(name: str, value: Any) -> Any:
             return _choice(EvictionPolicy, value)
         if name == "reuse":
             return _choice(ReusePolicy, value.strip().lower() if isinstance(value, str) else value)
-        if name in {"disk_fsync", "malloc_tuning", "spare_output"}:
+        if name in {"disk_fsync", "malloc_tuning", "spare_output", "kv_events_beyond_loopback"}:
             if isinstance(value, bool):
                 return value
             text = str(value).strip().lower()
@@ -259,6 +271,8 @@ def _coerce(name: str, value: Any) -> Any:
             return None if value is None else check_token(str(value), name)
         if name == "remote_namespace":
             return None if value in (None, "") else check_namespace(str(value), name)
+        if name in {"kv_events_endpoint", "kv_events_replay_endpoint"}:
+            return None if value in (None, "", "none") else str(value)
         if name == "remote_tls_ca":
             return None if value in (None, "") else str(value)
         if name == "redis_ttl_s":

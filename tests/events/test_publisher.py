@@ -13,7 +13,8 @@ import pytest
 
 zmq = pytest.importorskip("zmq")
 
-from tiered_cache.events.publisher import END_OF_REPLAY, EventPublisher, check_endpoint  # noqa: E402
+from tiered_cache.events.endpoints import check_endpoint  # noqa: E402
+from tiered_cache.events.publisher import END_OF_REPLAY, EventPublisher  # noqa: E402
 from tiered_cache.events.schema import (  # noqa: E402
     MEDIUM_CPU,
     MEDIUM_GPU,

@@ -56,8 +56,9 @@ class PageLedger:
         Returns the node ending at the last key, the tree's pages for all keys, and the number
         of duplicates (the leading new pages the tree already had).
         """
-        inserted = self.tree.insert(keys, np.concatenate([prefix_pages, new_pages]), ns)
+        # Tokens first: the tree's insert tells KV event subscribers, with the pages' tokens.
         self.page_tokens.record(keys, tokens, self.spec.page_size, first=len(prefix_pages))
+        inserted = self.tree.insert(keys, np.concatenate([prefix_pages, new_pages]), ns)
         dup = inserted.num_existing - len(prefix_pages)
         if dup <= 0:
             return inserted.node, np.concatenate([prefix_pages, new_pages]), 0

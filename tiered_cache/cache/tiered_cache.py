@@ -61,6 +61,7 @@ from tiered_cache.config import CacheConfig
 from tiered_cache.device.host_copy import HostCopier
 from tiered_cache.device.malloc import tune_malloc
 from tiered_cache.device.pool import PagePool, check_tensor
+from tiered_cache.events.recorder import open_events
 from tiered_cache.index.keys import PageKeyer
 from tiered_cache.index.radix import RadixTree
 from tiered_cache.index.tokens import as_token_array
@@ -137,6 +138,9 @@ class TieredCache(SequenceOps):
         memory = (self.pool.pretouch, self.host.pretouch)
         self.warming = warm_up_async(self.chain, self.tier_loads, memory, self._foreground)
         self.metrics: Any = serve_metrics(self) if config.metrics_port is not None else None  # a MetricsServer
+        self.events = open_events(config, spec.page_size, self.ledger.page_tokens.get)  # KV events, or None
+        if self.events is not None:
+            self.events.watch(self.tree, self.host, self.chain)
 
     # --- tensor API ------------------------------------------------------------------------------
     @request_path
@@ -354,6 +358,8 @@ class TieredCache(SequenceOps):
         if self.metrics is not None:
             self.metrics.stop()
         self.chain.close()
+        if self.events is not None:
+            self.events.close()
 
     def __enter__(self) -> TieredCache:
         return self

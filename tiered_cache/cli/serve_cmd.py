@@ -44,6 +44,11 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics at http://HOST:PORT/metrics "
                                                     "(0: a free port, printed; default: none)")
     p.add_argument("--metrics-host", help="interface for the metrics (default 127.0.0.1; anything else is announced)")
+    p.add_argument("--kv-events", dest="kv_events", metavar="tcp://HOST:PORT",
+                   help="publish the pages this server stores and drops as vLLM KV events (ZMQ PUB, msgpack) "
+                        "at this endpoint, replay on the next port (default: off)")
+    p.add_argument("--kv-events-replay", dest="kv_events_replay", metavar="tcp://HOST:PORT",
+                   help="the replay endpoint for late subscribers (default: the --kv-events port + 1)")
     p.set_defaults(run=run)
 
 
@@ -58,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     overrides = {name: getattr(args, name) for name in
                  ("host", "port", "token", "tls_cert", "tls_key", "ram_capacity", "disk_path", "disk_capacity",
                   "redis_url", "max_page_bytes", "write_through", "workers", "max_streams", "stream_idle_s",
-                  "metrics_port", "metrics_host", "shm", "arena_lease_s", "bulk_port")}
+                  "metrics_port", "metrics_host", "shm", "arena_lease_s", "bulk_port", "kv_events",
+                  "kv_events_replay")}
     if args.token is not None:
         print("tiered-cache serve: WARNING: --token is visible to every local user (/proc/<pid>/cmdline); "
               f"give it as ${TOKEN_ENV} or in a --token-file", file=sys.stderr, flush=True)

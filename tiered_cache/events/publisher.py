@@ -15,7 +15,6 @@ which prefixes are cached.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import queue
 import threading
@@ -24,36 +23,11 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from tiered_cache.events.endpoints import check_endpoint
 from tiered_cache.events.schema import encode_batch
 
 log = logging.getLogger(__name__)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
-
-
-def check_endpoint(endpoint: str, beyond_loopback: bool = False) -> str:
-    """`tcp://HOST:PORT` (PORT 0: any free one) with HOST on loopback unless allowed; ValueError naming
-    what is wrong otherwise."""
-    if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
-        raise ValueError(f"a KV events endpoint is tcp://HOST:PORT, got {endpoint!r}")
-    host, _, port = endpoint[6:].rpartition(":")
-    if not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"a KV events endpoint needs a port 0-65535, got {endpoint!r}")
-    host = host.strip("[]")
-    loopback = host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback)
-    if not loopback and not beyond_loopback:
-        raise ValueError(f"KV events endpoint {endpoint} listens beyond loopback: ZMQ has no token, so anyone who "
-                         "reaches it reads which prefixes are cached; use 127.0.0.1, or allow it explicitly")
-    if ":" in host:  # IPv6
-        return f"tcp://[{host}]:{port}"
-    return f"tcp://{'127.0.0.1' if host == 'localhost' else host}:{port}"
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 class EventPublisher:

@@ -8,7 +8,7 @@ never share a node; each namespace also gets its own root so that even equal key
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,10 @@ class RadixTree:
         self._protected = 0
         self._num_nodes = 0
         self._queue = EvictionQueue.of_policy(self.policy)
+        # Told of every page the tree gains (namespace, keys, the key before them or None) and
+        # loses (keys): KV events. Called with the owner's lock held; they must be quick.
+        self.on_insert: Callable[[str, list[bytes], bytes | None], None] | None = None
+        self.on_remove: Callable[[list[bytes]], None] | None = None
 
     # --- queries ---------------------------------------------------------------------------------
     def size_info(self) -> SizeInfo:
@@ -106,6 +110,8 @@ class RadixTree:
             self._evictable += len(leaf)
             self._refresh(node)  # it may have been a leaf until now
             self._refresh(leaf)
+            if self.on_insert is not None:
+                self.on_insert(namespace, leaf.keys, node.keys[-1] if node.keys else None)
             node = leaf
         elif node.queued:
             self._refresh(node)
@@ -236,6 +242,8 @@ class RadixTree:
         self._evictable -= len(node)
         if not parent.children:
             self._refresh(parent)
+        if self.on_remove is not None:
+            self.on_remove(node.keys)
 
     def all_values(self) -> np.ndarray:
         """The values (pool pages) of every node, in no particular order."""

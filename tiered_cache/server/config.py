@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tiered_cache.events.endpoints import check_endpoint
 from tiered_cache.model.units import parse_size
 from tiered_cache.server.tenants import Grants
 from tiered_cache.wire.auth import check_token
@@ -89,6 +90,12 @@ class ServerConfig:
     # The bulk Get (wire/bulk.py): plain TCP beside gRPC on `host`, this port (0: a free one);
     # None: off. Never with TLS (it would carry pages in the clear): clients then use gRPC's Get.
     bulk_port: int | None = 0
+    # KV events (tiered_cache/events/): the pages this server stores and drops, as vLLM's
+    # BlockStored / BlockRemoved (medium STORAGE), published on a ZMQ PUB socket at this endpoint
+    # (tcp://HOST:PORT; None: off), replay on the next port unless given. ZMQ takes no token: an
+    # endpoint beyond loopback is allowed only when the server itself listens beyond loopback.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -114,6 +121,9 @@ class ServerConfig:
             raise ValueError(f"arena_lease_s must be 0 or more seconds, got {self.arena_lease_s}")
         if not float(self.stream_idle_s) > 0:
             raise ValueError(f"stream_idle_s must be positive, got {self.stream_idle_s}")
+        for name in ("kv_events", "kv_events_replay"):
+            if getattr(self, name) is not None:
+                check_endpoint(getattr(self, name), beyond_loopback=self.host not in LOOPBACK)
         check_token(self.token, "token")
         if self.token and self.token_file:
             raise ValueError("give token or token_file, not both (a token file can list the token with '*')")

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 _METRICS = re.compile(r"metrics at (http://\S+/metrics)")
+_EVENTS = re.compile(r"KV events at (tcp://\S+) \(replay (tcp://\S+)\)")
 
 
 class StoreProcess:
@@ -24,6 +25,7 @@ class StoreProcess:
         self.proc: subprocess.Popen[str] | None = None
         self.address = ""
         self.metrics_url = ""
+        self.events_endpoint = self.replay_endpoint = ""  # with --kv-events
         self.output: list[str] = []
         self._reader: threading.Thread | None = None
 
@@ -43,7 +45,11 @@ class StoreProcess:
             metrics = _METRICS.search(line)
             if metrics:
                 self.metrics_url = metrics.group(1)
-            if self.address and (self.metrics_url or not any(a.startswith("--metrics-port") for a in self.args)):
+            events = _EVENTS.search(line)
+            if events:
+                self.events_endpoint, self.replay_endpoint = events.group(1), events.group(2)
+            if self.address and self._wants(self.metrics_url, "--metrics-port") and \
+                    self._wants(self.events_endpoint, "--kv-events"):
                 # The rest is read by a thread: a full pipe would block the server's prints, and
                 # lines the reader buffered past this one must not be lost to a later read.
                 self._reader = threading.Thread(target=self._read_rest, name="store-process-output", daemon=True)
@@ -51,6 +57,10 @@ class StoreProcess:
                 return self.address
         self.kill()
         raise RuntimeError("the store server did not start:\n" + "\n".join(self.output))
+
+    def _wants(self, found: str, flag: str) -> bool:
+        """Whether what `flag` makes the server print was read (or the flag was not given)."""
+        return bool(found) or not any(a == flag or a.startswith(flag + "=") for a in self.args)
 
     def _read_rest(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None

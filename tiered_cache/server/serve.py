@@ -43,6 +43,12 @@ def serve(config: ServerConfig) -> int:
         print(f"tiered-cache serve: WARNING: listening beyond loopback on {config.host}"
               + ("" if config.grants else "; set --token-file so only your instances can read and write pages"),
               file=sys.stderr, flush=True)
+    if server.events is not None:
+        publisher = server.events.publisher
+        print(f"tiered-cache serve: KV events at {publisher.endpoint} (replay {publisher.replay_endpoint})", flush=True)
+        if not publisher.endpoint.startswith(("tcp://127.", "tcp://[::1]")):
+            print("tiered-cache serve: WARNING: KV events listen beyond loopback and take no token: anyone who "
+                  "reaches them reads which prefixes are stored", flush=True)
     if server.metrics is not None:
         print(f"tiered-cache serve: metrics at {server.metrics.url}"
               f"{' (token required)' if config.metrics_token else ''}", flush=True)

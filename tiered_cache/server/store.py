@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
+from tiered_cache.events.schema import MEDIUM_STORAGE
 from tiered_cache.server.arena_tier import ArenaTier
 from tiered_cache.shm.arena import Ref
 from tiered_cache.tiers.base import BlobTier, TierStats
@@ -19,6 +21,7 @@ from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.memory import ENTRY_OVERHEAD_BYTES, MemoryTier
 from tiered_cache.wire.codec import IDENTITY_BYTES, BlobError, page_identity
 
+_EVENT_BATCH = 4096  # pages per event when the store tells what it holds at start
 _GET_ROUNDS = 3  # a key that moved tier between locate and get (an eviction) is looked up again
 
 
@@ -30,6 +33,18 @@ class BlobStore:
         self.write_through = write_through
         self.chain = TierChain([ram, *self.lower])
         self.replaced = 0  # held blobs a Put replaced with another page identity
+        self.events: Any = None  # a CacheEvents while KV events are on (`watch_events`)
+
+    def watch_events(self, events: Any) -> None:
+        """Tell `events` (a `CacheEvents`) what the store holds: the pages on disk now, then each
+        page a Put stores and each one that leaves the store (evicted from its last tier, deleted,
+        replaced), all as the STORAGE medium. Moving between the store's own tiers is no change."""
+        self.events = events
+        for tier in self.lower:
+            held = list(getattr(tier, "index", ()))  # a disk tier's pages survive a restart
+            for start in range(0, len(held), _EVENT_BATCH):
+                events.stored(held[start:start + _EVENT_BATCH], MEDIUM_STORAGE, block_size=0)
+        self.chain.on_change = lambda keys, held: None if held else events.removed(keys, MEDIUM_STORAGE)
 
     @property
     def tiers(self) -> list[BlobTier]:
@@ -107,9 +122,28 @@ class BlobStore:
                 self.chain.delete(below, index)
         if fresh:
             self.chain.put(fresh, 0)  # a blob too big for RAM goes straight to the tier below
+            if self.events is not None:
+                self._tell_stored(fresh)
         if self.write_through and self.lower and fresh:
             self.chain.put(fresh, 1)
         return len(fresh), len(items) - len(fresh)
+
+    def _tell_stored(self, items: list[tuple[bytes, bytes]]) -> None:
+        """One event per run of pages of one size (tokens per page, from each blob's header)."""
+        run: list[bytes] = []
+        size = -1
+        for key, blob in items:
+            try:
+                tokens = page_identity(blob[:IDENTITY_BYTES])[3]
+            except BlobError:
+                tokens = 0
+            if tokens != size and run:
+                self.events.stored(run, MEDIUM_STORAGE, block_size=size)
+                run = []
+            size = tokens
+            run.append(key)
+        if run:
+            self.events.stored(run, MEDIUM_STORAGE, block_size=size)
 
     def _claims_another_page(self, key: bytes, blob: bytes) -> bool:
         head = self.ram.head(key, IDENTITY_BYTES)

@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tiered_cache.server.arena_tier import ArenaTier
 from tiered_cache.server.bulk_gets import BulkGets
-from tiered_cache.server.config import ServerConfig
+from tiered_cache.server.config import LOOPBACK, ServerConfig
 from tiered_cache.server.handlers import KVCacheService
 from tiered_cache.server.requests import ServerCounters, parse_put_item, parser
 from tiered_cache.server.store import BlobStore
@@ -73,6 +73,7 @@ class StoreServer:
         self._server: grpc.aio.Server | None = None
         self._health: Any = None
         self.metrics: Any = None  # a MetricsServer while running with config.metrics_port
+        self.events: Any = None  # a CacheEvents while running with config.kv_events
 
     def start(self) -> int:
         loop = asyncio.new_event_loop()
@@ -88,13 +89,26 @@ class StoreServer:
                 self.bulk.stop()
             self._stop_loop()
             raise
-        if self.config.metrics_port is not None:
-            try:
+        try:
+            if self.config.metrics_port is not None:
                 self.metrics = self._serve_metrics()
-            except BaseException:
-                self.stop()
-                raise
+            if self.config.kv_events is not None:
+                self.events = self._publish_events()
+        except BaseException:
+            self.stop()
+            raise
         return self.port
+
+    def _publish_events(self) -> Any:
+        """KV events of what this server stores (`ServerConfig.kv_events`), on the topic
+        `store@HOST:PORT`, so a subscriber to several servers knows which one holds a page."""
+        from tiered_cache.events.recorder import CacheEvents
+
+        config = self.config
+        events = CacheEvents.open(config.kv_events, 0, config.kv_events_replay, f"store@{config.host}:{self.port}",
+                                  beyond_loopback=config.host not in LOOPBACK)
+        self.store.watch_events(events)
+        return events
 
     def _serve_metrics(self) -> Any:
         from tiered_cache.metrics import registry_of
@@ -150,7 +164,11 @@ class StoreServer:
         offers, self.service.offers = self.service.offers, None
         if offers is not None:
             offers.close()
-        return self.store.flush()
+        flushed = self.store.flush()
+        if self.events is not None:  # nothing is served from here now; a restarted server tells its disk again
+            self.events.close()
+            self.events = None
+        return flushed
 
     async def _drain(self) -> None:
         await self._health.enter_graceful_shutdown()

@@ -56,6 +56,9 @@ class TierChain:
         self._meta = threading.Lock()
         self._held: OrderedDict[bytes, int] = OrderedDict()  # key -> bit i set: tier i holds it
         self._max_known = max_known
+        # Told (keys, held) when a tier is first known to hold keys no tier was known to hold, or
+        # when none is known to any more: KV events for the STORAGE medium. Called under a lock.
+        self.on_change: Callable[[list[bytes], bool], None] | None = None
         for i, tier in enumerate(self.tiers):
             if hasattr(tier, "on_evict"):
                 tier.on_evict = self._demoter(i)
@@ -83,8 +86,9 @@ class TierChain:
         with self._meta:
             return [bool(self._held.get(key, 0)) for key in keys]
 
-    def _mark(self, keys: Sequence[bytes], index: int, held: bool) -> None:
+    def _mark(self, keys: Sequence[bytes], index: int, held: bool, tell: bool = True) -> None:
         bit = 1 << index
+        changed: list[bytes] = []  # keys now held somewhere that were not, or no longer held anywhere
         with self._meta:
             for key in keys:
                 old = self._held.get(key, 0)
@@ -94,8 +98,12 @@ class TierChain:
                     self._held.move_to_end(key)
                 elif old:
                     del self._held[key]
+                if bool(old) != bool(new):
+                    changed.append(key)
             while len(self._held) > self._max_known:
                 self._held.popitem(last=False)
+            if changed and tell and self.on_change is not None:
+                self.on_change(changed, held)
 
     def forget(self, index: int, which: Callable[[bytes], bool] | None = None) -> None:
         """Drop what is known about tier `index` (for the keys `which` picks; all by default): its
@@ -302,9 +310,16 @@ class TierChain:
         """Tier `index` is dropping these blobs: forget them there and put them one tier down.
         Runs inside that tier's call, so its lock is held; the next tier's lock is taken after it."""
         def demote(items: list[tuple[bytes, bytes]]) -> None:
-            self._mark([k for k, _ in items], index, False)
-            if index + 1 < len(self.tiers):
+            keys = [k for k, _ in items]
+            below = index + 1 < len(self.tiers)
+            self._mark(keys, index, False, tell=not below)  # moving down is no removal: told after the put
+            if below:
                 self.put(items, index + 1, demotion=True)
+                if self.on_change is not None:
+                    with self._meta:
+                        gone = [k for k in keys if not self._held.get(k)]
+                    if gone:
+                        self.on_change(gone, False)
         return demote
 
     def _count(self, counter: Counter[str], name: str, n: int) -> None:

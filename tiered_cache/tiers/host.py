@@ -34,6 +34,8 @@ HostEvictCallback = Callable[[list[bytes], torch.Tensor], None]
 # Called with (keys, rows) about to leave host RAM; returns the rows it keeps (reads them at
 # `slab[row]` later, e.g. to write them below) until it gives them back with `release`.
 HostRetainCallback = Callable[[list[bytes], np.ndarray], np.ndarray]
+# Called with (keys, held) when keys enter (True) or leave (False) host RAM: KV events.
+HostChangeCallback = Callable[[list[bytes], bool], None]
 
 
 class HostTier:
@@ -52,6 +54,7 @@ class HostTier:
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> row, least recently used first
         self.on_evict = on_evict
         self.retain = retain
+        self.on_change: HostChangeCallback | None = None
         self.num_retained = 0  # rows dropped from the index but still held by `retain`'s owner
         self._reads: list[Any] = []  # device copies out of the slab that may be running (`reading`)
         self._reads_lock = threading.Lock()
@@ -187,19 +190,25 @@ class HostTier:
     def fill(self, keys: Sequence[bytes], rows: np.ndarray) -> None:
         """Index reserved `rows`, now written, under `keys`. A key stored meanwhile by another
         put keeps its row; the duplicate row is freed."""
-        duplicates = []
+        duplicates, added = [], []
         for key, row in zip(keys, rows.tolist(), strict=True):
             if key in self.index:
                 duplicates.append(row)
             else:
                 self.index[key] = row
+                added.append(key)
         if duplicates:
             self.rows.free(np.array(duplicates, dtype=np.int64))
+        if added and self.on_change is not None:
+            self.on_change(added, True)
         self._stats.bytes_in += (len(keys) - len(duplicates)) * self.spec.bytes_per_page
 
     def delete(self, keys: Sequence[bytes]) -> None:
-        rows = [self.index.pop(k) for k in keys if k in self.index]
+        gone = [k for k in keys if k in self.index]
+        rows = [self.index.pop(k) for k in gone]
         self.rows.free(np.array(rows, dtype=np.int64))
+        if gone and self.on_change is not None:
+            self.on_change(gone, False)
 
     def stats(self) -> TierStats:
         self._stats.pages = len(self.index)
@@ -221,6 +230,8 @@ class HostTier:
             victims = [self.index.popitem(last=False) for _ in range(shortfall)]
             keys = [key for key, _ in victims]
             rows = np.array([row for _, row in victims], dtype=np.int64)
+            if self.on_change is not None:
+                self.on_change(keys, False)
             kept = np.empty(0, dtype=np.int64)
             if self.retain is not None:
                 kept = self.retain(keys, rows)
