@@ -13,6 +13,7 @@ import contextlib
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
@@ -31,6 +32,7 @@ from tiered_cache.tiers.remote_servers import owner
 from tiered_cache.wire.auth import token_from
 from tiered_cache.workers.config import ShardSettings, WorkerSettings
 from tiered_cache.workers.directory import WORKER
+from tiered_cache.workers.kv_events import member_endpoints
 from tiered_cache.workers.names import DIRECTORY
 from tiered_cache.workers.placement import compute_device
 from tiered_cache.workers.ray_metrics import RayMetrics
@@ -42,7 +44,7 @@ _SUMMARY_CHARS = 16384  # of each, the leading characters (the shared part is th
 
 class CacheWorker:
     def __init__(self, name: str, settings: WorkerSettings, shard: ShardSettings | None = None,
-                 watch_interval_s: float = 1.0) -> None:
+                 watch_interval_s: float = 1.0, kv_events: str | None = None, slot: int = 0) -> None:
         import torch
 
         shard = shard or ShardSettings()
@@ -57,6 +59,8 @@ class CacheWorker:
         self._shard = shard
         self._use_shards = True
         self._namespace = ""  # of the page keys (CacheConfig.namespace)
+        # KV events of this worker's cache (ClusterConfig.kv_events): (endpoint, replay, beyond loopback).
+        self._events = member_endpoints(kv_events, slot, self.node_ip) if kv_events else None
         self.remote, self.cache = self._new_cache()
         self._generate_lock = threading.Lock()  # one forward at a time; stats never wait for it
         self._recent: OrderedDict[str, None] = OrderedDict()
@@ -65,7 +69,7 @@ class CacheWorker:
         self.ring_version = -1
         self._directory = ray.get_actor(DIRECTORY)
         self._refresh_ring()
-        ray.get(self._directory.register.remote(WORKER, name, "", self.node_id))
+        ray.get(self._directory.register.remote(WORKER, name, self._address(), self.node_id))
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, args=(watch_interval_s,), daemon=True,
                                          name="tiered-cache-ring-watch")
@@ -78,9 +82,12 @@ class CacheWorker:
         token = token_from(self._shard.token, dict(os.environ))
         remote = RemoteTier([], token=token, tls_ca=self._shard.tls_ca, allow_empty=True,
                             fingerprint=bytes.fromhex(self.spec.fingerprint))
+        events = self._events or (None, None, False)
         config = CacheConfig(device=self.device, pool_capacity=self.settings.pool_capacity,
                              host_capacity=self.settings.host_capacity, write_policy=WritePolicy.WRITE_THROUGH,
-                             namespace=self._namespace, verify_fraction=self.settings.verify_fraction)
+                             namespace=self._namespace, verify_fraction=self.settings.verify_fraction,
+                             kv_events_endpoint=events[0], kv_events_replay_endpoint=events[1],
+                             kv_events_beyond_loopback=events[2])
         return remote, TieredCache(self.spec, config, lower=[remote])
 
     def reset(self, use_shards: bool = True, namespace: str | None = None) -> int:
@@ -99,7 +106,18 @@ class CacheWorker:
                 self._recent.clear()
             self.ring_version = -1
             self._refresh_ring()
+        # A new cache publishes anew: the router re-reads this worker's events from the start.
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self._directory.register.remote(WORKER, self.name, self._address(), self.node_id), timeout=10)
         return len(self.remote.addresses)
+
+    def _address(self) -> str:
+        """What the directory lists for this worker: its cache's KV event endpoints (publisher, replay)
+        and the cache's identity, so a new cache (a reset) is a change the router sees; "" without events."""
+        events = self.cache.events
+        if events is None:
+            return ""
+        return f"{events.publisher.endpoint} {events.publisher.replay_endpoint} {id(self.cache):x}"
 
     # --- ring -------------------------------------------------------------------------------------
     def _refresh_ring(self) -> None:
@@ -173,14 +191,19 @@ class CacheWorker:
         return ids, max_new
 
     def _run(self, ids: list[int], max_new: int, use_cache: bool,
-             on_token: Callable[[int], None] | None = None) -> GenerationResult:
+             on_token: Callable[[int], None] | None = None) -> tuple[GenerationResult, float]:
+        """The answer, and the seconds it waited for the model (requests ahead of it)."""
+        arrived = time.perf_counter()
         with self._generate_lock:
+            queued = time.perf_counter() - arrived
             result = generate(self.model, ids, self.cache if use_cache else None, max_new,
                               self.tokenizer.eos_token_id, on_token=on_token)
             self.requests += 1
-        return result
+        return result, queued
 
-    def _answer(self, prompt: Prompt, ids: list[int], result: GenerationResult, use_cache: bool) -> dict[str, Any]:
+    def _answer(self, prompt: Prompt, ids: list[int], run: tuple[GenerationResult, float],
+                use_cache: bool) -> dict[str, Any]:
+        result, queued = run
         if use_cache:
             key = prompt_text(prompt)[:_SUMMARY_CHARS]
             with self._summary_lock:
@@ -190,8 +213,8 @@ class CacheWorker:
                     self._recent.popitem(last=False)
         data = asdict(result)
         data.pop("first_logits")
-        return {**data, "worker": self.name, "node_id": self.node_id,
-                "text": self.tokenizer.decode(result.tokens, skip_special_tokens=True).strip()}
+        return {**data, "queued_s": queued, "worker": self.name, "node_id": self.node_id,
+                "text": self.tokenizer.decode(result.tokens, skip_special_tokens=True)}
 
     def flush(self, timeout_s: float = 60.0) -> bool:
         """Wait until pages queued for host RAM and the shards are written (tests, benchmarks)."""
@@ -224,7 +247,10 @@ class CacheWorker:
                 "pid": os.getpid(), "device": self.device, "gpu_ids": self.gpu_ids, "model_id": self.spec.model_id,
                 "weights_dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
                 "kv_dtype": self.spec.dtype.value,
-                "shards": self.remote.addresses, "ring_version": self.ring_version}
+                "shards": self.remote.addresses, "ring_version": self.ring_version, "address": self._address(),
+                "model": self.settings.model, "fingerprint": self.spec.fingerprint,
+                "namespace": self.cache.config.namespace, "page_size": self.spec.page_size,
+                "bytes_per_token": self.spec.bytes_per_page // self.spec.page_size}
 
     def stats(self) -> dict[str, Any]:
         """Info plus the cache's figures (`CacheStats.to_dict()`) and requests served."""

@@ -29,6 +29,7 @@ from tiered_cache.workers.names import (
     WORKER_PREFIX,
     http_app_name,
     is_ours,
+    member_index,
     placement_group_name,
     shard_name,
     worker_name,
@@ -111,7 +112,8 @@ def start_shard(name: str, config: ClusterConfig, **options: Any) -> Any:
     options.setdefault("num_cpus", s.num_cpus)
     if s.resources:
         options.setdefault("resources", dict(s.resources))
-    return _existing(name) or _detached(StoreShard, name, config, max_concurrency=8, **options).remote(name, s)
+    return _existing(name) or _detached(StoreShard, name, config, max_concurrency=8, **options).remote(
+        name, s, config.kv_events, config.workers + member_index(name))
 
 
 def start_worker(name: str, config: ClusterConfig, **options: Any) -> Any:
@@ -122,7 +124,8 @@ def start_worker(name: str, config: ClusterConfig, **options: Any) -> Any:
     if w.resources:
         options.setdefault("resources", dict(w.resources))
     return _existing(name) or _detached(CacheWorker, name, config, retry_calls=False, max_concurrency=4,
-                                        **options).remote(name, w, config.shard, config.watch_interval_s)
+                                        **options).remote(name, w, config.shard, config.watch_interval_s,
+                                                          config.kv_events, member_index(name))
 
 
 def start_router(config: ClusterConfig) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 
 from tiered_cache.model.units import parse_size
 from tiered_cache.wire.auth import check_token
+from tiered_cache.workers.kv_events import check_template
 
 AUTO_HOST = "auto"  # a shard binds its node's IP address, reachable from the other nodes
 DEVICES = ("auto", "cuda", "cpu")
@@ -22,6 +23,9 @@ WEIGHT_DTYPES = ("auto", "fp32", "fp16", "bf16")
 class RoutingPolicyName(enum.Enum):
     PREFIX = "prefix"  # the worker most likely to hold the longest prefix, bounded by load
     ROUND_ROBIN = "round_robin"
+    # Where the workers' and shards' KV events say the pages are, by expected TTFT (event_routing.py);
+    # the prefix policy while events are stale.
+    EVENTS = "events"
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,10 @@ class ClusterConfig:
     # How often Ray restarts a crashed actor (killed, out of memory, its node lost) in place: same
     # name, same handles, state recovered from the cluster; -1 for no limit, 0 for never.
     max_restarts: int = 10
+    # KV events (tiered_cache/events/, workers/kv_events.py): every worker's cache and every shard
+    # publishes where its pages are at tcp://HOST:PORT + 2 x its slot (HOST auto: each node's IP;
+    # PORT 0: free ports), and the `events` routing policy routes on them. None: off.
+    kv_events: str | None = None
     shard: ShardSettings = field(default_factory=ShardSettings)
     worker: WorkerSettings = field(default_factory=WorkerSettings)
     router: RouterSettings = field(default_factory=RouterSettings)
@@ -126,6 +134,11 @@ class ClusterConfig:
             raise ValueError("namespace must not be empty")
         if self.start_timeout_s <= 0:
             raise ValueError(f"start_timeout_s must be positive, got {self.start_timeout_s}")
+        if self.kv_events is not None:
+            check_template(self.kv_events)
+        elif self.router.policy is RoutingPolicyName.EVENTS:
+            raise ValueError("router.policy events needs kv_events (e.g. tcp://127.0.0.1:0): the router routes "
+                             "on the KV events of workers and shards")
         if self.max_restarts < -1:
             raise ValueError(f"max_restarts must be -1 (no limit), 0 or more, got {self.max_restarts}")
 
@@ -168,4 +181,4 @@ def _known(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 # Keys whose YAML `null` means "none" rather than "use the default".
-_NULLABLE = {"disk_path", "redis_url", "token", "tls_cert", "tls_key", "tls_ca"}
+_NULLABLE = {"disk_path", "redis_url", "token", "tls_cert", "tls_key", "tls_ca", "kv_events"}

@@ -43,15 +43,42 @@ class BadRequest(ValueError):
 def deploy(namespace: str, model: str, host: str = "127.0.0.1", port: int = 8000,
            token: str | None = None) -> str:
     """Start Ray Serve's HTTP proxy on `host:port` (if Serve is not running yet) and the front end
-    for the cluster in `namespace`; returns its base URL. ValueError for an address beyond
+    for the cluster in `namespace` with `token`; returns the base URL the running proxy answers on.
+
+    Run again (`cluster start` is idempotent), it never changes what is served silently: Serve's
+    proxy cannot move while it runs, so another host or port is refused in one line naming both;
+    the same bind redeploys the front end with this token for real. ValueError for a bind beyond
     loopback without a token: it would serve anyone who reaches the port."""
     if host not in LOOPBACK and not token:
         raise ValueError(f"--http-host {host} listens beyond loopback: give a token (--http-token or "
                          "TIERED_CACHE_HTTP_TOKEN) that every request must send")
-    serve.start(http_options={"host": host, "port": port})
+    running = running_bind()
+    if running is not None and running != (host, port):
+        raise ValueError(f"the HTTP front end already listens on {_url_host(running[0])}:{running[1]}, not "
+                         f"{_url_host(host)}:{port}: a running proxy cannot move; give --http-host {running[0]} "
+                         f"--http-port {running[1]}, or `tiered-cache cluster stop` first")
+    if running is None:
+        serve.start(http_options={"host": host, "port": port})
     serve.run(OpenAIFrontend.bind(namespace, model, token), name=http_app_name(namespace), route_prefix="/")
-    shown = f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{port}/v1"
+    bound = running_bind() or (host, port)
+    return f"http://{_url_host(bound[0])}:{bound[1]}/v1"
+
+
+def running_bind() -> tuple[str, int] | None:
+    """(host, port) of the running Serve HTTP proxy, read from Serve's controller; None when Serve
+    is not running."""
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    try:
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+    except ValueError:
+        return None
+    options = ray.get(controller.get_http_config.remote(), timeout=30)
+    return str(options.host), int(options.port)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def token_refusal(token: str | None, authorization: str) -> Response | None:

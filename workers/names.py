@@ -18,6 +18,11 @@ def worker_name(index: int) -> str:
     return f"{WORKER_PREFIX}{index}"
 
 
+def member_index(name: str) -> int:
+    """The index in a shard's or worker's name ("worker-3" -> 3)."""
+    return int(name.rpartition("-")[2])
+
+
 def is_ours(name: str) -> bool:
     return name in (DIRECTORY, ROUTER) or name.startswith((SHARD_PREFIX, WORKER_PREFIX))
 

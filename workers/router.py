@@ -20,7 +20,8 @@ import ray
 
 from tiered_cache.integrations.chat_messages import checked_messages
 from tiered_cache.workers.config import RouterSettings, RoutingPolicyName
-from tiered_cache.workers.directory import WORKER
+from tiered_cache.workers.directory import SHARD, WORKER
+from tiered_cache.workers.event_routing import EventRoutingPolicy
 from tiered_cache.workers.names import DIRECTORY
 from tiered_cache.workers.routing import Decision, Prompt, make_policy, prompt_text
 
@@ -42,13 +43,15 @@ class PrefixRouter:
         """Its policy from `settings`, and no worker, load or figure yet."""
         self.settings = settings or RouterSettings()
         s = self.settings
-        if s.policy is RoutingPolicyName.PREFIX:
-            self.policy = make_policy(s.policy.value, cache_threshold=s.cache_threshold,
-                                      balance_abs_threshold=s.balance_abs_threshold,
-                                      balance_rel_threshold=s.balance_rel_threshold)
+        if s.policy is RoutingPolicyName.ROUND_ROBIN:
+            self.policy: Any = make_policy(s.policy.value)
         else:
-            self.policy = make_policy(s.policy.value)
+            prefix = make_policy(RoutingPolicyName.PREFIX.value, cache_threshold=s.cache_threshold,
+                                 balance_abs_threshold=s.balance_abs_threshold,
+                                 balance_rel_threshold=s.balance_rel_threshold)
+            self.policy = EventRoutingPolicy(prefix) if s.policy is RoutingPolicyName.EVENTS else prefix
         self.workers: dict[str, Any] = {}  # name -> actor handle
+        self.addresses: dict[str, str] = {}  # name -> what the directory lists (a worker's KV event endpoints)
         self.loads: Counter[str] = Counter()  # requests in flight per worker
         self.routed: Counter[str] = Counter()  # requests sent per worker
         self.reasons: Counter[str] = Counter()  # why: prefix / balance / least_cached / round_robin
@@ -67,24 +70,41 @@ class PrefixRouter:
             except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
                 self.directory_misses += 1  # keep routing to the workers known so far
                 return
-            live = {m["name"] for m in snapshot["members"] if m["kind"] == WORKER}
+            members = {m["name"]: m for m in snapshot["members"]}
+            live = {name for name, m in members.items() if m["kind"] == WORKER}
             if snapshot["version"] == self._version and live <= set(self.workers):
                 return
             self._version = snapshot["version"]
             for name in set(self.workers) - live:
                 self._drop(name)
-            # New workers, and ones dropped after a failed call that Ray has restarted since (same
-            # name, same version): routable once they answer, with what they hold; asked all at once.
-            joining = sorted(live - set(self.workers))
+            # New workers, ones dropped after a failed call that Ray has restarted since (same
+            # name, same version), and ones whose cache is new (its events start over): routable
+            # once they answer, with what they hold; asked all at once.
+            joining = sorted(n for n in live if n not in self.workers or self.addresses.get(n) != members[n]["address"])
             summaries = await asyncio.gather(*(_summary(name) for name in joining))
             for name, found in zip(joining, summaries, strict=True):
                 if found is not None:  # else still starting: asked again on the next refresh
-                    self.workers[name] = found[0]
+                    handle, prompts, info = found
+                    self.workers[name] = handle
+                    self.addresses[name] = members[name]["address"]
                     self.policy.add_worker(name)
-                    self.policy.observe(name, found[1])
+                    self.policy.observe(name, prompts)
+                    if isinstance(self.policy, EventRoutingPolicy):
+                        await asyncio.to_thread(self.policy.join, name, info)
+            if isinstance(self.policy, EventRoutingPolicy):
+                await self._watch_shards([n for n, m in members.items() if m["kind"] == SHARD])
+
+    async def _watch_shards(self, names: list[str]) -> None:
+        """Subscribe the event policy to shards it does not watch yet."""
+        new = [n for n in names if n not in self.policy.events.shards]
+        infos = await asyncio.gather(*(_info(n) for n in new))
+        for name, info in zip(new, infos, strict=True):
+            if info is not None:
+                self.policy.watch_shard(name, info.get("events"))
 
     def _drop(self, name: str) -> None:
         self.workers.pop(name, None)
+        self.addresses.pop(name, None)
         self.loads.pop(name, None)
         self.policy.remove_worker(name)
 
@@ -94,7 +114,7 @@ class PrefixRouter:
         (worker, reason, matched chars)."""
         text = _checked(prompt)
         for _attempt in range(self.settings.retries + 1):
-            decision = await self._choose(text)
+            decision = await self._choose(text, prompt, chat)
             started = time.perf_counter()
             try:
                 result = await self.workers[decision.worker].generate.remote(prompt, max_new_tokens, use_cache, chat)
@@ -102,8 +122,10 @@ class PrefixRouter:
                 self._lost(decision.worker)
                 continue
             finally:
-                self._done(decision.worker)
-            return {**result, "latency_s": time.perf_counter() - started, "route": _route(decision)}
+                self._done(decision)
+            latency = time.perf_counter() - started
+            self._learn(result, latency, use_cache)
+            return {**result, "latency_s": latency, "route": _route(decision)}
         raise NoWorkerError(f"every worker tried for this request died ({self.settings.retries + 1} attempts)")
 
     async def stream(self, prompt: Prompt, max_new_tokens: int | None = None, use_cache: bool = True,
@@ -113,13 +135,14 @@ class PrefixRouter:
         stream ends with the error (the tokens sent cannot be taken back)."""
         text = _checked(prompt)
         for _attempt in range(self.settings.retries + 1):
-            decision = await self._choose(text)
+            decision = await self._choose(text, prompt, chat)
             started = time.perf_counter()
             sent = 0
             try:
                 async for ref in self.workers[decision.worker].stream.remote(prompt, max_new_tokens, use_cache, chat):
                     item = await ref
                     if "token" not in item:  # the whole answer, last
+                        self._learn(item, time.perf_counter() - started, use_cache)
                         item = {**item, "latency_s": time.perf_counter() - started, "route": _route(decision)}
                     yield item
                     sent += 1
@@ -129,10 +152,14 @@ class PrefixRouter:
                 if sent:
                     raise
             finally:
-                self._done(decision.worker)
+                self._done(decision)
         raise NoWorkerError(f"every worker tried for this request died ({self.settings.retries + 1} attempts)")
 
-    async def _choose(self, text: str) -> Decision:
+    def _learn(self, answer: dict[str, Any], latency_s: float, use_cache: bool) -> None:
+        if use_cache and isinstance(self.policy, EventRoutingPolicy):
+            self.policy.learn(answer, latency_s)
+
+    async def _choose(self, text: str, prompt: Prompt, chat: bool) -> Decision:
         await self._refresh()
         deadline = time.monotonic() + _NO_WORKER_WAIT_S
         while not self.workers and time.monotonic() < deadline:
@@ -147,15 +174,21 @@ class PrefixRouter:
                                     "(restarting, or gone: run `tiered-cache cluster start`)")
             raise NoWorkerError(f"no live cache worker after {_NO_WORKER_WAIT_S:.0f} s: "
                                 "run `tiered-cache cluster start`")
-        decision = self.policy.choose(text, {name: self.loads[name] for name in self.workers})
+        loads = {name: self.loads[name] for name in self.workers}
+        if isinstance(self.policy, EventRoutingPolicy):  # keys the prompt itself: off the event loop
+            decision = await asyncio.to_thread(self.policy.choose, text, loads, prompt, chat)
+        else:
+            decision = self.policy.choose(text, loads)
         self.loads[decision.worker] += 1
         self.routed[decision.worker] += 1
         self.reasons[decision.reason] += 1
         return decision
 
-    def _done(self, worker: str) -> None:
-        if worker in self.loads:
-            self.loads[worker] -= 1
+    def _done(self, decision: Decision) -> None:
+        if decision.worker in self.loads:
+            self.loads[decision.worker] -= 1
+        if isinstance(self.policy, EventRoutingPolicy):
+            self.policy.finished(decision.worker, decision)
 
     def _lost(self, worker: str) -> None:
         self.failures += 1
@@ -164,6 +197,8 @@ class PrefixRouter:
     async def reset(self, settings: RouterSettings | None = None) -> None:
         """Forget every worker, load and figure, with `settings`' policy (a benchmark's cold start)."""
         async with self._refreshing:
+            if isinstance(self.policy, EventRoutingPolicy):
+                self.policy.close()
             self._begin(settings)
 
     async def ping(self) -> str:
@@ -177,17 +212,28 @@ class PrefixRouter:
         await self._refresh()
         return {**(await self.info()), "workers": sorted(self.workers), "routed": dict(self.routed),
                 "in_flight": dict(self.loads), "reasons": dict(self.reasons), "failures": self.failures,
-                "directory_misses": self.directory_misses}
+                "directory_misses": self.directory_misses,
+                **({"events": self.policy.figures()} if isinstance(self.policy, EventRoutingPolicy) else {})}
 
     async def shutdown(self) -> None:
         await asyncio.sleep(0)
 
 
-async def _summary(name: str) -> tuple[Any, list[str]] | None:
-    """A worker's handle and the prompts it holds; None when it is not there or does not answer."""
+async def _summary(name: str) -> tuple[Any, list[str], dict[str, Any]] | None:
+    """A worker's handle, the prompts it holds and its info; None when it is not there or does not answer."""
     try:
         handle = ray.get_actor(name)
-        return handle, await asyncio.wait_for(handle.prefix_summary.remote(), _DIRECTORY_WAIT_S)
+        prompts, info = await asyncio.wait_for(
+            asyncio.gather(handle.prefix_summary.remote(), handle.info.remote()), _DIRECTORY_WAIT_S)
+        return handle, prompts, info
+    except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
+        return None
+
+
+async def _info(name: str) -> dict[str, Any] | None:
+    """A member's `info()`, or None when it is not there or does not answer."""
+    try:
+        return await asyncio.wait_for(ray.get_actor(name).info.remote(), _DIRECTORY_WAIT_S)
     except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
         return None
 

@@ -23,6 +23,7 @@ from tiered_cache.server.store_server import StoreServer
 from tiered_cache.wire.auth import token_from
 from tiered_cache.workers.config import AUTO_HOST, ShardSettings
 from tiered_cache.workers.directory import SHARD
+from tiered_cache.workers.kv_events import member_endpoints
 from tiered_cache.workers.names import DIRECTORY
 from tiered_cache.workers.ray_metrics import RayMetrics
 
@@ -30,7 +31,7 @@ log = logging.getLogger("tiered_cache.workers.shard")
 
 
 class StoreShard:
-    def __init__(self, name: str, settings: ShardSettings) -> None:
+    def __init__(self, name: str, settings: ShardSettings, kv_events: str | None = None, slot: int = 0) -> None:
         self.name = name
         self.settings = settings
         context = ray.get_runtime_context()
@@ -39,9 +40,11 @@ class StoreShard:
         host = self.node_ip if settings.host == AUTO_HOST else settings.host
         token = token_from(settings.token, dict(os.environ))
         disk = str(Path(settings.disk_path).expanduser() / name) if settings.disk_path else None
+        events = member_endpoints(kv_events, slot, self.node_ip) if kv_events else (None, None, False)
         self.config = ServerConfig(host=host, port=settings.port, token=token, tls_cert=settings.tls_cert,
                                    tls_key=settings.tls_key, ram_capacity=settings.ram_capacity, disk_path=disk,
-                                   disk_capacity=settings.disk_capacity, redis_url=settings.redis_url)
+                                   disk_capacity=settings.disk_capacity, redis_url=settings.redis_url,
+                                   kv_events=events[0], kv_events_replay=events[1])
         if host not in LOOPBACK and not token:
             log.warning("shard %s listens on %s without a token: keep this network private or set shard.token",
                         name, host)
@@ -61,7 +64,15 @@ class StoreShard:
 
     def info(self) -> dict[str, Any]:
         return {"kind": SHARD, "name": self.name, "address": self.address, "node_id": self.node_id,
-                "node_ip": self.node_ip, "pid": os.getpid(), "disk_path": self.config.disk_path}
+                "node_ip": self.node_ip, "pid": os.getpid(), "disk_path": self.config.disk_path,
+                "events": self._events()}
+
+    def _events(self) -> dict[str, str] | None:
+        """This shard's KV event endpoints (what a router subscribes to), or None when off."""
+        events = self.server.events
+        if events is None:
+            return None
+        return {"endpoint": events.publisher.endpoint, "replay": events.publisher.replay_endpoint}
 
     def stats(self) -> dict[str, Any]:
         """The server's own figures (what `tiered-cache stats --address` prints for it), plus info."""

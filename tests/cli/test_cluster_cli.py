@@ -69,6 +69,7 @@ def _walk(ray_cluster, where: list[str], tmp_path) -> None:
         assert branch["hits"] >= 2 and "Tiered KV caches keep hot pages" in branch["head_text"] + branch["tail_text"]
 
         _http(f"http://127.0.0.1:{port}/v1")
+        _rerun(where, tmp_path, port)
 
         figures = json.loads(run_cli("stats", "--ray", ray_cluster.address, "--namespace", NAMESPACE,
                                      "--json").stdout)
@@ -94,6 +95,38 @@ def _walk(ray_cluster, where: list[str], tmp_path) -> None:
     empty = run_cli("cluster", "status", *where, "--json", check=False)
     assert empty.returncode == 1 and json.loads(empty.stdout)["actors"] == []
     assert f"no tiered-cache actors in Ray namespace '{NAMESPACE}'" in empty.stderr
+
+
+def _rerun(where: list[str], tmp_path, port: int) -> None:
+    """`cluster start` again on a serving cluster never changes what is served silently: another
+    port or host is refused in one line naming the running bind (which keeps answering), a token
+    given now is applied for real, and the printed URL is the one that answers."""
+    base = f"http://127.0.0.1:{port}/v1"
+    start = ("cluster", "start", *where, "--shards", "2", "--workers", "2", "--gpus", "1", "--device", "cpu",
+             "--disk", str(tmp_path), "--serve")
+    for moved in (("--http-port", str(port + 1)), ("--http-host", "0.0.0.0", "--http-port", str(port),
+                                                   "--http-token", "T0ken-0123456789")):
+        refused = run_cli(*start, *moved, check=False)
+        last = refused.stderr.strip().splitlines()[-1]
+        assert refused.returncode == 2 and f"already listens on 127.0.0.1:{port}" in last, refused.stderr
+        assert post(base, "/models", b"")[0] in (200, 405)  # still served where it was
+    token = "re-run-token-0123456789"
+    again = run_cli(*start, "--http-port", str(port), "--http-token", token)
+    assert f"HTTP: {base}" in again.stdout
+    import urllib.request
+
+    def models(authorization: str | None) -> int:
+        request = urllib.request.Request(base + "/models", headers={"Authorization": authorization} if authorization
+                                         else {})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    assert models(None) == 401 and models(f"Bearer {token}") == 200  # the token is in force
+    run_cli(*start, "--http-port", str(port))  # and taken off again, on loopback: allowed, and said by the URL
+    assert models(None) == 200
 
 
 def free_port() -> int:
@@ -149,7 +182,7 @@ def _http(base: str) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
-    assert len(chunks) >= 6 and streamed.strip() == whole["choices"][0]["message"]["content"]
+    assert len(chunks) >= 6 and streamed == whole["choices"][0]["message"]["content"]  # as generated, unstripped
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 6
     assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # asked again: its prefix is held
 

@@ -148,3 +148,18 @@ def test_vllm_s_own_decoder_reads_our_batches_unchanged():
     assert stored["medium"] == MEDIUM_STORAGE and stored["locality"] == "REMOTE" and stored["block_size"] == 16
     assert stored["token_ids"] == list(range(32, 48)) and decoded[2][0][1]["block_hashes"] == [7, 8]
     assert decoded[1][1][1]["medium"] == MEDIUM_GPU
+
+
+def test_a_quiet_publisher_with_a_heartbeat_sends_empty_batches_and_one_without_sends_none():
+    beating = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0", heartbeat_s=0.05)
+    quiet = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    try:
+        beating.publish(BATCHES[0])
+        published(beating, 4)
+        # Numbered like any batch, but not kept: the replay holds only what changed.
+        kept = replay(beating.replay_endpoint, 0)
+        assert [decode_batch(p)[1] for _, p in kept] == [BATCHES[0]] and kept[0][0] < beating.published
+        assert quiet.published == 0
+    finally:
+        beating.close()
+        quiet.close()

@@ -11,6 +11,7 @@ own reading instance (B), fresh, as a second serving instance would be."""
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -235,3 +236,62 @@ def test_the_connector_says_what_vllm_asks_of_a_best_effort_per_layer_connector(
     assert said["delivery"] is False
     assert said["piecewise"] == {"'auto'": True, "1": False, "'1'": False, "6": True}
     assert said["piecewise_default"] is True
+
+
+def test_vllm_s_own_kv_events_and_metrics_carry_our_blocks_and_figures(launcher, model_folder):
+    """The connector hands its blocks to vLLM's publisher (`take_events`): a subscriber to vLLM's
+    endpoint sees vLLM's GPU blocks and ours (medium CPU) under vLLM's own block hashes. Its
+    figures (`get_kv_connector_stats` -> `build_prom_metrics`) are counters in the Prometheus
+    registry vLLM's `/metrics` serves: the two requests' lookups, blocks asked, found and saved."""
+    import threading
+
+    import zmq
+
+    from tiered_cache.bench.redis_process import free_port
+    from tiered_cache.events.schema import decode_batch
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(endpoint)  # vLLM's publisher connects to a host:port endpoint (it binds only wildcards)
+    payloads: list[bytes] = []
+    done = threading.Event()
+
+    def collect() -> None:
+        while not done.is_set():
+            if sub.poll(100):
+                payloads.append(sub.recv_multipart()[-1])
+
+    reader = threading.Thread(target=collect, daemon=True)
+    reader.start()
+    try:
+        out = run_instance(launcher, model_folder, "--kv-events", endpoint, "--metrics", "-q", Q1, "-q", Q3)
+        deadline = time.monotonic() + 5
+        while not payloads and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        done.set()
+        reader.join(5)
+        sub.close()
+    rows, metrics = out["rows"], out["metrics"]
+    events = [e for p in payloads for e in decode_batch(p)[1]]
+    stored: dict[str, list] = {}
+    for e in events:
+        if e["type"] == "BlockStored":
+            stored.setdefault(e["medium"], []).extend(e["block_hashes"])
+    ours, gpu = stored.get("CPU", []), stored.get("GPU", [])
+    assert gpu and len(set(ours)) >= rows[0]["prompt_tokens"] // BLOCK > 0
+    assert set(ours) <= set(gpu)  # the same blocks under vLLM's own hashes
+    told = next(e for e in events if e["type"] == "BlockStored" and e["medium"] == "CPU")
+    assert told["block_size"] == BLOCK and len(told["token_ids"]) == BLOCK * len(told["block_hashes"])
+
+    def total(name: str) -> float:
+        return sum(v for k, v in metrics.items() if k.startswith(f"vllm:tiered_cache_{name}_total{{"))
+
+    usable = [(r["prompt_tokens"] - 1) // BLOCK for r in rows]
+    assert total("lookups") == 2 and total("blocks_asked") == sum(usable)
+    # The second question shares the document's blocks: found in our RAM tier (vLLM's own prefix
+    # cache holds them too, so they are not loaded), and not saved twice.
+    assert 0 < total("blocks_hit") <= usable[1] and len(set(ours)) <= total("blocks_saved") <= len(ours)
+    assert total("saves_dropped") == 0 and total("load_failures") == 0

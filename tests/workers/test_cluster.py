@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 
 from tiered_cache.integrations.document import document  # noqa: E402
 from tiered_cache.workers import cluster  # noqa: E402
-from tiered_cache.workers.config import ClusterConfig, ShardSettings, WorkerSettings  # noqa: E402
+from tiered_cache.workers.config import ClusterConfig, RouterSettings, ShardSettings, WorkerSettings  # noqa: E402
 
 pytestmark = pytest.mark.slow
 NAMESPACE = "test-cluster"
@@ -29,7 +29,9 @@ def question(q: str, doc: str | None = None) -> str:
 def actors(ray_cluster, tmp_path_factory):
     """Directory on the head, shard-0 on node0, worker-0 on node1, worker-1 on node2, and the router."""
     ray.init(address=ray_cluster.address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
-    config = ClusterConfig(namespace=NAMESPACE, watch_interval_s=0.5,
+    # KV events on and the event router: every test below, the chaos ones too, runs the event path.
+    config = ClusterConfig(namespace=NAMESPACE, watch_interval_s=0.5, kv_events="tcp://127.0.0.1:0",
+                           router=RouterSettings(policy="events"),
                            shard=ShardSettings(disk_path=str(tmp_path_factory.mktemp("shards")), token=TOKEN,
                                                ram_capacity="256MiB", host="127.0.0.1", num_cpus=0.5),
                            worker=WorkerSettings(max_new_tokens=MAX_NEW, num_cpus=1))
@@ -93,22 +95,28 @@ def test_a_prefix_computed_on_one_node_is_reused_on_another(actors):
 
 def test_the_router_sends_a_repeat_to_the_worker_that_holds_it(actors):
     router = cluster.start_router(actors["config"])
-    # Worker A answered this prompt before the router existed: the router learns it from A's summary.
+    # Worker A answered this prompt before the router existed: the router learns it from A's KV
+    # events (their replay), and the device pages there beat B's copy in the store.
     repeat = ray.get(router.generate.remote(question("In what year was the lighthouse's lamp first lit?")))
-    assert repeat["route"]["worker"] == repeat["worker"] == "worker-0" and repeat["route"]["reason"] == "prefix"
+    assert repeat["route"]["worker"] == repeat["worker"] == "worker-0" and repeat["route"]["reason"] == "events"
     assert repeat["sources"].get("device", 0) == repeat["reused_tokens"] > repeat["prompt_tokens"] - 16
     prompt = question("Who built the lighthouse?")
     first = ray.get(router.generate.remote(prompt))
+    assert ray.get(ray.get_actor(first["worker"]).flush.remote())
     again = ray.get(router.generate.remote(prompt))
     assert again["route"]["worker"] == first["route"]["worker"] == first["worker"]
-    assert again["route"]["reason"] == "prefix" and again["route"]["matched_chars"] == len(prompt)
+    # The cached tokens it expected: every full page of the prompt, on that worker's device.
+    assert again["route"]["reason"] == "events" and again["route"]["matched_chars"] == again["prompt_tokens"] // 16 * 16
     assert again["sources"].get("device", 0) == again["reused_tokens"] > 0  # served from that worker's own pool
     assert again["tokens"] == first["tokens"]
-    # A document no worker has seen goes to the worker with less cached, not to a loaded one.
     other = ray.get(router.generate.remote(question("What is this about?", "A short note. " * 40)))
-    assert other["route"]["reason"] in {"least_cached", "prefix"}
+    assert other["route"]["reason"] == "events" and other["tokens"]
     stats = ray.get(router.stats.remote())
     assert sum(stats["routed"].values()) == 4 and stats["failures"] == 0
+    events = stats["events"]
+    assert events["estimate"]["samples"] == 4  # it learned from every answer
+    assert {"worker-0", "worker-1", "shard-0"} <= set(events["sources"])
+    assert all(s["pages"] > 0 and s["batches"] > 0 for s in events["sources"].values())
 
 
 def test_a_killed_shard_gives_misses_then_the_ring_heals_from_the_workers_pages(actors):
@@ -335,6 +343,11 @@ def test_chaos_a_worker_killed_mid_request_the_router_answers_from_another(actor
     assert len(answer["tokens"]) > 0
     stats = ray.get(router.stats.remote())
     assert stats["failures"] == before + 1 and victim not in stats["workers"]
+    # Back under its name on its node, for the tests after this one (the router picks by where
+    # pages are, so the victim may be any worker).
+    nodes = {"worker-0": {"node1": 1}, "worker-1": {"node2": 1}, "worker-2": {"node0": 1}}
+    ray.get(cluster.start_worker(victim, config, resources=nodes[victim]).ping.remote(), timeout=300)
+    wait_for(lambda: victim in ray.get(router.stats.remote())["workers"], timeout_s=60, what="the victim back")
 
 
 def test_chaos_each_actor_kind_killed_twice_is_restarted_in_place_and_every_request_is_answered(actors):
@@ -347,7 +360,7 @@ def test_chaos_each_actor_kind_killed_twice_is_restarted_in_place_and_every_requ
     config = actors["config"]
     router = cluster.start_router(config)
     prompt = question("Who keeps the lighthouse now?")
-    reference = ray.get(actors["b"].generate.remote(prompt, use_cache=False), timeout=120)["tokens"]
+    reference = ray.get(ray.get_actor("worker-1").generate.remote(prompt, use_cache=False), timeout=120)["tokens"]
 
     def ask() -> None:
         assert cluster.generate(prompt, timeout_s=300)["tokens"] == reference

@@ -56,3 +56,37 @@ def test_yaml_errors_name_the_file(tmp_path):
     path.write_text("worker:\n  max_new_tokens: 0\n")
     with pytest.raises(ValueError, match=r"cluster\.yaml.*max_new_tokens"):
         ClusterConfig.from_yaml(path)
+
+
+def test_kv_events_give_each_member_its_ports_and_the_events_policy_needs_them():
+    from tiered_cache.workers.kv_events import member_endpoints
+
+    config = ClusterConfig.from_dict({"kv_events": "tcp://127.0.0.1:5600", "router": {"policy": "events"}})
+    assert config.router.policy is RoutingPolicyName.EVENTS
+    assert member_endpoints(config.kv_events, 0, "10.0.0.7") == ("tcp://127.0.0.1:5600", "tcp://127.0.0.1:5601", False)
+    assert member_endpoints(config.kv_events, 3, "10.0.0.7")[:2] == ("tcp://127.0.0.1:5606", "tcp://127.0.0.1:5607")
+    # auto: each node's own IP, beyond loopback because it was asked for by name; port 0: free ports.
+    assert member_endpoints("tcp://auto:0", 2, "10.0.0.7") == ("tcp://10.0.0.7:0", "tcp://10.0.0.7:0", True)
+    with pytest.raises(ValueError, match="needs kv_events"):
+        ClusterConfig.from_dict({"router": {"policy": "events"}})
+    with pytest.raises(ValueError, match="beyond loopback"):
+        ClusterConfig(kv_events="tcp://10.0.0.7:5600")  # a fixed non-loopback address: say auto
+    with pytest.raises(ValueError, match="tcp://HOST:PORT"):
+        ClusterConfig(kv_events="127.0.0.1:5600")
+
+
+def test_cluster_start_s_kv_events_flag_turns_the_event_router_on():
+    import argparse
+
+    from tiered_cache.cli.cluster_cmd import _config
+
+    def parsed(**flags) -> ClusterConfig:
+        defaults = {"config": None, "namespace": None, "shards": None, "workers": None, "model": None, "gpus": None,
+                    "device": None, "start_timeout": None, "disk": None, "kv_events": None, "policy": None}
+        return _config(argparse.Namespace(**{**defaults, **flags}))
+
+    events = parsed(kv_events="tcp://127.0.0.1:0")
+    assert events.kv_events == "tcp://127.0.0.1:0" and events.router.policy is RoutingPolicyName.EVENTS
+    prefix = parsed(kv_events="tcp://127.0.0.1:0", policy="prefix")
+    assert prefix.kv_events and prefix.router.policy is RoutingPolicyName.PREFIX
+    assert parsed().kv_events is None and parsed().router.policy is RoutingPolicyName.PREFIX

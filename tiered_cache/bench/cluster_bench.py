@@ -1,6 +1,11 @@
-"""`tiered-cache bench cluster`: a chat service's shared-prefix workload on W workers, four ways in
+"""`tiered-cache bench cluster`: a chat service's shared-prefix workload on W workers, five ways in
 one run: recompute (no cache, the baseline), each worker alone (no shared store, round robin),
-a shared store with round robin, and a shared store with the prefix router.
+a shared store with round robin, with the prefix router (what it sent where), and with the event
+router (where the workers' and shards' KV events say the pages are, by expected TTFT).
+
+Workers' device pools and host RAM are small by default (`pool_capacity`, `host_capacity`): a few
+documents fit, so pages are evicted and demoted as in a serving cluster, and what a router
+recorded sending somewhere is not always still there.
 
 The workload is D documents x Q questions in a seeded random order, `concurrency` requests in
 flight at once (as a service sees them). With one in flight, each request's pages reach the store
@@ -11,8 +16,9 @@ way it is made cold (`cold_start`: workers reset to empty caches keyed in a name
 way's own, so the shards hold none of its pages, and the router reset to that way's policy), so
 workers load their model once, not once per way. Reported per way: prefill tokens saved (prompt
 tokens whose KV came from a cache) and the tier they came from (device, host, remote: the store),
-mean and p99 TTFT, and the TTFT ratio to recompute. Greedy answers must be identical in every
-way: a cache changes speed, never text.
+TTFT as a client sees it (waiting for the worker plus the worker's TTFT) p50 and p99, the mean
+TTFT and its ratio to recompute, and the KV bytes read from the store (moved between nodes).
+Greedy answers must be identical in every way: a cache changes speed, never text.
 
 Ray and `workers/` are imported when the bench runs, so the module imports without them.
 """
@@ -47,6 +53,8 @@ class WayResult:
     routes: Counter[str] = field(default_factory=Counter)  # worker -> requests
     reused_from: Counter[str] = field(default_factory=Counter)  # tier -> reused tokens
     answers: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    waits_s: list[float] = field(default_factory=list)  # queued on the worker + its TTFT, per request
+    bytes_per_token: int = 0  # of KV, to turn tokens read from the store into bytes moved
 
     @property
     def saved_share(self) -> float:
@@ -58,18 +66,35 @@ class WayResult:
 
     @property
     def p99_ttft_s(self) -> float:
-        ordered = sorted(self.ttft_s)
-        return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+        return _quantile(self.ttft_s, 0.99)
+
+    @property
+    def p50_wait_s(self) -> float:
+        return _quantile(self.waits_s, 0.5)
+
+    @property
+    def p99_wait_s(self) -> float:
+        return _quantile(self.waits_s, 0.99)
+
+    @property
+    def store_bytes(self) -> int:
+        return self.reused_from.get("remote", 0) * self.bytes_per_token
 
     def to_dict(self, recompute: WayResult | None = None) -> dict[str, Any]:
         out = {"way": self.way, "requests": len(self.ttft_s), "prompt_tokens": self.prompt_tokens,
                "reused_tokens": self.reused_tokens, "saved_share": self.saved_share,
-               "mean_ttft_s": self.mean_ttft_s, "p99_ttft_s": self.p99_ttft_s, "wall_s": self.wall_s,
+               "mean_ttft_s": self.mean_ttft_s, "p99_ttft_s": self.p99_ttft_s, "p50_client_ttft_s": self.p50_wait_s,
+               "p99_client_ttft_s": self.p99_wait_s, "store_bytes": self.store_bytes, "wall_s": self.wall_s,
                "routes": dict(self.routes), "reused_from": dict(self.reused_from)}
         if recompute is not None:
             out["mean_ttft_vs_recompute"] = recompute.mean_ttft_s / self.mean_ttft_s
             out["answers_match_recompute"] = self.answers == recompute.answers
         return out
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
 
 
 def workload(docs: int, questions: int, doc_chars: int, seed: int) -> list[tuple[int, int, str]]:
@@ -110,6 +135,7 @@ def _drive(requests: list[tuple[int, int, str]], way: str, use_cache: bool, conc
             result.prompt_tokens += answer["prompt_tokens"]
             result.reused_tokens += answer["reused_tokens"]
             result.ttft_s.append(answer["ttft_s"])
+            result.waits_s.append(answer.get("queued_s", 0.0) + answer["ttft_s"])
             result.routes[answer["worker"]] += 1
             result.reused_from.update(answer["sources"])
             if use_cache and concurrency == 1:
@@ -123,12 +149,13 @@ def _drive(requests: list[tuple[int, int, str]], way: str, use_cache: bool, conc
 
 def bench_cluster(address: str | None = None, workers: int = 2, shards: int = 1, docs: int = 8,
                   questions: int = 8, concurrency: int | None = None, max_new_tokens: int = 4,
-                  doc_chars: int = 1200, seed: int = 0,
+                  doc_chars: int = 1200, seed: int = 0, pool_capacity: str = "16MiB", host_capacity: str = "32MiB",
                   progress: Callable[[str], None] = lambda _: None) -> list[WayResult]:
-    """Run the four ways; returns [recompute, alone, shared_round_robin, shared_prefix]."""
+    """Run the five ways; returns [recompute, alone, shared_round_robin, shared_prefix, shared_events]."""
     import ray
 
     from tiered_cache.workers import cluster
+    from tiered_cache.workers.config import WorkerSettings
 
     if min(workers, shards, docs, questions, doc_chars) <= 0:
         raise ValueError("workers, shards, docs, questions and doc_chars must be positive")
@@ -140,41 +167,42 @@ def bench_cluster(address: str | None = None, workers: int = 2, shards: int = 1,
     else:
         cluster.connect(address, NAMESPACE)
     try:
-        return _run_ways(workers, shards, docs, questions, concurrency, max_new_tokens, doc_chars, seed, progress)
+        worker = WorkerSettings(max_new_tokens=max_new_tokens, pool_capacity=pool_capacity,
+                                host_capacity=host_capacity)
+        return _run_ways(workers, shards, docs, questions, concurrency, worker, doc_chars, seed, progress)
     finally:
         if joined:  # a cluster it started is gone with it; one it joined goes on
             ray.shutdown()
 
 
-def _run_ways(workers: int, shards: int, docs: int, questions: int, concurrency: int, max_new_tokens: int,
+def _run_ways(workers: int, shards: int, docs: int, questions: int, concurrency: int, worker: Any,
               doc_chars: int, seed: int, progress: Callable[[str], None]) -> list[WayResult]:
+    import ray
+
     from tiered_cache.workers import cluster
-    from tiered_cache.workers.config import (
-        ClusterConfig,
-        RouterSettings,
-        RoutingPolicyName,
-        ShardSettings,
-        WorkerSettings,
-    )
+    from tiered_cache.workers.config import ClusterConfig, RouterSettings, RoutingPolicyName, ShardSettings
+    from tiered_cache.workers.names import worker_name
 
     requests = workload(docs, questions, doc_chars, seed)
-    worker = WorkerSettings(max_new_tokens=max_new_tokens)
+    max_new_tokens = worker.max_new_tokens
     ways = [("alone", False, RoutingPolicyName.ROUND_ROBIN),
             ("shared_round_robin", True, RoutingPolicyName.ROUND_ROBIN),
-            ("shared_prefix", True, RoutingPolicyName.PREFIX)]
+            ("shared_prefix", True, RoutingPolicyName.PREFIX),
+            ("shared_events", True, RoutingPolicyName.EVENTS)]
     results = []
     with tempfile.TemporaryDirectory(prefix="tiered-cache-bench-cluster-") as folder:
 
         def config_for(policy: RoutingPolicyName) -> ClusterConfig:
             return ClusterConfig(namespace=NAMESPACE, shards=shards, workers=workers, worker=worker,
                                  shard=ShardSettings(disk_path=folder, ram_capacity="1GiB"),
-                                 router=replace(RouterSettings(), policy=policy))
+                                 router=replace(RouterSettings(), policy=policy), kv_events="tcp://127.0.0.1:0")
 
         # One cluster for every way (the workers load their model once); each way then starts
         # cold: empty shards, workers with empty caches and rings of the shards or none, a router
         # with that way's policy and nothing recorded.
         progress(f"starting {workers} worker(s) and {shards} shard(s) ...")
         cluster.start(config_for(RoutingPolicyName.ROUND_ROBIN))
+        bytes_per_token = ray.get(ray.get_actor(worker_name(0)).info.remote())["bytes_per_token"]
         try:
             for way, use_shards, policy in ways:
                 config = config_for(policy)
@@ -185,6 +213,7 @@ def _run_ways(workers: int, shards: int, docs: int, questions: int, concurrency:
                     results.append(_drive(requests, "recompute", False, concurrency, max_new_tokens))
                 progress(f"{way}: {len(requests)} requests, {concurrency} in flight ...")
                 results.append(_drive(requests, way, True, concurrency, max_new_tokens))
+                results[-1].bytes_per_token = bytes_per_token
         finally:
             cluster.stop(NAMESPACE)
     return results
@@ -198,9 +227,9 @@ def cold_start(config: Any, use_shards: bool, namespace: str) -> None:
 
     from tiered_cache.workers.names import ROUTER, worker_name
 
-    ray.get(ray.get_actor(ROUTER).reset.remote(config.router))
     sizes = ray.get([ray.get_actor(worker_name(i)).reset.remote(use_shards, namespace)
                      for i in range(config.workers)])
+    ray.get(ray.get_actor(ROUTER).reset.remote(config.router))  # after the workers: it meets their new caches
     expected = config.shards if use_shards else 0
     if any(size != expected for size in sizes):
         raise RuntimeError(f"workers' rings after the reset: {sizes}, expected {expected} shard(s) each")
@@ -212,11 +241,13 @@ def render(results: list[WayResult]) -> str:
     recompute = results[0]
     rows = []
     for r in results:
-        rows.append([r.way, f"{len(r.ttft_s)}", f"{r.prompt_tokens:,}", f"{r.reused_tokens:,}",
-                     f"{r.saved_share:.1%}", f"{r.mean_ttft_s * 1e3:,.0f} ms", f"{r.p99_ttft_s * 1e3:,.0f} ms",
-                     f"{recompute.mean_ttft_s / r.mean_ttft_s:.2f}x",
+        rows.append([r.way, f"{len(r.ttft_s)}", f"{r.reused_tokens:,} / {r.prompt_tokens:,}",
+                     f"{r.saved_share:.1%}", f"{r.p50_wait_s * 1e3:,.0f} ms", f"{r.p99_wait_s * 1e3:,.0f} ms",
+                     f"{r.mean_ttft_s * 1e3:,.0f} ms", f"{recompute.mean_ttft_s / r.mean_ttft_s:.2f}x",
+                     f"{r.store_bytes / 2**20:,.0f} MiB",
                      ", ".join(f"{w} {n}" for w, n in sorted(r.routes.items()))])
-    table = render_table(rows, ["way", "requests", "prompt tokens", "prefill saved", "saved", "mean TTFT",
-                                "p99 TTFT", "vs recompute", "requests per worker"], align_right=range(1, 8))
+    table = render_table(rows, ["way", "requests", "prefill saved", "saved", "client TTFT p50", "p99",
+                                "mean TTFT", "vs recompute", "from the store", "requests per worker"],
+                         align_right=range(1, 9))
     same = all(r.answers == recompute.answers for r in results)
     return f"{table}\n\ngreedy answers identical in every way: {'yes' if same else 'NO'}"

@@ -131,7 +131,7 @@ def add_parser(commands: Any) -> None:
     sgl.add_argument("--rounds", type=int, default=1, help="rounds, the ways taking turns (default 1)")
     subs.append(sgl)
     clus = _add(which, "cluster", help="shared-prefix workload on a Ray cluster: workers alone vs a shared "
-                                            "store with round robin vs with the prefix router, vs recompute")
+                                            "store with round robin, the prefix router, the event router, vs recompute")
     clus.add_argument("--address", help="an existing Ray cluster (default: start a local one for the run)")
     clus.add_argument("--workers", type=int, default=2, help="cache workers (default 2)")
     clus.add_argument("--shards", type=int, default=1, help="store shards in the shared ways (default 1)")
@@ -141,6 +141,9 @@ def add_parser(commands: Any) -> None:
     clus.add_argument("--max-new-tokens", type=int, default=4, help="tokens generated per request (default 4)")
     clus.add_argument("--doc-chars", type=int, default=1200, help="characters of each document (default 1200)")
     clus.add_argument("--seed", type=int, default=0, help="order of the requests (default 0)")
+    clus.add_argument("--pool-capacity", default="16MiB",
+                      help="each worker's device pool (default 16MiB: a few documents, so pages are evicted)")
+    clus.add_argument("--host-capacity", default="32MiB", help="each worker's host RAM (default 32MiB)")
     subs.append(clus)
     load = _add(which, "load", help="N client processes in a serving-like mix against a store server (or, "
                                          "with --ray, a cluster's router): p50/p99/p999, errors, RSS over time")
@@ -404,6 +407,7 @@ def run(args: argparse.Namespace) -> int:
         out = stdout_for_the_answer()  # the results alone on stdout, Ray's driver talking or not
         results = bench_cluster(args.address, args.workers, args.shards, args.docs, args.questions,
                                 args.concurrency, args.max_new_tokens, doc_chars=args.doc_chars, seed=args.seed,
+                                pool_capacity=args.pool_capacity, host_capacity=args.host_capacity,
                                 progress=lambda m: print(m, file=sys.stderr, flush=True))
         print(json.dumps([r.to_dict(results[0]) for r in results], indent=2) if args.json else render(results),
               file=out)

@@ -30,6 +30,12 @@ def add_parser(commands: Any) -> None:
     start.add_argument("--gpus", type=float, help="GPUs each worker holds (overrides worker.num_gpus)")
     start.add_argument("--device", choices=["auto", "cuda", "cpu"], help="where workers compute (worker.device)")
     start.add_argument("--start-timeout", type=float, help="seconds to wait for every actor (start_timeout_s)")
+    start.add_argument("--kv-events", metavar="tcp://HOST:PORT",
+                       help="workers and shards publish vLLM KV events from PORT up, two ports each (HOST auto: "
+                            "each node's IP, beyond loopback; PORT 0: free ports); sets the router's policy to "
+                            "events unless --policy says otherwise")
+    start.add_argument("--policy", choices=["events", "prefix", "round_robin"],
+                       help="how the router picks a worker (router.policy; default prefix, events with --kv-events)")
     start.add_argument("--serve", action="store_true",
                        help="also serve OpenAI-compatible /v1/completions and /v1/chat/completions (Ray Serve)")
     start.add_argument("--http-host", default="127.0.0.1",
@@ -72,6 +78,11 @@ def _config(args: argparse.Namespace) -> Any:
         changes["start_timeout_s"] = args.start_timeout
     if getattr(args, "disk", None):
         changes["shard"] = dataclasses.replace(config.shard, disk_path=args.disk)
+    if getattr(args, "kv_events", None):
+        changes["kv_events"] = args.kv_events
+    policy = getattr(args, "policy", None) or ("events" if getattr(args, "kv_events", None) else None)
+    if policy:
+        changes["router"] = dataclasses.replace(config.router, policy=policy)
     return config.replace(**changes) if changes else config
 
 

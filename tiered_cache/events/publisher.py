@@ -6,6 +6,10 @@ The last `buffer_batches` are kept for a ROUTER replay endpoint: a subscriber th
 saw a gap in the numbers, sends (empty frame, first wanted number as 8 bytes) and gets every kept
 batch from there as (empty, topic, number, payload), then (empty, b"", -1 as 8 signed bytes, b"").
 
+With `heartbeat_s`, a batch with no events goes out after that long without one, so a subscriber
+can tell a quiet publisher from a gone one (vLLM's decoder reads an empty batch as nothing new);
+heartbeats are numbered but not kept for replay, so an idle publisher never pushes out what changed.
+
 `publish` never blocks the caller: batches go to a bounded queue a thread drains; when it is full
 the batch is dropped and counted (`dropped`), as every background queue here does. Endpoints are
 loopback unless `beyond_loopback=True`: ZMQ carries no token, so anyone who reaches the port reads
@@ -33,7 +37,7 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 class EventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  buffer_batches: int = 10_000, max_queue: int = 10_000, data_parallel_rank: int | None = None,
-                 beyond_loopback: bool = False) -> None:
+                 beyond_loopback: bool = False, heartbeat_s: float | None = None) -> None:
         import zmq
 
         self._ctx = zmq.Context.instance()
@@ -48,6 +52,7 @@ class EventPublisher:
             self.replay_endpoint = self._bind(self._replay, check_endpoint(replay_endpoint, beyond_loopback))
         self._topic = topic.encode()
         self._rank = data_parallel_rank
+        self.heartbeat_s = heartbeat_s  # an empty batch after this long without one: "still here"
         self._queue: queue.Queue[list[dict[str, Any]] | None] = queue.Queue(maxsize=max_queue)
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self.published = self.dropped = self.replayed = 0
@@ -81,15 +86,19 @@ class EventPublisher:
 
     def _run(self) -> None:
         seq = 0
+        last = time.monotonic()
         while self._running or not self._queue.empty():
             if self._replay is not None and self._replay.poll(0):
                 self._serve_replay()
             try:
                 events = self._queue.get(timeout=0.05)
             except queue.Empty:
-                continue
+                if self.heartbeat_s is None or time.monotonic() - last < self.heartbeat_s:
+                    continue
+                events = []
             if events is None:
                 break
+            last = time.monotonic()
             payload = encode_batch(time.time(), events, self._rank)
             number = seq.to_bytes(8, "big")
             try:
@@ -97,7 +106,8 @@ class EventPublisher:
             except Exception as exc:  # a socket closed under us at shutdown: nothing left to tell
                 log.warning("tiered-cache: KV events stopped: %s", exc)
                 return
-            self._kept.append((seq, payload))
+            if events:  # a heartbeat is not kept: replay is for what changed
+                self._kept.append((seq, payload))
             self.published += 1
             seq += 1
 

@@ -27,6 +27,7 @@ from tiered_cache.events.schema import (
     block_stored,
 )
 
+HEARTBEAT_S = 1.0  # a quiet cache still publishes (an empty batch) this often: routers tell it from a dead one
 TokensOf = Callable[[bytes], Any]  # a page key -> its token ids, or None when forgotten
 
 
@@ -42,7 +43,7 @@ class CacheEvents:
              beyond_loopback: bool = False, tokens_of: TokensOf | None = None) -> CacheEvents:
         """A publisher bound on `endpoint` (replay on the next port unless given)."""
         publisher = EventPublisher(endpoint, replay_endpoint or replay_endpoint_for(endpoint), topic=topic,
-                                   beyond_loopback=beyond_loopback)
+                                   beyond_loopback=beyond_loopback, heartbeat_s=HEARTBEAT_S)
         return cls(publisher, page_size, tokens_of)
 
     def watch(self, tree: Any, host: Any, chain: Any) -> None:

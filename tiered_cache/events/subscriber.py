@@ -37,6 +37,7 @@ class EventSubscriber:
         self.next_seq = 0
         self.batches = self.replays = self.gaps = self.restarts = 0
         self.last_batch = 0.0  # time.monotonic() of the last batch applied (0: none yet)
+        self.ready = threading.Event()  # set once the first replay is read (or found not to answer)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events-sub", daemon=True)
 
@@ -53,6 +54,7 @@ class EventSubscriber:
         sub.connect(self.endpoint)
         try:
             self._replay(0)
+            self.ready.set()
             while not self._stop.is_set():
                 if not sub.poll(100):
                     continue
@@ -63,6 +65,7 @@ class EventSubscriber:
         except Exception as exc:  # a subscriber that dies says why; its owner sees it stop (`alive`)
             log.warning("tiered-cache: KV events from %s stopped: %s", self.endpoint, exc)
         finally:
+            self.ready.set()
             sub.close(linger=0)
 
     def _receive(self, seq: int, payload: bytes) -> None:

@@ -77,3 +77,15 @@ def encode_messages(tokenizer: Any, messages: Any) -> list[int]:
         raise ValueError("this model has no chat template: send a plain prompt")
     encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def load_tokenizer(name: str = BUNDLED) -> Any:
+    """The tokenizer of the model `load_causal_lm(name)` loads, without its weights (a router
+    that keys prompts as the workers do)."""
+    if name == BUNDLED:
+        from tiered_cache.integrations.smollm2 import load_tokenizer as bundled
+
+        return bundled()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(os.path.expanduser(name))

@@ -95,7 +95,7 @@ class BlockTiers:
     def page_keys(self, block_keys: Sequence[bytes], group: int) -> list[bytes]:
         return group_keys(block_keys, self.num_groups, group)
 
-    def _all_page_keys(self, block_keys: Sequence[bytes]) -> list[bytes]:
+    def all_page_keys(self, block_keys: Sequence[bytes]) -> list[bytes]:
         """Every page key of `block_keys`, block after block (group 0 .. n-1 of each)."""
         per_group = [self.page_keys(block_keys, g) for g in range(self.num_groups)]
         return [key for pages in zip(*per_group, strict=True) for key in pages]
@@ -110,13 +110,13 @@ class BlockTiers:
 
     def leading(self, block_keys: Sequence[bytes]) -> int:
         """How many leading blocks the tiers hold whole (every layer group of each)."""
-        where = self.chain.locate(self._all_page_keys(block_keys), leading=True)
+        where = self.chain.locate(self.all_page_keys(block_keys), leading=True)
         return next((i for i, w in enumerate(where) if w is None), len(where)) // self.num_groups
 
     def stored_below(self, block_key: bytes) -> bool:
         """Whether the last tier is known to hold every page of the block (no need to save it)."""
         last = len(self.chain.tiers) - 1
-        return all(self.chain.known_in(k, last) for k in self._all_page_keys([block_key]))
+        return all(self.chain.known_in(k, last) for k in self.all_page_keys([block_key]))
 
     def load(self, block_keys: Sequence[bytes], group: int = 0, lease: ArenaViews | None = None
              ) -> list[torch.Tensor | None]:

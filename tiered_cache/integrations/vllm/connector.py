@@ -45,7 +45,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tiered_cache.config import CacheConfig
+from tiered_cache.integrations.vllm.block_events import BlockEvents
 from tiered_cache.integrations.vllm.block_tiers import BlockTiers
+from tiered_cache.integrations.vllm.figures import Tally, TieredCachePromMetrics, TieredCacheStats
 from tiered_cache.integrations.vllm.identity import model_id_for, vllm_spec
 from tiered_cache.integrations.vllm.layer_groups import group_size
 from tiered_cache.integrations.vllm.layout import gather_blocks, layout_of, stacked_view
@@ -86,6 +88,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     load: tuple[int, int] | None = None  # blocks [a, b) to load before the next forward
     saved: int = 0  # blocks before this one are saved (or were loaded from us)
+    request: Any = None  # vLLM's request: its block hashes and tokens name our blocks in KV events
 
 
 def cache_config_from(extra: dict[str, Any]) -> CacheConfig:
@@ -118,6 +121,12 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._job: LoadJob | None = None
         self._loader: ThreadPoolExecutor | None = None
         self._layerwise = self.tiers.num_groups > 1  # off for good if a forward skips wait_for_layer_load
+        self.events: BlockEvents | None = None  # scheduler side: our blocks for vLLM's KV event publisher
+        self.tally: Tally | None = None  # scheduler side: our figures for vLLM's metrics
+        if role == KVConnectorRole.SCHEDULER:
+            self.events = BlockEvents(self.tiers.all_page_keys)
+            self.tiers.chain.on_change = self.events.chain_changed
+            self.tally = Tally(self.tiers)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -145,7 +154,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         tokens = list(request.prompt_token_ids or [])
         namespace = getattr(request, "cache_salt", None) or self.config.namespace
-        state = _Request(len(tokens), self.tiers.keys(tokens, namespace))
+        state = _Request(len(tokens), self.tiers.keys(tokens, namespace), request=request)
         self._requests[request.request_id] = state
         usable = max(0, len(tokens) - 1) // self.block_size  # at least one token is computed
         first = num_computed_tokens // self.block_size  # vLLM's own prefix cache holds these
@@ -154,6 +163,8 @@ class TieredCacheConnector(KVConnectorBase_V1):
         if _TIMING:
             print(f"[tiered-cache] lookup {usable} blocks: {held} held, {1e3 * (time.perf_counter() - t0):.1f} ms",
                   file=sys.stderr, flush=True)
+        if self.tally is not None:
+            self.tally.add(lookups=1, blocks_asked=usable, blocks_hit=held)
         if held <= first:
             return 0, False
         state.load = (first, held)
@@ -195,11 +206,37 @@ class TieredCacheConnector(KVConnectorBase_V1):
         # NOTE: only the prompt's full blocks, and only once all their tokens are computed.
         full = min(min(computed_after, state.num_prompt_tokens) // self.block_size, len(state.keys),
                    len(state.block_ids))
+        # Newer vLLMs say how many of a request's blocks hold only verified KV (speculative
+        # decoding writes draft KV ahead): never more than those. Prompt blocks always are.
+        publishable = getattr(state.request, "num_publishable_block_hashes", None)
+        if isinstance(publishable, int):
+            full = min(full, publishable)
         if full > state.saved:
             todo = [i for i in range(state.saved, full) if not self.tiers.stored_below(state.keys[i])]
             if todo:
                 meta.saves.append(BlockTransfer([state.keys[i] for i in todo], [state.block_ids[i] for i in todo]))
+                if self.tally is not None:
+                    self.tally.add(blocks_saved=len(todo))
+            if self.events is not None and state.request is not None:
+                self.events.saved(state.request, state.saved, state.keys[state.saved:full], self.block_size)
             state.saved = full
+
+    def get_kv_connector_stats(self) -> TieredCacheStats | None:
+        """Our counts since vLLM last asked (figures.py), for its logs and `/metrics`."""
+        return self.tally.take() if self.tally is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TieredCacheStats:
+        return TieredCacheStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> TieredCachePromMetrics:
+        return TieredCachePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def take_events(self) -> list[Any]:
+        """Our blocks stored and removed since the last call, as vLLM's KV events (block_events.py)."""
+        return self.events.take() if self.events is not None else []
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)

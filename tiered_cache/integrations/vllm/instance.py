@@ -40,6 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-after-first", type=int, metavar="PID",
                    help="(fault tests) SIGKILL this process, e.g. the store server, after the first answer")
     p.add_argument("--layer-groups", help="pages per block: 'auto' (default) or a number dividing the layers")
+    p.add_argument("--kv-events", metavar="tcp://HOST:PORT",
+                   help="vLLM's KV event publisher at this endpoint (its GPU blocks, and the connector's)")
+    p.add_argument("--metrics", action="store_true",
+                   help="vLLM's stats on: report the tiered_cache counters its Prometheus registry (/metrics) holds")
     p.add_argument("--doc-per-question", action="store_true",
                    help="question i asks about the i-th slice of the document (no prefix shared between them)")
     return p.parse_args(argv)
@@ -73,6 +77,15 @@ def transfer_config(args: argparse.Namespace) -> Any:
     return KVTransferConfig(kv_connector="TieredCacheConnector", kv_role="kv_both", kv_connector_extra_config=extra)
 
 
+def events_config(endpoint: str | None) -> Any:
+    """vLLM's own KV event publisher (ZMQ) at `endpoint`, or None."""
+    if endpoint is None:
+        return None
+    from vllm.config import KVEventsConfig
+
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -86,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(model=args.model, dtype="float32", max_model_len=4096, seed=0,
               enable_prefix_caching=not args.no_prefix_caching,
               enforce_eager=args.eager,
-              kv_transfer_config=None if args.no_connector else transfer_config(args))
+              kv_transfer_config=None if args.no_connector else transfer_config(args),
+              kv_events_config=events_config(args.kv_events), disable_log_stats=not args.metrics)
     tokenizer = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     rows = []
@@ -114,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             _flush_stores()  # the first pass's saves are written before the second pass asks
     rows = rows[len(asked):] if args.repeat else rows
     flushed = _flush_stores()
-    print(json.dumps({"rows": rows, "flushed": flushed, "stores": _store_figures()}), flush=True)
+    report = {"rows": rows, "flushed": flushed, "stores": _store_figures()}
+    if args.metrics:
+        report["metrics"] = _scraped("vllm:tiered_cache_")
+    print(json.dumps(report), flush=True)
     return 0
 
 
@@ -129,6 +146,18 @@ def _time_hooks(connector: str) -> Any:
     timer = HookTimer()
     timer.install(cls)
     return timer
+
+
+def _scraped(prefix: str) -> dict[str, float]:
+    """The samples named `prefix`... in the Prometheus text vLLM's `/metrics` serves (its registry)."""
+    from prometheus_client import REGISTRY, generate_latest
+
+    samples: dict[str, float] = {}
+    for line in generate_latest(REGISTRY).decode().splitlines():
+        if line.startswith(prefix):
+            name, _, value = line.rpartition(" ")
+            samples[name] = samples.get(name, 0.0) + float(value)
+    return samples
 
 
 def _store_figures() -> list[dict[str, int]]:
