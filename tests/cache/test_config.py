@@ -75,3 +75,31 @@ def test_remote_addresses_get_serves_port_and_urls_or_bad_ports_are_refused():
                         ("host:70000", "must be a number")):
         with pytest.raises(ValueError, match=reason):
             CacheConfig(remote_addresses=[bad])
+
+
+def test_the_readme_s_environment_block_gives_a_remote_tier_and_a_refusal_is_one_line_on_stderr():
+    """README "A shared store": the variables it exports reach `CacheConfig.from_env()`, and a
+    server that refuses the cache's token is said on stderr in one line naming the setting."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiered_cache.server.process import StoreProcess
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"export TIERED_CACHE_LOWER_TIERS=remote.*?\n(.*?)\n```", readme, re.S)
+    assert block is not None
+    with StoreProcess(["--no-disk", "--token", "right-token-0123456789"]) as store:
+        env = {**os.environ, "TIERED_CACHE_LOWER_TIERS": "remote", "TIERED_CACHE_REMOTE_ADDRESSES": store.address,
+               "TIERED_CACHE_REMOTE_TOKEN": "wrong-token-0123456789", "TIERED_CACHE_WRITE_POLICY": "write_through"}
+        script = ("from tiered_cache import CacheConfig, TieredCache, preset_spec\n"
+                  "cfg = CacheConfig.from_env(); print(cfg.remote_addresses)\n"
+                  "with TieredCache(preset_spec('smollm2-135m'), cfg) as cache:\n"
+                  "    for _ in range(4): cache.lookup(list(range(64)))\n")
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert store.address in run.stdout
+    refusals = [line for line in run.stderr.splitlines() if "refuses this client's token" in line]
+    assert refusals and "remote_token" in refusals[0]

@@ -53,6 +53,9 @@ def test_mistakes_get_one_line_naming_them(tmp_path):
     bad.write_text("ram_capacity: lots\n")
     assert "bad value for ram_capacity" in _refused("--config", str(bad), "--port", "0")
     assert "port must be in 0..65535" in _refused("--port", "70000")
+    missing = str(tmp_path / "missing.pem")
+    assert f"--tls-cert {missing}: no such file" in _refused("--no-disk", "--tls-cert", missing, "--tls-key", missing)
+    assert "--disk /proc/impossible: cannot keep pages there" in _refused("--disk", "/proc/impossible", "--port", "0")
 
 
 def test_a_port_in_use_is_one_line_with_what_to_do():
@@ -66,3 +69,22 @@ def test_a_port_in_use_is_one_line_with_what_to_do():
 def test_integers_are_integers(value):
     with pytest.raises(ValueError, match="bad value for workers: expected an integer"):
         ServerConfig(workers=float(value) if value == "1.5" else True)
+
+
+def test_what_would_go_wrong_later_is_said_at_start(monkeypatch, tmp_path):
+    """A RAM tier larger than the machine, and a token in the environment that a token file
+    overrides, are said when the server starts, not found out later."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("operator-token-0123456789 *\n")
+    monkeypatch.setenv("TIERED_CACHE_SERVE_TOKEN", "forgotten-token-0123456789")
+    with StoreProcess(["--no-disk", "--shm", "off", "--ram", "1TiB", "--token-file", str(tokens)]) as store:
+        pass
+    text = "\n".join(store.output)
+    assert "WARNING: --ram 1 TiB is more than this machine's" in text
+    assert "$TIERED_CACHE_SERVE_TOKEN is set but not used: the token file" in text and "forgotten" not in text
+
+
+def test_a_mistyped_option_is_told_by_its_command_with_the_one_meant():
+    result = run_cli("serve", "--rm", "1GiB", "--port", "0", check=False)
+    assert result.returncode == 2 and "usage: tiered-cache serve" in result.stderr
+    assert "--rm: did you mean --ram?" in result.stderr.splitlines()[-1]

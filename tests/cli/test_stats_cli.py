@@ -143,3 +143,12 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_reader_that_stops_reading_ends_watch_quietly():
+    """`stats --json --watch 1 | head -1`: the first line, then an exit with no Broken-pipe error."""
+    with StoreProcess(["--no-disk"]) as store:
+        run = subprocess.run(f"{sys.executable} -m tiered_cache.cli.main stats --address {store.address} --json "
+                             "--watch 0.2 | head -1", shell=True, capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert json.loads(run.stdout)["address"] == store.address
+    assert "Broken pipe" not in run.stderr and "Traceback" not in run.stderr and "error" not in run.stderr

@@ -86,7 +86,9 @@ def test_an_engine_cache_in_another_process_is_scraped_with_its_get_histograms(t
             seen = json.loads(child.stdout.readline())
             samples = scrape(seen["metrics_url"])
             tree = json.loads(run_cli("tree", "--url", seen["metrics_url"], "--json").stdout)
-            drawn = run_cli("tree", "--url", seen["metrics_url"].removesuffix("/metrics")).stdout
+            # One flag for "which server" (--address, as stats takes it), with or without a scheme.
+            bare = seen["metrics_url"].removeprefix("http://").removesuffix("/metrics")
+            drawn = run_cli("tree", "--address", bare).stdout
         finally:
             child.communicate(timeout=60)  # closes its stdin: it exits
         server = scrape(store.metrics_url)

@@ -38,6 +38,14 @@ def test_put_lookup_get_round_trip(store):
         assert list(client.get(keys, fingerprint=other)) == []
 
 
+def _degenerate(key: bytes, shape: tuple[int, ...]) -> bytes:
+    from service_helpers import checksummed
+
+    from tiered_cache.wire import codec
+
+    return checksummed(SPEC, codec.Codec.RAW.wire_id, codec._DTYPES.index(SPEC.dtype), shape, 0, b"", key)
+
+
 def test_bad_blobs_are_refused_with_reasons_and_counted(store):
     good = make_items(3, start=1000)
     (k0, b0), (_, b1), (k2, _) = good
@@ -51,6 +59,10 @@ def test_bad_blobs_are_refused_with_reasons_and_counted(store):
         ((k2, b1), pb.KEY_MISMATCH, "asked for"),
         ((k0, with_codec_byte(b0, 77)), pb.UNKNOWN_CODEC, "unknown codec id 77"),
         ((k0, b"x" * (65 * 1024)), pb.TOO_LARGE, "at most 65,536"),
+        # Pages of nothing (no layers, a dimension of 0): the smallest blobs a flood could send,
+        # checksummed and well formed, yet no KV to reuse.
+        ((k0, _degenerate(k0, (0, 2, 2, 4, 32))), pb.CORRUPT_BLOB, "holds no KV: not a page"),
+        ((k0, _degenerate(k0, (1, 2, 2, 4, 0))), pb.CORRUPT_BLOB, "holds no KV: not a page"),
     ]
     with StoreClient(store.address) as client:
         before = client.stats().server.refused_blobs
@@ -131,6 +143,24 @@ def test_tls(tmp_path):
             assert client.put(make_items(1)).stored == 1
         with StoreClient(proc.address, timeout_s=2) as plain, pytest.raises(grpc.RpcError):
             plain.lookup([bytes(32)])
+        # A TLS mismatch is said as one, naming the option, not as a server that is down.
+        from conftest import run_cli_here as run_cli
+
+        mismatch = run_cli("stats", "--address", proc.address, "--timeout", "2", check=False)
+        assert mismatch.returncode == 1 and "TLS mismatch" in mismatch.stdout and "--tls-ca" in mismatch.stdout
+        assert "unreachable" not in mismatch.stdout
+        from tiered_cache.tiers.remote import RemoteTier
+
+        tier = RemoteTier([proc.address], timeout_s=2)
+        try:
+            assert tier.contains([bytes(32)]) == [False]  # a miss, and the reason the operator reads:
+            assert "remote_tls_ca" in tier.servers[0].breaker.why
+        finally:
+            tier.close()
+    with StoreProcess(["--no-disk"]) as plain_server:  # the other way round: TLS client, plaintext server
+        other = run_cli("stats", "--address", plain_server.address, "--tls-ca", str(cert), "--timeout", "2",
+                        check=False)
+        assert other.returncode == 1 and "TLS mismatch" in other.stdout
 
 
 def test_stats_cli_table_and_json(store):

@@ -43,6 +43,8 @@ def test_a_same_host_put_goes_through_the_clients_ring_and_stores_exactly_the_by
             assert client.uses_shm_put and client.shm_put_resent == 0
             figures = server_figures(store.address)
             assert figures.shm_put_pages == len(items) and figures.shm_offers == 1
+            # The client's ring, mapped by the server, is shown apart (the client's memory).
+            assert figures.shm_offered_bytes == client.put_ring_bytes > 0
             assert stored(client, keys) == dict(items)
             assert tier.get(keys) == [b for _, b in items]
         finally:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import os
 import re
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from tiered_cache import __version__
 from tiered_cache.cli import bench_cmd, cluster_cmd, demo_cmd, serve_cmd, size_cmd, stats_cmd, tree_cmd
@@ -15,8 +18,22 @@ from tiered_cache.device.malloc import tune_malloc
 from tiered_cache.errors import TieredCacheError
 
 
+class _Parser(argparse.ArgumentParser):
+    """An error names the option a mistyped one is closest to (subcommands' parsers are this class
+    too): `stats --adress X` -> "--adress: did you mean --address?"."""
+
+    argv: Sequence[str] = ()  # the command line being parsed (main sets it)
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        known = [o for a in self._actions for o in a.option_strings]
+        hints = [f"{x.split('=')[0]}: did you mean {close[0]}?" for x in self.argv
+                 if x.startswith("-") and x.split("=")[0] not in known
+                 and (close := difflib.get_close_matches(x.split("=")[0], known, n=1, cutoff=0.6))]
+        super().error(message + (f" ({'; '.join(dict.fromkeys(hints))})" if hints else ""))
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tiered-cache",
         description="Distributed multi-tier KV cache for LLM inference.",
     )
@@ -56,11 +73,17 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    _Parser.argv = list(sys.argv[1:] if argv is None else argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # said by the subcommand that was given them, with its usage
+        _refuse_extras(parser, args, extras)
     _configure_logging(args)
     tune_malloc()
     try:
         return int(args.run(args) or 0)
+    except BrokenPipeError:  # `... | head -1` closed our stdout: stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
     except KeyboardInterrupt:  # what the command started is stopped on the way out (its finally blocks)
         print(f"tiered-cache {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -71,6 +94,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"tiered-cache {args.command}: error: {one_line(exc)}", file=sys.stderr)
         return 2
+
+
+def _refuse_extras(parser: argparse.ArgumentParser, args: argparse.Namespace, extras: list[str]) -> None:
+    """Exit with the usage of the subcommand the extra arguments went to, and the option each
+    mistyped one is closest to."""
+    current = parser
+    while True:
+        subparsers = next((a for a in current._actions if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, subparsers.dest, None) if subparsers is not None else None
+        if subparsers is None or name not in subparsers.choices:
+            break
+        current = subparsers.choices[name]
+    current.error(f"unrecognized arguments: {' '.join(extras)}")
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

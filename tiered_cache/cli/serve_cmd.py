@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
         print("tiered-cache serve: WARNING: --token is visible to every local user (/proc/<pid>/cmdline); "
               f"give it as ${TOKEN_ENV} or in a --token-file", file=sys.stderr, flush=True)
     token_file = args.token_file or os.environ.get(TOKEN_FILE_ENV) or None
+    if token_file and args.token is None and os.environ.get(TOKEN_ENV):
+        print(f"tiered-cache serve: ${TOKEN_ENV} is set but not used: the token file {token_file} says who may "
+              "connect (add the token there, with its namespaces or '*')", file=sys.stderr, flush=True)
     overrides["token"] = None if token_file and args.token is None else token_from(args.token, dict(os.environ))
     overrides["token_file"] = token_file
     if args.no_disk:

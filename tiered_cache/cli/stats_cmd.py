@@ -58,6 +58,9 @@ def _cluster(args: argparse.Namespace) -> tuple[str, bool]:
 
     cluster.connect(args.ray, args.namespace)  # after `stdout_for_the_answer` (run)
     figures = cluster.stats(args.timeout)
+    if not figures["actors"] and not figures.get("control"):
+        print(f"stats: no tiered-cache actors in Ray namespace {args.namespace!r} (start them with "
+              "`tiered-cache cluster start`, or name the cluster's --namespace)", file=sys.stderr)
     if args.json:
         text = json.dumps(figures, separators=(",", ":")) if args.watch else json.dumps(figures, indent=2)
     else:

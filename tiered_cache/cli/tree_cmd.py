@@ -20,16 +20,17 @@ def add_parser(commands: Any) -> None:
                             description="Draw the radix tree of a running cache: shared prefixes as branches, "
                                         "pages and tokens per node, where they live, hits, idle time, text.")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--url", help="an engine cache's metrics endpoint, e.g. http://127.0.0.1:9100 "
-                                     "(CacheConfig.metrics_port)")
+    where.add_argument("--address", "--url", dest="url", metavar="[http://]HOST:PORT",
+                       help="an engine cache's metrics endpoint, e.g. 127.0.0.1:9100 (CacheConfig.metrics_port; "
+                            "--url is the old spelling)")
     where.add_argument("--ray", metavar="ADDRESS", help="a Ray cluster running `tiered-cache cluster` (auto: "
                                                         "this node's): every worker's tree")
     p.add_argument("--namespace", default="tiered-cache", help="with --ray: the cluster's namespace "
                                                                "(default tiered-cache)")
     p.add_argument("--worker", help="with --ray: only this worker (e.g. worker-0)")
-    p.add_argument("--token", help="with --url: the bearer token the endpoint requires "
+    p.add_argument("--token", help="with --address: the bearer token the endpoint requires "
                                    "(default $TIERED_CACHE_METRICS_TOKEN)")
-    p.add_argument("--tokenizer", help="with --url: decode node text with this tokenizer (smollm2, or a "
+    p.add_argument("--tokenizer", help="with --address: decode node text with this tokenizer (smollm2, or a "
                                        "Hugging Face model folder); default: token ids")
     p.add_argument("--max-nodes", type=int, default=500, help="draw at most this many nodes, the largest "
                                                               "branches first (default 500)")
@@ -38,6 +39,10 @@ def add_parser(commands: Any) -> None:
 
 
 def _from_url(url: str, token: str | None, timeout_s: float = 10.0) -> dict[str, Any]:
+    if "://" not in url:  # HOST:PORT, as every other command takes an address
+        url = f"http://{url}"
+    elif not url.startswith(("http://", "https://")):
+        raise ValueError(f"--address {url}: an engine cache's metrics endpoint is http://HOST:PORT or HOST:PORT")
     base = url.rstrip("/").removesuffix("/metrics")
     request = urllib.request.Request(f"{base}/tree", headers={"authorization": f"Bearer {token}"} if token else {})
     try:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from tiered_cache.wire.tls import TLS_HINT, tls_mismatch
+
 
 def _numbers(data: dict[str, Any]) -> None:
     """int64 fields come out of MessageToDict as strings: make every figure a number."""
@@ -29,9 +31,13 @@ def server_stats(address: str, token: str | None, tls_ca: str | None, timeout: f
         with StoreClient(address, token, tls_ca, timeout) as client:
             reply = client.stats()
     except grpc.RpcError as exc:
-        code = exc.code().name
-        hint = "; pass --token or set $TIERED_CACHE_SERVE_TOKEN" if code == "UNAUTHENTICATED" else ""
-        return {"address": address, "error": f"{code}: {exc.details()}{hint}", "code": code}
+        code, details = exc.code().name, exc.details() or ""
+        if tls_mismatch(details):
+            return {"address": address, "code": "TLS", "error": f"{code}: {details}; {TLS_HINT} (--tls-ca)"}
+        hint = {"UNAUTHENTICATED": "; pass --token or set $TIERED_CACHE_SERVE_TOKEN",
+                "PERMISSION_DENIED": "; this token's namespaces do not include the server's figures (an operator "
+                                     "token, '*' in the token file, reads them)"}.get(code, "")
+        return {"address": address, "error": f"{code}: {details}{hint}", "code": code}
     data = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     _numbers(data.get("server", {}))
     for tier in data["tiers"]:

@@ -51,7 +51,11 @@ class StoreClient:
         self.timeout_s = timeout_s
         options = channel_options(max_message_bytes)
         if tls_ca:
-            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+            try:
+                ca = Path(tls_ca).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"the TLS CA file {tls_ca} (--tls-ca, remote_tls_ca): {exc.strerror or exc}") from None
+            creds = grpc.ssl_channel_credentials(root_certificates=ca)
             self.channel = grpc.secure_channel(address, creds, options=options)
         else:
             self.channel = grpc.insecure_channel(address, options=options)

@@ -153,7 +153,8 @@ def reuse_families(reuse: Any) -> list[Metric]:
     return out
 
 
-def server_families(counters: Any, streams_open: int, shm_pages: int = 0, shm_pages_reused: int = 0) -> list[Metric]:
+def server_families(counters: Any, streams_open: int, shm_pages: int = 0, shm_pages_reused: int = 0,
+                    shm_offered_bytes: int = 0) -> list[Metric]:
     """The store server's own counters (server/requests.py's ServerCounters: Put pages taken from clients'
     shared memory among them), its open streams and the Get pages it handed over through its
     shared-memory ring."""
@@ -174,4 +175,6 @@ def server_families(counters: Any, streams_open: int, shm_pages: int = 0, shm_pa
          shm_pages_reused),
         ("server_shm_put_pages", "counter", "Put pages read from same-host clients' shared memory (no bytes sent)",
          counters.shm_put_pages),
+        ("server_shm_offered_bytes", "gauge", "Bytes of same-host clients' Put rings mapped now: the clients' "
+         "memory, in the server's RSS too", shm_offered_bytes),
     )]

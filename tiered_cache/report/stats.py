@@ -26,7 +26,9 @@ def render_stats(result: dict[str, Any], rates: dict[str, dict[str, float]] | No
     """One `server_stats` result as text; `rates` per tier (from `tier_rates`; default: since the
     server started), `over` says over what interval they are. An unreachable server is one line."""
     if "error" in result:
-        what = "refused" if result.get("code") == "UNAUTHENTICATED" else "unreachable"
+        code = result.get("code")
+        what = ("refused" if code in ("UNAUTHENTICATED", "PERMISSION_DENIED") else "TLS mismatch" if code == "TLS"
+                else "unreachable")
         return f"{result['address']}: {what} ({result['error']})"
     rates = rates or tier_rates(result, None, 0)
     s = result["server"]
@@ -39,7 +41,8 @@ def render_stats(result: dict[str, Any], rates: dict[str, dict[str, float]] | No
             f"{int(s.get('shm_pages', 0)):,} pages handed out in place in the arena "
             f"({int(s.get('shm_pages_reused', 0)):,} with no copy), "
             f"{int(s.get('shm_put_pages', 0)):,} Put pages from clients' shared memory "
-            f"({int(s.get('shm_offers', 0))} clients)")
+            f"({int(s.get('shm_offers', 0))} clients; their rings mapped here: "
+            f"{format_binary(int(s.get('shm_offered_bytes', 0)))}, the clients' memory)")
     rows = [[t["name"], format_binary(t["capacity_bytes"]), format_binary(t["used_bytes"]), f"{t['pages']:,}",
              f"{t['hit_rate']:.1%}", f"{t['hits']:,}", f"{t['misses']:,}",
              f"{rates[t['name']]['hits']:,.1f}", f"{rates[t['name']]['misses']:,.1f}",

@@ -110,6 +110,10 @@ class ServerConfig:
                                  f"unit, e.g. 4GiB (a bare number is bytes; at least 1MiB)")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("TLS needs both tls_cert and tls_key")
+        for name in ("tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path and not Path(path).expanduser().is_file():
+                raise ValueError(f"--{name.replace('_', '-')} {path}: no such file (a PEM file)")
         for name in ("port", "metrics_port", "bulk_port"):
             value = getattr(self, name)
             if value is not None and not 0 <= int(value) < 65536:

@@ -100,7 +100,8 @@ class KVCacheService:
                                 cancelled_streams=c.cancelled_streams,
                                 shm_pages=c.shm_pages, shm_pages_reused=c.shm_pages_reused,
                                 shm_put_pages=c.shm_put_pages,
-                                shm_offers=len(self.offers) if self.offers is not None else 0)
+                                shm_offers=len(self.offers) if self.offers is not None else 0,
+                                shm_offered_bytes=self.offers.mapped_bytes() if self.offers is not None else 0)
         tiers = [pb.TierStats(**{k: v for k, v in s.to_dict().items() if k not in _NOT_IN_PROTO})
                  for s in await self._tiers_stats()]
         return pb.StatsResponse(tiers=tiers, server=server)

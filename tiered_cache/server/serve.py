@@ -29,9 +29,12 @@ def serve(config: ServerConfig) -> int:
     where = f"{config.host}:{port}"
     print(f"tiered-cache serve: listening on {where} ({'TLS' if config.tls_cert else 'plaintext'}, "
           f"{_tokens(config)})", flush=True)
-    from tiered_cache.server.startup import describe_tiers, redis_problem
+    from tiered_cache.server.startup import describe_tiers, memory_problem, redis_problem
 
-    print(f"tiered-cache serve: tiers: {describe_tiers(config)}", flush=True)
+    capacities = {t.name: t.capacity_bytes for t in server.store.stats()}
+    print(f"tiered-cache serve: tiers: {describe_tiers(config, capacities)}", flush=True)
+    if problem := memory_problem(config.ram_capacity):
+        print(f"tiered-cache serve: WARNING: {problem}", file=sys.stderr, flush=True)
     if server.bulk is not None:
         print(f"tiered-cache serve: bulk Get at {config.host}:{server.bulk.port} (plain TCP, same tokens)", flush=True)
     elif config.bulk_port is not None:

@@ -39,8 +39,13 @@ _META_THREADS = 2  # Lookup and Stats: never queued behind data
 def build_store(config: ServerConfig) -> BlobStore:
     """The server's RAM tier in front of its disk and/or Redis tiers (built by tiers/factory.py)."""
     kinds = [kind for kind, wanted in (("disk", config.disk_path), ("redis", config.redis_url)) if wanted]
-    lower = build_tiers(kinds, TierSettings(disk_path=config.disk_path or "", disk_capacity=config.disk_capacity,
-                                            redis_url=config.redis_url or "", redis_prefix=config.redis_prefix))
+    try:
+        lower = build_tiers(kinds, TierSettings(disk_path=config.disk_path or "", disk_capacity=config.disk_capacity,
+                                                redis_url=config.redis_url or "", redis_prefix=config.redis_prefix))
+    except OSError as exc:
+        if exc.filename is None or not config.disk_path:
+            raise
+        raise ValueError(f"--disk {config.disk_path}: cannot keep pages there ({exc.strerror or exc})") from None
     ram = (ArenaTier(config.ram_capacity, lease_s=config.arena_lease_s) if shared_memory(config)
            else MemoryTier(config.ram_capacity))
     return BlobStore(ram, lower, config.write_through)
@@ -117,9 +122,10 @@ class StoreServer:
 
         def build() -> list[Any]:
             service = self.service
+            offered = service.offers.mapped_bytes() if service.offers is not None else 0
             return [*tier_families(self.store.stats()),
                     *server_families(self.counters, service.permits.active, self.counters.shm_pages,
-                                     self.counters.shm_pages_reused)]
+                                     self.counters.shm_pages_reused, offered)]
 
         config = self.config
         return MetricsServer(registry_of(build), config.metrics_host, config.metrics_port or 0, config.metrics_token)

@@ -90,6 +90,11 @@ class OfferedSegments:
             old.reader.close()
         return ""
 
+    def mapped_bytes(self) -> int:
+        """Bytes of clients' rings mapped now (their memory, shared with this process)."""
+        with self._lock:
+            return sum(offered.reader.size for offered in self._segments.values())
+
     def reader(self, segment: bytes) -> PutRingReader | None:
         with self._lock:
             offered = self._segments.get(segment)

@@ -23,6 +23,7 @@ class PutRingReader:
             self._map.close()
             raise ValueError(f"{path} is not the segment the client named")
         self.segment = segment
+        self.size = size  # bytes mapped: the client's memory, shared with this process
         self.capacity = struct.unpack_from("<Q", self._map, CAPACITY_AT)[0]
         if HEADER + self.capacity != size:
             self._map.close()

@@ -59,6 +59,7 @@ class CircuitBreaker:
         self._cooldown = self.policy.cooldown_s
         self._open_until = 0.0
         self._probe_started: float | None = None
+        self.why = ""  # what the last failed call said of the server ("is down (UNAVAILABLE)", ...)
         self.trips = 0  # times it opened
         self.refused = 0  # calls refused while open or while a probe was in flight
 
@@ -110,6 +111,7 @@ class CircuitBreaker:
         breaker opens: "is down (UNAVAILABLE)", "is up and refuses ..."); returns whether this
         opened the breaker (a trip)."""
         with self._lock:
+            self.why = why
             if self._state is BreakerState.CLOSED:
                 self._failures += 1
                 if self._failures < self.policy.failure_threshold:

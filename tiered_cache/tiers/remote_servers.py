@@ -23,6 +23,7 @@ import grpc
 
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.tiers.breaker import BreakerPolicy, BreakerState, CircuitBreaker
+from tiered_cache.wire.tls import TLS_HINT, tls_mismatch
 
 T = TypeVar("T")
 _MAX_FANOUT = 16  # threads asking servers in parallel (created only as calls need them)
@@ -161,4 +162,7 @@ def _why(exc: grpc.RpcError | OSError) -> str:
         return "is up and refuses this client's token (UNAUTHENTICATED: check remote_token)"
     if code is grpc.StatusCode.PERMISSION_DENIED:
         return "is up and refuses this client's namespace (PERMISSION_DENIED: check remote_namespace)"
+    details = exc.details() if hasattr(exc, "details") else ""
+    if tls_mismatch(details or ""):
+        return f"answers, but not in this client's protocol: {TLS_HINT}"
     return f"is down ({code.name if code is not None else type(exc).__name__})"

@@ -200,7 +200,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., loads: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., errors: _Optional[int] = ..., corrupt: _Optional[int] = ..., breaker_trips: _Optional[int] = ..., open_breakers: _Optional[int] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("version", "uptime_s", "requests", "rejected_requests", "unauthenticated", "refused_blobs", "active_streams", "refused_streams", "stalled_streams", "shm_pages", "shm_pages_reused", "shm_put_pages", "shm_offers", "cancelled_streams")
+    __slots__ = ("version", "uptime_s", "requests", "rejected_requests", "unauthenticated", "refused_blobs", "active_streams", "refused_streams", "stalled_streams", "shm_pages", "shm_pages_reused", "shm_put_pages", "shm_offers", "cancelled_streams", "shm_offered_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class ServerStats(_message.Message):
     SHM_PUT_PAGES_FIELD_NUMBER: _ClassVar[int]
     SHM_OFFERS_FIELD_NUMBER: _ClassVar[int]
     CANCELLED_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    SHM_OFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     requests: int
@@ -229,7 +230,8 @@ class ServerStats(_message.Message):
     shm_put_pages: int
     shm_offers: int
     cancelled_streams: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., unauthenticated: _Optional[int] = ..., refused_blobs: _Optional[int] = ..., active_streams: _Optional[int] = ..., refused_streams: _Optional[int] = ..., stalled_streams: _Optional[int] = ..., shm_pages: _Optional[int] = ..., shm_pages_reused: _Optional[int] = ..., shm_put_pages: _Optional[int] = ..., shm_offers: _Optional[int] = ..., cancelled_streams: _Optional[int] = ...) -> None: ...
+    shm_offered_bytes: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., requests: _Optional[int] = ..., rejected_requests: _Optional[int] = ..., unauthenticated: _Optional[int] = ..., refused_blobs: _Optional[int] = ..., active_streams: _Optional[int] = ..., refused_streams: _Optional[int] = ..., stalled_streams: _Optional[int] = ..., shm_pages: _Optional[int] = ..., shm_pages_reused: _Optional[int] = ..., shm_put_pages: _Optional[int] = ..., shm_offers: _Optional[int] = ..., cancelled_streams: _Optional[int] = ..., shm_offered_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("tiers", "server")

@@ -35,6 +35,9 @@ def check_geometry(blob: Any, header: BlobHeader) -> None:
     """Raise BlobError unless the header's page geometry is consistent and the payload decodes
     to `raw_len` bytes under its codec (a checksummed blob can still lie about either)."""
     shape = header.shape
+    if header.num_tokens < 1 or not all(shape) or header.raw_len < 1:  # a page of nothing: no KV to reuse
+        raise BlobError(f"page shape {shape} with {header.num_tokens} tokens holds no KV: not a page",
+                        BlobFault.WRONG_SHAPE)
     if len(shape) < 3 or shape[1] != 2 or header.num_tokens not in shape[2:]:
         raise BlobError(f"page shape {shape} is not (layers, 2, ...) holding its {header.num_tokens} tokens",
                         BlobFault.WRONG_SHAPE)
