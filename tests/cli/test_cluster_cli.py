@@ -95,6 +95,8 @@ def _walk(ray_cluster, where: list[str], tmp_path) -> None:
     empty = run_cli("cluster", "status", *where, "--json", check=False)
     assert empty.returncode == 1 and json.loads(empty.stdout)["actors"] == []
     assert f"no tiered-cache actors in Ray namespace '{NAMESPACE}'" in empty.stderr
+    none = run_cli("stats", "--ray", where[1], "--namespace", NAMESPACE, check=False)
+    assert none.returncode == 1 and "start them with `tiered-cache cluster start`" in none.stderr
 
 
 def _rerun(where: list[str], tmp_path, port: int) -> None:

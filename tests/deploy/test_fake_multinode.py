@@ -64,20 +64,24 @@ def test_the_readme_block_on_fake_gpu_nodes_places_workers_on_gpus_and_shards_ap
     from ray._private.services import get_node_ip_address
 
     port = free_port()
-    config = yaml.safe_load((REPO / "deploy" / "fake-multinode.yaml").read_text())
-    config["provider"]["gcs_address"] = f"{get_node_ip_address()}:{port}"
-    (tmp_path / "fake.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     lines = readme_block()
     assert [line.split()[:3] for line in lines] == [
+        ["PORT=6380"], ["IP=$(python", "-c", "'import"], ["sed", '"s|^', "type:"],
         ["RAY_FAKE_CLUSTER=1", "ray", "start"], ["tiered-cache", "cluster", "start"],
         ["tiered-cache", "cluster", "status"], ["tiered-cache", "cluster", "generate"],
         ["tiered-cache", "cluster", "stop"]], lines
+    # The first four lines share their variables: one shell, as a user's terminal runs them, with
+    # a free port and a config copy of the test's own.
+    head = "\n".join(lines[:4]).replace("PORT=6380", f"PORT={port}").replace("/tmp/fake-multinode.yaml",
+                                                                             str(tmp_path / "fake.yaml"))
     ran = []
     try:
-        for line in lines:
-            line = line.replace("--autoscaling-config=deploy/fake-multinode.yaml",
-                                f"--port={port} --autoscaling-config={tmp_path / 'fake.yaml'} --disable-usage-stats")
+        run(head.replace("--autoscaling-config=", "--disable-usage-stats --autoscaling-config="), env)
+        config = yaml.safe_load((tmp_path / "fake.yaml").read_text())
+        assert config["provider"]["gcs_address"] == f"{get_node_ip_address()}:{port}"  # the sed did its job
+        ran.extend(lines[:4])
+        for line in lines[4:]:
             line = line.replace("--disk /tmp/tc", f"--disk {tmp_path / 'tc'}")
             out = run(line, env)
             ran.append(line)

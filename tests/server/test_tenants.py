@@ -107,6 +107,12 @@ def test_only_the_operators_token_sees_the_server_wide_figures(store):
             tenant.stats()
         assert caught.value.code() is grpc.StatusCode.PERMISSION_DENIED
         assert "Stats" in caught.value.details() and "'*'" in caught.value.details()
+    # As `tiered-cache stats` says it: refused (the server answers, and says no), not unreachable.
+    from tiered_cache.client.stats import server_stats
+    from tiered_cache.report.stats import render_stats
+
+    line = render_stats(server_stats(store.address, "token-a", None, 10.0))
+    assert line.startswith(f"{store.address}: refused (PERMISSION_DENIED") and "'*'" in line
 
 
 def test_shared_memory_is_offered_only_in_the_empty_namespace(store):

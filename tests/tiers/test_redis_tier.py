@@ -161,3 +161,21 @@ def test_a_restarted_redis_is_used_by_the_first_call_after_it(tmp_path):
         assert tier.stats().errors == 0 and tier.stats().breaker_trips == 0
     finally:
         server.stop()
+
+
+def test_an_unbounded_redis_reports_its_host_s_memory_as_capacity_and_its_pages(tmp_path):
+    """maxmemory 0 is Redis's "no limit": the tier's capacity is then what Redis can grow to (its
+    host's memory), never 0 B, and its pages are the keys it holds."""
+    from tiered_cache.bench.redis_process import RedisServer
+
+    server = RedisServer(tmp_path, maxmemory="0")
+    server.start()
+    try:
+        tier = RedisTier(server.url, prefix="unbounded")
+        tier.put(blobs_for(4))
+        s = tier.stats()  # its first: INFO and DBSIZE asked now
+        total = int(redis_py.Redis.from_url(server.url).info("memory")["total_system_memory"])
+        assert s.capacity_bytes == total > 0 and s.pages == 4
+        tier.close()
+    finally:
+        server.stop()

@@ -73,13 +73,24 @@ def test_eviction_from_ram_demotes_into_disk_and_residency_follows(tmp_path):
     assert chain.locate(keys) == [1, 1, 0, 0, 0]
     ram_st, disk_st = chain.stats()
     assert (ram_st.evictions, disk_st.demotions, disk_st.pages) == (2, 2, 2)
-
     assert chain.get(keys) == [b for _, b in items]  # byte-identical from either tier
     assert chain.get(keys[:1], load=True) == [items[0][1]]  # disk -> RAM, evicting keys[2]
     assert chain.locate(keys) == [0, 1, 1, 0, 0]
     assert chain.known_in(keys[0], 1)  # still on disk too
     ram_st, disk_st = chain.stats()
     assert disk_st.loads == 3 and disk_st.demotions == 3  # 2 + 1 got; keys[2] demoted
+
+
+def test_pages_written_through_then_evicted_count_as_demoted_where_they_are(tmp_path):
+    """Written to both tiers (write-through), then pushed out of RAM: the disk held them already,
+    yet RAM's evictions and the disk's demotions agree on what moved where."""
+    ram, disk = MemoryTier(3 * BLOB), DiskTier(tmp_path, 100 * BLOB, fsync=False)
+    chain = TierChain([ram, disk])
+    items = make_blobs(6)
+    chain.put(items, 1)  # write-through: below first
+    chain.put(items, 0)
+    ram_st, disk_st = chain.stats()
+    assert ram_st.evictions == disk_st.demotions == 3 and disk_st.pages == 6
 
 
 def test_a_blob_too_big_for_ram_goes_straight_to_disk(tmp_path):

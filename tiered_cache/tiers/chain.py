@@ -231,8 +231,9 @@ class TierChain:
 
     def put(self, items: Sequence[tuple[bytes, bytes]], index: int = 0, demotion: bool = False) -> int:
         """Store (key, blob) pairs in tier `index`, skipping keys it is known to hold. Returns how
-        many the tier reports stored; with `demotion` they count as demoted into that tier (pages
-        pushed down from above the chain, e.g. the engine's host RAM)."""
+        many the tier reports stored. With `demotion` (pages an eviction above pushed down) each
+        page that this tier now holds counts as demoted into it, stored now or held already: the
+        tier above's evictions and this tier's demotions then agree on what moved where."""
         if not self.tiers:
             return 0
         todo = [(k, b) for k, b in items if not self.known_in(k, index)]
@@ -240,6 +241,8 @@ class TierChain:
         if skipped:
             with self._meta:
                 self.skipped_puts += skipped
+            if demotion:
+                self._count(self.demotions, self.tiers[index].name, skipped)
         if not todo:
             return 0
         keys = [k for k, _ in todo]

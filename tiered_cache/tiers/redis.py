@@ -310,7 +310,9 @@ class RedisTier:
 
             replies = [r for r in (nodes.on(n, ask, None) for n in nodes.masters()) if r is not None]
             if replies:
-                self._stats.capacity_bytes = sum(int(info.get("maxmemory", 0)) for info, _ in replies)
+                # maxmemory 0 is "no limit": Redis then grows to its host's memory, which is its capacity.
+                self._stats.capacity_bytes = sum(
+                    int(info.get("maxmemory", 0)) or int(info.get("total_system_memory", 0)) for info, _ in replies)
                 self._stats.used_bytes = sum(int(info.get("used_memory", 0)) for info, _ in replies)
                 self._stats.pages = sum(int(pages) for _, pages in replies)
         self._stats.errors, self._stats.breaker_trips = nodes.errors, nodes.breaker_trips  # INFO's failures too
