@@ -95,12 +95,14 @@ class PrefixRouter:
                 await self._watch_shards([n for n, m in members.items() if m["kind"] == SHARD])
 
     async def _watch_shards(self, names: list[str]) -> None:
-        """Subscribe the event policy to shards it does not watch yet."""
-        new = [n for n in names if n not in self.policy.events.shards]
-        infos = await asyncio.gather(*(_info(n) for n in new))
-        for name, info in zip(new, infos, strict=True):
+        """Keep the event policy subscribed to the live shards: a new or restarted one (new
+        endpoints) is read from the start, a departed one forgotten."""
+        for gone in set(self.policy.events.shards) - set(names):
+            self.policy.events.forget(gone)
+        infos = await asyncio.gather(*(_info(n) for n in names))
+        for name, info in zip(names, infos, strict=True):
             if info is not None:
-                self.policy.watch_shard(name, info.get("events"))
+                await asyncio.to_thread(self.policy.watch_shard, name, info.get("events"))
 
     def _drop(self, name: str) -> None:
         self.workers.pop(name, None)
