@@ -131,7 +131,7 @@ def test_events_are_off_by_default_and_a_bad_endpoint_is_named():
         CacheConfig(kv_events_endpoint="127.0.0.1:5557")
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a vLLM process (make test-long); test_store_events.py runs vLLM's decoder in make test
 def test_vllm_s_own_subscriber_learns_what_the_cache_holds(tmp_path):
     index = BlockIndex()
     with _cache(tmp_path) as cache:

@@ -127,7 +127,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a vLLM process (make test-long); test_store_events.py runs vLLM's decoder in make test
 def test_vllm_s_own_decoder_reads_our_batches_unchanged():
     python = REPO / ".venv-vllm" / "bin" / "python"
     if not python.exists():

@@ -343,11 +343,6 @@ def test_chaos_a_worker_killed_mid_request_the_router_answers_from_another(actor
     assert len(answer["tokens"]) > 0
     stats = ray.get(router.stats.remote())
     assert stats["failures"] == before + 1 and victim not in stats["workers"]
-    # Back under its name on its node, for the tests after this one (the router picks by where
-    # pages are, so the victim may be any worker).
-    nodes = {"worker-0": {"node1": 1}, "worker-1": {"node2": 1}, "worker-2": {"node0": 1}}
-    ray.get(cluster.start_worker(victim, config, resources=nodes[victim]).ping.remote(), timeout=300)
-    wait_for(lambda: victim in ray.get(router.stats.remote())["workers"], timeout_s=60, what="the victim back")
 
 
 def test_chaos_each_actor_kind_killed_twice_is_restarted_in_place_and_every_request_is_answered(actors):
@@ -360,13 +355,15 @@ def test_chaos_each_actor_kind_killed_twice_is_restarted_in_place_and_every_requ
     config = actors["config"]
     router = cluster.start_router(config)
     prompt = question("Who keeps the lighthouse now?")
-    reference = ray.get(ray.get_actor("worker-1").generate.remote(prompt, use_cache=False), timeout=120)["tokens"]
+    # The router routes by where pages are: the worker the test before killed may be any of them.
+    workers = [w for w in ("worker-0", "worker-1", "worker-2") if _alive(w)]
+    reference = ray.get(ray.get_actor(workers[-1]).generate.remote(prompt, use_cache=False), timeout=120)["tokens"]
 
     def ask() -> None:
         assert cluster.generate(prompt, timeout_s=300)["tokens"] == reference
 
     ask()
-    kinds = ("directory", "router", "shard-0", "worker-0")
+    kinds = ("directory", "router", "shard-0", workers[0])
     base = {name: cluster.restarts(name) for name in kinds}
     for kill in (1, 2):  # all four at once, twice, a request in flight on the router each time
         in_flight = router.generate.remote(prompt)
