@@ -88,3 +88,22 @@ def test_a_mistyped_option_is_told_by_its_command_with_the_one_meant():
     result = run_cli("serve", "--rm", "1GiB", "--port", "0", check=False)
     assert result.returncode == 2 and "usage: tiered-cache serve" in result.stderr
     assert "--rm: did you mean --ram?" in result.stderr.splitlines()[-1]
+
+
+def test_the_start_line_shows_the_disk_capacity_the_tier_really_got(tmp_path):
+    """A disk with less room than --disk-capacity: the tier uses the room there, and the start-up
+    line says so (a small tmpfs, as root; elsewhere skipped)."""
+    import subprocess
+
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8M", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        with StoreProcess(["--disk", str(folder), "--disk-capacity", "1GiB", "--ram", "16MiB"]) as store:
+            pass
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+    line = next(line for line in store.output if "tiers:" in line)
+    assert "(of 1 GiB asked: the room there)" in line and "disk 1 GiB" not in line, line
