@@ -89,14 +89,14 @@ class EventRoutingPolicy:
             untracked = max(0, loads[worker] - len(pending))  # sent while events were stale: cost unknown
             wait = sum(cost for _, cost in pending) + untracked * self.estimate.service_s
             own = self.estimate.seconds(len(ids), held.device * page, held.host * page, held.store * page)
+            found = (held.device + held.host + held.store) * page
             # A recomputed token costs in this TTFT and, on a busy cluster, again in the TTFT of the
             # request that will queue behind it there: racing an idle worker to recompute a prefix
             # another is about to hold wins one request and slows the next.
-            spent = behind * self.estimate.compute_s(len(ids), (held.device + held.host + held.store) * page)
+            spent = behind * self.estimate.compute_s(len(ids), found)
             if best is None or (wait + own + spent, loads[worker], worker) < best:
                 best = (wait + own + spent, loads[worker], worker)
-                cached = (held.device + held.host + held.store) * page
-                chosen = (keys, own + self.estimate.decode_s)
+                cached, chosen = found, (keys, own + self.estimate.decode_s)
         assert best is not None
         self.fallback.observe(best[2], [text])  # kept warm for when events stop
         self._pending[best[2]].append(chosen)

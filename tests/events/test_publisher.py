@@ -4,14 +4,13 @@ decoder (in .venv-vllm) reading our batches unchanged."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 zmq = pytest.importorskip("zmq")
+
+from vllm_events import vllm_batches  # noqa: E402
 
 from tiered_cache.events.endpoints import check_endpoint  # noqa: E402
 from tiered_cache.events.publisher import END_OF_REPLAY, EventPublisher  # noqa: E402
@@ -25,7 +24,6 @@ from tiered_cache.events.schema import (  # noqa: E402
     decode_batch,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 BATCHES = [
     [block_stored([b"\x01" * 32, b"\x02" * 32], None, list(range(32)), 16, MEDIUM_GPU)],
     [block_stored([b"\x03" * 32], b"\x02" * 32, list(range(32, 48)), 16, MEDIUM_STORAGE, locality="REMOTE"),
@@ -108,41 +106,16 @@ def test_endpoints_are_loopback_unless_allowed():
             check_endpoint(bad)
 
 
-VLLM_DECODES = """
-import json, sys, msgspec, zmq
-from vllm.distributed.kv_events import KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
-sock = zmq.Context.instance().socket(zmq.DEALER)
-sock.setsockopt(zmq.RCVTIMEO, 10000)
-sock.connect(sys.argv[1])
-sock.send_multipart((b"", (0).to_bytes(8, "big")))
-decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-out = []
-while True:
-    _, _, number, payload = sock.recv_multipart()
-    if number == (-1).to_bytes(8, "big", signed=True):
-        break
-    batch = decoder.decode(payload)
-    out.append([[type(e).__name__, msgspec.to_builtins(e, enc_hook=repr)] for e in batch.events])
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.long  # a vLLM process (make test-long); test_store_events.py runs vLLM's decoder in make test
 def test_vllm_s_own_decoder_reads_our_batches_unchanged():
-    python = REPO / ".venv-vllm" / "bin" / "python"
-    if not python.exists():
-        pytest.fail("the vLLM venv is missing: run `make install-vllm` (make test builds it)")
     publisher = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
     try:
         for batch in BATCHES:
             publisher.publish(batch)
         published(publisher, 3)
-        run = subprocess.run([str(python), "-c", VLLM_DECODES, publisher.replay_endpoint], capture_output=True,
-                             text=True, timeout=120)
+        decoded = vllm_batches(publisher.replay_endpoint)
     finally:
         publisher.close()
-    assert run.returncode == 0, run.stderr[-2000:]
-    decoded = json.loads(run.stdout.strip().splitlines()[-1])
     assert [[kind for kind, _ in batch] for batch in decoded] == [[e["type"] for e in b] for b in BATCHES]
     stored = decoded[1][0][1]
     assert stored["medium"] == MEDIUM_STORAGE and stored["locality"] == "REMOTE" and stored["block_size"] == 16

@@ -15,8 +15,7 @@ def check_endpoint(endpoint: str, beyond_loopback: bool = False) -> str:
     if not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"a KV events endpoint needs a port 0-65535, got {endpoint!r}")
     host = host.strip("[]")
-    loopback = host == "localhost" or (_is_ip(host) and ipaddress.ip_address(host).is_loopback)
-    if not loopback and not beyond_loopback:
+    if not _loopback(host) and not beyond_loopback:
         raise ValueError(f"KV events endpoint {endpoint} listens beyond loopback: ZMQ has no token, so anyone who "
                          "reaches it reads which prefixes are cached; use 127.0.0.1, or allow it explicitly")
     if ":" in host:  # IPv6
@@ -24,12 +23,18 @@ def check_endpoint(endpoint: str, beyond_loopback: bool = False) -> str:
     return f"tcp://{'127.0.0.1' if host == 'localhost' else host}:{port}"
 
 
-def _is_ip(host: str) -> bool:
+def on_loopback(endpoint: str) -> bool:
+    """Whether a checked endpoint (`check_endpoint`'s answer) listens on loopback only."""
+    return _loopback(endpoint.removeprefix("tcp://").rpartition(":")[0].strip("[]"))
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
     try:
-        ipaddress.ip_address(host)
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-    return True
 
 
 def replay_endpoint_for(endpoint: str) -> str:

@@ -85,7 +85,7 @@ class CacheEvents:
             page = self.tokens_of(key)
             if page is None:
                 return []
-            tokens.extend(int(t) for t in page)
+            tokens.extend(page.tolist() if hasattr(page, "tolist") else page)  # numpy: one call, not one a token
         return tokens
 
     def close(self) -> None:

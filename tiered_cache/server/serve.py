@@ -47,9 +47,11 @@ def serve(config: ServerConfig) -> int:
               + ("" if config.grants else "; set --token-file so only your instances can read and write pages"),
               file=sys.stderr, flush=True)
     if server.events is not None:
+        from tiered_cache.events.endpoints import on_loopback
+
         publisher = server.events.publisher
         print(f"tiered-cache serve: KV events at {publisher.endpoint} (replay {publisher.replay_endpoint})", flush=True)
-        if not publisher.endpoint.startswith(("tcp://127.", "tcp://[::1]")):
+        if not on_loopback(publisher.endpoint):
             print("tiered-cache serve: WARNING: KV events listen beyond loopback and take no token: anyone who "
                   "reaches them reads which prefixes are stored", flush=True)
     if server.metrics is not None:
