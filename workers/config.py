@@ -14,17 +14,25 @@ from typing import Any
 from tiered_cache.model.units import parse_size
 from tiered_cache.wire.auth import check_token
 from tiered_cache.workers.kv_events import check_template
+from tiered_cache.workers.serve_llm.settings import VllmSettings, named
 
 AUTO_HOST = "auto"  # a shard binds its node's IP address, reachable from the other nodes
 DEVICES = ("auto", "cuda", "cpu")
 WEIGHT_DTYPES = ("auto", "fp32", "fp16", "bf16")
 
 
+class EngineName(enum.Enum):
+    """What computes the tokens on the cluster's nodes."""
+
+    HF = "hf"  # our CacheWorkers (workers/cache_worker.py): Hugging Face models over our radix-tree cache
+    VLLM = "vllm"  # a Ray Serve LLM application: vLLM replicas, our connector in each (workers/serve_llm/)
+
+
 class RoutingPolicyName(enum.Enum):
     PREFIX = "prefix"  # the worker most likely to hold the longest prefix, bounded by load
     ROUND_ROBIN = "round_robin"
-    # Where the workers' and shards' KV events say the pages are, by expected TTFT (event_routing.py);
-    # the prefix policy while events are stale.
+    # Where the workers' and shards' KV events say the pages are, by expected TTFT
+    # (routing/event_policy.py); the prefix policy while events are stale.
     EVENTS = "events"
 
 
@@ -123,11 +131,14 @@ class ClusterConfig:
     # publishes where its pages are at tcp://HOST:PORT + 2 x its slot (HOST auto: each node's IP;
     # PORT 0: free ports), and the `events` routing policy routes on them. None: off.
     kv_events: str | None = None
+    engine: EngineName = EngineName.HF
     shard: ShardSettings = field(default_factory=ShardSettings)
-    worker: WorkerSettings = field(default_factory=WorkerSettings)
-    router: RouterSettings = field(default_factory=RouterSettings)
+    worker: WorkerSettings = field(default_factory=WorkerSettings)  # engine hf
+    router: RouterSettings = field(default_factory=RouterSettings)  # engine hf
+    vllm: VllmSettings = field(default_factory=VllmSettings)  # engine vllm
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", named(EngineName, self.engine, "engine"))
         if self.shards < 0 or self.workers < 0:
             raise ValueError(f"shards and workers must be >= 0, got {self.shards} and {self.workers}")
         if not self.namespace:
@@ -145,7 +156,7 @@ class ClusterConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
         """A config from nested mappings; raises ValueError naming any unknown key."""
-        nested = {"shard": ShardSettings, "worker": WorkerSettings, "router": RouterSettings}
+        nested = {"shard": ShardSettings, "worker": WorkerSettings, "router": RouterSettings, "vllm": VllmSettings}
         values: dict[str, Any] = {}
         for key, value in _known(cls, data, "").items():
             if key in nested:
@@ -181,4 +192,4 @@ def _known(cls: type, data: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 # Keys whose YAML `null` means "none" rather than "use the default".
-_NULLABLE = {"disk_path", "redis_url", "token", "tls_cert", "tls_key", "tls_ca", "kv_events"}
+_NULLABLE = {"disk_path", "redis_url", "token", "tls_cert", "tls_key", "tls_ca", "kv_events", "max_replicas"}

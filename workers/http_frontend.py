@@ -49,6 +49,14 @@ def deploy(namespace: str, model: str, host: str = "127.0.0.1", port: int = 8000
     proxy cannot move while it runs, so another host or port is refused in one line naming both;
     the same bind redeploys the front end with this token for real. ValueError for a bind beyond
     loopback without a token: it would serve anyone who reaches the port."""
+    start_proxy(host, port, token)
+    serve.run(OpenAIFrontend.bind(namespace, model, token), name=http_app_name(namespace), route_prefix="/")
+    return base_url(host, port)
+
+
+def start_proxy(host: str, port: int, token: str | None) -> None:
+    """Serve's HTTP proxy on `host:port`, started unless it runs there already. ValueError for a
+    bind beyond loopback without a token, or a proxy running on another bind (it cannot move)."""
     if host not in LOOPBACK and not token:
         raise ValueError(f"--http-host {host} listens beyond loopback: give a token (--http-token or "
                          "TIERED_CACHE_HTTP_TOKEN) that every request must send")
@@ -59,7 +67,24 @@ def deploy(namespace: str, model: str, host: str = "127.0.0.1", port: int = 8000
                          f"--http-port {running[1]}, or `tiered-cache cluster stop` first")
     if running is None:
         serve.start(http_options={"host": host, "port": port})
-    serve.run(OpenAIFrontend.bind(namespace, model, token), name=http_app_name(namespace), route_prefix="/")
+
+
+def delete_app(name: str) -> bool:
+    """Delete the Serve application `name`, and Serve with it when no other application is left.
+    False when there was none (Serve not running)."""
+    if running_bind() is None:
+        return False
+    apps = serve.status().applications
+    if name not in apps:
+        return False
+    serve.delete(name)
+    if set(apps) == {name}:
+        serve.shutdown()
+    return True
+
+
+def base_url(host: str, port: int) -> str:
+    """The OpenAI base URL of the running proxy (`host:port` when it is not running)."""
     bound = running_bind() or (host, port)
     return f"http://{_url_host(bound[0])}:{bound[1]}/v1"
 

@@ -34,3 +34,12 @@ def placement_group_name(namespace: str) -> str:
 def http_app_name(namespace: str) -> str:
     """The Ray Serve application of the cluster's HTTP front end (`cluster start --serve`)."""
     return f"tiered-cache-{namespace}"
+
+
+def serve_llm_app_name(namespace: str) -> str:
+    """The Ray Serve LLM application of `cluster start --engine vllm` (its replicas and front end)."""
+    return f"tiered-cache-{namespace}-vllm"
+
+
+SERVE_LLM_INGRESS = "TieredCacheIngress"  # that application's front end deployment, for a handle to it
+ROUTE_HEADER = "x-tiered-cache-route"  # its streamed answers' route, as JSON (their body has no room for it)

@@ -1,7 +1,7 @@
 """`PrefixRouter`: the async Ray actor every request goes through.
 
 It keeps the live workers from the directory (re-read at most once per `_REFRESH_S`), counts each
-worker's requests in flight, and asks its routing policy (routing.py) where a prompt should go:
+worker's requests in flight, and asks its routing policy (`routing/`) where a prompt should go:
 the worker most likely to hold its longest prefix unless that would overload it, or plain round
 robin. A worker that dies mid-request is dropped and the request goes to another one, up to
 `retries` times; the caller gets an answer or a clear error, never a hang. A worker that joins is
@@ -21,9 +21,8 @@ import ray
 from tiered_cache.integrations.chat_messages import checked_messages
 from tiered_cache.workers.config import RouterSettings, RoutingPolicyName
 from tiered_cache.workers.directory import SHARD, WORKER
-from tiered_cache.workers.event_routing import EventRoutingPolicy
 from tiered_cache.workers.names import DIRECTORY
-from tiered_cache.workers.routing import Decision, Prompt, make_policy, prompt_text
+from tiered_cache.workers.routing import Decision, Prompt, RoutingPolicy, make_policy, prompt_text
 
 _REFRESH_S = 1.0
 _DIRECTORY_WAIT_S = 2.0  # one directory or worker look-up during a refresh, at most
@@ -43,13 +42,10 @@ class PrefixRouter:
         """Its policy from `settings`, and no worker, load or figure yet."""
         self.settings = settings or RouterSettings()
         s = self.settings
-        if s.policy is RoutingPolicyName.ROUND_ROBIN:
-            self.policy: Any = make_policy(s.policy.value)
-        else:
-            prefix = make_policy(RoutingPolicyName.PREFIX.value, cache_threshold=s.cache_threshold,
-                                 balance_abs_threshold=s.balance_abs_threshold,
-                                 balance_rel_threshold=s.balance_rel_threshold)
-            self.policy = EventRoutingPolicy(prefix) if s.policy is RoutingPolicyName.EVENTS else prefix
+        thresholds = {} if s.policy is RoutingPolicyName.ROUND_ROBIN else {
+            "cache_threshold": s.cache_threshold, "balance_abs_threshold": s.balance_abs_threshold,
+            "balance_rel_threshold": s.balance_rel_threshold}
+        self.policy: RoutingPolicy = make_policy(s.policy.value, **thresholds)
         self.workers: dict[str, Any] = {}  # name -> actor handle
         self.addresses: dict[str, str] = {}  # name -> what the directory lists (a worker's KV event endpoints)
         self.loads: Counter[str] = Counter()  # requests in flight per worker
@@ -89,20 +85,17 @@ class PrefixRouter:
                     self.addresses[name] = members[name]["address"]
                     self.policy.add_worker(name)
                     self.policy.observe(name, prompts)
-                    if isinstance(self.policy, EventRoutingPolicy):
-                        await asyncio.to_thread(self.policy.join, name, info)
-            if isinstance(self.policy, EventRoutingPolicy):
+                    await asyncio.to_thread(self.policy.join, name, info)  # may load a tokenizer
+            if self.policy.follows_events:
                 await self._watch_shards([n for n, m in members.items() if m["kind"] == SHARD])
 
     async def _watch_shards(self, names: list[str]) -> None:
-        """Keep the event policy subscribed to the live shards: a new or restarted one (new
-        endpoints) is read from the start, a departed one forgotten."""
-        for gone in set(self.policy.events.shards) - set(names):
-            self.policy.events.forget(gone)
+        """Tell the policy the live shards and their event endpoints (a shard that does not answer
+        now: None, kept as it was)."""
         infos = await asyncio.gather(*(_info(n) for n in names))
-        for name, info in zip(names, infos, strict=True):
-            if info is not None:
-                await asyncio.to_thread(self.policy.watch_shard, name, info.get("events"))
+        shards = {name: info.get("events") if info is not None else None
+                  for name, info in zip(names, infos, strict=True)}
+        await asyncio.to_thread(self.policy.watch_shards, shards)
 
     def _drop(self, name: str) -> None:
         self.workers.pop(name, None)
@@ -158,7 +151,7 @@ class PrefixRouter:
         raise NoWorkerError(f"every worker tried for this request died ({self.settings.retries + 1} attempts)")
 
     def _learn(self, answer: dict[str, Any], latency_s: float, use_cache: bool) -> None:
-        if use_cache and isinstance(self.policy, EventRoutingPolicy):
+        if use_cache:
             self.policy.learn(answer, latency_s)
 
     async def _choose(self, text: str, prompt: Prompt, chat: bool) -> Decision:
@@ -177,10 +170,10 @@ class PrefixRouter:
             raise NoWorkerError(f"no live cache worker after {_NO_WORKER_WAIT_S:.0f} s: "
                                 "run `tiered-cache cluster start`")
         loads = {name: self.loads[name] for name in self.workers}
-        if isinstance(self.policy, EventRoutingPolicy):  # keys the prompt itself: off the event loop
+        if self.policy.choose_blocks:
             decision = await asyncio.to_thread(self.policy.choose, text, loads, prompt, chat)
         else:
-            decision = self.policy.choose(text, loads)
+            decision = self.policy.choose(text, loads, prompt, chat)
         self.loads[decision.worker] += 1
         self.routed[decision.worker] += 1
         self.reasons[decision.reason] += 1
@@ -189,8 +182,7 @@ class PrefixRouter:
     def _done(self, decision: Decision) -> None:
         if decision.worker in self.loads:
             self.loads[decision.worker] -= 1
-        if isinstance(self.policy, EventRoutingPolicy):
-            self.policy.finished(decision.worker, decision)
+        self.policy.finished(decision.worker, decision)
 
     def _lost(self, worker: str) -> None:
         self.failures += 1
@@ -199,8 +191,7 @@ class PrefixRouter:
     async def reset(self, settings: RouterSettings | None = None) -> None:
         """Forget every worker, load and figure, with `settings`' policy (a benchmark's cold start)."""
         async with self._refreshing:
-            if isinstance(self.policy, EventRoutingPolicy):
-                self.policy.close()
+            self.policy.close()
             self._begin(settings)
 
     async def ping(self) -> str:
@@ -212,10 +203,10 @@ class PrefixRouter:
 
     async def stats(self) -> dict[str, Any]:
         await self._refresh()
+        policy = self.policy.stats()  # under the policy's name (`events`), when it counts anything
         return {**(await self.info()), "workers": sorted(self.workers), "routed": dict(self.routed),
                 "in_flight": dict(self.loads), "reasons": dict(self.reasons), "failures": self.failures,
-                "directory_misses": self.directory_misses,
-                **({"events": self.policy.figures()} if isinstance(self.policy, EventRoutingPolicy) else {})}
+                "directory_misses": self.directory_misses, **({self.settings.policy.value: policy} if policy else {})}
 
     async def shutdown(self) -> None:
         await asyncio.sleep(0)

@@ -1,6 +1,7 @@
 """`StoreShard`: a Ray actor running one store server (RAM in front of disk, optional Redis below).
 
-It binds its node's IP (`host: auto`) on a free port, serves in-process on the server's own event
+It binds its node's IP (`host: auto`) on a free port (after a restart, the port it had, where
+free), serves in-process on the server's own event
 loop thread, and registers its address with the cluster directory, which workers watch to build
 their ring. Each shard keeps its pages in `<disk_path>/<name>`: a shard restarted under the same
 name on the same node finds its pages again (the disk tier's folder lock keeps a second process out).
@@ -9,12 +10,14 @@ name on the same node finds its pages again (the disk tier's folder lock keeps a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import ray
+from ray.experimental import internal_kv
 
 from tiered_cache.client.stats import server_stats
 from tiered_cache.metrics.families import server_families, tier_families
@@ -48,12 +51,30 @@ class StoreShard:
         if host not in LOOPBACK and not token:
             log.warning("shard %s listens on %s without a token: keep this network private or set shard.token",
                         name, host)
-        self.server = StoreServer(self.config)
-        port = self.server.start()
+        port = self._start(name, settings.port)
         bracketed = f"[{host}]" if ":" in host else host
         self.address = f"{bracketed}:{port}"
         ray.get(ray.get_actor(DIRECTORY).register.remote(SHARD, name, self.address, self.node_id))
         self.metrics = RayMetrics(name, self._metric_families).start()
+
+    def _start(self, name: str, port: int) -> int:
+        """Start the server; with no port set, on the port this shard had before a restart where
+        it is free, so clients that keep a fixed list of addresses (the vLLM connector's, set when
+        its engine started) find it again; else on a free port. Returns the port."""
+        key = f"tiered-cache:{ray.get_runtime_context().namespace}:{name}:port".encode()
+        last = int(internal_kv._internal_kv_get(key) or 0) if not port else 0
+        self.server = StoreServer(dataclasses.replace(self.config, port=port or last))
+        try:
+            bound = self.server.start()
+        except Exception:
+            if not last:
+                raise
+            log.warning("shard %s: its previous port %d is taken; on a free port now", name, last)
+            self.server = StoreServer(self.config, store=self.server.store)
+            bound = self.server.start()
+        if not port:
+            internal_kv._internal_kv_put(key, str(bound).encode(), overwrite=True)
+        return bound
 
     def _metric_families(self) -> list[Any]:
         server = self.server

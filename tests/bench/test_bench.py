@@ -77,6 +77,7 @@ def test_engine_bench_below_and_device_options():
         assert gpu.returncode == 2 and "sees no CUDA device" in gpu.stderr and "Traceback" not in gpu.stderr
 
 
+@pytest.mark.long  # a benchmark run, not the cache's correctness: make test-long
 def test_remote_clients_rows_for_each_count_through_the_cli():
     data = json.loads(run_cli("bench", "remote", "--clients", "2", "--pages", "8", "--duration", "1",
                               "--lookup-tokens", "2048", "--json").stdout)
@@ -203,6 +204,7 @@ def test_swap_bench_moves_the_request_and_recomputes_its_prefill():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # a benchmark run, not the cache's correctness: make test-long
 def test_retention_bench_holds_fewer_pages_under_a_window():
     pages, per_token = json.loads(run_cli("bench", "retention", "--tokens", "80", "--window", "8", "--json").stdout)
     assert pages["work"] == 4 + 8 and pages["baseline_work"] > 80  # live tokens at the end: sink + window vs all

@@ -44,6 +44,7 @@ def bench(request: pytest.FixtureRequest) -> dict:
     return request.getfixturevalue(request.param)
 
 
+@pytest.mark.long  # a benchmark run, not the cache's correctness: make test-long
 def test_every_reuse_row_reuses_the_whole_prefix_from_its_tier(bench):
     setup, rows = bench["setup"], bench["rows"]
     assert (setup["layers"], setup["total_layers"], setup["dtype"]) == (2, 2, "fp32")
@@ -64,6 +65,7 @@ def test_every_reuse_row_reuses_the_whole_prefix_from_its_tier(bench):
         assert row["sources"] == [{TIER[row["row"]]: n}] * 2, row
 
 
+@pytest.mark.long  # a benchmark run, not the cache's correctness: make test-long
 def test_each_load_is_timed_beside_a_copy_of_the_same_bytes(bench):
     page = bench["setup"]["bytes_per_page"]
     assert page == 16 * 2 * 2 * 2 * 16 * 4  # 16 tokens x 2 layers x K,V x 2 kv heads x 16 dims x fp32
@@ -78,6 +80,7 @@ def test_each_load_is_timed_beside_a_copy_of_the_same_bytes(bench):
         assert (row["load_GBps"] is None) == (row["row"] == "device")
 
 
+@pytest.mark.long  # a benchmark run, not the cache's correctness: make test-long
 def test_first_token_matches_recompute(bench):
     for row in bench["rows"]:
         if row["row"] == "recompute":
@@ -89,6 +92,7 @@ def test_first_token_matches_recompute(bench):
         assert row["greedy_agrees"] or row["margin"] < 10 * row["max_abs_diff"], row
 
 
+@pytest.mark.long  # a benchmark run, not the cache's correctness: make test-long
 def test_the_table_names_each_rows_tier_and_flags_a_row_that_reused_less(bench):
     from tiered_cache.bench.gpu_rows import GpuRow
     from tiered_cache.bench.gpu_table import render
@@ -132,6 +136,7 @@ def test_bad_tokens_are_refused_before_anything_is_built():
     assert result.returncode != 0 and "--pool-prefixes must be at least 1, got 0" in result.stderr
 
 
+@pytest.mark.long  # a benchmark run, not the cache's correctness: make test-long
 def test_serving_loads_a_new_prefix_per_round_into_a_full_pool(serving, warm):
     """Each round moved the whole prefix into the pool (a prefix read before would be a device
     hit: see test_each_load_is_timed_beside_a_copy_of_the_same_bytes) and matched its own
@@ -147,6 +152,7 @@ def test_serving_loads_a_new_prefix_per_round_into_a_full_pool(serving, warm):
         "--pool-prefixes", "2").stdout
 
 
+@pytest.mark.long  # a benchmark run, not the cache's correctness: make test-long
 def test_the_host_row_times_the_demotion_that_put_the_prefix_there_beside_a_copy_back(warm):
     bench = warm
     page = bench["setup"]["bytes_per_page"]
@@ -159,6 +165,7 @@ def test_the_host_row_times_the_demotion_that_put_the_prefix_there_beside_a_copy
         assert min(row["evict_s"]) > 0 and row["evict_limit_s"] > 0 and row["evict_GBps"] > 0
 
 
+@pytest.mark.long  # a benchmark run, not the cache's correctness: make test-long
 def test_a_store_row_says_how_its_pages_came_from_the_arena(bench):
     """On CUDA a store row's pages are DMA'd from the arena (`ArenaCopier`), and each round records
     what that took; on a CPU pool they come by `get_into`, with no copier, so no figures here."""

@@ -10,7 +10,7 @@ import pytest
 from conftest import run_cli_here
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]  # a benchmark run, not the cache's correctness: make test-long
 
 
 def test_bench_cluster_compares_five_ways_in_one_run(ray_cluster, tmp_path):

@@ -23,7 +23,7 @@ def test_a_full_queue_drops_and_counts_and_never_blocks_the_caller():
     assert accepted.count(True) == 2 and accepted.count(False) == 3
     gate.set()
     assert q.flush(10)
-    figures = q.figures()
+    figures = q.stats()
     assert (figures.submitted, figures.done, figures.dropped, figures.failed) == (3, 3, 3, 0)
     assert ran == [i for i, ok in enumerate(accepted) if ok]
     q.close()
@@ -34,7 +34,7 @@ def test_a_failing_job_is_counted_and_the_thread_keeps_serving():
     ran = []
     q.submit(lambda: 1 / 0)
     q.submit(ran.append, "after")
-    assert q.flush(10) and ran == ["after"] and q.figures().failed == 1
+    assert q.flush(10) and ran == ["after"] and q.stats().failed == 1
     q.close()
 
 

@@ -162,9 +162,9 @@ def test_close_releases_lower_tier_connections(tmp_path):
             c.put(list(range(8)), kv_for(8))
             assert c.flush(timeout=30)  # write-through runs in the background
             remote = c.chain.tiers[0]
-            assert remote.contains_prefix(c._keyer("").keys(list(range(8)))) == 2
+            assert remote.contains_prefix(c.core.keys("", list(range(8)))) == 2
         assert remote._checker._shutdown  # the helper thread pool is gone
-        assert remote.get(c._keyer("").keys(list(range(8)))) == [None, None]  # a closed tier only misses
+        assert remote.get(c.core.keys("", list(range(8)))) == [None, None]  # a closed tier only misses
 
 
 def test_empty_and_sub_page_prompts_cache_nothing_and_return_empty_kv():

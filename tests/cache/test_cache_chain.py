@@ -70,7 +70,7 @@ def test_corrupt_and_foreign_blobs_below_are_misses_never_wrong_kv(tmp_path, red
     assert cache.flush(timeout=60)  # let the write-behind settle before tampering with the disk
     disk = cache.chain.tiers[0]
     # One victim page in each of two prompts (a bad page ends its prompt's prefix, hiding later ones).
-    by_prompt = [[k for k in cache._keyer("").keys(t) if k in disk.index] for t, _ in data]
+    by_prompt = [[k for k in cache.core.keys("", t) if k in disk.index] for t, _ in data]
     victims = [keys[0] for keys in by_prompt if keys][:2]
     path = disk.file_of(victims[0])
     raw = bytearray(path.read_bytes())

@@ -15,7 +15,7 @@ from tiered_cache.config import CacheConfig
 from tiered_cache.errors import KVShapeError, PoolExhaustedError
 from tiered_cache.model.spec import DType, KVSpec
 from tiered_cache.server.process import StoreProcess
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.ram import RamTier
 
 SPEC = KVSpec("engine-path-test", 2, 2, 8, dtype=DType.FP32, page_size=4)
 PAGE = SPEC.bytes_per_page
@@ -26,7 +26,7 @@ def make(pool_pages=16, host_pages=16, lower=None, **cfg) -> TieredCache:
     return TieredCache(SPEC, config, lower=lower)
 
 
-class GatedTier(MemoryTier):
+class GatedTier(RamTier):
     """A real RAM blob tier whose puts wait until `gate` is set: a Redis or store that hangs."""
 
     def __init__(self, capacity: int) -> None:
@@ -145,22 +145,22 @@ def test_the_writer_stops_between_pages_while_a_request_is_in_progress(monkeypat
     c = make(pool_pages=8, host_pages=8, lower=[below], write_policy="write_through")
     encoded: list[bytes] = []
     first = threading.Event()
-    encode = c.writer._encode
+    encode = c.core.writer._encode
 
     def encode_then_a_request_arrives(page, key):
         if not encoded:
-            c._foreground.__enter__()  # a request starts while this chunk is being encoded
+            c.core.foreground.__enter__()  # a request starts while this chunk is being encoded
             first.set()
         encoded.append(key)
         return encode(page, key)
 
-    monkeypatch.setattr(c.writer, "_encode", encode_then_a_request_arrives)
+    monkeypatch.setattr(c.core.writer, "_encode", encode_then_a_request_arrives)
     tokens = list(range(16))  # 4 pages, one chunk
     c.put(tokens, token_kv(SPEC, tokens))
     assert first.wait(10)
     threading.Event().wait(0.2)
     assert len(encoded) == 1 and below.put_keys == [], "the writer went on while a request was in progress"
-    c._foreground.__exit__(None, None, None)  # the request ends
+    c.core.foreground.__exit__(None, None, None)  # the request ends
     assert c.flush(timeout=30)
     assert len(encoded) == 4 and len(below.put_keys) == 4
     c.close()
@@ -202,13 +202,13 @@ def test_residency_asks_below_once_per_load_and_never_re_puts():
     c.host.delete(list(c.host.index))
     c.put(list(range(500, 516)), token_kv(SPEC, list(range(500, 516))))
     c.flush()
-    keys = c._keyer("").keys(tokens)
+    keys = c.core.keys("", tokens)
     assert sorted(below.put_keys.count(k) for k in keys) == [1, 1, 1, 1], "a page below was put again"
     c.close()
 
 
 def test_prefetch_then_load_serves_the_same_bytes_and_release_cancels():
-    below = MemoryTier(1 << 20)
+    below = RamTier(1 << 20)
     c = make(pool_pages=8, host_pages=2, lower=[below], max_prefetches=1)
     prompts = [list(range(i * 100, i * 100 + 16)) for i in range(3)]
     for p in prompts:
@@ -236,7 +236,7 @@ def test_a_page_from_below_is_copied_once_into_a_cpu_pool_and_twice_after_a_pref
     # A load decodes each page straight into its own device page (the pool is memory on the CPU);
     # a prefetch, whose device pages do not exist yet, decodes into staging and scatters once.
     # Nothing is put into host RAM on the way up either way.
-    below = MemoryTier(1 << 20)
+    below = RamTier(1 << 20)
     c = make(pool_pages=8, host_pages=2, lower=[below], write_policy="write_through")
     tokens = list(range(16))
     c.put(tokens, token_kv(SPEC, tokens))
@@ -350,7 +350,7 @@ def test_allocate_refuses_nonsense_and_reports_exhaustion_without_changes():
 
 # --- thread safety ------------------------------------------------------------------------------
 def test_eight_threads_share_one_cache_and_every_byte_is_right():
-    below = MemoryTier(64 * (PAGE + 512))
+    below = RamTier(64 * (PAGE + 512))
     c = make(pool_pages=12, host_pages=8, lower=[below], high_watermark=0.8, low_watermark=0.5)
     prefixes = [list(range(i * 1000, i * 1000 + 12)) for i in range(4)]
     errors: list[BaseException] = []
@@ -428,22 +428,22 @@ def test_get_without_out_hands_over_a_spare_faulted_in_ahead_and_never_shares_it
         assert cache.put(tokens, kv) == n
         got, first = cache.get(tokens)
         assert got == n and torch.equal(first, kv)
-        cache._spare._queue.flush(10)  # the spare for the next get of this size is ready
+        cache.spare.flush(10)  # the spare for the next get of this size is ready
         _, second = cache.get(tokens)
-        assert cache._spare.taken == 1
+        assert cache.spare.taken == 1
         assert torch.equal(second, kv)
         assert second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
         first.zero_()  # the caller owns what it got: changing it changes nothing else
-        cache._spare._queue.flush(10)
+        cache.spare.flush(10)
         _, third = cache.get(tokens)
-        assert torch.equal(second, kv) and torch.equal(third, kv) and cache._spare.taken == 2
+        assert torch.equal(second, kv) and torch.equal(third, kv) and cache.spare.taken == 2
         assert third.untyped_storage().data_ptr() not in {first.untyped_storage().data_ptr(),
                                                           second.untyped_storage().data_ptr()}
         # A smaller get does not take a spare sized for the larger one (it would hold memory it needs not).
         _, part = cache.get(tokens[:n // 2])
-        assert torch.equal(part, kv[:, :, :n // 2]) and cache._spare.taken == 2
+        assert torch.equal(part, kv[:, :, :n // 2]) and cache.spare.taken == 2
     with TieredCache(spec, CacheConfig(pool_capacity=32 * spec.bytes_per_page, spare_output=False,
                                        malloc_tuning=False)) as plain:
-        assert plain._spare is None
+        assert plain.spare is None
         plain.put(tokens, kv)
         assert torch.equal(plain.get(tokens)[1], kv)

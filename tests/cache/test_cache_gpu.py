@@ -229,8 +229,8 @@ def test_a_host_hit_whose_slots_are_reused_at_once_still_loads_the_old_kv():
         handle = c.match(prompt)
         torch.cuda._sleep(BUSY)  # the stream is busy: the load's copies wait behind it
         pages = c.load(handle)
-        assert not c.host_loads.last.finished()  # load returned with its copies still queued
-        with c._lock:  # what a demotion into host RAM does, on the slots just read
+        assert not c.core.host_loads.last.finished()  # load returned with its copies still queued
+        with c.core.lock:  # what a demotion into host RAM does, on the slots just read
             c.host.put(keys, other)
         assert c.host.contains_prefix(handle.keys) == 0  # every slot of the prefix was reused
         assert torch.equal(c.pool.read_tokens(pages, len(prompt)), kv)
@@ -247,10 +247,10 @@ def test_a_demotion_into_slots_still_being_read_does_not_overwrite_them():
         handle = c.match(prompt)
         torch.cuda._sleep(BUSY)
         pages = c.load(handle)
-        assert not c.host_loads.last.finished()
+        assert not c.core.host_loads.last.finished()
         other = list(range(10**6, 10**6 + n * LARGE_PAGES.page_size))
         c.put(other, _kv(LARGE_PAGES, len(other), seed=14))
-        with c._lock:  # inline, as a request short of device pages does: every prefix slot reused
+        with c.core.lock:  # inline, as a request short of device pages does: every prefix slot reused
             c.demoter.demote_now(c.tree.evict(n))  # the prefix's nodes are locked by the handle
         assert c.host.contains_prefix(handle.keys) == 0
         assert torch.equal(c.pool.read_tokens(pages, len(prompt)), kv)
@@ -267,7 +267,7 @@ def test_a_device_hit_on_another_stream_waits_for_pages_still_arriving():
         first = c.match(prompt)
         torch.cuda._sleep(BUSY)
         c.load(first)
-        assert not c.host_loads.last.finished()
+        assert not c.core.host_loads.last.finished()
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
             second = c.match(prompt)
@@ -289,7 +289,7 @@ def test_pages_still_filling_when_evicted_come_back_to_the_pool_for_the_next_all
         other_kv = _kv(LARGE_PAGES, len(prompt), seed=14)
         torch.cuda._sleep(BUSY)
         got_n, got = c.get(prompt)
-        assert got_n == len(prompt) and not c.host_loads.last.finished()
+        assert got_n == len(prompt) and not c.core.host_loads.last.finished()
         assert c.put(other, other_kv) == len(other)
         assert torch.equal(got, kv)
         c.check_integrity()

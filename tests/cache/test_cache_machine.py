@@ -20,7 +20,7 @@ from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.errors import PoolExhaustedError
 from tiered_cache.model.spec import DType, KVSpec
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.ram import RamTier
 
 SPEC = KVSpec("machine-test", 1, 1, 4, dtype=DType.FP32, page_size=2)
 PAGE = SPEC.bytes_per_page
@@ -38,7 +38,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.below = MemoryTier(6 * (PAGE + 512))
+        self.below = RamTier(6 * (PAGE + 512))
         self.cache = self._new_cache()
         self.live: list[Request] = []
 

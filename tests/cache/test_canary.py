@@ -89,7 +89,7 @@ def test_a_share_of_hits_is_checked_evenly_and_a_busy_canary_drops_and_counts():
         assert canary.submit(release.wait)  # running
         assert canary.wait(0.05) is False
         started = [canary.submit(lambda: None) for _ in range(3)]  # one waits, the rest are dropped
-        assert started.count(True) >= 1 and canary.figures().dropped == started.count(False) >= 1
+        assert started.count(True) >= 1 and canary.stats().dropped == started.count(False) >= 1
     finally:
         release.set()
     assert canary.wait(10)
@@ -131,9 +131,9 @@ def test_the_canary_line_says_what_was_checked_and_quarantined():
 
     canary = Canary(0.01)
     canary.record("tenant", [b"\1" * 32, b"\2" * 32], ["disk", "disk"], [True, False])
-    line = canary_line(canary.figures().to_dict())
+    line = canary_line(canary.stats().to_dict())
     assert "1% of hits" in line and "1 checked, 1 wrong (1 pages)" in line and "quarantined: tenant: disk" in line
-    assert canary_line(Canary(0.0).figures().to_dict()) == ""
+    assert canary_line(Canary(0.0).stats().to_dict()) == ""
 
 
 def _held_in_host_and_on_disk(cache, spec):

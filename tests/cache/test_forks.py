@@ -19,7 +19,7 @@ from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.errors import IntegrityError, PoolExhaustedError, SwapError
 from tiered_cache.model.spec import DType, KVSpec
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.ram import RamTier
 
 SPEC = KVSpec("fork-test", 1, 1, 4, dtype=DType.FP32, page_size=4)
 PAGE = SPEC.bytes_per_page
@@ -173,7 +173,7 @@ class ForkMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache = small_cache(pages=8, host_pages=3, lower=[MemoryTier(8 * (PAGE + 512))])
+        self.cache = small_cache(pages=8, host_pages=3, lower=[RamTier(8 * (PAGE + 512))])
         self.live: list[Sequence] = []
 
     @rule(target=sequences, tokens=SUFFIX)

@@ -14,7 +14,7 @@ import tiered_cache.tiers.disk as disk_module
 from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.disk import DiskTier
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.ram import RamTier
 from tiered_cache.tiers.redis import RedisTier
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.wire.codec import (
@@ -241,7 +241,7 @@ def test_remote_get_into_asks_again_for_pages_the_arena_lost_while_they_were_cop
 def test_a_tier_without_get_into_is_decoded_by_the_chain_and_a_foreign_blob_refused():
     good = items(3)
     keys = [k for k, _ in good]
-    ram = MemoryTier(1 << 20)
+    ram = RamTier(1 << 20)
     ram.put([good[0], (keys[1], encode_page(pages_for(2)[1], OTHER, keys[1])), good[2]])
     chain = TierChain([ram])
     dests, _ = destinations("pool", 3)
@@ -253,7 +253,7 @@ def test_a_tier_without_get_into_is_decoded_by_the_chain_and_a_foreign_blob_refu
 def test_chain_get_into_asks_each_tier_for_its_own_keys(tmp_path):
     good = items(4)
     keys = [k for k, _ in good]
-    ram, disk = MemoryTier(1 << 20), DiskTier(tmp_path, "1MiB")
+    ram, disk = RamTier(1 << 20), DiskTier(tmp_path, "1MiB")
     ram.put(good[:2])
     disk.put(good[2:])
     chain = TierChain([ram, disk])
@@ -273,19 +273,19 @@ def test_a_cache_loads_from_disk_into_its_pool_and_a_corrupt_page_ends_the_prefi
     page = SPEC.bytes_per_page
     cache = TieredCache(SPEC, CacheConfig(pool_capacity=16 * page, host_capacity=16 * page, malloc_tuning=False),
                         lower=[DiskTier(tmp_path, "1MiB")])
-    cache.tier_loads.fills_pool = into_pool  # False: the staged path a CUDA pool takes (read, then one copy)
+    cache.loader.tier_loads.fills_pool = into_pool  # False: the staged path a CUDA pool takes (read, then one copy)
     tokens = list(range(6 * SPEC.page_size))
     cache.put(tokens, token_kv(SPEC, tokens))
     cache.evict()
     cache.flush()
     disk = cache.chain.tiers[0]
-    keys = cache._keyer("").keys(tokens)
+    keys = cache.core.keys("", tokens)
     _, pages = cache.host.copy_out(keys)
     disk.put([(k, encode_page(p, SPEC, k)) for k, p in zip(keys, pages, strict=True)])
     cache.host.delete(keys)  # only the disk holds the prefix now
     staged = []
-    real = cache.tier_loads.staged_to_pool
-    cache.tier_loads.staged_to_pool = lambda *a: (staged.append(1), real(*a))[1]
+    real = cache.loader.tier_loads.staged_to_pool
+    cache.loader.tier_loads.staged_to_pool = lambda *a: (staged.append(1), real(*a))[1]
     n, kv = loaded(cache, tokens)
     assert n == len(tokens) and torch.equal(kv, token_kv(SPEC, tokens))
     assert staged == ([] if into_pool else [1])  # straight into the pool, or one copy from staging

@@ -76,7 +76,7 @@ def test_prefill_rate_is_the_configured_one_else_the_measured_slope():
     assert measured.prefill_rate() == pytest.approx(2047 / (6.6 - 0.095))  # the slope, ~315 tokens/s
     fixed = ReuseEstimates(prefill_tokens_per_s=5000.0)
     fixed.observe_prefill(100, 1.0)
-    assert fixed.prefill_rate() == 5000.0 and fixed.figures().prefill_configured
+    assert fixed.prefill_rate() == 5000.0 and fixed.stats().prefill_configured
 
 
 def test_suffixes_of_similar_length_give_tokens_over_seconds_not_a_noisy_slope():
@@ -216,7 +216,7 @@ def test_swap_in_loads_the_whole_prefix_back_even_where_match_would_recompute_it
         cache.write(handle, torch.randn(spec.kv_shape(2)).half())
         assert cache.swap_out(handle) == 1
         assert cache.evict() == 2  # the prefix waits in host RAM
-        cache.reuse.estimates.observe_load("host", spec.bytes_per_page, 1.0)  # a second a page: slower than prefill
+        cache.core.reuse.estimates.observe_load("host", spec.bytes_per_page, 1.0)  # a second a page: slower
         assert cache.lookup(prefix) == 0
         other = cache.match(prefix)
         assert other.available_pages == 0 and cache.stats().reuse.skipped_pages == {"host": 2}
@@ -399,7 +399,7 @@ def test_a_fast_tier_whose_first_load_was_slow_is_used_again_after_one_probe(slo
     # prompt after loads them all.
     store, _ = slow_store
     with _cache_with_host_head(types.SimpleNamespace(address=store.address), "faster") as cache:
-        cache.reuse.estimates.observe_load("remote", SPEC.bytes_per_page, 0.065)
+        cache.core.reuse.estimates.observe_load("remote", SPEC.bytes_per_page, 0.065)
         assert cache.stats().reuse.load_rates["remote"].known_up_to == SPEC.bytes_per_page
         handle = cache.match(PROMPT)
         assert handle.plan == [HOST] * 4

@@ -12,7 +12,7 @@ from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import DType, KVSpec
 from tiered_cache.tiers.disk import DiskTier
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.ram import RamTier
 
 SPEC = KVSpec("tensor-reads-test", 2, 2, 8, dtype=DType.FP16, page_size=4)
 PAGE = SPEC.bytes_per_page
@@ -59,7 +59,7 @@ def test_a_prefix_partly_on_the_device_and_partly_in_host_ram_reads_whole():
         cache.close()
 
 
-def stored_below(tokens: list[int], below: MemoryTier | DiskTier) -> None:
+def stored_below(tokens: list[int], below: RamTier | DiskTier) -> None:
     writer = make([below], write_policy="write_through")
     writer.put(tokens, token_kv(SPEC, tokens))
     writer.flush()
@@ -67,7 +67,7 @@ def stored_below(tokens: list[int], below: MemoryTier | DiskTier) -> None:
 
 
 def test_pages_below_host_ram_go_straight_into_the_result_beside_host_rams():
-    below = MemoryTier(1 << 20)
+    below = RamTier(1 << 20)
     tokens = list(range(100, 124))
     stored_below(tokens, below)
     reader = make([below])

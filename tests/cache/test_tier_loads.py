@@ -10,7 +10,7 @@ from kv_oracle import token_kv
 from tiered_cache.cache import TieredCache
 from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import DType, KVSpec
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.ram import RamTier
 
 SPEC = KVSpec("tier-loads-test", 2, 2, 8, dtype=DType.FP32, page_size=4)
 PAGE = SPEC.bytes_per_page
@@ -25,8 +25,8 @@ def make(pool_pages: int, host_pages: int, lower=None, **cfg) -> TieredCache:
 def count_staged(cache: TieredCache, monkeypatch) -> list[int]:
     """Calls of the staged path (a load into a staging buffer): the host path should need none."""
     calls: list[int] = []
-    real = cache.tier_loads.load
-    monkeypatch.setattr(cache.tier_loads, "load",
+    real = cache.loader.tier_loads.load
+    monkeypatch.setattr(cache.loader.tier_loads, "load",
                         lambda keys, *a, **k: (calls.append(len(keys)), real(keys, *a, **k))[1])
     return calls
 
@@ -80,7 +80,7 @@ def test_a_host_hit_into_a_full_pool_demotes_cold_pages_first_and_keeps_the_want
 def test_a_host_hit_into_a_full_pool_and_a_full_host_ram_still_loads_and_sends_the_cold_pages_below(monkeypatch):
     # Host RAM of 6 holds exactly the wanted pages: the cold pages demoted to make room on the
     # device cannot push them out; they go below instead, where they are found again.
-    load_wanted_into_a_full_pool(make(pool_pages=8, host_pages=6, lower=[MemoryTier(1 << 20)]), monkeypatch)
+    load_wanted_into_a_full_pool(make(pool_pages=8, host_pages=6, lower=[RamTier(1 << 20)]), monkeypatch)
 
 
 def test_a_copy_into_host_ram_that_fails_indexes_no_row_and_leaks_nothing(monkeypatch):
@@ -93,7 +93,7 @@ def test_a_copy_into_host_ram_that_fails_indexes_no_row_and_leaks_nothing(monkey
     def broken(*args, **kwargs):
         raise RuntimeError("the copy failed")
 
-    monkeypatch.setattr(c.tier_loads.copier, "from_pool", broken)
+    monkeypatch.setattr(c.loader.tier_loads.copier, "from_pool", broken)
     with pytest.raises(RuntimeError, match="the copy failed"):
         c.evict()
     assert len(c.host.index) == 0 and c.host.rows.num_free == c.host.num_rows
@@ -128,4 +128,4 @@ def test_every_host_slab_copy_goes_through_the_one_copier():
     on CUDA its one copy stream (and one chunk buffer) orders a load of a row before a demotion
     writes over it, and a second copier would hold a second chunk buffer on the device."""
     with make(4, 8) as c:
-        assert c.host_loads.copier is c.tier_loads.copier is c.demoter.copier
+        assert c.core.host_loads.copier is c.loader.tier_loads.copier is c.demoter.copier

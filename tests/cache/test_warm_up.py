@@ -14,7 +14,7 @@ from tiered_cache.config import CacheConfig
 from tiered_cache.model.spec import DType, KVSpec
 from tiered_cache.server.process import StoreProcess
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.ram import RamTier
 
 SPEC = KVSpec("warm-up-test", 2, 2, 8, dtype=DType.FP32, page_size=4)
 
@@ -48,12 +48,12 @@ def test_a_store_server_is_connected_and_mapped_before_the_first_request():
             tokens = list(range(16))
             cache.put(tokens, token_kv(SPEC, tokens))
             cache.flush()
-            assert remote.contains_prefix(cache._keyer("").keys(tokens)) == 4
+            assert remote.contains_prefix(cache.core.keys("", tokens)) == 4
         finally:
             cache.close()
 
 
-class RefusingTier(MemoryTier):
+class RefusingTier(RamTier):
     def warm(self) -> None:
         raise ConnectionError("down")
 
@@ -61,7 +61,7 @@ class RefusingTier(MemoryTier):
 def test_a_tier_that_fails_to_warm_up_is_skipped_and_the_next_warms():
     warmed = []
 
-    class Counting(MemoryTier):
+    class Counting(RamTier):
         def warm(self) -> None:
             warmed.append(True)
 

@@ -157,10 +157,7 @@ def launch(sshd, tmp_path_factory):
     """cluster-local.yaml and the cluster config edited as the README tells a user to, and a
     launcher whose home is a folder of the test's (the token lands there, not in root's ~/.ray)."""
     folder = tmp_path_factory.mktemp("launcher")
-    home = folder / "home"
-    home.mkdir()
-    env = {**os.environ, "HOME": str(home), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    env.pop("RAY_ADDRESS", None)
+    env = launcher_env(folder)
 
     cluster_config = yaml.safe_load((DEPLOY / "tiered-cache-cluster.yaml").read_text())
     cluster_config["shards"] = cluster_config["workers"] = 1
@@ -169,6 +166,24 @@ def launch(sshd, tmp_path_factory):
     cluster_config["worker"].update(num_gpus=0, pool_capacity="32MiB", host_capacity="64MiB")
     (folder / "tiered-cache-cluster.yaml").write_text(yaml.safe_dump(cluster_config))
 
+    path, ray_port = node_config(sshd, folder)
+    return {"config": str(path), "env": env, "port": ray_port, "folder": folder, "ran": []}
+
+
+def launcher_env(folder: Path) -> dict[str, str]:
+    """The launcher's environment: a home of its own in `folder` (the token lands there, not in
+    root's ~/.ray), this Python's `ray` first on PATH, no Ray address inherited."""
+    home = folder / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def node_config(sshd: dict, folder: Path, ray_start: str = "") -> tuple[Path, int]:
+    """cluster-local.yaml edited as the README tells a user (this machine's address, the SSH user
+    and key, no worker nodes, the cluster config in `folder`), plus a free port for Ray and
+    `ray_start` added to the head's `ray start`. Returns its path and Ray's port."""
     ray_port = free_port()
     config = yaml.safe_load((DEPLOY / "cluster-local.yaml").read_text())
     config["provider"].update(head_ip="127.0.0.1", worker_ips=[])
@@ -180,12 +195,12 @@ def launch(sshd, tmp_path_factory):
     assert mounts.pop("~/tiered-cache-cluster.yaml") == "deploy/tiered-cache-cluster.yaml"
     mounts["~/tiered-cache-cluster.yaml"] = str(folder / "tiered-cache-cluster.yaml")
     config["head_start_ray_commands"] = [
-        line.replace("--port=6379", f"--port={ray_port}")
+        line.replace("--port=6379", f"--port={ray_port}{ray_start}")
         for line in config["head_start_ray_commands"]]
     assert any(f"--port={ray_port}" in line for line in config["head_start_ray_commands"])
     path = folder / "cluster-local.yaml"
     path.write_text(yaml.safe_dump(config))
-    return {"config": str(path), "env": env, "port": ray_port, "folder": folder, "ran": []}
+    return path, ray_port
 
 
 def step(launch: dict, starts: str) -> str:

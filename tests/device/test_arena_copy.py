@@ -54,7 +54,7 @@ def test_pages_lying_in_the_arena_are_placed_in_their_pool_pages_exactly(chunk_p
             assert copier.to_pool(keys, where, targets) == N
             assert torch.equal(pool.gather(targets), pages)
             assert (copier.refused, copier.lost) == (0, 0)
-            figures = copier.figures()  # what `bench gpu` prints beside the store rows; no CUDA, no map registered
+            figures = copier.stats()  # what `bench gpu` prints beside the store rows; no CUDA, no map registered
             assert (figures["calls"], figures["copied"], figures["registered"]) == (1, N, 0)
             assert figures["staged"] == (0 if direct else N)
             assert 0 < figures["copy_s"] < figures["call_s"] and 0 < figures["check_s"] < figures["call_s"]
@@ -184,7 +184,7 @@ def test_a_load_through_the_cache_from_a_same_host_store_is_exact_and_counted(de
             loaded = cache.load(handle)
             assert len(loaded) == N and torch.equal(cache.pool.gather(loaded).cpu(), pages)
             if device == "cuda":
-                copier = cache.arena_loads.copier
+                copier = cache.loader.arena_loads.copier
                 assert copier is not None and (copier.copied, copier.lost, copier.refused) == (N, 0, 0)
             cache.release(handle)
             with StoreClient(store.address) as client:
@@ -211,7 +211,7 @@ def test_pages_go_from_the_arena_to_a_cuda_pool_by_dma_exactly():
             targets = pool.allocate(N)[::-1].copy()
             assert copier.to_pool(keys, where, targets) == N
             assert torch.equal(pool.gather(targets).cpu(), pages)
-            figures = copier.figures()  # the DMA ran from the registered map, timed on the stream
+            figures = copier.stats()  # the DMA ran from the registered map, timed on the stream
             assert (figures["registered"], figures["copied"]) == (1, N) and figures["copy_s"] > 0
         finally:
             copier.close()
@@ -254,7 +254,7 @@ def test_pages_of_a_map_not_registered_are_staged_to_a_cuda_pool_exactly():
             pool.kv.zero_()
             assert copier.to_pool(keys, where, targets) == N
             assert torch.equal(pool.gather(targets).cpu(), pages)
-            figures = copier.figures()
+            figures = copier.stats()
             assert (figures["staged"], figures["registered"], figures["refused"]) == (N, 0, 0) and figures["copy_s"] > 0
         finally:
             copier.close()
@@ -320,16 +320,16 @@ def test_the_cuda_load_path_run_on_the_cpu_takes_the_arena_then_stages_the_rest(
         try:
             tier.put(items)
             tier.warm()
-            cache.tier_loads.fills_pool = False  # as on CUDA
-            cache.arena_loads.copier = ArenaCopier(cache.pool, direct=direct)
+            cache.loader.tier_loads.fills_pool = False  # as on CUDA
+            cache.loader.arena_loads.copier = ArenaCopier(cache.pool, direct=direct)
             arena_pages = tier.arena_pages
             monkeypatch.setattr(tier, "arena_pages",  # pages past `found` not in the arena (a mock of that only)
                                 lambda keys: [w if i < found else None for i, w in enumerate(arena_pages(keys))])
             handle = cache.match(list(range(SPEC.page_size * N)))
-            assert cache.arena_loads.direct(handle.plan)
+            assert cache.loader.arena_loads.direct(handle.plan)
             loaded = cache.load(handle)
             assert len(loaded) == N and torch.equal(cache.pool.gather(loaded), pages)
-            copier = cache.arena_loads.copier
+            copier = cache.loader.arena_loads.copier
             assert copier is not None and (copier.copied, copier.lost, copier.refused) == (found, 0, 0)
             assert copier.staged == (0 if direct else found)
             cache.release(handle)

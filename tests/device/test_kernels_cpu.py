@@ -35,6 +35,9 @@ def lib(tmp_path_factory):
     library.run_scatter.argtypes = move
     library.run_copy.argtypes = [u32, u32, u8p, i64p, i64p, i64, i64, i64, i64]
     library.run_store.argtypes = [u32, u32, u8p, u8p, i64p, i64, i64, i64, i64, i64, i64, ctypes.c_int]
+    blocks = [u32, u32, i64p, u8p, i64p, *[i64] * 9]
+    library.run_gather_blocks.argtypes = blocks
+    library.run_scatter_blocks.argtypes = blocks
     return library
 
 
@@ -110,6 +113,39 @@ def test_store_kernel_matches_torch(lib, spec):
     lib.run_store(4, 64, ptr(kv), ptr(emulated), ptr(slots, i64p), spec.num_layers, n, spec.num_kv_heads, 6,
                   spec.page_size, row_bytes, int(spec.layout is Layout.HND))
     assert torch.equal(emulated.view(torch.uint8), torch_pool.kv.view(torch.uint8))
+
+
+def emulated_launch(lib):
+    """`cupy_ops.launch_blocks`'s contract, run by the emulated kernels on CPU tensors."""
+    def launch(kernel, pointers, staging, blocks, heads, block_size, strides):
+        run = lib.run_gather_blocks if kernel == "gather_blocks" else lib.run_scatter_blocks
+        run(3, 64, ptr(pointers, i64p), ptr(staging), ptr(blocks, i64p), blocks.numel(), pointers.numel(), heads,
+            block_size, *strides)
+    return launch
+
+
+@pytest.mark.parametrize("kind", ["cpu", "flash", "flash-hnd"])
+@pytest.mark.parametrize(("dtype", "dim"), [(torch.float16, 8), (torch.float16, 5), (torch.float16, 6),
+                                            (torch.bfloat16, 16), (torch.float32, 3)])
+def test_block_kernels_through_the_connectors_copier_match_the_reference_slices(lib, kind, dtype, dim):
+    """gather_blocks / scatter_blocks (16-byte, 4-byte and byte rows) launched as the connector's
+    `DeviceBlocks` launches them on a GPU: its pointer table, strides and layer groups."""
+    from tests.integrations.test_vllm_block_copy import BS, HEADS, vllm_layers
+    from tiered_cache.integrations.vllm.block_copy import DeviceBlocks
+    from tiered_cache.integrations.vllm.layout import gather_blocks, layout_of, scatter_blocks
+
+    src = vllm_layers(kind, 5, dtype, dim)  # each layer its own allocation
+    layout = layout_of(src[0], HEADS, dim)
+    pages, ready = DeviceBlocks(src, layout, HEADS, dim, BS, emulated_launch(lib)).gather([6, 0, 9, 2])
+    ready()
+    assert torch.equal(pages, gather_blocks(src, [6, 0, 9, 2], layout, dim))
+
+    emulated, reference = vllm_layers(kind, 6, dtype, dim), vllm_layers(kind, 6, dtype, dim)
+    group = [page[2:4] for page in pages]  # the last two layers' group
+    DeviceBlocks(emulated, layout, HEADS, dim, BS, emulated_launch(lib)).scatter([3, 8, 1, 4], group, range(2, 4))
+    scatter_blocks(reference[2:4], [3, 8, 1, 4], group, layout, dim)
+    assert all(torch.equal(a, b) for a, b in zip(emulated, reference, strict=True))
+    assert not torch.equal(emulated[3], vllm_layers(kind, 6, dtype, dim)[3])
 
 
 def test_every_kernel_compiles_for_sm90_with_nvcc(tmp_path):

@@ -192,3 +192,32 @@ def test_a_page_demoted_while_its_load_is_still_queued_is_demoted_whole():
     assert queued is not None
     queued.wait()
     assert torch.equal(back, slab)
+
+
+@pytest.mark.parametrize("kind", ["flash", "flash-hnd", "cpu"])
+def test_the_vllm_connectors_device_copier_moves_blocks_with_our_kernels(kind):
+    """The connector's CUDA path (`DeviceBlocks` with CuPy's launch): pages gathered right after
+    the engine's stream wrote the blocks are those bytes; a layer group scattered back writes what
+    torch's slices write, and only its blocks."""
+    from tests.integrations.test_vllm_block_copy import BS, HEADS, vllm_layers
+    from tiered_cache.device import cupy_ops
+    from tiered_cache.integrations.vllm.block_copy import DeviceBlocks, block_copier
+    from tiered_cache.integrations.vllm.layout import gather_blocks, layout_of, scatter_blocks
+
+    src = [t.cuda() for t in vllm_layers(kind, 1, torch.float16, 128)]
+    layout = layout_of(src[0], HEADS, 128)
+    copier = block_copier(src, layout, HEADS, 128, BS)
+    assert isinstance(copier, DeviceBlocks) and copier.kernels is cupy_ops.launch_blocks
+    for t in src:
+        t.add_(1)  # queued on the engine's stream just before the gather
+    pages, ready = copier.gather([6, 0, 9, 2])
+    ready()
+    assert pages.is_pinned() and torch.equal(pages, gather_blocks(src, [6, 0, 9, 2], layout, 128))
+
+    staged = [t.cuda() for t in vllm_layers(kind, 2, torch.float16, 128)]
+    reference = [t.clone() for t in staged]
+    group = [page[1:3] for page in pages]
+    block_copier(staged, layout, HEADS, 128, BS).scatter([3, 8, 1, 4], group, range(1, 3))
+    scatter_blocks(reference[1:3], [3, 8, 1, 4], group, layout, 128)
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(staged, reference, strict=True))

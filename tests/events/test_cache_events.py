@@ -125,8 +125,9 @@ def test_a_subscriber_that_starts_late_learns_everything_from_the_replay(tmp_pat
 def test_events_are_off_by_default_and_a_bad_endpoint_is_named():
     with TieredCache(SPEC, CacheConfig(pool_capacity="64KiB")) as cache:
         assert cache.events is None and cache.tree.on_insert is None
-    with pytest.raises(ValueError, match="beyond loopback"):
+    with pytest.raises(ValueError, match=r"beyond loopback.*set kv_events_beyond_loopback"):
         CacheConfig(kv_events_endpoint="tcp://0.0.0.0:5557")
+    assert CacheConfig(kv_events_endpoint="tcp://0.0.0.0:5557", kv_events_beyond_loopback=True).kv_events_endpoint
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         CacheConfig(kv_events_endpoint="127.0.0.1:5557")
 

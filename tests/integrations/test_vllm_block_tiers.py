@@ -12,6 +12,7 @@ import torch
 
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.config import CacheConfig
+from tiered_cache.integrations.vllm.block_copy import HostBlocks
 from tiered_cache.integrations.vllm.block_tiers import BlockTiers
 from tiered_cache.integrations.vllm.identity import vllm_spec
 from tiered_cache.integrations.vllm.layer_groups import TARGET_PAGE_BYTES, group_keys, group_size
@@ -104,7 +105,7 @@ def test_a_block_missing_one_layer_group_is_not_held():
 
 
 def _job(tiers: BlockTiers, dst: list[torch.Tensor], keys: list[bytes], ids: list[int], **kw) -> LoadJob:
-    return LoadJob(tiers, dst, "cpu", [(keys, ids)], **kw)
+    return LoadJob(tiers, HostBlocks(dst, "cpu", DIM), [(keys, ids)], **kw)
 
 
 def test_a_load_job_copies_in_group_by_group_and_reports_missing_blocks():
@@ -267,3 +268,41 @@ def test_a_load_started_by_the_scheduler_is_taken_by_the_job_that_follows():
         grouped = BlockTiers(SPEC, remote_config(server.address), layers_per_page=2)
         grouped.loads_here = True
         assert not grouped.prefetch(grouped.keys(list(range(3 * BS)), ""))  # group 0 must not wait for the last
+
+
+def test_a_hint_starts_the_held_blocks_toward_this_process_before_the_load():
+    """`promote`: of a prompt's blocks, the leading ones the store holds start toward the reader
+    (its load job's prefetch where one can be taken, else its RAM tier); the load then finds them
+    there with the bytes saved. Blocks no tier holds start nothing."""
+    with StoreProcess(["--no-disk"]) as server:
+        src = vllm_layers()
+        for per_page in (2, None):  # the two pages of a block the readers below ask for
+            writer = BlockTiers(SPEC, remote_config(server.address), layers_per_page=per_page)
+            keys = writer.keys(list(range(4 * BS)), "")  # a grouping's keys of its own
+            writer.save(keys[:3], gather_blocks(src, [0, 1, 2], "cpu", DIM))  # the 4th never saved
+            assert writer.flush(10)
+
+        grouped = BlockTiers(SPEC, remote_config(server.address), layers_per_page=2)  # no prefetch: RAM tier
+        keys = grouped.keys(list(range(4 * BS)), "")
+        assert grouped.promote(keys) == 3 and grouped.promoter.flush(10)
+        ram = grouped.page_keys(keys, 1)
+        assert grouped.chain.contains(ram, 0) == [True, True, True, False]
+        before = grouped.chain.loads.get("remote", 0)
+        dst = vllm_layers(fill=0.0)
+        job = _job(grouped, dst, keys[:3], [5, 6, 7])
+        job.run()
+        assert job.failed == set() and grouped.chain.loads.get("remote", 0) == before  # none read again
+        assert all(torch.equal(d[5:8], s[0:3]) for d, s in zip(dst, src, strict=True))
+
+        whole = BlockTiers(SPEC, remote_config(server.address))  # whole blocks, a worker here: a prefetch
+        whole.loads_here = True
+        keys = whole.keys(list(range(4 * BS)), "")
+        assert whole.promote(keys) == 3 and whole.promoted == 3
+        dst = vllm_layers(fill=0.0)
+        job = _job(whole, dst, keys[:3], [1, 2, 3])
+        job.run()
+        assert whole.prefetches_taken == 1 and job.failed == set()
+        assert all(torch.equal(d[1:4], s[0:3]) for d, s in zip(dst, src, strict=True))
+
+        assert whole.promote(whole.keys(list(range(100, 100 + 2 * BS)), "")) == 0  # held nowhere
+        assert whole.promote(whole.keys(list(range(4 * BS)), "tenant-b")) == 0  # another namespace

@@ -1,5 +1,6 @@
 """The vLLM connector on a real vLLM engine (CPU build, in `.venv-vllm`, which `make test`
-builds), each instance its own process sharing a real store server: a second instance reuses
+builds; these tests run in `make test-vllm`, which CI runs after `make test`), each instance its
+own process sharing a real store server: a second instance reuses
 the first one's document prefix with the same greedy answer, only full blocks are stored, and a
 dead store means recompute with the same answer.
 
@@ -21,7 +22,7 @@ from tiered_cache.client.store_client import StoreClient
 from tiered_cache.integrations.vllm.forkserver import InstanceLauncher
 from tiered_cache.server.process import StoreProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]
 REPO = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 BLOCK = 128  # vLLM's block size on the CPU

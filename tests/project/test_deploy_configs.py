@@ -55,14 +55,15 @@ def test_a_misspelt_key_is_rejected(name):
 
 def test_the_cluster_config_loads_with_the_documented_keys():
     data = load("tiered-cache-cluster.yaml")
-    assert set(data) == {"namespace", "shards", "workers", "start_timeout_s", "max_restarts", "shard", "worker",
-                         "router"}
+    assert set(data) == {"namespace", "shards", "workers", "start_timeout_s", "max_restarts", "engine", "shard",
+                         "worker", "router", "vllm"}
     assert set(data["shard"]) == {"ram_capacity", "disk_path", "disk_capacity", "redis_url", "host", "token",
                                   "tls_cert", "tls_key", "tls_ca"}
     config = ClusterConfig.from_yaml(DEPLOY / "tiered-cache-cluster.yaml")
     assert (config.shards, config.workers, config.shard.host) == (2, 2, "auto")
     assert config.worker.num_gpus == 1 and config.worker.weights_dtype == "auto"  # a GPU each, bf16 there
     assert not config.shard.disk_path.startswith("/tmp")  # the node's disk, not a folder a reboot empties
+    assert config.engine.value == "hf" and config.vllm.num_gpus == 1  # engine: vllm would take a GPU a replica
 
 
 def test_the_fake_multinode_cluster_config_pins_actors_to_the_node_types_the_fake_nodes_advertise():

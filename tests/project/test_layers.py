@@ -30,7 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("tiers",),
     ("metrics", "events"),  # events: KV events in vLLM's format, for the server and the cache to publish
     ("server",),
-    ("config",),  # config.py: the cache's settings (it reads index, model and wire)
+    ("config",),  # config.py: the cache's settings (it reads index, model, wire, tiers/base, events/endpoints)
     ("cache",),
     ("integrations",),
     ("workers",),

@@ -19,6 +19,9 @@ def test_core_imports_without_torch_ray_cupy_or_transformers():
     code = BLOCK_HEAVY + (
         "import tiered_cache, tiered_cache.index.radix, tiered_cache.index.keys, tiered_cache.model.sizing\n"
         "import tiered_cache.workers, tiered_cache.workers.config, tiered_cache.workers.routing\n"
+        "import tiered_cache.workers.routing.event_policy, tiered_cache.workers.routing.event_index\n"
+        "import tiered_cache.workers.routing.ttft_estimate, tiered_cache.workers.routing.prefix_tree\n"
+        "import tiered_cache.workers.routing.token_chain, tiered_cache.workers.serve_llm.settings\n"
         "import tiered_cache.cli.main as m\n"
         "assert m.main(['size', '--model', 'smollm2-135m', '--json']) == 0\n"
         "from tiered_cache import RadixTree, PageKeyer, KVSpec, preset_spec\n"
@@ -43,14 +46,14 @@ from tiered_cache.server.store_server import StoreServer, build_store
 from tiered_cache.server.store import BlobStore
 from tiered_cache.wire.codec import encode_page
 from tiered_cache.tiers.disk import DiskTier
-from tiered_cache.tiers.memory import MemoryTier, entry_cost
+from tiered_cache.tiers.ram import RamTier, entry_cost
 
 spec = KVSpec('no-torch', 2, 2, 16, page_size=4)
 keys = PageKeyer(spec).keys(list(range(6 * spec.page_size)))
 pages = np.random.default_rng(0).integers(0, 256, size=(6, spec.bytes_per_page), dtype=np.uint8)
 items = [(k, encode_page(p, spec, k)) for k, p in zip(keys, pages)]
 size = entry_cost(items[0][1])
-store = BlobStore(MemoryTier(2 * size), [DiskTier({str(tmp_path / 'a')!r}, 100 * size)])
+store = BlobStore(RamTier(2 * size), [DiskTier({str(tmp_path / 'a')!r}, 100 * size)])
 assert store.put(items) == (6, 0)
 assert store.locate(keys) == ['disk'] * 4 + ['ram'] * 2
 assert store.flush() == 2 and store.locate(keys) == ['disk'] * 4 + ['ram'] * 2

@@ -86,6 +86,8 @@ def test_the_bulk_get_serves_the_bytes_grpc_serves_and_a_remote_tier_loads_throu
             for (_, blob), dest in zip(items, dests, strict=True):
                 payload_at = len(blob) - 4 - SPEC.bytes_per_page
                 assert dest.tobytes() == blob[payload_at:-4], "a page placed with other bytes than were stored"
+            # `get` reads the same way: each blob copied out of the bulk Get's reused buffers.
+            assert tier.get([*keys, keys[0]]) == [*(blob for _, blob in items), items[0][1]] and tier.bulk_gets == 2
         finally:
             tier.close()
 

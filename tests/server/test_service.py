@@ -12,7 +12,7 @@ from tiered_cache.client.store_client import StoreClient
 from tiered_cache.server.process import StoreProcess
 from tiered_cache.server.store import BlobStore
 from tiered_cache.tiers.disk import DiskTier
-from tiered_cache.tiers.memory import MemoryTier, entry_cost
+from tiered_cache.tiers.ram import RamTier, entry_cost
 from tiered_cache.v1 import cache_pb2 as pb
 
 
@@ -211,7 +211,7 @@ def _blob_size() -> int:
 
 def test_blob_store_demotes_loads_and_counts(tmp_path):
     size = _blob_size()
-    store = BlobStore(MemoryTier(3 * size), [DiskTier(tmp_path, 100 * size, fsync=False)])
+    store = BlobStore(RamTier(3 * size), [DiskTier(tmp_path, 100 * size, fsync=False)])
     items = make_items(5, start=300)
     keys = [k for k, _ in items]
     assert store.put(items) == (5, 0)
@@ -232,16 +232,16 @@ def test_blob_store_write_through_and_flush(tmp_path):
     size = _blob_size()
     items = make_items(4, start=400)
     keys = [k for k, _ in items]
-    through = BlobStore(MemoryTier(100 * size), [DiskTier(tmp_path / "a", 100 * size, fsync=False)], write_through=True)
+    through = BlobStore(RamTier(100 * size), [DiskTier(tmp_path / "a", 100 * size, fsync=False)], write_through=True)
     assert through.put(items) == (4, 0)
     assert through.lower[0].contains(keys) == [True] * 4 and through.flush() == 0
-    lazy = BlobStore(MemoryTier(100 * size), [DiskTier(tmp_path / "b", 100 * size, fsync=False)])
+    lazy = BlobStore(RamTier(100 * size), [DiskTier(tmp_path / "b", 100 * size, fsync=False)])
     assert lazy.put(items[:3]) == (3, 0)
     assert lazy.lower[0].contains(keys) == [False] * 4
     lazy.lower[0].put(items[:1])  # already below: not copied again
     assert lazy.flush() == 2 and lazy.flush() == 0
     assert lazy.lower[0].get(keys[:3]) == [b for _, b in items[:3]]
-    assert BlobStore(MemoryTier(size)).flush() == 0
+    assert BlobStore(RamTier(size)).flush() == 0
 
 
 def test_a_lookup_from_ram_does_not_wait_behind_a_get_from_disk(tmp_path):
@@ -249,7 +249,7 @@ def test_a_lookup_from_ram_does_not_wait_behind_a_get_from_disk(tmp_path):
     disk = HeldDisk(tmp_path, 100 * size)
     on_disk, in_ram = make_items(3, start=500), make_items(3, start=600)
     disk.put(on_disk)
-    store = BlobStore(MemoryTier(100 * size), [disk])
+    store = BlobStore(RamTier(100 * size), [disk])
     store.put(in_ram)
     slow: list = []
     getter = threading.Thread(target=lambda: slow.append(store.get([k for k, _ in on_disk])))

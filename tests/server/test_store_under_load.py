@@ -24,7 +24,7 @@ from tiered_cache.server.config import ServerConfig
 from tiered_cache.server.process import StoreProcess
 from tiered_cache.server.store import BlobStore
 from tiered_cache.server.store_server import StoreServer
-from tiered_cache.tiers.memory import ENTRY_OVERHEAD_BYTES, MemoryTier
+from tiered_cache.tiers.ram import ENTRY_OVERHEAD_BYTES, RamTier
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.v1 import cache_pb2_grpc
@@ -264,7 +264,7 @@ def test_a_client_killed_mid_stream_frees_its_server_resources():
 
 
 def test_the_ram_tier_counts_what_entries_cost_not_only_payloads():
-    tier = MemoryTier(1 << 20)
+    tier = RamTier(1 << 20)
     blobs = [(i.to_bytes(32, "little"), bytes(64)) for i in range(20_000)]
     tier.put(blobs)
     assert tier.stats().used_bytes <= 1 << 20
@@ -272,7 +272,7 @@ def test_the_ram_tier_counts_what_entries_cost_not_only_payloads():
 
 
 def test_stats_never_waits_for_a_data_call_and_reports_fresh_figures():
-    server = StoreServer(ServerConfig(port=0, disk_path=None), BlobStore(MemoryTier(1 << 20)))
+    server = StoreServer(ServerConfig(port=0, disk_path=None), BlobStore(RamTier(1 << 20)))
     port = server.start()
     try:
         client = StoreClient(f"127.0.0.1:{port}")

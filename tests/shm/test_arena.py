@@ -12,7 +12,7 @@ import time
 import pytest
 
 from tiered_cache.server.config import ServerConfig
-from tiered_cache.shm.arena import DATA, MIN_CAPACITY, Arena, slot_of
+from tiered_cache.shm.arena import DATA, MIN_CAPACITY, Arena, bucket_of
 from tiered_cache.shm.arena_map import ArenaMap
 
 BLOB = 100_000  # ten of them fill a 1 MiB arena
@@ -175,7 +175,7 @@ def test_another_process_of_the_same_user_can_neither_write_nor_resize_the_arena
     reader = ArenaMap(arena.path, arena.size, arena.id)
     try:
         assert [reader.read(*ref) for ref in arena.refs([k for k, _ in items])] == [b for _, b in items]
-        assert os.fstat(arena.fd).st_size == arena.size == DATA + arena.capacity + arena.slots * 64
+        assert os.fstat(arena.fd).st_size == arena.size == DATA + arena.capacity + arena.buckets * 64
     finally:
         reader.close()
 
@@ -197,9 +197,9 @@ def test_the_published_index_says_where_pages_lie_until_they_are_written_over(ar
         keys = [k for k, _ in items]
         assert reader.find(keys) == arena.refs(keys, lease=False)
         assert reader.find([*keys, b"\x07" * 32]) is None  # one key it lacks: ask the server
-        same_slot = next(k for i in range(1, 10**6) if slot_of(k := i.to_bytes(32, "little"), arena.slots)
-                         == slot_of(keys[0], arena.slots) and k != keys[0])
-        arena.put([(same_slot, b"s" * BLOB)])  # takes keys[0]'s slot
+        same_bucket = next(k for i in range(1, 10**6) if bucket_of(k := i.to_bytes(32, "little"), arena.buckets)
+                         == bucket_of(keys[0], arena.buckets) and k != keys[0])
+        arena.put([(same_bucket, b"s" * BLOB)])  # takes keys[0]'s bucket
         assert reader.find(keys) is None and reader.find(keys[1:]) == arena.refs(keys[1:], lease=False)
         arena.put(blobs(20, start=100))  # a lap and more: all written over
         arena.check()

@@ -252,3 +252,24 @@ def test_breaker_state_of_each_server_is_in_stats():
         tier.close()
     finally:
         live.stop()
+
+
+def test_pages_read_in_a_same_host_arena_are_told_to_the_server_when_the_reader_closes_at_once():
+    """A Lookup answered from the arena's index tells the server later, in a batch; a reader that
+    closes before then tells it on close, so the pages count as read there (their second chance)."""
+    items = make_items(24)
+    keys = [k for k, _ in items]
+    with StoreProcess(["--no-disk"]) as store:
+        writer = RemoteTier([store.address])
+        assert writer.put(items) == len(items)
+        writer.close()
+        reader = RemoteTier([store.address])
+        reader.warm()
+        assert reader.contains_prefix(keys) == len(keys)  # may be asked of the server (it maps the arena)
+        hits = StoreClient(store.address).stats().tiers[0].hits
+        lookups = reader.servers[0].client.arena_lookups
+        assert reader.contains_prefix(keys) == len(keys)
+        assert reader.servers[0].client.arena_lookups == lookups + 1  # answered in the arena: no RPC
+        assert reader.get(keys) == [blob for _, blob in items]
+        reader.close()  # well within the touch delay
+        assert StoreClient(store.address).stats().tiers[0].hits >= hits + len(keys)

@@ -17,7 +17,7 @@ from tiered_cache.index.keys import PageKeyer
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.disk import DiskTier
-from tiered_cache.tiers.memory import MemoryTier, entry_cost
+from tiered_cache.tiers.ram import RamTier, entry_cost
 from tiered_cache.wire.codec import encode_page
 
 SPEC = KVSpec("chain-test", 2, 2, 16, page_size=4)  # 1 KiB pages
@@ -48,7 +48,7 @@ class Counting:
         return super().put(items)
 
 
-class CountingRam(Counting, MemoryTier):
+class CountingRam(Counting, RamTier):
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self.contains_calls, self.put_keys = [], []
@@ -61,7 +61,7 @@ class CountingDisk(Counting, DiskTier):
 
 
 def test_eviction_from_ram_demotes_into_disk_and_residency_follows(tmp_path):
-    ram, disk = MemoryTier(3 * BLOB), DiskTier(tmp_path, 100 * BLOB, fsync=False)
+    ram, disk = RamTier(3 * BLOB), DiskTier(tmp_path, 100 * BLOB, fsync=False)
     chain = TierChain([ram, disk])
     items = make_blobs(5)
     keys = [k for k, _ in items]
@@ -84,7 +84,7 @@ def test_eviction_from_ram_demotes_into_disk_and_residency_follows(tmp_path):
 def test_pages_written_through_then_evicted_count_as_demoted_where_they_are(tmp_path):
     """Written to both tiers (write-through), then pushed out of RAM: the disk held them already,
     yet RAM's evictions and the disk's demotions agree on what moved where."""
-    ram, disk = MemoryTier(3 * BLOB), DiskTier(tmp_path, 100 * BLOB, fsync=False)
+    ram, disk = RamTier(3 * BLOB), DiskTier(tmp_path, 100 * BLOB, fsync=False)
     chain = TierChain([ram, disk])
     items = make_blobs(6)
     chain.put(items, 1)  # write-through: below first
@@ -94,7 +94,7 @@ def test_pages_written_through_then_evicted_count_as_demoted_where_they_are(tmp_
 
 
 def test_a_blob_too_big_for_ram_goes_straight_to_disk(tmp_path):
-    ram, disk = MemoryTier(BLOB // 2), DiskTier(tmp_path, 10 * BLOB, fsync=False)
+    ram, disk = RamTier(BLOB // 2), DiskTier(tmp_path, 10 * BLOB, fsync=False)
     chain = TierChain([ram, disk])
     (key, blob), = make_blobs(1)
     assert chain.put([(key, blob)], 0) == 0
@@ -103,7 +103,7 @@ def test_a_blob_too_big_for_ram_goes_straight_to_disk(tmp_path):
 
 
 def test_a_batch_larger_than_ram_leaves_residency_right(tmp_path):
-    ram, disk = MemoryTier(2 * BLOB), DiskTier(tmp_path, 10 * BLOB, fsync=False)
+    ram, disk = RamTier(2 * BLOB), DiskTier(tmp_path, 10 * BLOB, fsync=False)
     chain = TierChain([ram, disk])
     items = make_blobs(4)
     keys = [k for k, _ in items]
@@ -170,7 +170,7 @@ def test_a_blob_deleted_behind_the_chains_back_is_a_miss_and_forgotten(tmp_path)
 def test_concurrent_gets_and_puts_return_only_what_was_put(tmp_path):
     """8 threads put and get (loading into the first tier) through a RAM tier small enough to evict all the
     time; every blob that comes back is the one put for its key, and nothing is lost."""
-    ram, disk = MemoryTier(8 * BLOB), DiskTier(tmp_path, 1000 * BLOB, fsync=False)
+    ram, disk = RamTier(8 * BLOB), DiskTier(tmp_path, 1000 * BLOB, fsync=False)
     chain = TierChain([ram, disk])
     items = make_blobs(96, seed=3)
     expected = dict(items)
@@ -214,7 +214,7 @@ def test_concurrent_gets_and_puts_return_only_what_was_put(tmp_path):
 
 
 def test_a_held_disk_get_does_not_block_ram(tmp_path):
-    ram, disk = MemoryTier(100 * BLOB), HeldDisk(tmp_path, 100 * BLOB)
+    ram, disk = RamTier(100 * BLOB), HeldDisk(tmp_path, 100 * BLOB)
     chain = TierChain([ram, disk])
     on_disk, in_ram, new = make_blobs(3, 0), make_blobs(3, 3), make_blobs(2, 6)
     chain.put(on_disk, 1)

@@ -5,6 +5,7 @@ prefix lives, a killed shard turns its keys into misses while the survivor keeps
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -195,14 +196,17 @@ def test_each_worker_draws_its_prefix_tree_with_text(actors):
     assert drawn.startswith("worker-0:\nnamespace (default)") and "└── " in drawn
 
 
-def test_bench_load_through_the_router_answers_as_recompute_does_and_leaves_the_cluster_running(actors, tmp_path):
-    from tiered_cache.bench.load_ray import RayLoadSettings, bench_load_ray
-    from tiered_cache.bench.load_workload import Workload
+@pytest.mark.long  # a benchmark run, not the cache's correctness: make test-long
+def test_store_traffic_through_the_router_answers_as_recompute_does_and_leaves_the_cluster_running(actors, tmp_path):
+    from tiered_cache.bench.store_traffic.through_ray import RayTrafficSettings, bench_store_traffic_ray
+    from tiered_cache.bench.store_traffic.workload import Workload
 
-    png = tmp_path / "ray-load.png"
-    settings = RayLoadSettings(Workload(prompts=3, histories=2, max_turns=4, seed=11), clients=2, duration_s=2,
-                               namespace=NAMESPACE, max_new_tokens=2, verify=2, png=str(png))
-    result = bench_load_ray(settings)
+    cluster.start_router(actors["config"])  # the cluster this bench must leave running, router included
+    png = tmp_path / "ray-store-traffic.png"
+    # Long enough for each client's later turns, which share its first turn's prefix, on a busy machine too.
+    settings = RayTrafficSettings(Workload(prompts=3, histories=2, max_turns=4, seed=11), clients=2, duration_s=8,
+                                  namespace=NAMESPACE, max_new_tokens=2, verify=2, png=str(png))
+    result = bench_store_traffic_ray(settings)
     for phase in (result.recompute, result.cache):
         assert phase.requests > 0 and phase.errors == {} and phase.clients == 2
         assert 0 < phase.p50_ms <= phase.p99_ms <= phase.p999_ms and phase.ttft_p50_ms > 0
@@ -315,6 +319,7 @@ def test_chaos_a_killed_shard_restarted_rejoins_the_ring_and_serves_again(actors
     # Restarted under the same name, on its node, over its disk folder: the ring takes it back.
     restarted = cluster.start_shard(victim_name, config, resources=SHARD_NODES[victim_name])
     address = ray.get(restarted.ping.remote(), timeout=120)
+    assert address == victim_address  # its port again: a fixed list of shards (vLLM's connector) stays true
     for worker in (a, b):
         wait_for(lambda w=worker: address in ray.get(w.info.remote())["shards"], what="ring with the restarted shard")
     assert ray.get(a.flush.remote())
@@ -323,6 +328,20 @@ def test_chaos_a_killed_shard_restarted_rejoins_the_ring_and_serves_again(actors
     assert any(p["shard"] == address for p in pages)  # the restarted shard owns and holds its share
     late = ray.get(b.generate.remote(prompt), timeout=120)
     assert late["tokens"] == reference["tokens"] and late["sources"].get("remote", 0) > 0
+
+    # Restarted while another process holds its old port: it serves on a free one, and the ring follows.
+    ray.kill(ray.get_actor(victim_name), no_restart=True)
+    wait_for(lambda: not serving(address), what="the killed shard's port to close")
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind((host, int(port)))
+        squatter.listen()
+        moved = ray.get(cluster.start_shard(victim_name, config, resources=SHARD_NODES[victim_name]).ping.remote(),
+                        timeout=120)
+    assert moved != address
+    for worker in (a, b):
+        wait_for(lambda w=worker: moved in ray.get(w.info.remote())["shards"], what="ring with the moved shard")
 
 
 def test_chaos_a_worker_killed_mid_request_the_router_answers_from_another(actors):

@@ -36,10 +36,33 @@ def test_nested_settings_parse_sizes_and_enums():
     ({"shard": {"ram_capacity": "lots"}}, "lots"),
     ({"shard": {"token": ""}}, "token"),
     ({"worker": "big"}, "worker"),
+    ({"engine": "vlm"}, "engine must be one of hf, vllm, got 'vlm'"),
+    ({"vllm": {"router": "random"}}, "vllm.router must be one of tiered-cache, prefix, pow2"),
+    ({"vllm": {"replicas": 0}}, "vllm.replicas"),
+    ({"vllm": {"replicas": 3, "max_replicas": 2}}, "vllm.max_replicas"),
+    ({"vllm": {"events_port": 80}}, "vllm.events_port"),
+    ({"vllm": {"replica": 2}}, "vllm.replica"),
 ])
 def test_bad_settings_are_errors_that_name_them(data, message):
     with pytest.raises(ValueError, match=message):
         ClusterConfig.from_dict(data)
+
+
+def test_the_vllm_engine_s_settings_parse_and_the_app_carries_them():
+    from tiered_cache.workers.serve_llm.settings import ServeRouter
+
+    config = ClusterConfig.from_dict({"engine": "vllm", "vllm": {"replicas": 2, "router": "prefix",
+                                                                 "host_capacity": "64MiB", "max_replicas": None}})
+    assert config.engine.value == "vllm" and config.vllm.max_replicas is None  # null: a fixed count
+    assert config.vllm.router is ServeRouter.PREFIX and config.vllm.host_capacity == 64 * 2**20
+    pytest.importorskip("ray.serve")
+    from tiered_cache.workers.serve_llm.app import connector_config
+
+    secured = config.replace(shard=config.shard.__class__(token="t0ken", tls_ca="/ca.pem"))
+    extra = connector_config(secured, ["10.0.0.1:5000", "10.0.0.2:5000"])["kv_connector_extra_config"]
+    assert extra == {"host_capacity": 64 * 2**20, "lower_tiers": ["remote"], "remote_token": "t0ken",
+                     "remote_tls_ca": "/ca.pem", "remote_addresses": ["10.0.0.1:5000", "10.0.0.2:5000"]}
+    assert connector_config(config, [])["kv_connector_extra_config"]["lower_tiers"] == []  # no shards: RAM only
 
 
 def test_a_null_keeps_the_default_where_none_means_nothing():
@@ -69,7 +92,7 @@ def test_kv_events_give_each_member_its_ports_and_the_events_policy_needs_them()
     assert member_endpoints("tcp://auto:0", 2, "10.0.0.7") == ("tcp://10.0.0.7:0", "tcp://10.0.0.7:0", True)
     with pytest.raises(ValueError, match="needs kv_events"):
         ClusterConfig.from_dict({"router": {"policy": "events"}})
-    with pytest.raises(ValueError, match="beyond loopback"):
+    with pytest.raises(ValueError, match=r"beyond loopback.*HOST auto"):
         ClusterConfig(kv_events="tcp://10.0.0.7:5600")  # a fixed non-loopback address: say auto
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         ClusterConfig(kv_events="127.0.0.1:5600")

@@ -1,4 +1,4 @@
-"""A command whose stdout is its answer (`--json` of `bench cluster`, `bench load --ray`, `stats
+"""A command whose stdout is its answer (`--json` of `bench cluster`, `bench store-traffic --ray`, `stats
 --ray`, `tree --ray`, `cluster ...`) keeps Ray's driver chatter off it: a real actor dies in the
 middle of a task, the driver prints "(raylet) Task ... failed ... retries remaining" from a thread
 of its own, and after `cluster.stdout_for_the_answer` that lands on stderr while the command's

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tiered_cache.bench.timing import quantile
 from tiered_cache.integrations.document import document
 
 NAMESPACE = "tiered-cache-bench"
@@ -66,15 +67,15 @@ class WayResult:
 
     @property
     def p99_ttft_s(self) -> float:
-        return _quantile(self.ttft_s, 0.99)
+        return quantile(self.ttft_s, 0.99)
 
     @property
     def p50_wait_s(self) -> float:
-        return _quantile(self.waits_s, 0.5)
+        return quantile(self.waits_s, 0.5)
 
     @property
     def p99_wait_s(self) -> float:
-        return _quantile(self.waits_s, 0.99)
+        return quantile(self.waits_s, 0.99)
 
     @property
     def store_bytes(self) -> int:
@@ -90,11 +91,6 @@ class WayResult:
             out["mean_ttft_vs_recompute"] = recompute.mean_ttft_s / self.mean_ttft_s
             out["answers_match_recompute"] = self.answers == recompute.answers
         return out
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
 
 
 def workload(docs: int, questions: int, doc_chars: int, seed: int) -> list[tuple[int, int, str]]:

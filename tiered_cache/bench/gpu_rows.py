@@ -163,9 +163,9 @@ class TimedLoad:
 
 
 def arena_figures(cache: TieredCache) -> dict[str, Any] | None:
-    """The cache's `ArenaCopier.figures()`, or None before it DMA'd from an arena (CUDA only)."""
+    """The cache's `ArenaCopier.stats()`, or None before it DMA'd from an arena (CUDA only)."""
     copier = getattr(getattr(cache, "arena_loads", None), "copier", None)
-    return copier.figures() if copier is not None else None
+    return copier.stats() if copier is not None else None
 
 
 def arena_round(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -2,7 +2,7 @@
 network namespaces joined by a veth pair stand for two hosts: the store server (`--shm off`: no
 arena; a token, as anything bound beyond loopback must have), a bare gRPC server and a raw TCP
 server run in one, the reader in the other, so every byte crosses the veth. The reader loads
-prefixes it never read into a full pool (the serving rounds of `bench promote`), beside a raw TCP
+prefixes it never read into a full pool (the serving rounds of `bench pool-load`), beside a raw TCP
 stream of the same bytes between the same two namespaces (the wire's limit from Python), a bare
 gRPC stream of them (kept, as a load must), and the same load from a second server without the
 bulk Get (`--bulk-port off`: gRPC's Get). Needs root and iproute2 (`ip netns`).
@@ -105,7 +105,7 @@ def _in_namespace(ns: str, args: list[str], env: dict[str, str] | None = None) -
 
 def bench_netns(spec_dict: dict[str, Any], mib: float, rounds: int, pool_prefixes: int) -> NetnsFigures:
     """The figures (see the module doc). Raises RuntimeError when a part fails to start."""
-    from tiered_cache.bench.promote_prefixes import Prefixes
+    from tiered_cache.bench.pool_load.prefixes import Prefixes
     from tiered_cache.model.spec import KVSpec
     from tiered_cache.wire.codec import raw_blob_size
 

@@ -1,6 +1,6 @@
 """The reader side of `bench remote --netns` (netns_bench.py), run in the client's network
 namespace: it fills both store servers with the run's prefixes (through the veth, as another
-instance would), then times the serving rounds of `bench promote` against each, beside a raw TCP
+instance would), then times the serving rounds of `bench pool-load` against each, beside a raw TCP
 stream of the same bytes, and a bare gRPC stream of them; prints the figures as JSON.
 
     python -m tiered_cache.bench.netns_reader JOB   # JOB: the JSON netns_bench.py writes
@@ -23,9 +23,9 @@ def read(job: dict[str, Any]) -> dict[str, Any]:
 
     import torch
 
-    from tiered_cache.bench.promote_prefixes import Prefixes
-    from tiered_cache.bench.promote_serving import serving_rounds
-    from tiered_cache.bench.promote_sites import Site, put_prefixes
+    from tiered_cache.bench.pool_load.prefixes import Prefixes
+    from tiered_cache.bench.pool_load.serving import serving_rounds
+    from tiered_cache.bench.pool_load.sites import Site, put_prefixes
     from tiered_cache.bench.raw_tcp import receive
     from tiered_cache.bench.remote_clients import raw_channel, raw_stream_request
     from tiered_cache.device.malloc import tune_malloc

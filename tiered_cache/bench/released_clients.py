@@ -1,5 +1,5 @@
 """Client processes for the benchmarks that measure many clients at once (`bench remote --clients`,
-`bench load`): spawned (nothing shared but what is passed), released together by a barrier once
+`bench store-traffic`): spawned (nothing shared but what is passed), released together by a barrier once
 all are warm, each putting `(index, report)` or `(index, "error text")` on a queue.
 
 `run_released` starts them, waits for every report, and turns a failure into one clear error: the

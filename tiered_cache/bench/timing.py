@@ -24,6 +24,12 @@ def timed(fn: Callable[[], Any], repeat: int = 5) -> tuple[float, Any]:
     return best, result
 
 
+def quantile(values: list[float], q: float) -> float:
+    """The `q` quantile of `values` (the nearest rank; 0 for none)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
+
+
 def returned_bytes(result: Any) -> int:
     """Bytes a timed read returned: blobs (None for a miss counts 0), or a tensor."""
     if hasattr(result, "numel"):

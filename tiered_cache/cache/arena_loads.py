@@ -13,7 +13,8 @@ this path is CUDA's alone; either way a prefetch into staging would only add a c
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,20 +23,21 @@ from tiered_cache.cache.tier_loads import Loaded, TierLoads
 from tiered_cache.device.arena_copy import ArenaCopier
 from tiered_cache.device.arena_registry import RegisterAhead, cuda_registry
 from tiered_cache.tiers.base import ReadsArenas
-from tiered_cache.tiers.chain import TierChain
+
+if TYPE_CHECKING:
+    from tiered_cache.cache.core import CacheCore
 
 
 class ArenaLoads:
     """Loads from same-host arenas of one cache (see the module doc)."""
 
-    def __init__(self, tier_loads: TierLoads, chain: TierChain, observe: Callable[[str, float, int], None]) -> None:
+    def __init__(self, core: CacheCore, tier_loads: TierLoads) -> None:
         self.tier_loads = tier_loads  # the staged path, for the pages past those read in place
-        self.pool = tier_loads.pool
-        self.chain = chain
-        self._observe = observe  # (tier, seconds, pages): the reuse policy's sample
+        self.pool, self.chain = core.pool, core.chain
+        self._observe = core.reuse.observe  # (tier, seconds, pages): the reuse policy's sample
         self.copier: ArenaCopier | None = None  # made when a same-host store is first read
         cuda = self.pool.kv.device.type == "cuda"
-        reads_arenas = any(isinstance(tier, ReadsArenas) for tier in chain.tiers)
+        reads_arenas = any(isinstance(tier, ReadsArenas) for tier in self.chain.tiers)
         self._register_ahead = RegisterAhead(cuda_registry(self.pool.device)) if cuda and reads_arenas else None
 
     def in_arenas(self, plan: Sequence[int]) -> bool:

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class QueueFigures:
+class QueueStats:
     name: str
     depth: int  # jobs waiting now
     capacity: int
@@ -104,10 +104,10 @@ class BackgroundQueue:
             self._jobs.put(None)
             self._thread.join(timeout)
 
-    def figures(self) -> QueueFigures:
+    def stats(self) -> QueueStats:
         with self._lock:
             counts = dict(self._counts)
-        return QueueFigures(self.name, self._jobs.qsize(), self.capacity, **counts)
+        return QueueStats(self.name, self._jobs.qsize(), self.capacity, **counts)
 
     def _add(self, what: str) -> None:
         with self._lock:
@@ -128,3 +128,22 @@ class BackgroundQueue:
             else:
                 if is_job:
                     self._add("done")
+
+
+class QueueOwner:
+    """A part whose slow work runs on one `BackgroundQueue` of its own (the demoter, the lower
+    writer, the spare output): its flush, figures and close are the queue's."""
+
+    def __init__(self, queue: BackgroundQueue) -> None:
+        self.queue = queue
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the jobs queued so far have run; False if `timeout` passed first."""
+        return self.queue.flush(timeout)
+
+    def stats(self) -> QueueStats:
+        return self.queue.stats()
+
+    def close(self) -> None:
+        """Run what is queued, then stop the queue's thread."""
+        self.queue.close()

@@ -33,7 +33,7 @@ MAX_POISONED = 1 << 20  # keys remembered as wrong; past it the oldest are forgo
 
 
 @dataclass(frozen=True)
-class CanaryFigures:
+class CanaryStats:
     fraction: float
     checks: int = 0  # hits compared with recomputation
     mismatches: int = 0  # of which some page differed
@@ -165,9 +165,9 @@ class Canary:
                 if not tiers:
                     self._quarantine.pop(ns, None)
 
-    def figures(self) -> CanaryFigures:
+    def stats(self) -> CanaryStats:
         with self._lock:
-            return CanaryFigures(self.fraction, self._checks, self._mismatches, self._dropped, self._pages_checked,
+            return CanaryStats(self.fraction, self._checks, self._mismatches, self._dropped, self._pages_checked,
                                  self._pages_wrong, {ns: sorted(t) for ns, t in self._quarantine.items()})
 
     def close(self) -> None:

@@ -14,21 +14,23 @@ Every method here runs with the cache's lock held, on a handle the cache checked
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tiered_cache.cache.forks import Forks
 from tiered_cache.cache.handle import CacheHandle
-from tiered_cache.cache.ledger import PageLedger
+
+if TYPE_CHECKING:
+    from tiered_cache.cache.core import CacheCore
 
 
 class Compaction:
     """Dropping tokens from handles' own pages; see the module doc."""
 
-    def __init__(self, ledger: PageLedger, forks: Forks) -> None:
-        self.ledger = ledger
-        self.spec, self.pool = ledger.spec, ledger.pool
+    def __init__(self, core: CacheCore, forks: Forks) -> None:
+        self.ledger = core.ledger
+        self.spec, self.pool = core.spec, core.pool
         self.forks = forks
 
     def live_slots(self, handle: CacheHandle) -> np.ndarray:

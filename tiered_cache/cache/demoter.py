@@ -14,50 +14,40 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from tiered_cache.cache.background import BackgroundQueue, QueueFigures
-from tiered_cache.cache.foreground import YIELD_S, Foreground
-from tiered_cache.cache.ledger import PageLedger
-from tiered_cache.cache.lower_writer import LowerWriter
-from tiered_cache.cache.stats import Movements
-from tiered_cache.config import CacheConfig, WritePolicy
-from tiered_cache.device.host_copy import HostCopier
+from tiered_cache.cache.background import BackgroundQueue, QueueOwner
+from tiered_cache.cache.foreground import YIELD_S
+from tiered_cache.cache.handle import CacheHandle
+from tiered_cache.config import WritePolicy
 from tiered_cache.device.writer_streams import WriterStreams
 from tiered_cache.errors import PoolExhaustedError
 from tiered_cache.index.radix_results import EvictedNode
-from tiered_cache.tiers.host import HostTier
+from tiered_cache.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tiered_cache.cache.core import CacheCore
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
 _BATCH = 64  # pages the background demoter moves per pass of the lock
 
 
-class Demoter:
+class Demoter(QueueOwner):
     """Makes room on the device of one cache (see the module doc)."""
 
-    def __init__(self, config: CacheConfig, ledger: PageLedger, host: HostTier, copier: HostCopier,
-                 writer: LowerWriter, moves: Movements, lock: threading.RLock, foreground: Foreground,
-                 idle: threading.Event, settle_copies: Callable[[], None] | None = None) -> None:
-        self.config = config
-        # Waits for copies into device pages still running and releases the pages they pinned
-        # (freed meanwhile, such pages are neither free nor evictable until then).
-        self._settle_copies = settle_copies
-        self.ledger = ledger
-        self.spec, self.pool, self.tree = ledger.spec, ledger.pool, ledger.tree
-        self.host = host
-        self.copier = copier
-        self.writer = writer
-        self.moves = moves
-        self._lock = lock
-        self._foreground = foreground
+    def __init__(self, core: CacheCore) -> None:
+        super().__init__(BackgroundQueue("demoter", capacity=max(2, core.config.demotion_queue)))
+        self.core = core
+        self.config, self.ledger, self.moves = core.config, core.ledger, core.moves
+        self.spec, self.pool, self.tree, self.host = core.spec, core.pool, core.tree, core.host
+        self.copier, self.writer = core.copier, core.writer
+        self._lock = core.lock
         self._demoting_keys: set[bytes] = set()  # keys of pages in `ledger.demoting`
-        self._demoted = threading.Condition(lock)  # notified when the demoter frees its pages
-        self._queue = BackgroundQueue("demoter", capacity=max(2, config.demotion_queue))
-        self.idle = idle  # set while no demotion is queued or running: the writer waits for it
-        self.closed = False
+        self._demoted = threading.Condition(core.lock)  # notified when the demoter frees its pages
+        self.idle = core.demotions_idle  # set while no demotion is queued or running: the writer waits for it
         self.writers = WriterStreams(self.pool.device)  # background copies wait for the writers' streams
 
     # --- allocation (lock held) --------------------------------------------------------------------
@@ -74,6 +64,19 @@ class Demoter:
             raise PoolExhaustedError(n, self.pool.num_free, self.pool.num_pages)
         return self.pool.allocate(n)
 
+    def allocate_for(self, handle: CacheHandle, num_tokens: int) -> np.ndarray:
+        """New device pages for `num_tokens` more tokens of the handle's own (its last page's free
+        slots first); see `TieredCache.allocate`. Takes the lock."""
+        with self._lock:
+            self.ledger.check_live(handle)
+            needed = self.spec.pages_for_tokens(handle.own_tokens + num_tokens) - len(handle.own_pages)
+            pages = self.allocate(max(0, needed))
+            with self.ledger.reshaping(handle):
+                handle.own_pages.extend(pages.tolist())
+                handle.own_tokens += num_tokens
+            self.maybe_demote()
+        return pages
+
     def allocate_fitting(self, n: int) -> np.ndarray:
         """Up to `n` device pages: as many as free and evictable pages allow."""
         self._await_demoter(n)
@@ -85,9 +88,10 @@ class Demoter:
     def _release_pinned(self) -> bool:
         """Pages freed while a copy into them still ran are neither free nor evictable: wait for
         those copies so they are free again. Whether there were any."""
-        if not self.pool.allocator.num_pending or self._settle_copies is None:
+        if not self.pool.allocator.num_pending:
             return False
-        self._settle_copies()
+        # Waits for the copies into device pages still running and releases the pages they pinned.
+        self.core.host_loads.settle(wait=True)
         return True
 
     def await_keys(self, keys: list[bytes]) -> None:
@@ -166,7 +170,7 @@ class Demoter:
         be read as KV."""
         if copied:
             self.host.fill([keys[i] for i in new], rows)
-            self.moves.demotions["host"] += len(new)
+            self.moves.demotions[Tier.HOST] += len(new)
         else:
             self.host.rows.free(rows)
 
@@ -176,7 +180,7 @@ class Demoter:
         every lower tier; the request path itself copies nothing."""
         self.writers.mark()
         if self.config.write_policy is WritePolicy.WRITE_THROUGH and num_new > 0:
-            self._queue.submit(self._write_through, ns, keys, num_new)
+            self.queue.submit(self._write_through, ns, keys, num_new)
         self.maybe_demote()
 
     def maybe_demote(self) -> None:
@@ -184,17 +188,17 @@ class Demoter:
         used = self.pool.usage().used_pages
         if self.idle.is_set() and used > self.config.high_watermark * self.pool.num_pages:
             self.idle.clear()
-            if not self._queue.submit(self._demote_to_low_watermark):
+            if not self.queue.submit(self._demote_to_low_watermark):
                 self.idle.set()
 
     def _demote_to_low_watermark(self) -> None:
         """Background: move cold pages device -> host RAM in batches until the low watermark."""
         try:
             while True:
-                self._foreground.wait_idle(YIELD_S)
+                self.core.foreground.wait_idle(YIELD_S)
                 with self._lock:
                     excess = self.pool.usage().used_pages - int(self.config.low_watermark * self.pool.num_pages)
-                    if excess <= 0 or self.closed:
+                    if excess <= 0 or self.core.closed:
                         return
                     evicted = self.tree.evict(min(excess, _BATCH))
                     if not evicted:
@@ -232,9 +236,9 @@ class Demoter:
         The device -> host copy runs outside the lock (the node is locked so its pages stay, the
         rows are reserved so no one else uses them): a request never waits behind it."""
         first = len(keys) - num_new
-        self._foreground.wait_idle(YIELD_S)
+        self.core.foreground.wait_idle(YIELD_S)
         with self._lock:
-            if self.closed:
+            if self.core.closed:
                 return
             match = self.tree.match_prefix(keys, ns)
             on_device = max(first, match.num_pages)
@@ -256,14 +260,3 @@ class Demoter:
                 in_host = self.host.contains_prefix(keys[first:])
         if self.writer.chain.tiers and in_host:
             self.writer.queue_host_pages(keys[first:first + in_host], range(len(self.writer.chain.tiers)))
-
-    # --- lifecycle -----------------------------------------------------------------------------------
-    def flush(self, timeout: float | None) -> bool:
-        return self._queue.flush(timeout)
-
-    def figures(self) -> QueueFigures:
-        return self._queue.figures()
-
-    def close(self) -> None:
-        """Run what is queued (it may queue writes below), then stop."""
-        self._queue.close()

@@ -44,10 +44,10 @@ _F = TypeVar("_F", bound=Any)
 
 
 def request_path(method: _F) -> _F:
-    """Mark a method of an object with a `_foreground` as a request in progress: background steps
-    wait (briefly) until none is."""
+    """Mark a method of an object with a `core` (`CacheCore`) as a request in progress: background
+    steps wait (briefly) until none is."""
     @functools.wraps(method)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._foreground:
+        with self.core.foreground:
             return method(self, *args, **kwargs)
     return wrapper  # type: ignore[return-value]

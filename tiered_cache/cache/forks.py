@@ -13,19 +13,23 @@ Every method here runs with the cache's lock held, on a handle the cache checked
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from tiered_cache.cache.demoter import Demoter
 from tiered_cache.cache.handle import CacheHandle
-from tiered_cache.cache.ledger import PageLedger
+
+if TYPE_CHECKING:
+    from tiered_cache.cache.core import CacheCore
 
 
 class Forks:
     """Forks of handles and the copy-on-write that keeps their writes apart; see the module doc."""
 
-    def __init__(self, ledger: PageLedger, demoter: Demoter) -> None:
-        self.ledger = ledger
-        self.spec, self.pool, self.tree = ledger.spec, ledger.pool, ledger.tree
+    def __init__(self, core: CacheCore, demoter: Demoter) -> None:
+        self.ledger = core.ledger
+        self.spec, self.pool, self.tree = core.spec, core.pool, core.tree
         self.demoter = demoter
 
     def fork(self, handle: CacheHandle, n: int) -> list[CacheHandle]:

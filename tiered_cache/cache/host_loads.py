@@ -12,14 +12,18 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tiered_cache.device.copy_stream import QueuedCopy
-from tiered_cache.device.host_copy import HostCopier
-from tiered_cache.device.pool import PagePool
-from tiered_cache.tiers.host import HostTier
+from tiered_cache.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tiered_cache.device.host_copy import HostCopier
+    from tiered_cache.device.pool import PagePool
+    from tiered_cache.tiers.host import HostTier
 
 
 class HostLoads:
@@ -27,8 +31,7 @@ class HostLoads:
 
     def __init__(self, pool: PagePool, host: HostTier, copier: HostCopier,
                  observe: Callable[[str, float, int], None]) -> None:
-        self.pool = pool
-        self.host = host
+        self.pool, self.host = pool, host
         # The cache's one copier: its one copy stream orders these reads of host rows before a
         # demotion writes over them (`HostTier.before_ordered_write`).
         self.copier = copier
@@ -47,7 +50,7 @@ class HostLoads:
         started = time.perf_counter()
         queued = self.copier.to_pool(self.host.slab, rows, pages, wait=False)
         if queued is None:
-            self._observe("host", time.perf_counter() - started, len(pages))
+            self._observe(Tier.HOST.value, time.perf_counter() - started, len(pages))
             return
         self.pool.pin(pages)
         self.host.reading(queued)
@@ -62,7 +65,7 @@ class HostLoads:
         while self._queued and self._queued[0][0].finished():  # they finish in order
             queued, pages = self._queued.popleft()
             self.pool.unpin(pages)
-            self._observe("host", queued.seconds(), len(pages))
+            self._observe(Tier.HOST.value, queued.seconds(), len(pages))
 
     def stream_waits(self) -> None:
         """Make the current stream wait for the copies still running (the newest stands for all:

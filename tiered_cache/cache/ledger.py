@@ -12,31 +12,33 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tiered_cache.cache.handle import CacheHandle
 from tiered_cache.cache.page_tokens import PageTokens
-from tiered_cache.cache.stats import PoolFigures
-from tiered_cache.device.pool import PagePool
+from tiered_cache.cache.stats import PoolStats
 from tiered_cache.errors import IntegrityError
-from tiered_cache.index.radix import RadixTree
 from tiered_cache.index.radix_node import RadixNode
 from tiered_cache.index.radix_results import SizeInfo
-from tiered_cache.model.spec import KVSpec
-from tiered_cache.tiers.base import TierStats
+from tiered_cache.tiers.base import Tier, TierStats
+
+if TYPE_CHECKING:
+    from tiered_cache.device.pool import PagePool
+    from tiered_cache.index.radix import RadixTree
+    from tiered_cache.model.spec import KVSpec
+    from tiered_cache.tiers.host import HostTier
 
 
 class PageLedger:
     """The tree, the pool and the live handles of one cache, and the figures of their pages."""
 
-    def __init__(self, owner: Any, spec: KVSpec, pool: PagePool, tree: RadixTree) -> None:
-        self.owner = owner  # the cache whose handles these are (checked by identity)
-        self.spec = spec
-        self.pool = pool
-        self.tree = tree
-        self.device = TierStats("device", capacity_bytes=pool.num_pages * spec.bytes_per_page)
+    def __init__(self, spec: KVSpec, pool: PagePool, tree: RadixTree, host: HostTier) -> None:
+        self.owner = self  # whose handles these are (checked by identity: one ledger per cache)
+        self.spec, self.pool, self.tree = spec, pool, tree
+        self._host = host  # a swapped-out handle's pages wait in its rows
+        self.device = TierStats(Tier.DEVICE.value, capacity_bytes=self.pool.num_pages * self.spec.bytes_per_page)
         self.live: set[CacheHandle] = set()  # handles not released yet: they hold their own pages
         self.loose = 0  # pages allocated outside any holder while a copy fills them (put, load)
         self.demoting = 0  # pages the background demoter took from the tree and has not freed yet
@@ -121,7 +123,14 @@ class PageLedger:
         return n_new, dup
 
     def retire(self, handle: CacheHandle) -> None:
-        """A released handle (its prefix unlocked already): its own pages are freed."""
+        """A released handle: its prefix unlocked (a swapped-out one's was then: its host RAM rows
+        go back instead), its own pages freed."""
+        if handle.swapped is not None:
+            swapped, handle.swapped = handle.swapped, None
+            self._host.rows.free(swapped.rows)
+        else:
+            self.tree.unlock(handle.node)
+            self.unused_slots -= self.unused(handle)
         if handle.own_pages:
             self.pool.free(np.array(handle.own_pages, dtype=np.int64))
         handle.own_pages.clear()
@@ -129,12 +138,12 @@ class PageLedger:
         handle.released = True
         self.live.discard(handle)
 
-    def figures(self) -> tuple[TierStats, PoolFigures, SizeInfo, int]:
+    def stats(self) -> tuple[TierStats, PoolStats, SizeInfo, int]:
         """The device tier's figures, the pool's, the tree's sizes and its node count."""
         usage, size = self.pool.usage(), self.tree.size_info()
         device = replace(self.device, pages=size.total, used_bytes=size.total * self.spec.bytes_per_page)
         swapped = sum(len(h.swapped.rows) for h in self.live if h.swapped)
-        pool = PoolFigures(usage.total_pages, usage.used_pages, usage.free_pages, usage.page_bytes,
+        pool = PoolStats(usage.total_pages, usage.used_pages, usage.free_pages, usage.page_bytes,
                            self.unused_slots, int((self.pool.allocator.refs > 1).sum()), self.forks,
                            self.cow_copies, swapped, self.pages_compacted)
         return device, pool, size, self.tree.num_nodes

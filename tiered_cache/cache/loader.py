@@ -14,10 +14,9 @@ ones that arrived go into the tree and the rest are freed.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,33 +24,30 @@ import torch
 from tiered_cache.cache.arena_loads import ArenaLoads
 from tiered_cache.cache.canary import Canary
 from tiered_cache.cache.demoter import Demoter
-from tiered_cache.cache.handle import HOST, CacheHandle
-from tiered_cache.cache.host_loads import HostLoads
-from tiered_cache.cache.ledger import PageLedger
-from tiered_cache.cache.reuse import ReuseGate
-from tiered_cache.cache.stats import Movements
+from tiered_cache.cache.handle import HOST, CacheHandle, Prefetch
 from tiered_cache.cache.tier_loads import Loaded, TierLoads
+from tiered_cache.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tiered_cache.cache.core import CacheCore
 
 
 class Loader:
     """The fill-then-adopt path of one cache (see the module doc)."""
 
-    def __init__(self, ledger: PageLedger, demoter: Demoter, tier_loads: TierLoads, host_loads: HostLoads,
-                 arena_loads: ArenaLoads, reuse: ReuseGate, in_flight: Mapping[bytes, Any], moves: Movements,
-                 lock: threading.RLock, canary: Canary | None = None) -> None:
-        self.canary = canary or Canary()  # keys found wrong are never reused; quarantined tiers not loaded from
-        self.ledger = ledger
-        self.spec, self.pool, self.tree = ledger.spec, ledger.pool, ledger.tree
+    def __init__(self, core: CacheCore, demoter: Demoter, canary: Canary) -> None:
+        self.canary = canary  # keys found wrong are never reused; quarantined tiers not loaded from
+        self.ledger, self.spec, self.pool, self.tree = core.ledger, core.spec, core.pool, core.tree
         self.demoter = demoter
-        self.tier_loads = tier_loads
-        self.host_loads = host_loads
-        self.arena_loads = arena_loads
-        self.reuse = reuse
-        self.host = tier_loads.host
-        self._in_flight = in_flight  # pages on their way below, still served from memory
-        self.moves = moves
-        self._lock = lock
-        self.live_metrics: Any = None  # live histograms (`LiveMetrics`), when the cache serves metrics
+        self.tier_loads = TierLoads(core)
+        self.host_loads = core.host_loads
+        self.arena_loads = ArenaLoads(core, self.tier_loads)
+        self.reuse = core.reuse
+        self.host = core.host
+        self._in_flight = core.in_flight  # pages on their way below, still served from memory
+        self.moves = core.moves
+        self._lock = core.lock
+        self._live_metrics = core.live_metrics  # live histograms (`LiveMetrics`), when the cache serves metrics
 
     def lookup(self, ns: str, keys: list[bytes]) -> int:
         """Tokens `match` would give for `keys`; nothing is moved or counted."""
@@ -84,7 +80,7 @@ class Loader:
             plan = self.reuse.worth_loading(keys[result.num_pages:], plan)
         handle = CacheHandle(self.ledger.owner, ns, self.spec.page_size, keys, result.node, result.values,
                              result.num_pages + len(plan), plan, tokens=tokens)
-        handle.sources["device"] = result.num_pages
+        handle.sources[Tier.DEVICE] = result.num_pages
         with self._lock:
             self.ledger.enroll(handle)
         return handle
@@ -165,8 +161,8 @@ class Loader:
                 loaded = pending.future.result()
             except Exception:  # a failed prefetch is retried inline, never surfaced as an error
                 loaded = None
-            if self.live_metrics is not None:
-                self.live_metrics.prefetch_wait.observe(time.perf_counter() - waited)
+            if self._live_metrics is not None:
+                self._live_metrics.prefetch_wait.observe(time.perf_counter() - waited)
         skip = self.canary.quarantined(handle.namespace)  # also when a page is looked for again
         below = loaded is None and HOST not in plan
         direct = below and self.arena_loads.direct(plan)  # asked once: it looks at the tier
@@ -243,7 +239,7 @@ class Loader:
             except BaseException:
                 self.pool.free(pages)
                 raise
-            return self._adopt_loaded(handle, start, pages, ["host"] * len(pages))
+            return self._adopt_loaded(handle, start, pages, [Tier.HOST.value] * len(pages))
 
     def _adopt_loaded(self, handle: CacheHandle, start: int, pages: np.ndarray, tiers: list[str]) -> np.ndarray:
         """Pages loaded for `handle` after its first `start`: into the tree, counted (lock held)."""
@@ -251,7 +247,7 @@ class Loader:
         for name in tiers:
             handle.sources[name] += 1
         handle.loaded_from += tiers[:n]
-        self.moves.loads["host"] += tiers.count("host")
+        self.moves.loads[Tier.HOST] += tiers.count(Tier.HOST)
         if n:
             self.ledger.device.bytes_in += n * self.spec.bytes_per_page
             node, all_pages, _ = self.ledger.adopt(handle.namespace, handle.keys[:start + n], handle.device_pages,
@@ -266,3 +262,26 @@ class Loader:
         handle.plan = []
         self.demoter.maybe_demote()
         return handle.device_pages
+
+    def commit(self, handle: CacheHandle, keys: list[bytes], tokens: Any) -> int:
+        """Hand the handle's written pages past its prefix (`keys`: of the tokens to commit) to the
+        tree (lock held); see `TieredCache.commit`. Returns the tokens newly cached."""
+        start = handle.num_device_pages
+        if keys[:start] != handle.keys[:min(start, len(keys))]:
+            raise ValueError("commit() tokens do not start with the prefix this handle matched")
+        n_new, dup = self.ledger.commit_own(handle, keys, tokens)
+        if n_new:
+            self.demoter.after_insert(handle.namespace, keys[:start + n_new], n_new - dup)
+        return (n_new - dup) * self.spec.page_size
+
+    def cancel(self, prefetch: Prefetch) -> None:
+        """A released handle's prefetch: stopped, its staging given back once it ends."""
+        prefetch.cancel.set()
+        self.tier_loads.give_back_when_done(prefetch.future)
+
+    def close(self) -> None:
+        """Wait for the copies into the pool still running, then stop the loads' threads."""
+        with self._lock:
+            self.host_loads.settle(wait=True)
+        self.tier_loads.close()
+        self.arena_loads.close()

@@ -13,21 +13,41 @@ is not).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue, QueueFigures
-from tiered_cache.cache.foreground import YIELD_S, Foreground
-from tiered_cache.config import CacheConfig
-from tiered_cache.model.spec import KVSpec
+from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue, QueueOwner
+from tiered_cache.cache.foreground import YIELD_S
 from tiered_cache.tiers.base import Readdressable
-from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.host import HostTier
 from tiered_cache.wire.codec import encode_page
+
+if TYPE_CHECKING:
+    import threading
+
+    from tiered_cache.cache.foreground import Foreground
+    from tiered_cache.config import CacheConfig
+    from tiered_cache.model.spec import KVSpec
+    from tiered_cache.tiers.chain import TierChain
+    from tiered_cache.tiers.host import HostTier
+
+
+class WriterSurroundings(Protocol):
+    """What the writer reads of the cache it serves (`CacheCore`, which builds it before host RAM:
+    host RAM is read when called). Declared here, so the core's module, which imports this one,
+    is not imported back."""
+
+    spec: KVSpec
+    config: CacheConfig
+    chain: TierChain
+    lock: threading.RLock
+    foreground: Foreground
+    demotions_idle: threading.Event
+    in_flight: dict[bytes, torch.Tensor]
+    host: HostTier
+    closed: bool
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
 # Bytes the writer encodes and puts between looks for a quiet moment: a request that arrives
@@ -36,24 +56,17 @@ _WRITE_CHUNK_BYTES = 1 << 20
 _RETAIN_SHARE = 4  # at most 1/4 of host RAM rows wait for the writer; past that, pages are copied
 
 
-class LowerWriter:
-    """Puts pages host RAM holds or dropped into the tiers below, in the background."""
+class LowerWriter(QueueOwner):
+    """Puts pages host RAM holds or dropped into the tiers below, in the background. Built by the
+    core before host RAM, which calls back here: host RAM is read from the core when called."""
 
-    def __init__(self, spec: KVSpec, config: CacheConfig, chain: TierChain, lock: threading.RLock,
-                 foreground: Foreground, demotions_idle: threading.Event) -> None:
-        self.spec = spec
-        self.config = config
-        self.chain = chain
-        self.host: HostTier | None = None  # set by the cache once host RAM exists (it calls back here)
-        self._lock = lock  # the cache's: guards host RAM metadata and `in_flight`
-        self._foreground = foreground
-        self._demotions_idle = demotions_idle
-        self._queue = BackgroundQueue("lower-writer", capacity=config.demotion_queue, nice=BACKGROUND_NICE)
-        # Pages host RAM dropped that are queued for the tiers below: still served from here until
-        # the put is done.
-        self.in_flight: dict[bytes, torch.Tensor] = {}
+    def __init__(self, core: WriterSurroundings) -> None:
+        super().__init__(BackgroundQueue("lower-writer", capacity=core.config.demotion_queue, nice=BACKGROUND_NICE))
+        self.core = core
+        self.spec, self.config, self.chain = core.spec, core.config, core.chain
+        self._lock = core.lock  # guards host RAM metadata and `in_flight`
+        self.in_flight = core.in_flight  # pages queued here, served from memory until put below
         self.pages_dropped = 0  # pages whose write below was dropped (the queue was full)
-        self.closed = False
 
     # --- host RAM's callbacks (lock held) ---------------------------------------------------------
     def retain(self, keys: list[bytes], rows: np.ndarray) -> np.ndarray:
@@ -61,8 +74,8 @@ class LowerWriter:
         until they are put below, so nothing is copied on the request path. Until then they are
         served from their rows. Past 1/_RETAIN_SHARE of host RAM the pages are copied out and
         queued (`host_evicted`). Returns the rows kept."""
-        host = self.host
-        if not self.chain.tiers or host is None:
+        host = self.core.host
+        if not self.chain.tiers:
             return _NO_PAGES
         todo = [i for i, k in enumerate(keys) if not self.chain.known_in(k, 0)]
         budget = max(0, host.num_rows // _RETAIN_SHARE - host.num_retained)
@@ -75,7 +88,7 @@ class LowerWriter:
         kept = rows[todo]
         views = [host.slab[int(row)] for row in kept]
         chosen = [keys[i] for i in todo]
-        if not self._queue.submit(self._write_below, chosen, views, kept):
+        if not self.queue.submit(self._write_below, chosen, views, kept):
             self.pages_dropped += len(todo)
             return _NO_PAGES
         for key, view in zip(chosen, views, strict=True):
@@ -92,7 +105,7 @@ class LowerWriter:
             return
         chosen = pages if len(todo) == len(keys) else pages[torch.tensor(todo)]
         chosen_keys = [keys[i] for i in todo]
-        if self._queue.submit(self._write_below, chosen_keys, chosen):
+        if self.queue.submit(self._write_below, chosen_keys, chosen):
             for key, page in zip(chosen_keys, chosen, strict=True):
                 self.in_flight[key] = page
         else:
@@ -101,7 +114,7 @@ class LowerWriter:
     # --- jobs queued from elsewhere ---------------------------------------------------------------
     def queue_host_pages(self, keys: list[bytes], tiers: Sequence[int]) -> None:
         """Put the pages of `keys` host RAM holds into lower `tiers` (write-through), in the background."""
-        self._queue.submit(self.write_host_below, keys, tiers)
+        self.queue.submit(self.write_host_below, keys, tiers)
 
     def set_remote_addresses(self, addresses: Sequence[str]) -> bool:
         """Point the remote tier at `addresses`; forget what moved, put what host RAM holds to the
@@ -122,28 +135,26 @@ class LowerWriter:
             return owner_address(key, old) != owner_address(key, new)
 
         self.chain.forget(index, moved)
-        if new and not self._queue.submit(self._republish, index, moved):
+        if new and not self.queue.submit(self._republish, index, moved):
             self.pages_dropped += 1  # the queue is full: counted, not waited for
         return True
 
     def _republish(self, index: int, moved: Callable[[bytes], bool]) -> None:
         """Background: put the pages host RAM holds whose owner moved into lower tier `index`."""
-        assert self.host is not None
         with self._lock:
-            held = list(self.host.index)
+            held = list(self.core.host.index)
         self.write_host_below([k for k in held if moved(k)], [index])  # hashing outside the lock
 
     def write_host_below(self, keys: list[bytes], tiers: Sequence[int]) -> None:
         """Background: put the pages of `keys` host RAM holds into lower `tiers`, a chunk at a time
         after a quiet moment, each chunk copied out of host RAM under the lock only for that chunk."""
-        assert self.host is not None
         step = max(1, _WRITE_CHUNK_BYTES // self.spec.bytes_per_page)
         for start in range(0, len(keys), step):
             self._step_aside()
             with self._lock:
-                if self.closed:
+                if self.core.closed:
                     return
-                found, pages = self.host.copy_out(keys[start:start + step])
+                found, pages = self.core.host.copy_out(keys[start:start + step])
             items = self._encode_politely(found, pages)
             for index in tiers:
                 self._step_aside()
@@ -163,14 +174,14 @@ class LowerWriter:
             with self._lock:
                 for key in keys:
                     self.in_flight.pop(key, None)
-                if rows is not None and self.host is not None:
-                    self.host.release(rows)
+                if rows is not None:
+                    self.core.host.release(rows)
 
     def _step_aside(self) -> None:
         """Wait until no demotion is under way and no request is in progress (at most `YIELD_S`
         for each): room on the device is what the next request needs, a write below is not."""
-        self._demotions_idle.wait(YIELD_S)
-        self._foreground.wait_idle(YIELD_S)
+        self.core.demotions_idle.wait(YIELD_S)
+        self.core.foreground.wait_idle(YIELD_S)
 
     def _encode_politely(self, keys: list[bytes], pages: Any) -> list[tuple[bytes, bytes]]:
         """(key, blob) of each page, each encoded after `_step_aside`. Per page, not per chunk:
@@ -186,13 +197,3 @@ class LowerWriter:
 
     def _encode(self, page: torch.Tensor, key: bytes) -> bytes:
         return encode_page(page, self.spec, key, self.config.codec, self.config.codec_min_saving)
-
-    # --- lifecycle ---------------------------------------------------------------------------------
-    def flush(self, timeout: float | None) -> bool:
-        return self._queue.flush(timeout)
-
-    def figures(self) -> QueueFigures:
-        return self._queue.figures()
-
-    def close(self) -> None:
-        self._queue.close()

@@ -9,12 +9,11 @@ from typing import Any
 
 def serve_metrics(cache: Any) -> Any:
     """Start the endpoint over `cache.stats()` and `cache.prefix_tree()` on the config's metrics
-    port; returns the `MetricsServer`. The live histograms (`LiveMetrics`: the chain's gets feed
-    them) go to the cache's loader (its prefetch waits are timed there too)."""
+    port, beside the live histograms the core made (`CacheCore.live_metrics`: the chain's gets and
+    the loader's prefetch waits feed them); returns the `MetricsServer`."""
     from tiered_cache.metrics import registry_of
     from tiered_cache.metrics.families import cache_families, tier_families
     from tiered_cache.metrics.http import MetricsServer
-    from tiered_cache.metrics.live import LiveMetrics
 
     config = cache.config
 
@@ -22,8 +21,6 @@ def serve_metrics(cache: Any) -> Any:
         figures = cache.stats()
         return [*tier_families(figures.tiers), *cache_families(figures)]
 
-    registry = registry_of(build)
-    cache.loader.live_metrics = LiveMetrics(registry)
-    cache.chain.observe_gets(cache.loader.live_metrics.observe_get)
+    registry = registry_of(build, cache.core.live_metrics.registry)
     routes = {"/tree": lambda: json.dumps(cache.prefix_tree()).encode()}
     return MetricsServer(registry, config.metrics_host, config.metrics_port or 0, config.metrics_token, routes)

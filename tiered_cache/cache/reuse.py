@@ -41,11 +41,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tiered_cache.cache.handle import HOST
 from tiered_cache.config import ReusePolicy
-from tiered_cache.tiers.chain import TierChain
+
+if TYPE_CHECKING:
+    from tiered_cache.config import CacheConfig
+    from tiered_cache.model.spec import KVSpec
+    from tiered_cache.tiers.chain import TierChain
 
 _ALPHA = 0.25  # weight of the newest sample: about the last 4-8 samples count
 _MIN_SPREAD = 0.1  # samples' size spread (std / mean) needed before a latency is fitted
@@ -129,7 +133,7 @@ _PREFILL_MIN_SPREAD_TOKENS = 512.0
 
 
 @dataclass(frozen=True)
-class ReuseFigures:
+class ReuseStats:
     """What the reuse policy knows and did, for `stats()`: estimates and pages skipped."""
 
     policy: str
@@ -215,12 +219,12 @@ class ReuseEstimates:
             self._probed[tier] = now
             return True
 
-    def figures(self) -> ReuseFigures:
+    def stats(self) -> ReuseStats:
         prefill = self.prefill_rate()
         with self._lock:
             rates = {t: fit for t, e in self._loads.items() if (fit := e.estimate()) is not None}
             skipped = dict(self._skipped)
-        return ReuseFigures(self.policy.value, prefill, self._configured_prefill is not None, rates, skipped)
+        return ReuseStats(self.policy.value, prefill, self._configured_prefill is not None, rates, skipped)
 
 
 def pages_to_load(plan: Sequence[int], rates: Mapping[int, Rate | None], page_bytes: int, page_tokens: int,
@@ -265,12 +269,11 @@ class ReuseGate:
     batched get below (the gets of mixed loads included), and the cut of each plan where loading stops
     paying; a tier skipped as slow is re-measured in the background (`_probe_skipped`)."""
 
-    def __init__(self, policy: ReusePolicy, prefill_tokens_per_s: float | None, chain: TierChain,
-                 tier_name: Callable[[int], str], page_bytes: int, page_tokens: int) -> None:
-        self.estimates = ReuseEstimates(policy, prefill_tokens_per_s)
+    def __init__(self, config: CacheConfig, chain: TierChain, tier_name: Callable[[int], str], spec: KVSpec) -> None:
+        self.estimates = ReuseEstimates(config.reuse, config.prefill_tokens_per_s)
         self.chain = chain
-        self.tier_name = tier_name
-        self.page_bytes, self.page_tokens = page_bytes, page_tokens
+        self.tier_name = tier_name  # a plan entry's tier (`CacheCore.tier_name`)
+        self.page_bytes, self.page_tokens = spec.bytes_per_page, spec.page_size
         self._probing: set[str] = set()  # lower tiers with a re-measuring probe running
         self._probe_lock = threading.Lock()
         chain.observe_gets(self.observe, pages=True)

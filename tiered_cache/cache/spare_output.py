@@ -13,25 +13,37 @@ from __future__ import annotations
 
 import math
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
-from tiered_cache.cache.background import BackgroundQueue
+from tiered_cache.cache.background import BackgroundQueue, QueueOwner
 from tiered_cache.cache.foreground import Foreground
 from tiered_cache.device.memory import HUGEPAGE_MIN_BYTES, empty_cpu, pretouch_async
+
+if TYPE_CHECKING:
+    from tiered_cache.cache.core import CacheCore
 
 _SLACK = 1.25  # a spare up to this much larger than asked is handed out (the rest rides along)
 _QUIET_S = 0.05
 
 
-class SpareOutput:
+class SpareOutput(QueueOwner):
     def __init__(self, foreground: Foreground, max_bytes: int) -> None:
+        super().__init__(BackgroundQueue("spare-output", capacity=1))
         self.max_bytes = max_bytes
         self._foreground = foreground
         self._spare: torch.Tensor | None = None
         self._lock = threading.Lock()
-        self._queue = BackgroundQueue("spare-output", capacity=1)
         self.taken = 0  # gets served from a spare
+
+    @classmethod
+    def for_pool(cls, core: CacheCore) -> SpareOutput | None:
+        """A spare for `get()` without `out=` on a CPU pool, as large as the pool at most; None when
+        the config turns it off or the pool is on a GPU."""
+        if not core.config.spare_output or core.pool.kv.device.type != "cpu":
+            return None
+        return cls(core.foreground, core.pool.num_pages * core.spec.bytes_per_page)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The spare shaped as `shape`, if one of the dtype fits within the slack; else None."""
@@ -56,10 +68,10 @@ class SpareOutput:
         too large, or too small to be worth it: the small ones cost little to fault in)."""
         numel = math.prod(shape)
         if HUGEPAGE_MIN_BYTES <= numel * dtype.itemsize <= self.max_bytes:
-            self._queue.submit(self._prepare, numel, dtype)
+            self.queue.submit(self._prepare, numel, dtype)
 
     def close(self) -> None:
-        self._queue.close(timeout=5.0)
+        self.queue.close(timeout=5.0)
         with self._lock:
             self._spare = None
 

@@ -6,9 +6,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from tiered_cache.cache.background import QueueFigures
-from tiered_cache.cache.canary import CanaryFigures
-from tiered_cache.cache.reuse import ReuseFigures
+from tiered_cache.cache.background import QueueStats
+from tiered_cache.cache.canary import CanaryStats
+from tiered_cache.cache.reuse import ReuseStats
 from tiered_cache.tiers.base import TierStats
 
 
@@ -29,7 +29,7 @@ class Movements:
 
 
 @dataclass(frozen=True)
-class PoolFigures:
+class PoolStats:
     total_pages: int
     used_pages: int
     free_pages: int
@@ -50,19 +50,19 @@ class PoolFigures:
 @dataclass(frozen=True)
 class CacheStats:
     tiers: list[TierStats]
-    pool: PoolFigures
+    pool: PoolStats
     page_size: int
     tree_nodes: int
     evictable_pages: int
     protected_pages: int
-    queues: list[QueueFigures] = field(default_factory=list)  # background work: depth, dropped, ...
+    queues: list[QueueStats] = field(default_factory=list)  # background work: depth, dropped, ...
     prefetch_declined: int = 0  # prefetches not started because max_prefetches were in flight
     skipped_puts: int = 0  # lower-tier puts avoided: the tier was known to hold the page
     dropped_pages: int = 0  # pages whose write below was dropped: the write-behind was full
-    reuse: ReuseFigures | None = None  # load and prefill rate estimates, pages left to recompute
-    canary: CanaryFigures | None = None  # hits checked against recomputation, tiers quarantined
+    reuse: ReuseStats | None = None  # load and prefill rate estimates, pages left to recompute
+    canary: CanaryStats | None = None  # hits checked against recomputation, tiers quarantined
 
-    def queue(self, name: str) -> QueueFigures:
+    def queue(self, name: str) -> QueueStats:
         return next(q for q in self.queues if q.name == name)
 
     def tier(self, name: str) -> TierStats:
@@ -99,14 +99,15 @@ class CacheStats:
 
 def cache_stats(cache: Any) -> CacheStats:
     """The figures `TieredCache.stats()` returns (`cache`: the `TieredCache`; typed loosely, as the
-    cache imports this module): the device's and host RAM's read under the
-    cache's lock, the lower tiers' outside it (their calls may wait on a network)."""
-    with cache._lock:
-        device, pool, size, nodes = cache.ledger.figures()
-        pool = replace(pool, uncopied_evictions=cache.moves.uncopied_evictions)
-        tiers = [device, cache.moves.apply(cache.host.stats())]
-    tiers += [replace(t, corrupt=t.corrupt + cache.moves.refused[t.name]) for t in cache.chain.stats()]
-    return CacheStats(tiers, pool, cache.spec.page_size, nodes, size.evictable, size.protected,
-                      [cache.demoter.figures(), cache.writer.figures()], cache.tier_loads.declined,
-                      cache.chain.skipped_puts, cache.writer.pages_dropped, cache.reuse.estimates.figures(),
-                      cache.canary.figures())
+    cache imports this module): the device's and host RAM's read under the cache's lock, the lower
+    tiers' outside it (their calls may wait on a network)."""
+    core = cache.core
+    with core.lock:
+        device, pool, size, nodes = core.ledger.stats()
+        pool = replace(pool, uncopied_evictions=core.moves.uncopied_evictions)
+        tiers = [device, core.moves.apply(core.host.stats())]
+    tiers += [replace(t, corrupt=t.corrupt + core.moves.refused[t.name]) for t in core.chain.stats()]
+    return CacheStats(tiers, pool, core.spec.page_size, nodes, size.evictable, size.protected,
+                      [cache.demoter.stats(), core.writer.stats()], cache.loader.tier_loads.declined,
+                      core.chain.skipped_puts, core.writer.pages_dropped, core.reuse.estimates.stats(),
+                      cache.canary.stats())

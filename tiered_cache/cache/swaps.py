@@ -19,19 +19,19 @@ which matches and loads the prefix again through the cache and takes the lock it
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tiered_cache.cache.demoter import Demoter
 from tiered_cache.cache.handle import CacheHandle
-from tiered_cache.cache.ledger import PageLedger
 from tiered_cache.cache.staging import StagingBuffers
 from tiered_cache.errors import SwapError
-from tiered_cache.tiers.host import HostTier
+
+if TYPE_CHECKING:
+    from tiered_cache.cache.core import CacheCore
 
 
 @dataclass
@@ -45,14 +45,11 @@ class SwappedPages:
 class Swaps:
     """Moves handles' own pages to host RAM and back; see the module doc."""
 
-    def __init__(self, ledger: PageLedger, demoter: Demoter, host: HostTier, staging: StagingBuffers,
-                 lock: threading.RLock) -> None:
-        self._lock = lock
-        self.ledger = ledger
-        self.pool, self.tree = ledger.pool, ledger.tree
+    def __init__(self, core: CacheCore, demoter: Demoter, staging: StagingBuffers) -> None:
+        self._lock = core.lock
+        self.ledger, self.pool, self.tree, self.host = core.ledger, core.pool, core.tree, core.host
         self.demoter = demoter
-        self.host = host
-        self.staging = staging
+        self.staging = staging  # the loads' (pinned on CUDA): a swap copies through it
 
     def swap_out(self, handle: CacheHandle) -> int:
         """Move the handle's own pages to host RAM and free its device pages; returns the pages
@@ -119,8 +116,3 @@ class Swaps:
         handle.swapped = None
         self.ledger.unused_slots += self.ledger.unused(handle)
         return own
-
-    def release_swapped(self, handle: CacheHandle) -> None:
-        """A swapped-out handle is released: its host RAM rows go back."""
-        swapped, handle.swapped = handle.swapped, None
-        self.host.rows.free(swapped.rows)

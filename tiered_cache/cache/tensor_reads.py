@@ -14,34 +14,29 @@ device, or pages whose inner layout is not the output's (HND).
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tiered_cache.cache.handle import HOST, CacheHandle
-from tiered_cache.cache.stats import Movements
 from tiered_cache.device.memory import empty_cpu
-from tiered_cache.device.pool import PagePool
-from tiered_cache.model.spec import KVSpec, Layout
-from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.host import HostTier
+from tiered_cache.model.spec import Layout
+from tiered_cache.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tiered_cache.cache.core import CacheCore
 
 
 class TensorReads:
-    def __init__(self, spec: KVSpec, pool: PagePool, host: HostTier, chain: TierChain, lock: threading.RLock,
-                 in_flight: Mapping[bytes, torch.Tensor], moves: Movements,
-                 observe: Callable[[str, float, int], None]) -> None:
-        self.spec = spec
-        self.pool = pool
-        self.host = host
-        self.chain = chain
-        self._lock = lock  # the cache's: guards host RAM's index and rows, and `in_flight`
-        self._in_flight = in_flight  # pages on their way below, still served from memory
-        self.moves = moves  # pages read up from host RAM count as its loads, as a paged load's do
-        self._observe = observe  # (tier, seconds, pages) of a read from one tier: the reuse policy's sample
+    def __init__(self, core: CacheCore) -> None:
+        self.spec, self.pool, self.host, self.chain = core.spec, core.pool, core.host, core.chain
+        self._lock = core.lock  # guards host RAM's index and rows, and `in_flight`
+        self._in_flight = core.in_flight  # pages on their way below, still served from memory
+        self.moves = core.moves  # pages read up from host RAM count as its loads, as a paged load's do
+        self._observe = core.reuse.observe  # (tier, seconds, pages) of a read from one tier: the reuse policy's sample
 
     def get(self, handle: CacheHandle, out: torch.Tensor | None, load: Callable[[CacheHandle], np.ndarray],
             spare: Callable[[tuple[int, ...]], torch.Tensor | None]) -> tuple[int, torch.Tensor]:
@@ -99,7 +94,7 @@ class TensorReads:
                 n += got
                 if n < end:
                     break
-        self.moves.loads["host"] += from_host
+        self.moves.loads[Tier.HOST] += from_host
         if from_host:
             self._observe(self.host.name, time.perf_counter() - started, from_host)
         return (start + n) * ps

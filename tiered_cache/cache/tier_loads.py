@@ -28,23 +28,21 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from tiered_cache.cache.handle import HOST, Prefetch
 from tiered_cache.cache.staging import StagingBuffers
-from tiered_cache.config import CacheConfig
-from tiered_cache.device.host_copy import HostCopier
-from tiered_cache.device.pool import PagePool
-from tiered_cache.model.spec import KVSpec
-from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.host import HostTier
+from tiered_cache.tiers.base import Tier
 from tiered_cache.wire.codec import PageDest
+
+if TYPE_CHECKING:
+    from tiered_cache.cache.core import CacheCore
 
 _NOWHERE = -2  # in a plan being built: no tier found the page (HOST is -1, lower tiers >= 0)
 _MAX_REPLANS = 3  # times one load looks again for pages that moved down while it ran
@@ -64,14 +62,9 @@ class Loaded:
 class TierLoads:
     """The loads from below the device of one `TieredCache` (see the module doc)."""
 
-    def __init__(self, spec: KVSpec, pool: PagePool, host: HostTier, chain: TierChain, copier: HostCopier,
-                 lock: threading.RLock, in_flight: MutableMapping[bytes, torch.Tensor], config: CacheConfig,
-                 observe: Callable[[str, float, int], None]) -> None:
-        self.spec = spec
-        self.pool = pool
-        self.host = host
-        self.chain = chain
-        self.copier = copier
+    def __init__(self, core: CacheCore) -> None:
+        self.spec, self.pool = spec, pool = core.spec, core.pool
+        self.host, self.chain, self.copier = core.host, core.chain, core.copier
         self.staging = StagingBuffers(spec, pin=pool.kv.device.type == "cuda")
         # On a CPU pool, pages from below are placed straight in their device pages: the pool is memory
         # too, and staging would be a second pass over every byte. Its bytes as
@@ -82,11 +75,11 @@ class TierLoads:
             with torch.inference_mode(False):
                 self._pool_bytes = pool.kv.view(torch.uint8).reshape(2, spec.num_layers, pool.num_pages, -1).numpy()
         self.declined = 0  # prefetches not started because max_prefetches were in flight
-        self._observe = observe  # (tier, seconds, pages) of a whole load from one tier: the reuse policy's sample
-        self._lock = lock  # the cache's: guards host RAM metadata and `in_flight`
-        self._in_flight = in_flight  # pages on their way below, still served from memory
-        self._workers = config.prefetch_workers
-        self._prefetch_permits = threading.BoundedSemaphore(config.max_prefetches)
+        self._observe = core.reuse.observe  # (tier, seconds, pages) of a whole load from one tier
+        self._lock = core.lock  # guards host RAM metadata and `in_flight`
+        self._in_flight = core.in_flight  # pages on their way below, still served from memory
+        self._workers = core.config.prefetch_workers
+        self._prefetch_permits = threading.BoundedSemaphore(core.config.max_prefetches)
         self._executor: ThreadPoolExecutor | None = None
         self._start_lock = threading.Lock()
 
@@ -104,10 +97,6 @@ class TierLoads:
                     plan[i] = w
         first_miss = next((i for i, p in enumerate(plan) if p == _NOWHERE), len(plan))
         return plan[:first_miss]
-
-    def tier_name(self, where: int) -> str:
-        """The name of the tier a plan entry stands for (HOST or a lower tier's index)."""
-        return self.host.name if where == HOST else self.chain.tiers[where].name
 
     def staged_to_pool(self, loaded: Loaded, pages: np.ndarray) -> None:
         """Copy the first `len(pages)` loaded pages from their staging buffer into device `pages`."""
@@ -164,7 +153,7 @@ class TierLoads:
                 assert buffer is not None
                 with self._lock:
                     n = self._copy_from_host(keys[pos:end], buffer[pos:end])
-                tiers += ["host"] * n
+                tiers += [Tier.HOST.value] * n
                 pos += n
                 placed = pos == end
             else:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from tiered_cache.cache.page_tokens import PageTokens
 from tiered_cache.index.radix import RadixTree
 from tiered_cache.index.radix_node import RadixNode
+from tiered_cache.tiers.base import Tier
 
 if TYPE_CHECKING:
     from tiered_cache.tiers.chain import TierChain
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 def held_below(host: HostTier, chain: TierChain) -> Callable[[list[bytes]], list[str]]:
     """For `snapshot`: the tiers below the device known to hold all of a node's pages."""
     def where(keys: list[bytes]) -> list[str]:
-        tiers = ["host"] if host.contains_prefix(keys) == len(keys) else []
+        tiers = [Tier.HOST.value] if host.contains_prefix(keys) == len(keys) else []
         return tiers + [t.name for i, t in enumerate(chain.tiers) if all(chain.known_in(k, i) for k in keys)]
     return where
 
@@ -75,7 +76,7 @@ def _children(nodes: list[RadixNode], sizes: dict[int, int], page_size: int, mem
         head, tail = _node_tokens(node, memo)
         out.append({
             "pages": len(node.keys), "tokens": len(node.keys) * page_size, "first_page": node.start,
-            "where": ["device", *where(node.keys)], "hits": node.hits,
+            "where": [Tier.DEVICE.value, *where(node.keys)], "hits": node.hits,
             "idle_s": round(now - node.touched, 3), "in_use": node.lock_ref > 0,
             "head_tokens": head, "tail_tokens": tail,
             "children": _children(list(node.children.values()), sizes, page_size, memo, where, now, budget),
@@ -101,9 +102,10 @@ def tree_of(cache: Any, max_nodes: int, decode: Callable[[list[int]], str] | Non
     """What `TieredCache.prefix_tree()` returns (`cache`: the `TieredCache`; typed loosely, as the
     cache imports this module): the tree's snapshot (taken under the cache's lock), each tier's
     page count and the reuse policy's figures; with `decode`, page previews."""
-    with cache._lock:
-        view = snapshot(cache.tree, cache.spec.page_size, cache.ledger.page_tokens,
-                        held_below(cache.host, cache.chain), max_nodes)
+    core = cache.core
+    with core.lock:
+        view = snapshot(core.tree, core.spec.page_size, core.ledger.page_tokens,
+                        held_below(core.host, core.chain), max_nodes)
     stats = cache.stats()
     view["tiers"] = {t.name: t.pages for t in stats.tiers}
     view["reuse"] = stats.reuse.to_dict() if stats.reuse is not None else None

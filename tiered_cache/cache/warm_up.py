@@ -2,7 +2,7 @@
 with the cache: the lower tiers' connections and threads (`TierChain.warm`: a store server's
 channels and arena maps, disk's reader threads), the prefetch threads, and on CUDA the pinned
 staging a load from below goes through (pinning is slow: the first load must not pay it). A
-reader's first load then costs what its tenth does (docs/PERFORMANCE.md, "bench promote").
+reader's first load then costs what its tenth does (docs/PERFORMANCE.md, "bench pool-load").
 Nothing here is needed for correctness: a failure is logged and the first request pays instead.
 """
 

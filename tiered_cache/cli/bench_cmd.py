@@ -22,6 +22,19 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return f"{text} (default {action.default})"
 
 
+# Benches renamed for what they time, old name -> new: the old names still run, unlisted (one line
+# on stderr says the new one).
+_RENAMED = {"promote": "pool-load", "load": "store-traffic"}
+
+
+def new_names(argv: list[str]) -> list[str]:
+    """`argv` with a renamed bench's old name replaced by its new one (said on stderr)."""
+    if len(argv) > 1 and argv[0] == "bench" and argv[1] in _RENAMED:
+        print(f"tiered-cache: `bench {argv[1]}` is now `bench {_RENAMED[argv[1]]}`", file=sys.stderr)
+        return [argv[0], _RENAMED[argv[1]], *argv[2:]]
+    return argv
+
+
 def _add(which: Any, name: str, help: str) -> argparse.ArgumentParser:
     """A bench subcommand whose `--help` starts with what it measures (its description)."""
     return which.add_parser(name, help=help, description=f"tiered-cache bench {name}: {help}.",
@@ -145,55 +158,71 @@ def add_parser(commands: Any) -> None:
                       help="each worker's device pool (default 16MiB: a few documents, so pages are evicted)")
     clus.add_argument("--host-capacity", default="32MiB", help="each worker's host RAM (default 32MiB)")
     subs.append(clus)
-    load = _add(which, "load", help="N client processes in a serving-like mix against a store server (or, "
-                                         "with --ray, a cluster's router): p50/p99/p999, errors, RSS over time")
-    load.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
-    load.add_argument("--duration-s", type=float, default=60.0, help="seconds of the mix (default 60)")
-    load.add_argument("--ram", default="256MiB", help="the started server's RAM tier (default 256MiB: a "
-                                                      "fraction of the pages the mix makes, so it evicts)")
-    load.add_argument("--disk", metavar="SIZE", help="give the started server a disk tier of SIZE in a "
-                                                     "temporary folder (default: RAM only)")
-    load.add_argument("--page-kib", type=int, default=64, help="KiB per page (default 64)")
-    load.add_argument("--prompts", type=int, default=32, help="shared system prompts, 4-32 pages each (default 32)")
-    load.add_argument("--histories", type=int, default=16, help="conversations each client keeps going (default 16)")
-    load.add_argument("--zipf-s", type=float, default=1.1, help="popularity exponent: rank k drawn with weight "
-                                                                "1/k^s (default 1.1)")
-    load.add_argument("--seed", type=int, default=0, help="tokens, page contents and choices (default 0)")
-    load.add_argument("--timeout-s", type=float, help="each call's deadline (default 10; with --ray, each "
-                                                      "request's: 120)")
-    load.add_argument("--address", help="HOST:PORT of a running store server, or with --ray a running Ray cluster "
-                                        "(default: start one)")
-    load.add_argument("--server-pid", type=int, help="that server's process id, to sample its RSS")
-    load.add_argument("--ray", action="store_true", help="chat prompts through the router of a Ray cluster (its "
-                                                         "own local one unless --address), recompute first")
-    ray_load = load.add_argument_group("with --ray", "a cluster these start (one already running in --namespace "
-                                                     "is used as it is and left running)")
-    ray_load.add_argument("--namespace", default="tiered-cache-load", help="the cluster's Ray namespace")
-    ray_load.add_argument("--workers", type=int, default=2, help="workers (default 2)")
-    ray_load.add_argument("--shards", type=int, default=1, help="store shards (default 1); --ram and --disk "
-                                                                "size each one's tiers")
-    ray_load.add_argument("--worker-pool", default="64MiB", help="each worker's device pool (default 64MiB: "
-                                                                 "small, so pages go down to the shards)")
-    ray_load.add_argument("--worker-host", default="128MiB", help="each worker's host RAM tier (default 128MiB)")
-    ray_load.add_argument("--max-new-tokens", type=int, default=2, help="tokens per answer (default 2)")
-    ray_load.add_argument("--verify", type=int, default=32, help="prompts answered from the cache that the baseline "
-                                                                 "did not ask, recomputed afterwards to compare "
-                                                                 "answers (default 32)")
-    load.add_argument("--plot", "--png", dest="png", metavar="FILE",
-                      help="also write a PNG of latency and server memory over time here (--png: the old name)")
-    subs.append(load)
+    srv = _add(which, "serve", help="Ray Serve LLM with vLLM replicas under open-loop load, each way: Serve's "
+                                    "routers without and with our connector, our router, our HF workers "
+                                    "(in .venv-vllm)")
+    srv.add_argument("--ways", default="abcde", help="which ways, in order (default abcde: see bench/serve/bench.py)")
+    srv.add_argument("--replicas", type=int, default=2, help="vLLM replicas, and HF workers in way e (default 2)")
+    srv.add_argument("--docs", type=int, default=4, help="shared documents (default 4)")
+    srv.add_argument("--questions", type=int, default=6, help="questions per document (default 6)")
+    srv.add_argument("--doc-chars", type=int, default=2000, help="characters of each document (default 2000)")
+    srv.add_argument("--chats", type=int, default=2, help="multi-turn chats (default 2)")
+    srv.add_argument("--turns", type=int, default=3, help="turns per chat (default 3)")
+    srv.add_argument("--rate", type=float, default=1.0, help="requests a second, open-loop (default 1)")
+    srv.add_argument("--max-tokens", type=int, default=16, help="tokens each answer generates (default 16)")
+    srv.add_argument("--seed", type=int, default=0, help="the workload's order and arrivals (default 0)")
+    srv.add_argument("--address", help="an existing Ray cluster (default: start a local one for the run)")
+    subs.append(srv)
+    traffic = _add(which, "store-traffic", help="N client processes in a serving-like mix against a store server (or, "
+                                                "with --ray, a cluster's router): p50/p99/p999, errors, RSS over time")
+    traffic.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
+    traffic.add_argument("--duration-s", type=float, default=60.0, help="seconds of the mix (default 60)")
+    traffic.add_argument("--ram", default="256MiB", help="the started server's RAM tier (default 256MiB: a "
+                                                         "fraction of the pages the mix makes, so it evicts)")
+    traffic.add_argument("--disk", metavar="SIZE", help="give the started server a disk tier of SIZE in a "
+                                                        "temporary folder (default: RAM only)")
+    traffic.add_argument("--page-kib", type=int, default=64, help="KiB per page (default 64)")
+    traffic.add_argument("--prompts", type=int, default=32, help="shared system prompts, 4-32 pages each (default 32)")
+    traffic.add_argument("--histories", type=int, default=16, help="conversations each client keeps going (default 16)")
+    traffic.add_argument("--zipf-s", type=float, default=1.1, help="popularity exponent: rank k drawn with weight "
+                                                                   "1/k^s (default 1.1)")
+    traffic.add_argument("--seed", type=int, default=0, help="tokens, page contents and choices (default 0)")
+    traffic.add_argument("--timeout-s", type=float, help="each call's deadline (default 10; with --ray, each "
+                                                         "request's: 120)")
+    traffic.add_argument("--address", help="HOST:PORT of a running store server, or with --ray a running Ray cluster "
+                                           "(default: start one)")
+    traffic.add_argument("--server-pid", type=int, help="that server's process id, to sample its RSS")
+    traffic.add_argument("--ray", action="store_true", help="chat prompts through the router of a Ray cluster (its "
+                                                            "own local one unless --address), recompute first")
+    ray_traffic = traffic.add_argument_group("with --ray", "a cluster these start (one already running in --namespace "
+                                                           "is used as it is and left running)")
+    ray_traffic.add_argument("--namespace", default="tiered-cache-store-traffic", help="the cluster's Ray namespace")
+    ray_traffic.add_argument("--workers", type=int, default=2, help="workers (default 2)")
+    ray_traffic.add_argument("--shards", type=int, default=1, help="store shards (default 1); --ram and --disk "
+                                                                   "size each one's tiers")
+    ray_traffic.add_argument("--worker-pool", default="64MiB", help="each worker's device pool (default 64MiB: "
+                                                                    "small, so pages go down to the shards)")
+    ray_traffic.add_argument("--worker-host", default="128MiB", help="each worker's host RAM tier (default 128MiB)")
+    ray_traffic.add_argument("--max-new-tokens", type=int, default=2, help="tokens per answer (default 2)")
+    ray_traffic.add_argument("--verify", type=int, default=32, help="prompts answered from the cache that the baseline "
+                                                                    "did not ask, recomputed afterwards to compare "
+                                                                    "answers (default 32)")
+    traffic.add_argument("--plot", "--png", dest="png", metavar="FILE",
+                         help="also write a PNG of latency and server memory over time here (--png: the old name)")
+    subs.append(traffic)
     gpu = _add(which, "gpu", help="TTFT on a real-shape model with random weights (bf16 on CUDA), recomputed vs "
                                   "reused from each tier, each load beside a same-run pinned copy")
     from tiered_cache.bench.gpu_args import add_arguments as add_gpu_arguments
 
     add_gpu_arguments(gpu)
     subs.append(gpu)
-    promote = _add(which, "promote", help="a prefix loaded into the pool through TieredCache from host RAM, disk, "
-                                          "Redis and a store server, each beside the tier's raw read; evict vs memcpy")
-    from tiered_cache.bench.promote_bench import add_arguments as add_promote_arguments
+    pool_load = _add(which, "pool-load", help="a prefix loaded into the pool through TieredCache from host RAM, "
+                                              "disk, Redis and a store server, each beside the tier's raw read; "
+                                              "evict vs memcpy")
+    from tiered_cache.bench.pool_load.bench import add_arguments as add_pool_load_arguments
 
-    add_promote_arguments(promote)
-    subs.append(promote)
+    add_pool_load_arguments(pool_load)
+    subs.append(pool_load)
     for sub in subs:
         sub.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
         if sub.prog.rsplit(" ", 1)[-1] in _PLOTS:
@@ -416,18 +445,32 @@ def run(args: argparse.Namespace) -> int:
 
             plot_cluster(results, args.plot)
         return 0
-    if args.bench == "load":
-        from tiered_cache.bench.load_bench import run_load_bench
+    if args.bench == "serve":
+        from tiered_cache.bench.serve.bench import ServeBenchSettings, bench_serve
+        from tiered_cache.bench.serve.report import render, summary
+        from tiered_cache.bench.serve.workload import ServeWorkload
+        from tiered_cache.workers.cluster import stdout_for_the_answer
 
-        return run_load_bench(args)
+        out = stdout_for_the_answer()
+        workload = ServeWorkload(args.docs, args.questions, args.doc_chars, args.chats, args.turns, args.rate,
+                                 args.seed)
+        settings = ServeBenchSettings(workload, args.ways, args.replicas, args.max_tokens, address=args.address)
+        runs = bench_serve(settings, progress=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
+        rows = [summary(r, runs[0]) for r in runs]
+        print(json.dumps(rows, indent=2) if args.json else render(rows), file=out)
+        return 0
+    if args.bench == "store-traffic":
+        from tiered_cache.bench.store_traffic.bench import run_store_traffic_bench
+
+        return run_store_traffic_bench(args)
     if args.bench == "gpu":
         from tiered_cache.bench.gpu_bench import run_gpu_bench
 
         return run_gpu_bench(args)
-    if args.bench == "promote":
-        from tiered_cache.bench.promote_bench import run_promote_bench
+    if args.bench == "pool-load":
+        from tiered_cache.bench.pool_load.bench import run_pool_load_bench
 
-        return run_promote_bench(args)
+        return run_pool_load_bench(args)
     if args.bench == "codec":
         from tiered_cache.bench.codec_bench import run_codec_bench
 

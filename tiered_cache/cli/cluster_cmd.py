@@ -36,6 +36,15 @@ def add_parser(commands: Any) -> None:
                             "events unless --policy says otherwise")
     start.add_argument("--policy", choices=["events", "prefix", "round_robin"],
                        help="how the router picks a worker (router.policy; default prefix, events with --kv-events)")
+    start.add_argument("--engine", choices=["hf", "vllm"],
+                       help="what computes: hf (our cache workers, the default) or vllm (Ray Serve LLM replicas "
+                            "running vLLM with our connector, behind the OpenAI front end; needs vLLM and "
+                            "ray[serve] in this Python: make install-vllm, then .venv-vllm/bin/tiered-cache)")
+    start.add_argument("--replicas", type=int, help="vLLM replicas (vllm.replicas)")
+    start.add_argument("--serve-router", choices=["tiered-cache", "prefix", "pow2"],
+                       help="how Serve picks a vLLM replica (vllm.router; default tiered-cache)")
+    start.add_argument("--no-connector", action="store_true",
+                       help="vLLM replicas without our connector (vLLM's own prefix cache only)")
     start.add_argument("--serve", action="store_true",
                        help="also serve OpenAI-compatible /v1/completions and /v1/chat/completions (Ray Serve)")
     start.add_argument("--http-host", default="127.0.0.1",
@@ -47,6 +56,7 @@ def add_parser(commands: Any) -> None:
     gen.add_argument("prompt")
     gen.add_argument("--max-new-tokens", type=int, help="tokens to generate (default: the workers' setting)")
     gen.add_argument("--no-cache", action="store_true", help="prefill everything (the reference answer)")
+    gen.add_argument("--http-token", help="engine vllm: the front end's bearer token (or TIERED_CACHE_HTTP_TOKEN)")
     _action(actions, "stop", "stop every actor and remove the shards' placement group")
 
 
@@ -74,6 +84,15 @@ def _config(args: argparse.Namespace) -> Any:
               if getattr(args, flag, None) is not None}
     if worker:
         changes["worker"] = dataclasses.replace(config.worker, **worker)
+    vllm = {name: value for name, value in (("replicas", getattr(args, "replicas", None)),
+                                            ("router", getattr(args, "serve_router", None)),
+                                            ("model", getattr(args, "model", None)),
+                                            ("connector", False if getattr(args, "no_connector", False) else None))
+            if value is not None}
+    if vllm:
+        changes["vllm"] = dataclasses.replace(config.vllm, **vllm)
+    if getattr(args, "engine", None):
+        changes["engine"] = args.engine
     if getattr(args, "start_timeout", None) is not None:
         changes["start_timeout_s"] = args.start_timeout
     if getattr(args, "disk", None):
@@ -111,8 +130,18 @@ def _run(args: argparse.Namespace) -> tuple[int, str]:
         progress = _progress("start")
         infos = cluster.start(config, progress=progress)
         url = None
-        if args.serve:
-            token = args.http_token or os.environ.get("TIERED_CACHE_HTTP_TOKEN") or None
+        token = args.http_token or os.environ.get("TIERED_CACHE_HTTP_TOKEN") or None
+        if config.engine.value == "vllm":
+            v = config.vllm
+            progress(f"{v.replicas} vLLM replica(s) of {v.model} ({v.router.value} router, "
+                     f"{'our connector over ' + str(config.shards) + ' shard(s)' if v.connector else 'no connector'})"
+                     " through Ray Serve LLM: engines take minutes to start ...")
+            shards = [i["address"] for i in infos if i["kind"] == "shard"]
+            url = cluster.serve_vllm(config, shards, args.http_host, args.http_port, token)
+            progress(f"OpenAI front end at {url} (/completions, /chat/completions, /models)"
+                     + ("" if args.http_host in LOOPBACK else f": listening beyond loopback on {args.http_host}, "
+                        "every request must send the token"))
+        elif args.serve:
             url = cluster.serve_http(config, args.http_host, args.http_port, token)
             progress(f"HTTP front end at {url} (/completions, /chat/completions)"
                      + ("" if args.http_host in LOOPBACK else f": listening beyond loopback on {args.http_host}, "
@@ -126,7 +155,8 @@ def _run(args: argparse.Namespace) -> tuple[int, str]:
                   "(start them with `tiered-cache cluster start`, or name --namespace)", file=sys.stderr)
         return 0 if figures["actors"] else 1, json.dumps(figures, indent=2) if args.json else render_status(figures)
     if args.action == "generate":
-        result = cluster.generate(args.prompt, args.max_new_tokens, use_cache=not args.no_cache)
+        token = args.http_token or os.environ.get("TIERED_CACHE_HTTP_TOKEN") or None
+        result = cluster.generate(args.prompt, args.max_new_tokens, use_cache=not args.no_cache, token=token)
         return 0, json.dumps(result, indent=2) if args.json else render_answer(result)
     stopped = cluster.stop(config.namespace, progress=_progress("stop"))
     return 0, json.dumps({"stopped": stopped}) if args.json else f"cluster stop: {len(stopped)} actor(s) stopped"
@@ -175,7 +205,9 @@ def _restarts(actor: dict[str, Any]) -> str:
 def render_answer(result: dict[str, Any]) -> str:
     route = result["route"]
     where = ", ".join(f"{tier} {n:,}" for tier, n in result["sources"].items() if n) or "none"
+    matched = f"{route['matched_tokens']:,} tokens expected cached" if "matched_tokens" in route \
+        else f"{route['matched_chars']:,} chars matched"
     return (f"{result['text']}\n\n"
-            f"worker {route['worker']} ({route['reason']}, {route['matched_chars']:,} chars matched); "
+            f"worker {route['worker']} ({route['reason']}, {matched}); "
             f"reused {result['reused_tokens']:,} of {result['prompt_tokens']:,} prompt tokens (from {where}); "
             f"TTFT {result['ttft_s'] * 1e3:,.0f} ms")

@@ -42,4 +42,32 @@ def render_cluster(figures: dict[str, Any]) -> str:
     workers = sum(a["kind"] == "worker" and "error" not in a for a in figures["actors"])
     shards = sum(a["kind"] == "shard" and "error" not in a for a in figures["actors"])
     head = f"{workers} worker(s), {shards} shard(s)"
-    return "\n".join([head, render_table(rows, _HEADERS, align_right=range(3, 15)), *notes])
+    return "\n".join([head, render_table(rows, _HEADERS, align_right=range(3, 15)), *notes,
+                      *render_vllm(figures.get("vllm"))])
+
+
+_CONNECTOR = ["lookups", "blocks_asked", "blocks_hit", "blocks_saved", "saves_dropped", "load_failures",
+              "load_errors", "hinted_blocks"]
+
+
+def render_vllm(vllm: dict[str, Any] | None) -> list[str]:
+    """The vLLM application's lines: its router's routes and fallbacks, then one row per replica
+    with its connector's figures (empty when no application runs)."""
+    if not vllm:
+        return []
+    if "error" in vllm:
+        return [f"vLLM application: unreachable ({vllm['error']})"]
+    lines = [f"vLLM application {vllm['app']}"]
+    if not vllm["routers"]:
+        return [*lines, "  no routes or connector figures yet: Serve makes the router on the first request "
+                        "(or its router is Ray's: --serve-router prefix or pow2)"]
+    for router in vllm["routers"]:
+        routed = ", ".join(f"{r} {n:,}" for r, n in sorted(router["routed"].items())) or "none yet"
+        lines.append(f"  router: routed {routed}; in flight {sum(router['in_flight'].values())}; "
+                     f"fallbacks {router['fallbacks']:,}; unparsed {router['unparsed']:,}")
+        rows = [[f"replica {name}", *(f"{int(figures.get(k, 0)):,}" for k in _CONNECTOR)]
+                for name, figures in sorted(router["connectors"].items())]
+        if rows:
+            lines.append(render_table(rows, ["connector", *(k.replace("_", " ") for k in _CONNECTOR)],
+                                      align_right=range(1, 1 + len(_CONNECTOR))))
+    return lines

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_logging_flags(parser: argparse.ArgumentParser) -> None:
-    """`-v` / `--log-level` on every command and subcommand (`tiered-cache bench load -v` works)."""
+    """`-v` / `--log-level` on every command and subcommand (`tiered-cache bench store-traffic -v` works)."""
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():
@@ -73,7 +73,8 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    _Parser.argv = list(sys.argv[1:] if argv is None else argv)
+    argv = bench_cmd.new_names(list(sys.argv[1:] if argv is None else argv))
+    _Parser.argv = argv
     args, extras = parser.parse_known_args(argv)
     if extras:  # said by the subcommand that was given them, with its usage
         _refuse_extras(parser, args, extras)

@@ -59,11 +59,12 @@ def main() -> None:
     from tiered_cache.integrations.document import chat_prompt, document
     from tiered_cache.integrations.smollm2 import load_model
     from tiered_cache.integrations.transformers import generate, spec_for
+    from tiered_cache.tiers.base import Tier
 
     say("loading SmolLM2-135M-Instruct (fp32 compute, fp16 KV) ...")
     model, tokenizer = load_model()
     spec = spec_for(model, "fp16", model_id="HuggingFaceTB/SmolLM2-135M-Instruct")
-    config = CacheConfig(pool_capacity="256MiB", host_capacity="512MiB", lower_tiers=["remote"],
+    config = CacheConfig(pool_capacity="256MiB", host_capacity="512MiB", lower_tiers=[Tier.REMOTE],
                          remote_addresses=[address], write_policy="write_through")
     cache = TieredCache(spec, config)
     text = None if args.doc_chars is None else document()[:args.doc_chars]

@@ -263,7 +263,7 @@ class ArenaCopier:
         finally:
             wait(shares)  # no check outlives the call, also when one raised
 
-    def figures(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         """Counters and where the time went, summed over `to_pool` calls (see __init__), and
         whether the driver took the arenas (`registered`: on CUDA; the DMA path needs it)."""
         return {"calls": self.calls, "copied": self.copied, "staged": self.staged, "refused": self.refused,

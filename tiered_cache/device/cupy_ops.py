@@ -78,7 +78,7 @@ class _StreamHandle:
         return 0, self.handle
 
 
-_KERNELS = ("store_kv", "gather_pages", "scatter_pages", "copy_pages")
+_KERNELS = ("store_kv", "gather_pages", "scatter_pages", "copy_pages", "gather_blocks", "scatter_blocks")
 
 
 class CupyPageOps:
@@ -132,3 +132,17 @@ def _index(indices: Any) -> Any:
     import torch
 
     return cupy.asarray(indices.to(torch.int64).contiguous())
+
+
+def launch_blocks(kernel: str, pointers: Any, staging: Any, blocks: Any, heads: int, block_size: int,
+                  strides: tuple[int, int, int, int, int]) -> None:
+    """`gather_blocks` or `scatter_blocks` (kernels/) on torch's current stream: an engine's
+    per-layer KV (`pointers`: one int64 device address a layer) <-> `staging`, our pages of
+    `blocks` (n, layers, 2, heads, block_size, row). `strides`: (row bytes, then the K/V, block,
+    token and head strides in bytes)."""
+    row, kv, block, token, head = strides
+    n, num_layers = blocks.numel(), pointers.numel()
+    grid = (min(_MAX_BLOCKS, -(-n * num_layers * 2 * heads // (_THREADS // 32))),)  # one warp a unit
+    args = (_index(pointers), _bytes(staging), _index(blocks), np.int64(n), np.int64(num_layers), np.int64(heads),
+            np.int64(block_size), np.int64(row), np.int64(kv), np.int64(block), np.int64(token), np.int64(head))
+    _on_torch_stream(lambda: _kernel(kernel)(grid, (_THREADS,), args))

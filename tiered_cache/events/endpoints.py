@@ -6,9 +6,9 @@ from __future__ import annotations
 import ipaddress
 
 
-def check_endpoint(endpoint: str, beyond_loopback: bool = False) -> str:
+def check_endpoint(endpoint: str, beyond_loopback: bool = False, allow: str = "allow it explicitly") -> str:
     """`tcp://HOST:PORT` (PORT 0: any free one) with HOST on loopback unless allowed; ValueError naming
-    what is wrong otherwise."""
+    what is wrong otherwise. `allow`: how the caller's user allows it (a flag, a setting)."""
     if not endpoint.startswith("tcp://") or ":" not in endpoint[6:]:
         raise ValueError(f"a KV events endpoint is tcp://HOST:PORT, got {endpoint!r}")
     host, _, port = endpoint[6:].rpartition(":")
@@ -17,7 +17,7 @@ def check_endpoint(endpoint: str, beyond_loopback: bool = False) -> str:
     host = host.strip("[]")
     if not _loopback(host) and not beyond_loopback:
         raise ValueError(f"KV events endpoint {endpoint} listens beyond loopback: ZMQ has no token, so anyone who "
-                         "reaches it reads which prefixes are cached; use 127.0.0.1, or allow it explicitly")
+                         f"reaches it reads which prefixes are cached; use 127.0.0.1, or {allow}")
     if ":" in host:  # IPv6
         return f"tcp://[{host}]:{port}"
     return f"tcp://{'127.0.0.1' if host == 'localhost' else host}:{port}"

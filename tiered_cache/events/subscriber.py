@@ -24,6 +24,7 @@ from tiered_cache.events.schema import decode_batch
 log = logging.getLogger(__name__)
 OnBatch = Callable[[list[dict[str, Any]]], None]
 _REPLAY_WAIT_MS = 2000
+_JOIN_S = 0.5  # a SUB socket joins within milliseconds on a quiet machine
 
 
 class EventSubscriber:
@@ -55,8 +56,15 @@ class EventSubscriber:
         try:
             self._replay(0)
             self.ready.set()
+            # ZMQ joins a SUB socket some time after connect: a batch sent between the replay's answer
+            # and the join reaches no one, and with no later batch no gap would ever show it. One
+            # more replay once the join is surely done catches it.
+            catch_up = time.monotonic() + _JOIN_S
             while not self._stop.is_set():
                 if not sub.poll(100):
+                    if catch_up and time.monotonic() > catch_up:
+                        catch_up = 0.0
+                        self._replay(self.next_seq)
                     continue
                 frames = sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:

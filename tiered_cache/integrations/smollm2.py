@@ -53,6 +53,11 @@ def load_tokenizer(folder: Path | None = None) -> Any:
     return AutoTokenizer.from_pretrained(_converted(folder))
 
 
+def model_folder(folder: Path | None = None) -> Path:
+    """The safetensors folder a serving engine (vLLM) loads, converted once."""
+    return _converted(folder)
+
+
 def _converted(folder: Path | None) -> Path:
     target = (folder or cache_dir()) / MODEL_DIR
     if not (target / "model.safetensors").is_file():

@@ -20,7 +20,8 @@ class StatsCollector(Collector):
         yield from self.build()
 
 
-def registry_of(build: Callable[[], list[Metric]]) -> CollectorRegistry:
-    registry = CollectorRegistry()
+def registry_of(build: Callable[[], list[Metric]], registry: CollectorRegistry | None = None) -> CollectorRegistry:
+    """`registry` (a new one when None) with the families `build()` returns, read at every scrape."""
+    registry = registry if registry is not None else CollectorRegistry()
     registry.register(StatsCollector(build))
     return registry

@@ -105,7 +105,7 @@ def cache_families(stats: Any) -> list[Metric]:
 
 
 def canary_families(canary: Any) -> list[Metric]:
-    """The correctness canary's figures (a `CanaryFigures`, or None): hits checked against
+    """The correctness canary's figures (a `CanaryStats`, or None): hits checked against
     recomputation, mismatches, checks dropped while busy, and the tiers quarantined."""
     if canary is None:
         return []
@@ -124,7 +124,7 @@ def canary_families(canary: Any) -> list[Metric]:
 
 
 def reuse_families(reuse: Any) -> list[Metric]:
-    """The reuse policy's figures (a `ReuseFigures`, or None): pages skipped as slower to load
+    """The reuse policy's figures (a `ReuseStats`, or None): pages skipped as slower to load
     than to recompute, by tier; each tier's estimated load rate and per-call latency; the prefill
     rate planned with (absent until known)."""
     if reuse is None:

@@ -12,7 +12,9 @@ BYTES_BUCKETS = tuple(float(4**k * 1024) for k in range(1, 11))  # 4 KiB .. 1 Gi
 
 
 class LiveMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()  # a cache's endpoint serves it
+        registry = self.registry
         self.seconds = Histogram(PREFIX + "tier_get_seconds", "Seconds of one batched get from a tier", ["tier"],
                                  registry=registry, buckets=SECONDS_BUCKETS)
         self.bytes = Histogram(PREFIX + "tier_get_bytes", "Bytes of one batched get from a tier", ["tier"],

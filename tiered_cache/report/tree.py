@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tiered_cache.model.units import format_binary
+from tiered_cache.tiers.base import Tier
 
 PREVIEW_CHARS = 36
 
@@ -41,7 +42,7 @@ def _line(node: dict[str, Any]) -> str:
 
 
 def reuse_line(reuse: dict[str, Any] | None) -> str:
-    """One line on the reuse policy (`ReuseFigures.to_dict()`): what it plans with and what it
+    """One line on the reuse policy (`ReuseStats.to_dict()`): what it plans with and what it
     skipped. Empty without figures (an older cache)."""
     if not reuse:
         return ""
@@ -60,7 +61,7 @@ def reuse_line(reuse: dict[str, Any] | None) -> str:
 
 
 def canary_line(canary: dict[str, Any] | None) -> str:
-    """One line on the correctness canary (`CanaryFigures.to_dict()`); empty when it is off."""
+    """One line on the correctness canary (`CanaryStats.to_dict()`); empty when it is off."""
     if not canary or not canary.get("fraction"):
         return ""
     quarantined = "; ".join(f"{ns or '(default)'}: {', '.join(tiers)}" for ns, tiers in canary["quarantined"].items())
@@ -72,7 +73,7 @@ def canary_line(canary: dict[str, Any] | None) -> str:
 def render_tree(view: dict[str, Any], title: str = "") -> str:
     lines = [title] if title else []
     tiers = view.get("tiers", {})
-    below = ", ".join(f"{name} {pages:,}" for name, pages in tiers.items() if name != "device" and pages)
+    below = ", ".join(f"{name} {pages:,}" for name, pages in tiers.items() if name != Tier.DEVICE and pages)
     for ns in view["namespaces"]:
         name = ns["namespace"] or "(default)"
         lines.append(f"namespace {name}: {len(ns['children'])} branch{'es' if len(ns['children']) != 1 else ''} "

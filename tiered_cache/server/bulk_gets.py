@@ -2,7 +2,7 @@
 
 A thread per connection, at most `max_streams` connections at once (past it a client is refused
 with a message and uses gRPC's Get). A connection authenticates once, with the token and
-namespace rules of gRPC calls (`Grants`); each request is read whole, checked (key count, key
+namespace rules of gRPC calls (admission.py); each request is read whole, checked (key count, key
 sizes, fingerprint), and answered page by page from the store, a batch read ahead of the one
 being sent. A client that reads nothing for `stream_idle_s` is dropped. Bad input ends the
 connection with a message, never the server.
@@ -15,15 +15,16 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 
 from tiered_cache.index.keys import KEY_BYTES
+from tiered_cache.server.admission import admitted_count, admitted_namespace
 from tiered_cache.server.config import ServerConfig
 from tiered_cache.server.get_handlers import as_sent
 from tiered_cache.server.store import BlobStore
-from tiered_cache.server.streams import BatchSizer
+from tiered_cache.server.streams import GetBatches
 from tiered_cache.wire import bulk
-from tiered_cache.wire.namespaces import check_namespace, scoped_keys
+from tiered_cache.wire.namespaces import scoped_keys
 
 log = logging.getLogger("tiered_cache.server.bulk_gets")
 
@@ -109,16 +110,7 @@ class BulkGets:
             return None
         authorization, asked = bulk.read_text(conn), bulk.read_text(conn)
         try:
-            if asked:
-                check_namespace(asked, "namespace")
-            grants = self.config.grants
-            if grants:
-                grant = grants.grant_for(authorization)
-                if grant is None:
-                    raise PermissionError("missing or wrong token: send the server's token")
-                namespace = grant.namespace(asked or None)
-            else:
-                namespace = asked
+            namespace = admitted_namespace(self.config.grants, authorization, asked or None, "namespace")
         except (PermissionError, ValueError) as exc:
             self._refuse(conn, str(exc))
             return None
@@ -133,9 +125,10 @@ class BulkGets:
             return False  # an idle connection the client keeps for later: closed; it reconnects
         if len(head) < 4:
             return False
-        count = int.from_bytes(head, "little")
-        if not 0 < count <= self.config.max_keys:
-            return self._fail(conn, f"{count} keys in one request; between 1 and {self.config.max_keys}")
+        try:
+            count = admitted_count(int.from_bytes(head, "little"), self.config.max_keys, least=1)
+        except ValueError as exc:
+            return self._fail(conn, str(exc))
         fingerprint = bulk.read_exact(conn, KEY_BYTES)
         fingerprint = b"" if fingerprint == bulk.NO_FINGERPRINT else fingerprint
         raw = bulk.read_exact(conn, count * KEY_BYTES)
@@ -149,30 +142,20 @@ class BulkGets:
 
     def _send_pages(self, conn: socket.socket, keys: list[tuple[bytes, bytes]], fingerprint: bytes) -> None:
         """Each key's blob (or a length of 0), in order; the store read a batch ahead of the socket."""
-        sizer = BatchSizer(self.config.stream_buffer_bytes)
-        start = 0
-
-        def next_batch() -> Future[list[bytes | None]] | None:
-            nonlocal start
-            if start >= len(keys):
-                return None
-            chunk = keys[start:start + sizer.count]
-            start += len(chunk)
-            return self._io.submit(self._read, chunk, fingerprint, sizer.see)
-
-        pending = next_batch()
+        ahead = GetBatches(keys, self.config.stream_buffer_bytes,
+                          lambda batch, sizer: self._io.submit(self._read, batch, fingerprint, sizer.see))
+        pending = ahead.next()
         try:
             while pending is not None:
                 blobs = pending.result()
-                pending = next_batch()
+                pending = ahead.next()
                 for blob in blobs:
                     if blob is None:
                         conn.sendall(bulk.length(0))
                     else:
                         _send_parts(conn, [bulk.length(len(blob)), memoryview(blob)])
         finally:
-            if pending is not None:
-                pending.cancel()
+            ahead.cancel(pending)
 
     def _read(self, chunk: list[tuple[bytes, bytes]], fingerprint: bytes,
               see: Callable[[int], None]) -> list[bytes | None]:

@@ -127,7 +127,8 @@ class ServerConfig:
             raise ValueError(f"stream_idle_s must be positive, got {self.stream_idle_s}")
         for name in ("kv_events", "kv_events_replay"):
             if getattr(self, name) is not None:
-                check_endpoint(getattr(self, name), beyond_loopback=self.host not in LOOPBACK)
+                check_endpoint(getattr(self, name), beyond_loopback=self.host not in LOOPBACK,
+                               allow="serve beyond loopback (--host with --token): its events may follow")
         check_token(self.token, "token")
         if self.token and self.token_file:
             raise ValueError("give token or token_file, not both (a token file can list the token with '*')")

@@ -17,7 +17,7 @@ from tiered_cache.index.keys import KEY_BYTES
 from tiered_cache.server.arena_tier import ArenaTier
 from tiered_cache.server.requests import Requests
 from tiered_cache.server.store import BlobStore
-from tiered_cache.server.streams import BatchSizer
+from tiered_cache.server.streams import BatchSizer, GetBatches
 from tiered_cache.shm.arena import Ref
 from tiered_cache.tiers.base import Tier
 from tiered_cache.v1 import cache_pb2 as pb
@@ -102,30 +102,20 @@ class GetHandlers:
         is not reading (HTTP/2 flow control); the watch ends the stream when that lasts. With
         `arena`, pages go as refs into it (no copy), those held below loaded into it first."""
         r = self.requests
-        sizer = BatchSizer(r.config.stream_buffer_bytes)
-        start = 0
-
-        def next_batch() -> asyncio.Future[list[bytes]] | None:
-            nonlocal start
-            if start >= len(keys):
-                return None
-            chunk = keys[start:start + sizer.count]
-            start += len(chunk)
-            return asyncio.ensure_future(r.run(r.io, self._read_batch, chunk, fingerprint, sizer, arena))
-
-        pending = next_batch()
+        ahead = GetBatches(keys, r.config.stream_buffer_bytes, lambda batch, sizer: asyncio.ensure_future(
+            r.run(r.io, self._read_batch, batch, fingerprint, sizer, arena)))
+        pending = ahead.next()
         try:
             while pending is not None:
                 messages, handed, reused = await pending
                 r.counters.shm_pages += handed
                 r.counters.shm_pages_reused += reused
-                pending = next_batch()
+                pending = ahead.next()
                 for message in messages:
                     await context.write(message)
                     watch.progress()
         finally:
-            if pending is not None:
-                pending.cancel()
+            ahead.cancel(pending)
 
     def _read_batch(self, chunk: list[tuple[bytes, bytes]], fingerprint: bytes, sizer: BatchSizer,
                     arena: ArenaTier | None) -> tuple[list[bytes], int, int]:

@@ -17,6 +17,7 @@ import grpc
 
 from tiered_cache.index.keys import KEY_BYTES
 from tiered_cache.server.requests import Malformed, Requests
+from tiered_cache.server.status import end_call
 from tiered_cache.server.store import BlobStore
 from tiered_cache.server.streams import BatchSizer
 from tiered_cache.shm.offers import OfferedSegments
@@ -90,7 +91,7 @@ class PutHandlers:
                 raise  # the client cancelled, or the server is stopping
             r.count_stalled(context, watch)
             # The way back is open (only the client's side is idle): end with the status.
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, context.details())
+            await end_call(context, grpc.StatusCode.DEADLINE_EXCEEDED, context.details())
         finally:
             watch.close()
             if storing is not None:

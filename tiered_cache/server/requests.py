@@ -19,14 +19,15 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from tiered_cache.index.keys import KEY_BYTES
+from tiered_cache.server.admission import admitted_keys, admitted_namespace
 from tiered_cache.server.config import ServerConfig
+from tiered_cache.server.status import end_call
 from tiered_cache.server.streams import StreamPermits
 from tiered_cache.server.tenants import Grant
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.deadline import ProgressDeadline
 from tiered_cache.wire.framing import parse_page_blob
-from tiered_cache.wire.namespaces import NAMESPACE_METADATA, check_namespace
+from tiered_cache.wire.namespaces import NAMESPACE_METADATA
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class Requests:
 
     async def reject(self, context: grpc.aio.ServicerContext, message: str) -> None:
         self.counters.rejected += 1
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        await end_call(context, grpc.StatusCode.INVALID_ARGUMENT, message)
 
     async def refuse_malformed(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         if isinstance(request, Malformed):
@@ -99,33 +100,27 @@ class Requests:
 
     async def check_keys(self, request: Any, context: grpc.aio.ServicerContext) -> list[bytes]:
         await self.refuse_malformed(request, context)
-        keys = list(request.keys)
-        if len(keys) > self.config.max_keys:
-            await self.reject(context, f"{len(keys)} keys in one request; the limit is {self.config.max_keys}")
-        for i, key in enumerate(keys):
-            if len(key) != KEY_BYTES:
-                await self.reject(context, f"key {i} is {len(key)} bytes; page keys are {KEY_BYTES} bytes (SHA-256)")
-        return keys
+        try:
+            return admitted_keys(request.keys, self.config.max_keys)
+        except ValueError as exc:
+            await self.reject(context, str(exc))
+            raise  # reject aborts the call; this line is never reached
 
     async def namespace(self, context: grpc.aio.ServicerContext) -> str:
-        """The namespace a call acts in (server/tenants.py): the one its metadata names, else its
-        token's first; a call whose token may not use the namespace it names is refused
-        (PERMISSION_DENIED), one that names no usable namespace too (INVALID_ARGUMENT)."""
+        """The namespace a call acts in (server/tenants.py, admission.py): the one its metadata
+        names, else its token's first; a call whose token may not use the namespace it names is
+        refused (PERMISSION_DENIED), one that names no usable namespace too (INVALID_ARGUMENT)."""
         metadata = dict(context.invocation_metadata() or ())
         asked = metadata.get(NAMESPACE_METADATA)
-        if asked is not None:
-            try:
-                check_namespace(str(asked), f"metadata {NAMESPACE_METADATA}:")
-            except ValueError as exc:
-                await self.reject(context, str(exc))
-        if not self.config.grants:
-            return asked or ""
-        grant = self._grant(metadata)
         try:
-            return grant.namespace(asked) if grant is not None else ""
+            return admitted_namespace(self.config.grants, metadata.get("authorization", ""),
+                                      None if asked is None else str(asked), f"metadata {NAMESPACE_METADATA}:")
+        except ValueError as exc:
+            await self.reject(context, str(exc))
+            raise  # reject aborts the call; this line is never reached
         except PermissionError as exc:
             self.counters.rejected += 1
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            await end_call(context, grpc.StatusCode.PERMISSION_DENIED, str(exc))
             raise  # abort raises; this line is never reached
 
     async def require_operator(self, context: grpc.aio.ServicerContext, what: str) -> None:
@@ -137,7 +132,7 @@ class Requests:
         grant = self._grant(dict(context.invocation_metadata() or ()))
         if grant is not None and not grant.every:
             self.counters.rejected += 1
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+            await end_call(context, grpc.StatusCode.PERMISSION_DENIED,
                                 f"{what} shows every namespace: it needs an operator's token ('*' in the token file)")
 
     def _grant(self, metadata: dict[str, Any]) -> Grant | None:

@@ -7,6 +7,7 @@ from urllib.parse import urlsplit
 
 from tiered_cache.model.units import format_binary
 from tiered_cache.server.config import ServerConfig
+from tiered_cache.tiers.base import Tier
 
 
 def redis_where(url: str) -> str:
@@ -20,9 +21,9 @@ def describe_tiers(config: ServerConfig, capacities: dict[str, int] | None = Non
     """The tiers as the server runs them: `capacities` (tier name -> bytes, from the running store)
     where the configured size could not be had (a disk with less room)."""
     real = capacities or {}
-    tiers = [f"RAM {format_binary(real.get('ram', config.ram_capacity))}"]
+    tiers = [f"RAM {format_binary(real.get(Tier.RAM, config.ram_capacity))}"]
     if config.disk_path:
-        disk = real.get("disk", config.disk_capacity)
+        disk = real.get(Tier.DISK, config.disk_capacity)
         asked = ("" if disk == config.disk_capacity
                  else f" (of {format_binary(config.disk_capacity)} asked: the room there)")
         tiers.append(f"disk {format_binary(disk)}{asked} at {config.disk_path}")

@@ -18,7 +18,7 @@ from tiered_cache.server.arena_tier import ArenaTier
 from tiered_cache.shm.arena import Ref
 from tiered_cache.tiers.base import BlobTier, TierStats
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.memory import ENTRY_OVERHEAD_BYTES, MemoryTier
+from tiered_cache.tiers.ram import ENTRY_OVERHEAD_BYTES, RamTier
 from tiered_cache.wire.codec import IDENTITY_BYTES, BlobError, page_identity
 
 _EVENT_BATCH = 4096  # pages per event when the store tells what it holds at start
@@ -26,7 +26,7 @@ _GET_ROUNDS = 3  # a key that moved tier between locate and get (an eviction) is
 
 
 class BlobStore:
-    def __init__(self, ram: MemoryTier | ArenaTier, lower: Sequence[BlobTier] = (),
+    def __init__(self, ram: RamTier | ArenaTier, lower: Sequence[BlobTier] = (),
                  write_through: bool = False) -> None:
         self.ram = ram
         self.lower = list(lower)

@@ -27,8 +27,9 @@ from tiered_cache.server.requests import ServerCounters, parse_put_item, parser
 from tiered_cache.server.store import BlobStore
 from tiered_cache.server.token_check import TokenInterceptor
 from tiered_cache.shm.offers import OfferedSegments
+from tiered_cache.tiers.base import Tier
 from tiered_cache.tiers.factory import TierSettings, build_tiers
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.ram import RamTier
 from tiered_cache.v1 import cache_pb2 as pb
 from tiered_cache.wire.options import server_options
 
@@ -38,7 +39,7 @@ _META_THREADS = 2  # Lookup and Stats: never queued behind data
 
 def build_store(config: ServerConfig) -> BlobStore:
     """The server's RAM tier in front of its disk and/or Redis tiers (built by tiers/factory.py)."""
-    kinds = [kind for kind, wanted in (("disk", config.disk_path), ("redis", config.redis_url)) if wanted]
+    kinds = [kind.value for kind, wanted in ((Tier.DISK, config.disk_path), (Tier.REDIS, config.redis_url)) if wanted]
     try:
         lower = build_tiers(kinds, TierSettings(disk_path=config.disk_path or "", disk_capacity=config.disk_capacity,
                                                 redis_url=config.redis_url or "", redis_prefix=config.redis_prefix))
@@ -47,7 +48,7 @@ def build_store(config: ServerConfig) -> BlobStore:
             raise
         raise ValueError(f"--disk {config.disk_path}: cannot keep pages there ({exc.strerror or exc})") from None
     ram = (ArenaTier(config.ram_capacity, lease_s=config.arena_lease_s) if shared_memory(config)
-           else MemoryTier(config.ram_capacity))
+           else RamTier(config.ram_capacity))
     return BlobStore(ram, lower, config.write_through)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 
 from tiered_cache.server.requests import ServerCounters
+from tiered_cache.server.status import end_call
 from tiered_cache.server.tenants import Grants
 
 
@@ -21,7 +22,7 @@ class TokenInterceptor(grpc.aio.ServerInterceptor):
         self.counters = counters
 
         async def deny(request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+            await end_call(context, grpc.StatusCode.UNAUTHENTICATED,
                                 "missing or wrong token: send metadata `authorization: Bearer <token>`")
         # One denial per call shape, so the client sees UNAUTHENTICATED whatever it called.
         self._deny = {"/Put": grpc.stream_unary_rpc_method_handler(deny),

@@ -6,7 +6,7 @@ user, same boot id) maps it read-only and copies a page from there straight to w
 on another host gets the same pages as bytes over gRPC.
 
 Layout: a 4 KiB header (magic, the arena's random id, the tail, the capacity, the head, the index's
-slot count), then `capacity` bytes of data, then the published index. The data is a log: each blob
+bucket count), then `capacity` bytes of data, then the published index. The data is a log: each blob
 is written at the head, at absolute position P (positions only grow), lying at `DATA + P %
 capacity` and never wrapping (the head skips the end of the data instead). Placing a blob first
 erases what lies in its way, oldest first, and publishes the new tail *before* writing a byte (one
@@ -15,10 +15,10 @@ P` knows no byte of it was written over: x86 keeps stores and loads in order, an
 CRC-32C that every page still goes through catches a torn one. A page written over is a miss the
 reader asks again.
 
-The index publishes where each page was last placed: direct-mapped 64-byte slots (the key's
-first bytes pick the slot, the newest placement wins it), each written under a sequence number
+The index publishes where each page was last placed: direct-mapped 64-byte buckets (the key's
+first bytes pick the bucket, the newest placement wins it), each written under a sequence number
 that is odd while the server writes it. A client answers a Lookup from it without an RPC when
-every key is in its slot and still intact (`ArenaMap.find`); any other Lookup goes to the server.
+every key is in its bucket and still intact (`ArenaMap.find`); any other Lookup goes to the server.
 The index only ever says where a page is: a key it lacks is asked of the server.
 
 Eviction is the log's order with a second chance: a blob read since it was placed is written
@@ -55,9 +55,9 @@ _ID = slice(8, 24)
 _TAIL = 24  # u64: bytes before this absolute position may be written over
 _CAPACITY = 32  # u64: bytes of data after the header
 _HEAD = 40  # u64: where the next blob goes
-_SLOTS = 48  # u64: slots of the published index, after the data
-SLOT = struct.Struct("<Q32sQI")  # sequence (odd while written), key, position, length
-SLOT_BYTES = 64
+_BUCKETS = 48  # u64: buckets of the published index, after the data
+BUCKET = struct.Struct("<Q32sQI")  # sequence (odd while written), key, position, length
+BUCKET_BYTES = 64
 ARENA_NAME = "tiered-cache-arena"
 LEASE_S = 2.0  # how long a handed-out ref is not written over
 MIN_CAPACITY = 2**20
@@ -67,18 +67,18 @@ Ref = tuple[int, int]  # (position, length)
 OnEvict = Callable[[list[tuple[bytes, bytes]]], None]
 
 
-def index_slots(capacity: int) -> int:
-    """Slots of the published index of an arena of `capacity` bytes: a power of two, about one
+def index_buckets(capacity: int) -> int:
+    """Buckets of the published index of an arena of `capacity` bytes: a power of two, about one
     per 32 KiB of data (pages are rarely smaller), 256 to 2**20."""
-    slots = 256
-    while slots * 32 * 1024 < capacity and slots < 2**20:
-        slots *= 2
-    return slots
+    buckets = 256
+    while buckets * 32 * 1024 < capacity and buckets < 2**20:
+        buckets *= 2
+    return buckets
 
 
-def slot_of(key: bytes, slots: int) -> int:
-    """The index slot of `key` (keys are SHA-256: their first bytes are uniform)."""
-    return int.from_bytes(key[:8], "little") & (slots - 1)
+def bucket_of(key: bytes, buckets: int) -> int:
+    """The index bucket of `key` (keys are SHA-256: their first bytes are uniform)."""
+    return int.from_bytes(key[:8], "little") & (buckets - 1)
 
 
 def largest_blob(capacity: int) -> int:
@@ -88,7 +88,7 @@ def largest_blob(capacity: int) -> int:
 
 
 @dataclass
-class ArenaFigures:
+class ArenaStats:
     """What an arena counted (counters only grow) and what it holds now (`pages`, `used`)."""
 
     pages: int = 0
@@ -122,9 +122,9 @@ class Arena:
         self.capacity = parse_size(capacity)
         if self.capacity < MIN_CAPACITY:
             raise ValueError(f"the arena needs at least {MIN_CAPACITY} bytes, got {self.capacity}")
-        self.slots = index_slots(self.capacity)
+        self.buckets = index_buckets(self.capacity)
         self.index_at = DATA + self.capacity
-        self.size = self.index_at + self.slots * SLOT_BYTES
+        self.size = self.index_at + self.buckets * BUCKET_BYTES
         self.on_evict = on_evict
         self.lease_s = lease_s
         self.max_blob = largest_blob(self.capacity)
@@ -133,7 +133,7 @@ class Arena:
         self.id = os.urandom(16)
         self._map[:8] = MAGIC
         self._map[_ID] = self.id
-        struct.pack_into("<QQQQ", self._map, _TAIL, 0, self.capacity, 0, self.slots)
+        struct.pack_into("<QQQQ", self._map, _TAIL, 0, self.capacity, 0, self.buckets)
         self._head = 0
         self._tail = 0
         self._records: OrderedDict[bytes, _Record] = OrderedDict()  # in position order
@@ -141,7 +141,7 @@ class Arena:
         self.used = 0  # bytes of live blobs
         self.second_chances = 0  # blobs written again at the head because they had been read
         self.lease_blocked = 0  # blobs sent below because the oldest blob was leased
-        self._counts = ArenaFigures()
+        self._counts = ArenaStats()
         # Memory just past the head faulted in by a background thread (shm/advice.py), so a
         # Put's copies do not pay the first pass's faults themselves.
         self._prefault = prefault_async(self._map, self, _written_below)
@@ -266,7 +266,7 @@ class Arena:
         if not 0 < n <= self.max_blob:
             return False
         while True:
-            position, end = self._slot(n)
+            position, end = self._place_at_head(n)
             limit = end - self.capacity
             if len(self._records) >= self.max_records:  # and the oldest record goes too
                 limit = max(limit, next(iter(self._records.values())).position + 1)
@@ -277,7 +277,7 @@ class Arena:
                 return False
             if not again:
                 break
-            self._second_chances(again, below)  # the head moved: find the blob's slot again
+            self._second_chances(again, below)  # the head moved: find the blob's place again
         self._write(key, blob, position, end)
         return True
 
@@ -286,7 +286,7 @@ class Arena:
         erase in turn is handled the same way (each blob at most once per read: it ends)."""
         while again:
             key, blob = again.pop(0)
-            position, end = self._slot(len(blob))
+            position, end = self._place_at_head(len(blob))
             if not self._erase_before(end - self.capacity, again, below):
                 self.lease_blocked += 1
                 below.append((key, blob))
@@ -294,7 +294,7 @@ class Arena:
             self._write(key, blob, position, end)
             self.second_chances += 1
 
-    def _slot(self, n: int) -> tuple[int, int]:
+    def _place_at_head(self, n: int) -> tuple[int, int]:
         """Where a blob of `n` bytes goes: (position, end) at the head; a blob never wraps, so
         it skips the end of the data instead."""
         position = self._head
@@ -315,14 +315,14 @@ class Arena:
         self._publish(key, position, len(blob))
 
     def _publish(self, key: bytes, position: int, length: int) -> None:
-        """Write the key's index slot (under the lock: one writer); length 0 says not here. Its
-        sequence number is odd while the slot is written, so a reader never takes half of one key
-        and half of another. Eviction does not clear slots: a reader checks the page is still
-        intact, so a slot of a page written over reads as not there."""
-        at = self.index_at + slot_of(key, self.slots) * SLOT_BYTES
+        """Write the key's index bucket (under the lock: one writer); length 0 says not here. Its
+        sequence number is odd while the bucket is written, so a reader never takes half of one key
+        and half of another. Eviction does not clear buckets: a reader checks the page is still
+        intact, so a bucket of a page written over reads as not there."""
+        at = self.index_at + bucket_of(key, self.buckets) * BUCKET_BYTES
         sequence = struct.unpack_from("<Q", self._map, at)[0] | 1
         struct.pack_into("<Q", self._map, at, sequence)
-        SLOT.pack_into(self._map, at, sequence, key, position, length)
+        BUCKET.pack_into(self._map, at, sequence, key, position, length)
         struct.pack_into("<Q", self._map, at, sequence + 1)
 
     def _erase_before(self, limit: int, pending: list[tuple[bytes, bytes]],
@@ -352,9 +352,9 @@ class Arena:
             struct.pack_into("<Q", self._map, _TAIL, limit)  # before any byte below it is written
         return True
 
-    # --- figures -----------------------------------------------------------------------------------
-    def figures(self) -> ArenaFigures:
-        """A copy of the arena's figures, taken under its lock."""
+    # --- stats -------------------------------------------------------------------------------------
+    def arena_stats(self) -> ArenaStats:
+        """A copy of the arena's stats, taken under its lock (a tier over it turns them into `TierStats`)."""
         with self._lock:
             return replace(self._counts, pages=len(self._records), used=self.used)
 

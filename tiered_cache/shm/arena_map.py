@@ -17,17 +17,17 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from tiered_cache.shm.arena import (
+    _BUCKETS,
     _CAPACITY,
     _HEAD,
     _ID,
-    _SLOTS,
     _TAIL,
+    BUCKET,
+    BUCKET_BYTES,
     DATA,
     MAGIC,
-    SLOT,
-    SLOT_BYTES,
+    bucket_of,
     largest_blob,
-    slot_of,
 )
 from tiered_cache.shm.host import map_read_only, still_open
 from tiered_cache.shm.read_ahead import ReadAhead
@@ -47,9 +47,9 @@ class ArenaMap:
             raise ValueError(f"{path} is not the arena the server named")
         self.id = arena_id
         self.capacity = struct.unpack_from("<Q", self._map, _CAPACITY)[0]
-        self.slots = struct.unpack_from("<Q", self._map, _SLOTS)[0]
+        self.buckets = struct.unpack_from("<Q", self._map, _BUCKETS)[0]
         self.index_at = DATA + self.capacity
-        if self.index_at + self.slots * SLOT_BYTES != size or self.slots & (self.slots - 1):
+        if self.index_at + self.buckets * BUCKET_BYTES != size or self.buckets & (self.buckets - 1):
             self._map.close()
             raise ValueError(f"{path}: its header's capacity and index do not add up to {size} bytes")
         self.max_page = largest_blob(self.capacity)
@@ -104,13 +104,13 @@ class ArenaMap:
 
     def find(self, keys: Sequence[bytes]) -> list[tuple[int, int]] | None:
         """Where every one of `keys` lies, from the published index, or None when any is not
-        there (no slot of its own, being written, or written over since): then ask the server."""
+        there (no bucket of its own, being written, or written over since): then ask the server."""
         found = []
         for key in keys:
-            if len(key) != 32 or not self.slots:
+            if len(key) != 32 or not self.buckets:
                 return None
-            at = self.index_at + slot_of(key, self.slots) * SLOT_BYTES
-            sequence, held, position, length = SLOT.unpack_from(self._map, at)
+            at = self.index_at + bucket_of(key, self.buckets) * BUCKET_BYTES
+            sequence, held, position, length = BUCKET.unpack_from(self._map, at)
             if (sequence & 1 or held != key or not length or not self.intact(position, length)
                     or struct.unpack_from("<Q", self._map, at)[0] != sequence):
                 return None
@@ -188,9 +188,15 @@ class ArenaViews:
 
     def __init__(self) -> None:
         self._pages: list[tuple[bytes, ArenaMap, int, int]] = []
+        self._keys: set[bytes] = set()
 
     def add(self, key: bytes, arena: ArenaMap, position: int, length: int) -> None:
         self._pages.append((key, arena, position, length))  # list.append: safe across threads
+        self._keys.add(key)
+
+    def lent(self, key: bytes) -> bool:
+        """Whether `key`'s page was lent as a view (else it came as bytes)."""
+        return key in self._keys
 
     def __len__(self) -> int:
         return len(self._pages)

@@ -272,7 +272,7 @@ class TierChain:
         return held
 
     def items(self, index: int) -> list[tuple[bytes, bytes]]:
-        """Every (key, blob) tier `index` holds, for a tier that lists them (`MemoryTier.items`)."""
+        """Every (key, blob) tier `index` holds, for a tier that lists them (`RamTier.items`)."""
         with self._tier_locks[index]:
             return list(self.tiers[index].items())
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.model.units import format_binary, parse_size
-from tiered_cache.tiers.base import EvictCallback, TierStats, leading_run
+from tiered_cache.tiers.base import EvictCallback, Tier, TierStats, leading_run
 from tiered_cache.tiers.disk_files import PageFiles, PageRead
 from tiered_cache.tiers.disk_lock import FolderLock
 from tiered_cache.wire.checksum import checker_threads
@@ -44,7 +44,7 @@ _THREADED_BYTES = 4 << 20
 
 
 class DiskTier:
-    name = "disk"
+    name = Tier.DISK.value
 
     def __init__(self, path: str | Path, capacity: int | str, on_evict: EvictCallback | None = None,
                  fsync: bool = True) -> None:

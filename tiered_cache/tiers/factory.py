@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tiered_cache.tiers.base import BlobTier
+from tiered_cache.tiers.base import BlobTier, Tier
 
-KINDS = ("disk", "redis", "remote")
+KINDS = tuple(tier.value for tier in Tier.lower())
 
 
 @dataclass(frozen=True)
@@ -35,15 +35,15 @@ class TierSettings:
 def build_tier(kind: str, settings: TierSettings) -> BlobTier:
     """One tier: "disk", "redis" or "remote" (a store server, or several by rendezvous hashing).
     Raises ValueError for another kind, and what the tier raises for settings it refuses."""
-    if kind == "disk":
+    if kind == Tier.DISK:
         from tiered_cache.tiers.disk import DiskTier
 
         return DiskTier(settings.disk_path, settings.disk_capacity, fsync=settings.disk_fsync)
-    if kind == "redis":
+    if kind == Tier.REDIS:
         from tiered_cache.tiers.redis import RedisTier
 
         return RedisTier(settings.redis_url, settings.redis_prefix, settings.redis_ttl_s, settings.redis_timeout_s)
-    if kind == "remote":
+    if kind == Tier.REMOTE:
         from tiered_cache.tiers.remote import RemoteTier
 
         return RemoteTier(settings.remote_addresses, settings.remote_token, settings.remote_tls_ca,

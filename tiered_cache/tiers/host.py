@@ -27,7 +27,7 @@ from tiered_cache.device.memory import allocate_pretouched
 from tiered_cache.errors import KVShapeError
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.model.units import parse_size
-from tiered_cache.tiers.base import TierStats, leading_run
+from tiered_cache.tiers.base import Tier, TierStats, leading_run
 
 # Called with (keys, pages) about to leave host RAM; `pages` is a copy, page-first.
 HostEvictCallback = Callable[[list[bytes], torch.Tensor], None]
@@ -39,7 +39,7 @@ HostChangeCallback = Callable[[list[bytes], bool], None]
 
 
 class HostTier:
-    name = "host"
+    name = Tier.HOST.value
 
     def __init__(self, spec: KVSpec, capacity: int | str, pin: bool | None = None,
                  on_evict: HostEvictCallback | None = None, retain: HostRetainCallback | None = None) -> None:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from tiered_cache.tiers.base import TierStats, leading_run
+from tiered_cache.tiers.base import Tier, TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, breaker_states
 from tiered_cache.tiers.redis_nodes import RedisNodes
 from tiered_cache.tiers.resp_reader import ReplyReader
@@ -72,7 +72,7 @@ def _intact(check: Callable[[], None]) -> bool:
 
 
 class RedisTier:
-    name = "redis"
+    name = Tier.REDIS.value
     thread_safe = True  # redis-py's connection pools serve every thread
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", prefix: str = "tiered-cache",

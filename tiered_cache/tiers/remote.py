@@ -1,4 +1,4 @@
-"""Remote tier: page blobs in one or more store servers, reached over gRPC.
+"""Remote tier: page blobs in one or more store servers, reached over gRPC (and the bulk Get).
 
 Keys are spread over the servers by rendezvous hashing, each server behind its own circuit
 breaker (`StoreServers`, remote_servers.py): a server that fails is skipped while its breaker is
@@ -22,15 +22,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
+from tiered_cache.client.reads import Transport, read_pages
 from tiered_cache.client.store_client import StoreClient
 from tiered_cache.shm.arena_map import ArenaRef, ArenaViews
-from tiered_cache.tiers.base import TierStats, leading_run
+from tiered_cache.tiers.base import Tier, TierStats, leading_run
 from tiered_cache.tiers.breaker import BreakerPolicy, breaker_states
 from tiered_cache.tiers.remote_arena import ArenaReads, LentPages
 from tiered_cache.tiers.remote_servers import Server, StoreServers
 from tiered_cache.wire.checksum import checker_threads
 from tiered_cache.wire.codec import BlobError, PageDest, check_fingerprint, decode_into, verify_blob
-from tiered_cache.wire.framing import ReceivedBlob
 
 if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec
@@ -49,7 +49,7 @@ class _Placed(enum.Enum):
 
 
 class RemoteTier:
-    name = "remote"
+    name = Tier.REMOTE.value
     thread_safe = True  # gRPC channels serve every thread; each call keeps its own state
     lends_views = True  # `get(keys, lease=)`: same-host pages as views into the server's arena
 
@@ -67,7 +67,7 @@ class RemoteTier:
         self.fingerprint = fingerprint  # when set, servers skip and refuse blobs of other models
         self._stats = TierStats(self.name)
         self._refused = 0  # pages servers refused to store (counted as errors)
-        self.bulk_gets = 0  # server calls of `get_into` served by a bulk Get (client/bulk_client.py)
+        self.bulk_gets = 0  # servers' shares of a read (`get`, `get_into`) served by a bulk Get (client/reads.py)
         # Threads checking and copying received pages: checksums and copies release the GIL, so n
         # threads place a prefix in about 1/n of the time, up to the memory's bandwidth.
         self.checkers = checker_threads()
@@ -151,44 +151,15 @@ class RemoteTier:
     def get(self, keys: Sequence[bytes], lease: ArenaViews | None = None) -> list[bytes | None]:
         """Each key's verified blob or None. A key asked twice is answered at every position.
         With `lease`, a page from a server on this host may be a view into its arena, good only
-        until `lease.lost()` names it (`ArenaViews`): copy it before asking."""
-        out: list[bytes | None] = [None] * len(keys)
-        positions_of: dict[bytes, list[int]] = {}
-        for i, key in enumerate(keys):
-            positions_of.setdefault(key, []).append(i)
-        ready = [(key, self._checker.submit(self._verified, key, data, lease))
-                 for key, data in self.arena_reads.read(list(positions_of), lease)]
-        have = {key for key, _ in ready}
-        unique = [key for key in positions_of if key not in have]
-        ring = self.stores.ring
+        until `lease.lost()` names it (`ArenaViews`): copy it before asking. The same read as
+        `get_into`, with destinations that keep each blob."""
 
-        def from_server(index: int, positions: list[int]) -> list[tuple[bytes, Future[bytes | None]]]:
-            asked = [unique[i] for i in positions]
-            checks: list[tuple[bytes, Future[bytes | None]]] = []
+        def keep(key: bytes, data: Any, lent: bool) -> bytes | None:
+            # A lent view stays a view; a bulk Get's page lies in a reused buffer: copied out.
+            return self._verified(key, data if lent or isinstance(data, bytes) else bytes(data), lease)
 
-            pending = set(asked)
-
-            def check(item: ReceivedBlob) -> None:
-                # Checksums run on another thread (they release the GIL) while the stream flows.
-                if item.key in pending:
-                    pending.discard(item.key)
-                    checks.append((item.key, self._checker.submit(self._verified, item.key, item.blob, lease)))
-
-            def stream(client: StoreClient) -> None:
-                # Blobs received before a stream breaks stay usable: each is verified on its own.
-                result = client.get_whole(asked, self.fingerprint, budget_s=self.budget_s, on_blob=check, lease=lease)
-                if result.error is not None:
-                    raise result.error
-
-            self.stores.call(ring.servers[index], stream, None)
-            return checks
-
-        streamed = self.stores.each_server(StoreServers.by_server(ring, unique), from_server).values() if unique else []
-        for checks in [ready, *streamed]:
-            for key, check in checks:
-                blob = check.result()
-                for i in positions_of[key]:
-                    out[i] = blob
+        got = self._read(list(dict.fromkeys(keys)), keep, lease)
+        out = [got.get(key) for key in keys]
         self._stats.record_reads(out)
         return out
 
@@ -221,32 +192,11 @@ class RemoteTier:
                 return _Placed.LOST
             return _Placed.PLACED
 
-        submitted: list[Future[Any]] = []  # every page (or share of pages) handed to a checker thread
-        try:
-            return self._get_into(positions_of, place, lease, submitted, sizes, len(keys))
-        finally:  # all placed (or failed) before the caller may free or reuse the destinations,
-            wait(submitted)  # also when a stream raised midway
-
-    def _get_into(self, positions_of: dict[bytes, list[int]], place: Callable[[bytes, Any, bool], _Placed],
-                  lease: LentPages, submitted: list[Future[Any]], sizes: dict[bytes, int],
-                  num_keys: int) -> list[int]:
-        views = self.arena_reads.read(list(positions_of), lease)
-
-        def place_all(share: list[tuple[bytes, memoryview]]) -> list[tuple[bytes, _Placed]]:
-            return [(key, place(key, view, True)) for key, view in share]
-
-        # One share per checker thread (every n-th page), not a task per page: on a memory-bound
-        # copy the per-task hand-offs cost more than they spread.
-        k = self.checkers
-        shares = [self._checker.submit(place_all, views[i::k]) for i in range(min(k, len(views)))]
-        submitted.extend(shares)
-        have = {key for key, _ in views}
-        outcomes = self._stream_into([k for k in positions_of if k not in have], place, lease, submitted)
-        outcomes.update({key: what for share in shares for key, what in share.result()})
+        outcomes = self._read(list(positions_of), place, lease)
         lost = [key for key, what in outcomes.items() if what is _Placed.LOST]
         if lost:  # as bytes this time: nothing lent, so nothing to lose
-            outcomes.update(self._stream_into(lost, place, None, submitted))
-        arrived = [0] * num_keys
+            outcomes.update(self._read(lost, place, None, in_place=False))
+        arrived = [0] * len(keys)
         for key, what in outcomes.items():
             if what is _Placed.PLACED:
                 for i in positions_of[key]:
@@ -257,48 +207,34 @@ class RemoteTier:
         self._stats.corrupt += sum(what is _Placed.CORRUPT for what in outcomes.values())
         return arrived
 
-    def _stream_into(self, keys: list[bytes], place: Callable[[bytes, Any, bool], _Placed],
-                     lease: LentPages | None, submitted: list[Future[Any]]) -> dict[bytes, _Placed]:
-        """Get `keys` (distinct) from the servers owning them, in parallel, each page handed to
-        `place` on the checker threads as it arrives (with whether it is lent from an arena, through
-        `lease`); what became of each page received."""
+    def _read(self, keys: list[bytes], place: Callable[[bytes, Any, bool], Any], lease: ArenaViews | None,
+              in_place: bool = True) -> dict[bytes, Any]:
+        """The one read path: `keys` (distinct) from the servers owning them, in parallel, each
+        server's share by the transport `client/reads.py` picks (pages a Lookup found in a
+        same-host arena read there, when `in_place`); every page handed to `place(key, data,
+        lent)` on the checker threads as it arrives. Returns what `place` made of each page
+        received; every page is placed (or failed) before this returns, also when a stream
+        broke midway, so the caller may free or reuse its destinations."""
         if not keys:
             return {}
         ring = self.stores.ring
+        refs = self.arena_reads.take_refs(keys) if in_place and not self.stores.closed else {}
+        placements = _Placements(place, self._checker, self.checkers)
 
-        def from_server(index: int, positions: list[int]) -> list[tuple[bytes, Future[_Placed]]]:
-            asked = [keys[i] for i in positions]
-            pending = set(asked)
-            checks: list[tuple[bytes, Future[_Placed]]] = []
+        def from_server(index: int, positions: list[int]) -> None:
+            server = ring.servers[index]
+            transport, in_arena = read_pages(
+                server.client, [keys[i] for i in positions], self.fingerprint, placements, refs=refs, lease=lease,
+                budget_s=self.budget_s, guard=lambda get: self.stores.call(server, get, None))
+            self.arena_reads.pages_from_lookup += in_arena
+            if transport is Transport.BULK:
+                self.bulk_gets += 1
 
-            def placed(key: bytes, data: Any, lent: bool = False) -> Future[Any]:  # to a checker thread
-                # (a bulk Get's page lies in a reused buffer: it waits for the future to read into it again)
-                if key not in pending:
-                    return _DONE
-                pending.discard(key)
-                checks.append((key, self._checker.submit(place, key, data, lent)))
-                submitted.append(checks[-1][1])
-                return checks[-1][1]
-
-            def arrived(item: ReceivedBlob) -> None:  # on the stream's event loop; lent: added before this call
-                placed(item.key, item.blob, lease is not None and lease.lent(item.key))
-
-            def stream(client: StoreClient) -> None:
-                # Pages received before a stream breaks stay usable: each is checked on its own.
-                bulk = client.bulk()
-                if bulk is not None and bulk.get_into(asked, self.fingerprint, placed, self.budget_s):
-                    self.bulk_gets += 1
-                    return
-                result = client.get_whole(asked, self.fingerprint, budget_s=self.budget_s, on_blob=arrived,
-                                          lease=lease)
-                if result.error is not None:
-                    raise result.error
-
-            self.stores.call(ring.servers[index], stream, None)
-            return checks
-
-        streamed = self.stores.each_server(StoreServers.by_server(ring, keys), from_server).values()
-        return {key: check.result() for checks in streamed for key, check in checks}
+        try:
+            self.stores.each_server(StoreServers.by_server(ring, keys), from_server)
+        finally:
+            placements.wait()
+        return placements.outcomes()
 
     def put(self, items: Sequence[tuple[bytes, bytes]]) -> int:
         ring = self.stores.ring
@@ -328,9 +264,10 @@ class RemoteTier:
         return self._stats
 
     def close(self) -> None:
-        """Close the channels; afterwards every call is a miss (never an error)."""
-        self.stores.close()
+        """Close the channels; afterwards every call is a miss (never an error). Pages read in
+        same-host arenas are told to their servers first (`Toucher.close`)."""
         self.arena_reads.close()
+        self.stores.close()
         self._checker.shutdown(wait=False)
 
     def _verified(self, key: bytes, blob: bytes, lease: ArenaViews | None = None) -> bytes | None:
@@ -354,3 +291,39 @@ def _connect(client: StoreClient, fingerprint: bytes) -> None:
     bulk = client.bulk()
     if bulk is not None:
         bulk.warm()  # refused or unreachable: dropped (gRPC's Get serves), not held against the server
+
+
+class _Placements:
+    """The pages of one read handed to the checker threads, each once (checksums and copies
+    release the GIL: n threads place a prefix in about 1/n of the time); what became of each."""
+
+    def __init__(self, place: Callable[[bytes, Any, bool], Any], checker: ThreadPoolExecutor, shares: int) -> None:
+        self._place = place
+        self._checker = checker
+        self._shares = shares
+        self._each: dict[bytes, Future[Any]] = {}
+        self._batches: list[Future[list[tuple[bytes, Any]]]] = []
+
+    def one(self, key: bytes, data: Any, lent: bool) -> Future[Any]:
+        if key in self._each:  # a page sent twice, or not asked for: placed once
+            return _DONE
+        future = self._each[key] = self._checker.submit(self._place, key, data, lent)
+        return future  # a bulk Get waits for it before reading into that buffer again
+
+    def many(self, pages: list[tuple[bytes, Any]], lent: bool) -> None:
+        # One share per checker thread (every n-th page), not a task per page: on a memory-bound
+        # copy the per-task hand-offs cost more than they spread.
+        def place_all(share: list[tuple[bytes, Any]]) -> list[tuple[bytes, Any]]:
+            return [(key, self._place(key, data, lent)) for key, data in share]
+
+        k = self._shares
+        self._batches += [self._checker.submit(place_all, pages[i::k]) for i in range(min(k, len(pages)))]
+
+    def wait(self) -> None:
+        wait([*self._each.values(), *self._batches])
+
+    def outcomes(self) -> dict[bytes, Any]:
+        got = {key: future.result() for key, future in self._each.items()}
+        for batch in self._batches:
+            got.update(batch.result())
+        return got

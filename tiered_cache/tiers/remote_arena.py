@@ -32,9 +32,6 @@ class LentPages(ArenaViews):
         super().add(key, reader, position, length)
         self._where[key] = (reader, position, length)
 
-    def lent(self, key: bytes) -> bool:
-        return key in self._where
-
     def intact(self, key: bytes) -> bool:
         reader, position, length = self._where[key]
         return reader.intact(position, length)
@@ -119,26 +116,6 @@ class ArenaReads:
             for key, arena, position, length in views.pages():
                 refs.setdefault(key, (arena, position, length))
         return [refs.get(key) for key in keys]
-
-    def read(self, keys: Sequence[bytes], lease: ArenaViews | None) -> list[tuple[bytes, Any]]:
-        """The pages of `keys` that lie in same-host arenas (`take_refs`), read there: lent as
-        views recorded in `lease`, else copied out. A ref the arena has written over since is
-        skipped: the caller Gets that page."""
-        pages: list[tuple[bytes, Any]] = []
-        if self._servers.closed:
-            return pages
-        for key, (reader, position, length) in self.take_refs(keys).items():
-            try:
-                data = reader.view(position, length) if lease is not None else reader.read(position, length)
-            except ValueError:  # that map was closed meanwhile (the client closed)
-                data = None
-            if data is None:
-                continue
-            if lease is not None:
-                lease.add(key, reader, position, length)
-            pages.append((key, data))
-        self.pages_from_lookup += len(pages)
-        return pages
 
     def close(self) -> None:
         self.refs.clear()

@@ -33,6 +33,7 @@ class Toucher:
         self._pool.submit(lambda: None)
         self._lock = threading.Lock()
         self._waiting: dict[Server, dict[bytes, None]] = {}  # keys read, to tell each server
+        self._arenas: dict[Server, ArenaMap] = {}  # the map each server's waiting keys were read in
         self.dropped = 0
 
     def touch(self, server: Server, keys: list[bytes], arena: ArenaMap) -> None:
@@ -42,6 +43,7 @@ class Toucher:
             first = waiting is None
             if first:
                 waiting = self._waiting[server] = {}
+                self._arenas[server] = arena
             room = MAX_TOUCH_KEYS - len(waiting)
             self.dropped += max(0, len(keys) - room)
             waiting.update(dict.fromkeys(keys[:max(0, room)]))
@@ -52,14 +54,26 @@ class Toucher:
             time.sleep(TOUCH_DELAY_S)
             with self._lock:
                 sent = list(self._waiting.pop(server, {}))
-            if sent and not self._servers.closed:
-                self._servers.call(server, lambda client: client.lookup(sent, arena=arena), None)
+                self._arenas.pop(server, None)
+            self._tell(server, sent, arena)
 
         try:
             self._pool.submit(send)
         except RuntimeError:  # closed meanwhile
             with self._lock:
                 self._waiting.pop(server, None)
+                self._arenas.pop(server, None)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False)
+        """Tell each server the keys still waiting now, then stop (call it before the servers'
+        channels close): pages read just before a client closes still count as read there."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, {}
+            arenas, self._arenas = self._arenas, {}
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for server, keys in waiting.items():
+            self._tell(server, list(keys), arenas[server])
+
+    def _tell(self, server: Server, keys: list[bytes], arena: ArenaMap) -> None:
+        if keys and not self._servers.closed:
+            self._servers.call(server, lambda client: client.lookup(keys, arena=arena), None)

@@ -28,9 +28,9 @@ from typing import Any, TypeVar
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
 
-from tiered_cache.integrations.sglang.figures import serve_metrics
 from tiered_cache.integrations.sglang.pages import PageFormat, byte_view, rank_tag
 from tiered_cache.integrations.sglang.settings import model_identity, store_settings
+from tiered_cache.integrations.sglang.stats import serve_metrics
 from tiered_cache.integrations.sglang.transfers import StoreTransfers
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class TieredCacheStorage(HiCacheStorage):
 
     def stats(self) -> dict[str, Any]:
         """Our figures: the store tier's and this backend's."""
-        return self.transfers.figures()
+        return self.transfers.stats()
 
     def close(self) -> None:
         if self._metrics_server is not None:

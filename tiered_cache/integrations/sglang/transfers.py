@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from tiered_cache.config import CacheConfig
-from tiered_cache.integrations.sglang.figures import BatchFigures
 from tiered_cache.integrations.sglang.pages import PageFormat
+from tiered_cache.integrations.sglang.stats import BatchStats
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.tiers.remote import RemoteTier
 from tiered_cache.wire.codec import encode_page
@@ -31,7 +31,7 @@ class StoreTransfers:
                                  timeout_s=config.remote_timeout_s,
                                  budget_s=config.remote_budget_s or _DEFAULT_BUDGET_S,
                                  namespace=config.remote_namespace)
-        self.batches = BatchFigures(record_batches)
+        self.batches = BatchStats(record_batches)
         self.pages_read = self.pages_written = self.pages_missed = self.bytes_read = self.bytes_written = 0
         self.write_failures = self.faults = self.clears = 0
         # Channels, the arena map and the bulk connection open beside SGLang's start, not on its first
@@ -73,7 +73,7 @@ class StoreTransfers:
             return [False] * len(keys)  # which ones the servers refused is not known: none counts
         return [True] * len(keys)
 
-    def figures(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, Any]:
         return {"pages_read": self.pages_read, "pages_missed": self.pages_missed, "pages_written": self.pages_written,
                 "bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
                 "write_failures": self.write_failures, "faults": self.faults, "clears": self.clears,

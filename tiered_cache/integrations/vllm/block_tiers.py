@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -32,7 +32,7 @@ from tiered_cache.integrations.vllm.layer_groups import group_keys
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.shm.arena_map import ArenaViews
 from tiered_cache.tiers.chain import TierChain
-from tiered_cache.tiers.memory import MemoryTier
+from tiered_cache.tiers.ram import RamTier
 from tiered_cache.wire.codec import BlobError, encode_page, page_view
 
 _SHARED: dict[tuple[str, str, int], BlockTiers] = {}  # (fingerprint, config, layers per page)
@@ -55,7 +55,7 @@ class BlockTiers:
         self.config = config
         if config.malloc_tuning:
             tune_malloc()  # else every load pays first-touch page faults on fresh buffers
-        tiers = [MemoryTier(config.host_capacity), *build_lower_tiers(config, self.spec.fingerprint)]
+        tiers = [RamTier(config.host_capacity), *build_lower_tiers(config, self.spec.fingerprint)]
         self.chain = TierChain(tiers)
         self.writer = BackgroundQueue("vllm-block-saver", capacity=config.demotion_queue, nice=BACKGROUND_NICE)
         self._keyers: dict[str, PageKeyer] = {}
@@ -72,6 +72,10 @@ class BlockTiers:
         self._prefetches: OrderedDict[tuple[bytes, ...], tuple[Future[list[Pages]], ArenaViews]] = OrderedDict()
         self._prefetcher: ThreadPoolExecutor | None = None
         self.prefetches_taken = 0
+        # Hints that a request is on its way (`promote`): small, bounded, dropped when behind.
+        self.promoter = BackgroundQueue("vllm-block-promoter", capacity=8, nice=BACKGROUND_NICE)
+        self.promoted = 0  # blocks started toward this process ahead of their request
+        self.promotes_dropped = 0
 
     @classmethod
     def shared(cls, spec: KVSpec, config: CacheConfig, layers_per_page: int | None = None) -> BlockTiers:
@@ -164,6 +168,29 @@ class BlockTiers:
                 self._prefetches.popitem(last=False)
         return True
 
+    def promote(self, block_keys: Sequence[bytes]) -> int:
+        """Start bringing the leading blocks of `block_keys` that the tiers hold toward this
+        process before vLLM asks for them (a router's hint that a request is on its way): the
+        load job's own prefetch when it can take one (`prefetch`), else a copy into the RAM tier
+        on the background queue. Returns the blocks started; 0 when none are held (or the queue
+        is full: counted in `promotes_dropped`)."""
+        held = self.leading(block_keys)
+        if not held:
+            return 0
+        keys = list(block_keys[:held])
+        if self.prefetch(keys) or self.promoter.submit(self._promote, keys):
+            self.promoted += held
+            return held
+        self.promotes_dropped += held
+        return 0
+
+    def _promote(self, block_keys: list[bytes]) -> None:
+        keys = self.all_page_keys(block_keys)
+        where = self.chain.locate(keys)
+        below = [i for i, w in enumerate(where) if w]  # held, and not in the RAM tier already
+        if below:
+            self.chain.get([keys[i] for i in below], [where[i] for i in below], load=True)
+
     def _load_groups(self, block_keys: list[bytes], lease: ArenaViews) -> list[Pages]:
         return [self.load(block_keys, group, lease) for group in range(self.num_groups)]
 
@@ -174,12 +201,13 @@ class BlockTiers:
         self.prefetches_taken += found is not None
         return found
 
-    def save(self, block_keys: Sequence[bytes], blocks: torch.Tensor) -> bool:
+    def save(self, block_keys: Sequence[bytes], blocks: torch.Tensor, ready: Callable[[], None] | None = None) -> bool:
         """Queue `blocks` (n, layers, 2, heads, block_size, dim; a copy the caller no longer
-        touches) to be split into layer-group pages, encoded and written below."""
+        touches) to be split into layer-group pages, encoded and written below. `ready`: called
+        before the blocks are read (a device's copy into them may still run)."""
         if not block_keys:
             return True
-        if self.writer.submit(self._write, list(block_keys), blocks):
+        if self.writer.submit(self._write, list(block_keys), blocks, ready):
             return True
         self.saves_dropped += len(block_keys)
         return False
@@ -187,8 +215,11 @@ class BlockTiers:
     def flush(self, timeout_s: float | None = None) -> bool:
         return self.writer.flush(timeout_s)
 
-    def _write(self, block_keys: list[bytes], blocks: torch.Tensor) -> None:
+    def _write(self, block_keys: list[bytes], blocks: torch.Tensor, ready: Callable[[], None] | None) -> None:
         cfg = self.config
+        if ready is not None:
+            ready()
+        blocks = blocks.to(self.spec.dtype.torch).contiguous()
         items = []
         for group in range(self.num_groups):
             layers = self.layers_of(group)

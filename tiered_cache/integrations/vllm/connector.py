@@ -33,6 +33,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -45,13 +46,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tiered_cache.config import CacheConfig
+from tiered_cache.integrations.vllm.block_copy import BlockCopier, DeviceBlocks, block_copier
 from tiered_cache.integrations.vllm.block_events import BlockEvents
 from tiered_cache.integrations.vllm.block_tiers import BlockTiers
-from tiered_cache.integrations.vllm.figures import Tally, TieredCachePromMetrics, TieredCacheStats
 from tiered_cache.integrations.vllm.identity import model_id_for, vllm_spec
 from tiered_cache.integrations.vllm.layer_groups import group_size
-from tiered_cache.integrations.vllm.layout import gather_blocks, layout_of, stacked_view
+from tiered_cache.integrations.vllm.layout import layout_of, stacked_view
 from tiered_cache.integrations.vllm.load_job import LoadJob
+from tiered_cache.integrations.vllm.stats import Tally, TieredCachePromMetrics, TieredCacheStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -116,7 +118,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}  # scheduler side
         self._layers: list[torch.Tensor] = []  # worker side
         self._group_of: dict[str, int] = {}  # layer name -> its layer group
-        self._kind = ""
+        self._copier: BlockCopier | None = None  # worker side: vLLM's KV <-> our pages
         self._failed: set[int] = set()
         self._job: LoadJob | None = None
         self._loader: ThreadPoolExecutor | None = None
@@ -222,7 +224,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
             state.saved = full
 
     def get_kv_connector_stats(self) -> TieredCacheStats | None:
-        """Our counts since vLLM last asked (figures.py), for its logs and `/metrics`."""
+        """Our counts since vLLM last asked (stats.py), for its logs and `/metrics`."""
         return self.tally.take() if self.tally is not None else None
 
     @classmethod
@@ -248,14 +250,29 @@ class TieredCacheConnector(KVConnectorBase_V1):
         if len(self._layers) != self.spec.num_layers:
             raise ValueError(f"vLLM registered {len(self._layers)} KV layers, the model config says "
                              f"{self.spec.num_layers}")
-        self._kind = layout_of(self._layers[0], self.spec.num_kv_heads, self.spec.head_dim)
+        kind = layout_of(self._layers[0], self.spec.num_kv_heads, self.spec.head_dim)
+        self._copier = block_copier(self._layers, kind, self.spec.num_kv_heads, self.spec.head_dim,
+                                    self.spec.page_size)
         self._group_of = {name: i // self.tiers.layers_per_page for i, name in enumerate(kv_caches)}
         if _TIMING:
-            one = stacked_view(self._layers) is not None
-            print(f"[tiered-cache] {len(self._layers)} KV layers, {self._kind} layout, "
-                  f"{'slices of one tensor (one copy a block)' if one else 'apart (one copy a block and layer)'}",
-                  file=sys.stderr, flush=True)
+            if isinstance(self._copier, DeviceBlocks):
+                ops = "our kernels" if self._copier.kernels else "torch ops"
+                way = f"on {self._copier.device}: {ops}, one DMA a run"
+            elif stacked_view(self._layers) is not None:
+                way = "slices of one tensor (one copy a block)"
+            else:
+                way = "apart (one copy a block and layer)"
+            print(f"[tiered-cache] {len(self._layers)} KV layers, {kind} layout, {way}", file=sys.stderr, flush=True)
         self.tiers.loads_here = True  # the scheduler here may start loads ahead (BlockTiers.prefetch)
+
+    def promote(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Worker side: a hint that a request with this prompt is on its way (a router chose this
+        engine; `worker_extension.py` brings it here): start loading the prompt's blocks the tiers
+        hold, keyed as the scheduler side keys them, so the step that loads them finds them
+        started. Returns the blocks started."""
+        tokens = list(token_ids)
+        usable = max(0, len(tokens) - 1) // self.block_size  # as get_num_new_matched_tokens asks
+        return self.tiers.promote(self.tiers.keys(tokens, cache_salt or self.config.namespace)[:usable])
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -263,7 +280,8 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._finish_load()  # a previous step's job, should one be left
         if not meta.loads:
             return
-        job = LoadJob(self.tiers, self._layers, self._kind, [(t.keys, t.block_ids) for t in meta.loads],
+        assert self._copier is not None, "register_kv_caches comes first"
+        job = LoadJob(self.tiers, self._copier, [(t.keys, t.block_ids) for t in meta.loads],
                       timing=_TIMING)
         self._job = job
         if self._layerwise:
@@ -300,9 +318,10 @@ class TieredCacheConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, TieredCacheMetadata)
         for transfer in meta.saves:
+            assert self._copier is not None, "register_kv_caches comes first"
             # A copy now (vLLM may reuse the blocks after this step); encoding and writing later.
-            pages = gather_blocks(self._layers, transfer.block_ids, self._kind, self.spec.head_dim)
-            self.tiers.save(transfer.keys, pages.to(self.spec.dtype.torch).contiguous())
+            pages, ready = self._copier.gather(transfer.block_ids)
+            self.tiers.save(transfer.keys, pages, ready)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         self._finish_load()

@@ -17,6 +17,8 @@ import sys
 import time
 from typing import Any
 
+from tiered_cache.tiers.base import Tier
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,13 +59,13 @@ def transfer_config(args: argparse.Namespace) -> Any:
                                 kv_connector_extra_config={"shared_storage_path": args.disk})
     tiers, extra = [], {}
     if args.disk:
-        tiers.append("disk")
+        tiers.append(Tier.DISK.value)
         extra["disk_path"] = args.disk
     if args.redis:
-        tiers.append("redis")
+        tiers.append(Tier.REDIS.value)
         extra["redis_url"] = args.redis
     if args.remote:
-        tiers.append("remote")
+        tiers.append(Tier.REMOTE.value)
         extra["remote_addresses"] = args.remote
     if tiers or not args.config:
         extra["lower_tiers"] = tiers

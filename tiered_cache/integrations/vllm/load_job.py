@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tiered_cache.integrations.vllm.block_copy import BlockCopier
 from tiered_cache.integrations.vllm.block_tiers import BlockTiers
-from tiered_cache.integrations.vllm.layout import scatter_blocks
 from tiered_cache.shm.arena_map import ArenaViews
 
 log = logging.getLogger(__name__)
@@ -30,11 +30,12 @@ WAIT_S = 120.0  # the tiers' own deadlines end a stuck get long before this
 
 
 class LoadJob:
-    def __init__(self, tiers: BlockTiers, layers: Sequence[torch.Tensor], kind: str,
+    def __init__(self, tiers: BlockTiers, copier: BlockCopier,
                  transfers: Sequence[tuple[Sequence[bytes], Sequence[int]]], timing: bool = False,
                  wait_s: float = WAIT_S) -> None:
-        """`transfers`: (block keys, vLLM block ids) pairs; `layers`: vLLM's KV tensor per layer."""
-        self.tiers, self.layers, self.kind = tiers, list(layers), kind
+        """`transfers`: (block keys, vLLM block ids) pairs; `copier`: into vLLM's KV (`block_copy`)."""
+        self.tiers, self.copier = tiers, copier
+        self._after = copier.mark()  # the engine's work so far: copies in follow it (a device's stream)
         self.transfers = [(list(keys), list(ids)) for keys, ids in transfers]
         self.timing, self.wait_s = timing, wait_s
         self.ready = [threading.Event() for _ in range(tiers.num_groups)]
@@ -69,7 +70,6 @@ class LoadJob:
             self.done.set()
 
     def _load_group(self, group: int) -> None:
-        layers = [self.layers[i] for i in self.tiers.layers_of(group)]
         for (keys, block_ids), prefetched in zip(self.transfers, self._prefetched, strict=True):
             started = time.perf_counter()
             # Pages from a store server on this host come as views into its arena (no copy out):
@@ -81,13 +81,13 @@ class LoadJob:
                     pages, lease = prefetched[0].result()[group], prefetched[1]
                 except Exception:  # loaded again below, as if never started
                     log.warning("tiered-cache: a load started ahead failed; loading again", exc_info=True)
-            copied, failed = self._copy_in(layers, keys, block_ids, group, lease, pages)
+            copied, failed = self._copy_in(keys, block_ids, group, lease, pages)
             page_keys = self.tiers.page_keys(keys, group)
             lost = lease.lost().intersection(page_keys)  # a prefetch's lease holds every group's pages
             if lost:
                 self.tiers.lent_lost += len(lost)
                 again = [i for i, key in enumerate(page_keys) if key in lost]
-                recopied, _ = self._copy_in(layers, [keys[i] for i in again], [block_ids[i] for i in again], group,
+                recopied, _ = self._copy_in([keys[i] for i in again], [block_ids[i] for i in again], group,
                                             None)
                 failed = (failed - recopied) | ({block_ids[i] for i in again} - recopied)
             with self._lock:
@@ -97,7 +97,7 @@ class LoadJob:
                       f"{1e3 * (time.perf_counter() - started):.1f} ms ({len(copied)} copied, {len(lost)} pages "
                       "written over and read again)", file=sys.stderr, flush=True)
 
-    def _copy_in(self, layers: list[torch.Tensor], keys: list[bytes], block_ids: list[int], group: int,
+    def _copy_in(self, keys: list[bytes], block_ids: list[int], group: int,
                  lease: ArenaViews | None, pages: list[torch.Tensor | None] | None = None) -> tuple[set[int], set[int]]:
         """Load group `group` of these blocks (unless prefetched: `pages`) and copy it into
         vLLM's KV. Returns the block ids copied in and those missing or refused."""
@@ -109,8 +109,8 @@ class LoadJob:
         with self._lock:
             if self._cancelled:
                 return set(), set()
-            scatter_blocks(layers, [block_ids[i] for i in good], [pages[i] for i in good], self.kind,
-                           self.tiers.block_spec.head_dim)
+            self.copier.scatter([block_ids[i] for i in good], [pages[i] for i in good], self.tiers.layers_of(group),
+                                self._after)
         return {block_ids[i] for i in good}, {block_ids[i] for i, page in enumerate(pages) if page is None}
 
     def wait_for(self, group: int, layer_name: str) -> None:

@@ -1,0 +1,187 @@
+"""The event router's policy (Ray-free) over real caches publishing real KV events: it keys a
+prompt as the workers do (SmolLM2's tokenizer and chat template, their namespace and model), sends
+it to the worker whose device holds it, weighs host RAM, the store, recompute and a worker's
+queue by expected TTFT, learns a restarted cache from the replay, and falls back to the prefix
+policy, counting it, when a worker's events stop."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("zmq")
+
+from tiered_cache.cache import TieredCache
+from tiered_cache.config import CacheConfig
+from tiered_cache.integrations.hf_models import encode_prompt, load_tokenizer
+from tiered_cache.model.spec import KVSpec
+from tiered_cache.workers.routing import PrefixAwarePolicy
+from tiered_cache.workers.routing.event_index import ClusterEvents
+from tiered_cache.workers.routing.event_policy import EventRoutingPolicy
+
+SPEC = KVSpec("event-routing-test", 2, 1, 8, page_size=16)
+DOCS = [f"Document {d}: " + " ".join(f"word{d}x{i}" for i in range(120)) for d in range(3)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2")
+
+
+def _cache(**config) -> TieredCache:
+    return TieredCache(SPEC, CacheConfig(pool_capacity="1MiB", kv_events_endpoint="tcp://127.0.0.1:0", **config))
+
+
+def _info(cache: TieredCache, namespace: str = "") -> dict:
+    publisher = cache.events.publisher
+    return {"address": f"{publisher.endpoint} {publisher.replay_endpoint} x", "model": "smollm2",
+            "fingerprint": SPEC.fingerprint, "namespace": namespace, "page_size": SPEC.page_size}
+
+
+def _prefill(cache: TieredCache, tokenizer, text: str, namespace: str | None = None) -> int:
+    ids = encode_prompt(tokenizer, text)
+    cache.put(ids, torch.randn(SPEC.kv_shape(len(ids))).half(), namespace=namespace)
+    return len(ids)
+
+
+def _policy(stale_after_s: float = 3.0) -> EventRoutingPolicy:
+    return EventRoutingPolicy(PrefixAwarePolicy(), ClusterEvents(stale_after_s))
+
+
+def _until(predicate, what: str, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+    return value
+
+
+def _join(policy: EventRoutingPolicy, a: TieredCache, b: TieredCache) -> None:
+    for name, cache in (("a", a), ("b", b)):
+        policy.add_worker(name)
+        policy.join(name, _info(cache))
+
+
+def _pages(policy: EventRoutingPolicy, worker: str) -> int:
+    return policy.events.stats()[worker]["pages"]
+
+
+def test_a_prompt_goes_to_the_worker_whose_device_holds_it(tokenizer):
+    with _cache() as a, _cache() as b:
+        policy = _policy()
+        try:
+            _join(policy, a, b)
+            _prefill(a, tokenizer, DOCS[0])
+            n = _prefill(b, tokenizer, DOCS[1])
+            _until(lambda: _pages(policy, "a") and _pages(policy, "b"), "both workers' events")
+            loads = {"a": 0, "b": 0}
+            first = policy.choose(DOCS[0], loads, DOCS[0])
+            second = policy.choose(DOCS[1], loads, DOCS[1])
+            assert (first.worker, first.reason) == ("a", "events") and (second.worker, second.reason) == ("b", "events")
+            assert second.matched_chars == n // SPEC.page_size * SPEC.page_size  # the cached tokens it expects
+            assert second.expected == (second.matched_chars, 0, 0)  # all of them on b's device
+            # Evicted to host RAM, a prompt still goes where it is cheapest to load: a's host, not b's recompute.
+            a.evict()
+            _until(lambda: policy.events.holdings("a", _keys(tokenizer, DOCS[0])).host, "a's host pages")
+            assert policy.choose(DOCS[0], loads, DOCS[0]).worker == "a"
+            # A busy worker's queue costs more than recomputing on an idle one.
+            assert policy.choose(DOCS[0], {"a": 12, "b": 0}, DOCS[0]).worker == "b"
+            assert policy.fallbacks == 0
+        finally:
+            policy.close()
+
+
+def _keys(tokenizer, text: str, namespace: str = "") -> list[bytes]:
+    from tiered_cache.index.keys import PageKeyer
+
+    return PageKeyer(SPEC, namespace).keys(encode_prompt(tokenizer, text))
+
+
+def test_another_namespace_s_pages_do_not_count(tokenizer):
+    with _cache(namespace="tenant-a") as a, _cache() as b:
+        policy = _policy()
+        try:
+            policy.join("a", _info(a, "tenant-a"))
+            policy.join("b", _info(b))
+            _prefill(b, tokenizer, DOCS[2])
+            _prefill(a, tokenizer, DOCS[2])  # the same text, in a's namespace
+            _until(lambda: _pages(policy, "a") and _pages(policy, "b"), "both workers' events")
+            held = policy.events.holdings("a", _keys(tokenizer, DOCS[2]))
+            assert held.device == 0  # keyed in b's namespace, a holds none of it
+            assert policy.events.holdings("a", _keys(tokenizer, DOCS[2], "tenant-a")).device > 0
+        finally:
+            policy.close()
+
+
+def test_a_router_that_starts_late_learns_from_the_replay_and_one_whose_events_stop_falls_back(tokenizer):
+    a, b = _cache(), _cache()
+    try:
+        _prefill(a, tokenizer, DOCS[0])  # before any router
+        policy = _policy(stale_after_s=1.5)
+        try:
+            _join(policy, a, b)
+            _until(lambda: _pages(policy, "a") and policy.events.fresh("b"), "a's pages from the replay")
+            assert policy.choose(DOCS[0], {"a": 0, "b": 0}, DOCS[0]).worker == "a" and policy.fallbacks == 0
+            a.close()  # its events stop: cleared, then no heartbeat
+            _until(lambda: not policy.events.fresh("a"), "a's events to go stale")
+            decision = policy.choose(DOCS[0], {"a": 0, "b": 0}, DOCS[0])
+            assert decision.reason != "events" and policy.fallbacks == 1
+            assert policy.stats()["sources"]["a"]["fresh"] is False
+        finally:
+            policy.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_answers_teach_the_estimate():
+    from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
+
+    estimate = TTFTEstimate()
+    for _ in range(30):
+        estimate.observe({"ttft_s": 1.0, "prompt_tokens": 500, "reused_tokens": 0, "sources": {}}, 1.2)
+        estimate.observe({"ttft_s": 0.05, "prompt_tokens": 500, "reused_tokens": 480,
+                          "sources": {"remote": 480}}, 0.1)
+    assert estimate.prefill_s_per_token == pytest.approx(1.0 / 500, rel=0.05)
+    assert estimate.store_s_per_token == pytest.approx((0.05 - 20 / 500) / 480, rel=0.1)
+    assert estimate.seconds(500, 0, 0, 480, 0) < estimate.seconds(500, 0, 0, 0, 0)
+
+
+def test_an_engine_that_tells_only_its_cached_total_still_teaches_the_store_s_cost():
+    """vLLM says how many prompt tokens came from any cache: what it reused beyond the tokens the
+    router expected on the device, up to those it expected in the store, came from the store."""
+    from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate, with_store_share
+
+    answer = {"ttft_s": 0.3, "prompt_tokens": 1000, "reused_tokens": 896}
+    assert with_store_share(answer, (512, 0, 384))["sources"] == {"remote": 384}
+    assert with_store_share(answer, (896, 0, 0))["sources"] == {}  # all on the device: no load
+    assert with_store_share({**answer, "reused_tokens": 600}, (512, 0, 384))["sources"] == {"remote": 88}
+    assert with_store_share({**answer, "reused_tokens": 100}, (512, 0, 384))["sources"] == {}  # evicted meanwhile
+    estimate = TTFTEstimate()
+    for _ in range(30):
+        estimate.observe(with_store_share({"ttft_s": 0.05 + 104 * 2e-3, "prompt_tokens": 1000,
+                                           "reused_tokens": 896}, (0, 0, 896)), 0.5)
+    assert estimate.store_s_per_token == pytest.approx(0.05 / 896, rel=0.1)
+
+
+def test_a_prompt_already_on_its_way_to_a_worker_counts_as_cached_there(tokenizer):
+    """Two questions on one new document at once: nothing is cached anywhere yet, but the second
+    waits behind the first on the worker it went to and finds its pages there: not recomputed elsewhere."""
+    with _cache() as a, _cache() as b:
+        policy = _policy()
+        try:
+            _join(policy, a, b)
+            _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+            first = policy.choose(DOCS[1], {"a": 0, "b": 0}, DOCS[1])
+            busy = {first.worker: 1, ("b" if first.worker == "a" else "a"): 0}
+            second = policy.choose(DOCS[1] + " Another question?", busy, DOCS[1] + " Another question?")
+            assert second.worker == first.worker and second.matched_chars > 0
+            policy.finished(first.worker, first)
+            policy.finished(second.worker, second)
+            # Answered, and no event says its pages are there (nothing was stored here): the idle worker then.
+            third = policy.choose(DOCS[1], {first.worker: 1, ("b" if first.worker == "a" else "a"): 0}, DOCS[1])
+            assert third.worker != first.worker
+        finally:
+            policy.close()

@@ -1,0 +1,116 @@
+"""The first loads of a reader that just started: `bench pool-load` runs this module as a process
+of its own per path (`python -m tiered_cache.bench.pool_load.first`), the way a new instance comes
+up when a cluster scales out. It builds a `TieredCache` the way a user does (the path's tier
+from cache settings), lets it settle (`--settle` seconds from construction: what it starts in
+the background has time to finish), then loads prefixes it has never read, one after the other,
+each checked byte for byte, and prints each load's seconds as JSON. The first against the median
+of the rest is what starting costs a request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tiered_cache.bench.pool_load.prefixes import Prefixes
+from tiered_cache.bench.pool_load.serving import check_pool, clock, load, reader
+from tiered_cache.bench.pool_load.sites import Way
+
+
+@dataclass(frozen=True)
+class FirstLoads:
+    """A new reader's loads: the first, then the steady ones after it; and the same for a memcpy
+    of the same bytes after the same idle time (what the machine itself charges a first
+    operation after a pause: a VM's vCPU, caches and TLBs gone cold), in the same process."""
+
+    first_seconds: float
+    steady_seconds: list[float]
+    settle_s: float
+    memcpy_first_seconds: float
+    memcpy_steady_seconds: list[float]
+    ready: bool = True  # the cache had come up (`TieredCache.warming` ended) by its first load
+    up_s: float | None = None  # when it had, from its construction (None: not by the end of the run)
+
+    @property
+    def steady(self) -> float:
+        return statistics.median(self.steady_seconds)
+
+    @property
+    def first_over_steady(self) -> float:
+        return self.first_seconds / self.steady
+
+    @property
+    def memcpy_first_over_steady(self) -> float:
+        return self.memcpy_first_seconds / statistics.median(self.memcpy_steady_seconds)
+
+
+def first_loads(spec_dict: dict[str, Any], mib: float, settings: dict[str, Any], path: str, first: int,
+                count: int, settle_s: float, way: str, timeout_s: float = 600) -> FirstLoads:
+    """Run a reader process on prefixes `[first, first + count)` (count >= 2) and read its loads."""
+    assert count >= 2, "a first load and at least one steady load"
+    job = {"spec": spec_dict, "mib": mib, "settings": settings, "path": path, "first": first, "count": count,
+           "settle_s": settle_s, "way": way}
+    done = subprocess.run([sys.executable, "-m", "tiered_cache.bench.pool_load.first", json.dumps(job)],
+                          capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"the reader process for {path} failed: {tail}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    loads, memcpy = out["seconds"], out["memcpy_seconds"]
+    return FirstLoads(loads[0], loads[1:], settle_s, memcpy[0], memcpy[1:], out["ready"], out["up_s"])
+
+
+def _run(job: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from tiered_cache.model.spec import KVSpec
+
+    prefixes = Prefixes(KVSpec.from_dict(job["spec"]), job["mib"])
+    mine = [prefixes[job["first"] + i] for i in range(job["count"])]
+    for prefix in mine:  # the bench's own work (the pool check needs the pages): before the cache
+        prefix.pages  # noqa: B018
+    room = job["count"] + 1  # an instance that just started: its pool and host RAM have room
+    started = time.monotonic()
+    cache = reader(prefixes, job["settings"], room, room)
+    up: list[float] = []  # when the cache had come up, from its construction
+    threading.Thread(target=lambda: (cache.warming.join(), up.append(time.monotonic() - started)), daemon=True).start()
+    try:
+        if job["path"] in ("host", "tensor"):  # its own prefixes into its host RAM: written, then demoted
+            for prefix in mine:
+                cache.put(prefix.tokens, prefix.kv())
+                cache.evict()
+        time.sleep(max(0.0, job["settle_s"] - (time.monotonic() - started)))
+        ready = not cache.warming.is_alive()
+        seconds = []
+        for prefix in mine:
+            took, placed = clock(lambda p=prefix: load(cache, p, Way(job["way"])))
+            check_pool(cache, placed, prefix)
+            del placed
+            seconds.append(took)
+        # The machine's own first-after-idle cost: a memcpy of the same bytes, after the same pause.
+        src, dst = torch.ones(prefixes.nbytes, dtype=torch.uint8), torch.zeros(prefixes.nbytes, dtype=torch.uint8)
+        dst.copy_(src)
+        time.sleep(job["settle_s"])
+        memcpy = [clock(lambda: dst.copy_(src))[0] for _ in range(job["count"])]
+        return {"seconds": seconds, "memcpy_seconds": memcpy, "ready": ready, "up_s": up[0] if up else None}
+    finally:
+        cache.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("job", help="the job as JSON (first_loads writes it)")
+    args = parser.parse_args(argv)
+    print(json.dumps(_run(json.loads(args.job))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""`bench pool-load`'s headline: prefixes loaded the way serving loads them. A reader cache whose
+pool holds `pool_prefixes` prefixes is filled first (for the tiers below, by loading prefixes
+from the tier; for host RAM, by the tensor API), so the pool is full and stays full: every load
+pushes it past the high watermark and the background demoter makes room for the next. Each round
+then loads a prefix this reader has never read (`match` + `load`, every checksum verified) beside
+the path's limit, alternating which goes first; between rounds the demotions the load started
+finish (the gap between a request's prefill and the next one's). The figure is the median of the
+rounds.
+
+Index layout of a run's prefixes per path: `[0, pool_prefixes)` fill the pool, the next `rounds`
+are timed, and the ones after that go to a reader process started for the bench
+(first.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tiered_cache.bench.pool_load.prefixes import NAMESPACE, Prefix, Prefixes
+from tiered_cache.bench.pool_load.sites import Site, Way
+
+if TYPE_CHECKING:
+    from tiered_cache.cache import TieredCache
+
+_SETTLE_S = 30.0  # at most this long for a round's demotions to finish before the next round
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A load beside its limit: medians of `rounds` rounds."""
+
+    seconds: float
+    baseline_seconds: float
+    work: int  # bytes the last timed load really placed (pages x page bytes)
+    baseline_work: int  # bytes the baseline's last call really returned
+    rounds: int
+
+    @property
+    def ratio(self) -> float:
+        """Speed relative to the limit: 1 is as fast as the raw operation."""
+        return self.baseline_seconds / self.seconds
+
+
+def reader(prefixes: Prefixes, settings: dict[str, Any], pool_prefixes: int, host_prefixes: int) -> TieredCache:
+    """A reader cache on `settings` (its tiers below), its pool holding `pool_prefixes` prefixes
+    and its host RAM `host_prefixes`, memory faulted in before it returns."""
+    from tiered_cache.cache import TieredCache
+    from tiered_cache.config import CacheConfig
+
+    page = prefixes.spec.bytes_per_page
+    config = CacheConfig(namespace=NAMESPACE, pool_capacity=pool_prefixes * prefixes.nbytes + 4 * page,
+                         host_capacity=host_prefixes * prefixes.nbytes + 4 * page, **settings)
+    return TieredCache(prefixes.spec, config)
+
+
+def serving_rounds(site: Site, prefixes: Prefixes, rounds: int, pool_prefixes: int) -> Timed:
+    """The timed rounds of `site` (see the module doc)."""
+    fill = range(pool_prefixes)
+    timed = [prefixes[pool_prefixes + r] for r in range(rounds)]
+    host = site.path in ("host", "tensor")
+    # Host RAM holds the timed prefixes and what the pool demotes; below it, a pool's worth.
+    cache = reader(prefixes, site.settings, pool_prefixes, rounds + pool_prefixes + 2 if host else pool_prefixes)
+    try:
+        cache.warming.join()  # faulted in before timing, as a long-running engine's would be
+        if host:  # the timed prefixes into host RAM (written, then demoted), then the pool filled
+            for prefix in timed:
+                cache.put(prefix.tokens, prefix.kv())
+                cache.evict()
+            for i in fill:
+                cache.put(prefixes[i].tokens, prefixes[i].kv())
+                prefixes[i].drop_pages()
+        else:
+            for i in fill:
+                got = load(cache, prefixes[i])
+                if len(got) != prefixes.num_pages:
+                    raise RuntimeError(f"{site.label}: filling the pool loaded {len(got)} of {prefixes.num_pages} "
+                                       "pages of a prefix")
+        cache.demoter.flush(_SETTLE_S)
+        return timed_loads(cache, site, timed)
+    finally:
+        cache.close()
+
+
+def timed_loads(cache: TieredCache, site: Site, timed: list[Prefix]) -> Timed:
+    """Load each of `timed` once beside the limit, alternating which runs first; each load is
+    checked byte for byte, then its demotions are let finish."""
+    ours: list[float] = []
+    base: list[float] = []
+    work = got = 0
+    for r, prefix in enumerate(timed):
+        baseline = site.baseline(prefix)
+        if r % 2:
+            seconds_base, got = clock(baseline)
+            seconds, placed = clock(lambda p=prefix: load(cache, p, site.way))
+        else:
+            seconds, placed = clock(lambda p=prefix: load(cache, p, site.way))
+            seconds_base, got = clock(baseline)
+        work = check_pool(cache, placed, prefix)
+        del placed
+        prefix.drop_pages()
+        ours.append(seconds)
+        base.append(seconds_base)
+        cache.demoter.flush(_SETTLE_S)
+    return Timed(statistics.median(ours), statistics.median(base), work, got, len(timed))
+
+
+def load(cache: TieredCache, prefix: Prefix, way: Way = Way.LOAD) -> Any:
+    """Take `prefix` the way `way` says: the device pages it got (paged API), or (tokens, KV) (`get`)."""
+    if way is Way.GET:
+        return cache.get(prefix.tokens)
+    handle = cache.match(prefix.tokens)
+    try:
+        if way is Way.PREFETCH:
+            cache.prefetch(handle)
+        return cache.load(handle)
+    finally:
+        cache.release(handle)
+
+
+def check_pool(cache: TieredCache, got: Any, prefix: Prefix) -> int:
+    """The bytes `load` placed, checked equal to the prefix's (else the figures are of a broken load)."""
+    import torch
+
+    if isinstance(got, tuple):  # get(): (tokens, KV)
+        n, kv = got
+        if n != len(prefix.tokens) or not torch.equal(kv, prefix.kv()):
+            raise AssertionError(f"get() gave {n} of {len(prefix.tokens)} tokens, or wrong bytes")
+        return kv.numel() * kv.element_size()
+    if len(got) != prefix.num_pages or not torch.equal(cache.pool.gather(got), prefix.pages):
+        raise AssertionError(f"the load gave {len(got)} of {prefix.num_pages} pages, or wrong bytes")
+    return len(got) * cache.spec.bytes_per_page
+
+
+def clock(fn: Callable[[], Any]) -> tuple[float, Any]:
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result

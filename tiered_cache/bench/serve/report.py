@@ -1,0 +1,44 @@
+"""What `bench serve` prints: per way, TTFT and end-to-end latency (p50, p99), output tokens and
+requests a second, the share of prompt tokens served from a cache, errors, and how many answers
+equal the first way's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiered_cache.bench.serve.runner import WayRun
+from tiered_cache.bench.timing import quantile
+from tiered_cache.report.table import render_table
+
+
+def summary(run: WayRun, baseline: WayRun | None) -> dict[str, Any]:
+    ok = [o for o in run.outcomes if not o.error]
+    prompt = sum(o.prompt_tokens for o in ok)
+    same = compared = 0
+    if baseline is not None:
+        theirs = {o.key: o.text for o in baseline.outcomes if not o.error}
+        for o in ok:
+            if o.key in theirs:
+                compared += 1
+                same += o.text == theirs[o.key]
+    return {"way": run.way, "requests": len(run.outcomes), "errors": len(run.outcomes) - len(ok),
+            "ttft_p50_s": quantile([o.ttft_s for o in ok], 0.5), "ttft_p99_s": quantile([o.ttft_s for o in ok], 0.99),
+            "e2e_p50_s": quantile([o.latency_s for o in ok], 0.5),
+            "e2e_p99_s": quantile([o.latency_s for o in ok], 0.99),
+            "output_tokens_per_s": sum(o.output_tokens for o in ok) / run.wall_s if run.wall_s else 0.0,
+            "requests_per_s": len(ok) / run.wall_s if run.wall_s else 0.0,
+            "prompt_tokens": prompt, "cached_tokens": sum(o.cached_tokens for o in ok),
+            "cached_share": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
+            "answers_compared": compared, "answers_equal": same}
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    best = rows[0]
+    table = [[r["way"], f"{r['ttft_p50_s'] * 1e3:,.0f}", f"{r['ttft_p99_s'] * 1e3:,.0f}",
+              f"{best['ttft_p50_s'] / r['ttft_p50_s']:.2f}x" if r["ttft_p50_s"] else "-",
+              f"{r['e2e_p50_s'] * 1e3:,.0f}", f"{r['e2e_p99_s'] * 1e3:,.0f}", f"{r['output_tokens_per_s']:.1f}",
+              f"{r['requests_per_s']:.2f}", f"{r['cached_share']:.0%}", str(r["errors"]),
+              f"{r['answers_equal']}/{r['answers_compared']}" if r["answers_compared"] else "-"]
+             for r in rows]
+    return render_table(table, ["way", "TTFT p50 ms", "p99 ms", "p50 vs first", "e2e p50 ms", "p99 ms", "out tok/s",
+                                "req/s", "cached", "errors", "answers = first"])

@@ -1,0 +1,87 @@
+"""Our connector's figures in vLLM's own metrics: `TieredCacheStats` (what the scheduler-side
+connector counted since vLLM last asked, `get_kv_connector_stats`) and `TieredCachePromMetrics`
+(counters `vllm:tiered_cache_*` in vLLM's Prometheus registry, the one its `/metrics` serves,
+labelled per engine as vLLM's own are), and `TOTALS`, their sums in this process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+# name -> help: each a count of the interval, summed across workers and added to a counter.
+COUNTERS = {
+    "lookups": "Requests whose prompt tiered-cache was asked about",
+    "blocks_asked": "Full prompt blocks tiered-cache was asked about",
+    "blocks_hit": "Leading prompt blocks tiered-cache held (loaded unless vLLM's own prefix cache had them)",
+    "blocks_saved": "Blocks handed to tiered-cache's tiers to save",
+    "saves_dropped": "Block saves dropped because the save queue was full",
+    "load_failures": "Blocks a lookup promised that could not be loaded (vLLM recomputed them)",
+    "load_errors": "Pages found but refused on decode (checksum, identity): recomputed",
+}
+
+
+# This process's sums of what the metrics were told, whatever holds the counters (prometheus_client,
+# or Ray's metrics under Ray Serve LLM, which cannot be read back): a replica reports them.
+TOTALS: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+
+
+class TieredCacheStats(KVConnectorStats):
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class TieredCachePromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[str, dict[int, Any]] = {}
+        for name, description in COUNTERS.items():
+            counter = self._counter_cls(name=f"vllm:tiered_cache_{name}", documentation=description,
+                                        labelnames=labelnames)
+            self.counters[name] = {engine: counter.labels(*values) for engine, values in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if name in TOTALS and value:
+                TOTALS[name] += value
+            per_engine = self.counters.get(name)
+            if per_engine is not None and value and engine_idx in per_engine:
+                per_engine[engine_idx].inc(value)
+
+
+class Tally:
+    """The scheduler side's counts since the last `take` (BlockTiers' own counters are totals:
+    their growth is added)."""
+
+    def __init__(self, tiers: Any) -> None:
+        self.tiers = tiers
+        self.counts = dict.fromkeys(COUNTERS, 0)
+        self._seen = self._totals()
+
+    def _totals(self) -> dict[str, int]:
+        return {"saves_dropped": self.tiers.saves_dropped, "load_failures": self.tiers.load_failures,
+                "load_errors": self.tiers.load_errors}
+
+    def add(self, **counts: int) -> None:
+        for name, value in counts.items():
+            self.counts[name] += value
+
+    def take(self) -> TieredCacheStats | None:
+        totals = self._totals()
+        for name, total in totals.items():
+            self.counts[name] += total - self._seen[name]
+        self._seen = totals
+        counts, self.counts = self.counts, dict.fromkeys(COUNTERS, 0)
+        return TieredCacheStats(data=counts) if any(counts.values()) else None

@@ -1,0 +1,152 @@
+"""`EventRoutingPolicy`: send a prompt where its expected time to first token is lowest, judged
+from where the cluster's KV events say its pages are (event_index.py) and what the answers taught
+about each tier's cost (ttft_estimate.py).
+
+The router keys a prompt as the workers do: their tokenizer and chat template, then the page-key
+chain of their namespace and model (DESIGN.md §4), so a key here is the block hash in their
+events. While any live worker's events are stale (no batch, not even a heartbeat, for a few
+seconds: a worker stuck or its events cut), the prefix policy decides instead and `fallbacks`
+counts it; that policy records every route either way, so it is warm when it is needed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from tiered_cache.index.keys import chain_keys, root_key
+from tiered_cache.workers.routing.event_index import ClusterEvents
+from tiered_cache.workers.routing.policies import PrefixAwarePolicy
+from tiered_cache.workers.routing.policy import Decision, Prompt, RoutingPolicy
+from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
+
+
+class EventRoutingPolicy(RoutingPolicy):
+    follows_events = True
+    choose_blocks = True  # keys the prompt with the workers' tokenizer
+
+    def __init__(self, fallback: PrefixAwarePolicy, events: ClusterEvents | None = None) -> None:
+        self.fallback = fallback
+        self.events = events or ClusterEvents()
+        self.estimate = TTFTEstimate()
+        self.fallbacks = 0  # decisions the prefix policy made because events were stale
+        self._identity: dict[str, tuple[str, str, int]] = {}  # worker -> (fingerprint, namespace, page size)
+        # Per worker, the page keys of the prompts sent there and not answered yet: their pages are
+        # on no one's device so far, but will be on that worker's before a request queued behind them runs.
+        self._pending: dict[str, deque[tuple[list[bytes], float]]] = defaultdict(deque)  # (keys, expected seconds)
+        self._tokenizer: Any = None
+        self._model = ""
+        self._lock = threading.Lock()
+
+    # --- members ----------------------------------------------------------------------------------
+    def add_worker(self, name: str) -> None:
+        self.fallback.add_worker(name)
+
+    def remove_worker(self, name: str) -> None:
+        self.fallback.remove_worker(name)
+        self._pending.pop(name, None)
+        self.events.forget(name)
+        self._identity.pop(name, None)
+
+    def observe(self, worker: str, texts: Iterable[str]) -> None:
+        self.fallback.observe(worker, texts)
+
+    def join(self, name: str, info: Mapping[str, Any]) -> None:
+        """A worker (re)joined with `info` (`CacheWorker.info`): subscribe to its events and learn
+        how it keys prompts. Blocking the first time (the tokenizer loads): call it off the loop."""
+        address = str(info.get("address") or "").split()
+        if len(address) < 2:
+            return  # no events from it: it is routed by the fallback
+        with self._lock:
+            if self._tokenizer is None or info["model"] != self._model:
+                from tiered_cache.integrations.hf_models import load_tokenizer
+
+                self._tokenizer, self._model = load_tokenizer(info["model"]), info["model"]
+        self._identity[name] = (info["fingerprint"], info["namespace"], int(info["page_size"]))
+        self.events.watch(name, address[0], address[1], incarnation=" ".join(address[2:]))
+
+    def watch_shards(self, shards: Mapping[str, Mapping[str, str] | None]) -> None:
+        for gone in set(self.events.shards) - set(shards):
+            self.events.forget(gone)
+        for name, events in shards.items():
+            if events:
+                self.events.watch(name, events["endpoint"], events["replay"], shard=True)
+
+    # --- routing ----------------------------------------------------------------------------------
+    def choose(self, text: str, loads: Mapping[str, int], prompt: Prompt | None = None,
+               chat: bool = True) -> Decision:
+        if prompt is None or self._tokenizer is None or not all(
+                w in self._identity and self.events.fresh(w) for w in loads):
+            self.fallbacks += 1
+            return self.fallback.choose(text, loads)
+        ids = self._encode(prompt, chat)
+        keyed: dict[tuple[str, str, int], list[bytes]] = {}
+        best: tuple[float, int, str] | None = None
+        cached, split, chosen = 0, (0, 0, 0), ([], 0.0)
+        behind = 1.0 + min(1.0, sum(loads.values()) / len(loads))  # 1 on an idle cluster, 2 once busy
+        for worker in sorted(loads):
+            fingerprint, namespace, page = identity = self._identity[worker]
+            if identity not in keyed:
+                keyed[identity] = chain_keys(ids, page, root_key(namespace, fingerprint))
+            keys, pending = keyed[identity], self._pending[worker]
+            coming = max((_common(keys, sent) for sent, _ in pending), default=0)
+            held = self.events.holdings(worker, keys, coming)
+            untracked = max(0, loads[worker] - len(pending))  # sent while events were stale: cost unknown
+            wait = sum(cost for _, cost in pending) + untracked * self.estimate.service_s
+            own = self.estimate.seconds(len(ids), held.device * page, held.host * page, held.store * page)
+            found = (held.device + held.host + held.store) * page
+            # A recomputed token costs in this TTFT and, on a busy cluster, again in the TTFT of the
+            # request that will queue behind it there: racing an idle worker to recompute a prefix
+            # another is about to hold wins one request and slows the next.
+            spent = behind * self.estimate.compute_s(len(ids), found)
+            if best is None or (wait + own + spent, loads[worker], worker) < best:
+                best = (wait + own + spent, loads[worker], worker)
+                cached, chosen = found, (keys, own + self.estimate.decode_s)
+                split = (held.device * page, held.host * page, held.store * page)
+        assert best is not None
+        self.fallback.observe(best[2], [text])  # kept warm for when events stop
+        self._pending[best[2]].append(chosen)
+        return Decision(best[2], "events", cached, split)
+
+    def finished(self, worker: str, decision: Decision) -> None:
+        """A request routed by `decision` to `worker` was answered (or failed): its pages are told
+        by events now. Requests on a worker finish in the order they came, near enough."""
+        pending = self._pending.get(worker)
+        if decision.reason == "events" and pending:
+            pending.popleft()
+
+    def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
+        return encode(self._tokenizer, prompt, chat)
+
+    def learn(self, answer: Mapping[str, Any], latency_s: float) -> None:
+        self.estimate.observe(answer, latency_s)
+
+    def stats(self) -> dict[str, Any]:
+        return {"fallbacks": self.fallbacks, "estimate": self.estimate.to_dict(), "sources": self.events.stats()}
+
+    def close(self) -> None:
+        self.events.close()
+
+
+def _common(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """Leading keys `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def encode(tokenizer: Any, prompt: Prompt, chat: bool) -> list[int]:
+    """Token ids of a prompt as the workers see it: text (through the chat template when `chat`),
+    token ids as given, or a chat's messages through the template."""
+    from tiered_cache.integrations.hf_models import encode_messages, encode_prompt
+
+    if isinstance(prompt, str):
+        return encode_prompt(tokenizer, prompt, chat)
+    if prompt and all(isinstance(t, int) for t in prompt):  # token ids, as an engine takes them
+        return [int(t) for t in prompt]  # type: ignore[arg-type, union-attr]
+    return encode_messages(tokenizer, prompt)

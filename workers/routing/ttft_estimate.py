@@ -1,0 +1,86 @@
+"""`TTFTEstimate`: what the event router expects a worker's time to first token to be.
+
+A prompt's leading pages may be on the worker's device (free), in its host RAM (a copy up), in
+the store (a load over the network) or nowhere (recomputed); a busy worker first finishes what
+it is doing. Each cost is a moving estimate learned from the answers the router relays: seconds
+per recomputed token from answers that reused little, per host or store token from the rest of
+the TTFT once the recomputed part is taken out, and a request's time after its first token.
+A queued request waits for the work ahead of it: the router adds up what it expected of each
+request it sent there (its own loads and prefill, then its decode), and `service_s` for any it
+did not cost. Until answers teach it, the priors hold (recompute dearest, host RAM cheapest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tiered_cache.tiers.base import Tier
+
+_WEIGHT = 0.2  # of each new sample in the moving estimates
+
+
+@dataclass
+class TTFTEstimate:
+    prefill_s_per_token: float = 2e-3
+    host_s_per_token: float = 2e-5
+    store_s_per_token: float = 1e-4
+    service_s: float = 0.5  # one request on a worker, answer included (for requests whose cost is unknown)
+    decode_s: float = 0.1  # one request's time after its first token
+    samples: int = 0
+
+    def seconds(self, prompt_tokens: int, device: int, host: int, store: int, wait_s: float = 0.0) -> float:
+        """Expected TTFT on a worker with `device`, then `host`, then `store` leading tokens of a
+        `prompt_tokens` prompt (each run after the one before), after `wait_s` of work ahead of it."""
+        computed = max(0, prompt_tokens - device - host - store)
+        return (wait_s + host * self.host_s_per_token + store * self.store_s_per_token
+                + computed * self.prefill_s_per_token)
+
+    def compute_s(self, prompt_tokens: int, cached: int) -> float:
+        """The prefill the worker would spend on the uncached tokens: time taken from whatever
+        queues behind this request there."""
+        return max(0, prompt_tokens - cached) * self.prefill_s_per_token
+
+    def observe(self, answer: Mapping[str, Any], latency_s: float) -> None:
+        """Learn from one answer (`CacheWorker.generate`'s: ttft_s, prompt_tokens, reused_tokens,
+        sources: tier -> tokens) and its latency as the router saw it."""
+        ttft = float(answer.get("ttft_s") or 0.0)
+        prompt = int(answer.get("prompt_tokens") or 0)
+        sources: Mapping[str, int] = answer.get("sources") or {}
+        if ttft <= 0 or prompt <= 0:
+            return
+        self.samples += 1
+        # The worker's own time on it: the router's latency less the wait behind requests ahead
+        # (counted by `in_flight` already), else a busy cluster would count its queues twice.
+        busy = max(latency_s - float(answer.get("queued_s") or 0.0), ttft)
+        self.service_s = _moved(self.service_s, busy)
+        self.decode_s = _moved(self.decode_s, busy - ttft)
+        computed = prompt - int(answer.get("reused_tokens") or 0)
+        host, store = int(sources.get(Tier.HOST, 0)), int(sources.get(Tier.REMOTE, 0))
+        if computed >= prompt // 2:  # mostly recomputed: the prefill rate shows (loads are a small part)
+            self.prefill_s_per_token = _moved(self.prefill_s_per_token, ttft / computed)
+            return
+        rest = max(0.0, ttft - computed * self.prefill_s_per_token)
+        if store and not host:
+            self.store_s_per_token = _moved(self.store_s_per_token, rest / store)
+        elif host and not store:
+            self.host_s_per_token = _moved(self.host_s_per_token, rest / host)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"prefill_s_per_token": self.prefill_s_per_token, "host_s_per_token": self.host_s_per_token,
+                "store_s_per_token": self.store_s_per_token, "service_s": self.service_s, "decode_s": self.decode_s,
+                "samples": self.samples}
+
+
+def _moved(old: float, sample: float) -> float:
+    return (1 - _WEIGHT) * old + _WEIGHT * sample
+
+
+def with_store_share(answer: Mapping[str, Any], expected: tuple[int, int, int]) -> dict[str, Any]:
+    """`answer` with the tokens it took from the store, for an engine that tells only how many
+    prompt tokens came from any cache (vLLM's `cached_tokens`): what it reused beyond the tokens
+    expected on the worker's device, up to those expected in the store (`Decision.expected`)."""
+    device, _, store = expected
+    from_store = max(0, min(int(answer.get("reused_tokens") or 0) - device, store))
+    return {**answer, "sources": {Tier.REMOTE: from_store} if from_store else {}}

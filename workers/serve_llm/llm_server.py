@@ -1,0 +1,87 @@
+"""`TieredCacheLLMServer`: Ray Serve LLM's replica (`LLMServer`) with two additions:
+
+- its routing stats (which Serve polls every few seconds and hands to the request router; `stats
+  --ray` reads them there) carry its engine's connector figures: lookups, blocks asked, hit,
+  saved, dropped, failed loads (the `vllm:tiered_cache_*` counters its stat loggers saw), and the
+  blocks it asked its workers to start loading;
+- a completion or chat request the router sent here to load from our tiers (its mark in
+  `kv_transfer_params`) first tells the engine's workers to start loading the prompt's blocks
+  (`worker_extension.py`), before vLLM schedules it: the prompt is keyed as the router keys it
+  (the model's tokenizer and chat template), the hint sent ahead of the request, never waited for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
+from tiered_cache.integrations.vllm.worker_extension import PROMOTE
+from tiered_cache.workers.serve_llm.request_router import load_ahead, prompt_tokens
+
+log = logging.getLogger(__name__)
+HINT_TIMEOUT_S = 10.0  # a hint the engine has not taken by then is dropped (the load happens anyway)
+
+
+class TieredCacheLLMServer(LLMServer):
+    async def start(self) -> None:
+        await super().start()
+        self._tokenizer: Any = None
+        self.hinted_blocks = 0  # blocks the workers started loading on a hint
+        self.hints_failed = 0
+        self._hints: set[asyncio.Task[Any]] = set()
+        engine_kwargs = self._llm_config.engine_kwargs or {}
+        if engine_kwargs.get("kv_transfer_config") and engine_kwargs.get("worker_extension_cls"):
+            from tiered_cache.integrations.hf_models import load_tokenizer
+
+            source = self._llm_config.model_loading_config.model_source
+            self._tokenizer = await asyncio.to_thread(load_tokenizer, str(source))
+
+    async def _run_request(self, request: Any, *, engine_method: str, batch_output_stream: bool = False,
+                           raw_request_info: Any = None) -> Any:
+        if self._tokenizer is not None and engine_method in ("chat", "completions"):
+            self._hint(request)
+        return await super()._run_request(request, engine_method=engine_method,
+                                          batch_output_stream=batch_output_stream, raw_request_info=raw_request_info)
+
+    def _hint(self, request: Any) -> None:
+        """Send the workers the prompt's token ids (before the request itself reaches the engine:
+        the task is queued first); a prompt that cannot be keyed sends nothing."""
+        if not load_ahead(request):  # the router expects this replica's device to hold it, or none
+            return
+        try:
+            tokens = prompt_tokens(self._tokenizer, request)
+        except Exception:  # a prompt vLLM will answer with its own error
+            tokens = None
+        if not tokens:
+            return
+        salt = getattr(request, "cache_salt", None)
+        task = asyncio.ensure_future(self.engine.collective_rpc(method=PROMOTE, timeout=HINT_TIMEOUT_S,
+                                                                args=(tokens, salt)))
+        self._hints.add(task)
+        task.add_done_callback(self._hinted)
+
+    def _hinted(self, task: asyncio.Task[Any]) -> None:
+        self._hints.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            self.hints_failed += 1
+            log.debug("tiered-cache: a load hint failed: %s", None if task.cancelled() else task.exception())
+            return
+        self.hinted_blocks += max((int(n) for n in task.result() or [0]), default=0)
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        stats = dict(await super().record_routing_stats() or {})
+        figures = connector_figures()
+        figures["hinted_blocks"] = getattr(self, "hinted_blocks", 0)
+        figures["hints_failed"] = getattr(self, "hints_failed", 0)
+        stats["tiered_cache"] = figures
+        return stats
+
+
+def connector_figures() -> dict[str, float]:
+    """This replica's connector counters, summed over its engines (the stat loggers run here)."""
+    from tiered_cache.integrations.vllm.stats import TOTALS
+
+    return dict(TOTALS)

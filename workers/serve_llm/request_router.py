@@ -1,0 +1,241 @@
+"""`TieredCacheRouter`: our event routing policy as a Ray Serve request router.
+
+Serve's ingress asks it, for each request, which vLLM replica should answer. It reads every
+replica's vLLM KV events (the engine's blocks, medium GPU, and our connector's, medium CPU: written
+through to the store every replica reads), re-keys them by their tokens (routing/token_chain.py),
+keys the prompt the same way with the model's tokenizer and chat template, and ranks the replicas
+by expected time to first token (routing/event_policy.py: what is on the replica's device, what
+the store holds, the work queued ahead of it, learned rates). While a replica's events are stale
+the prefix policy decides, counted (`fallbacks`).
+
+It subclasses Ray's `KVAwareRouter` only for what Serve gives such a router's deployment: each
+replica's engine publishes on its own port (rank on its node), advertised in its routing stats
+(`kv_event_metadata`). Ray's own scoring (NVIDIA Dynamo's selection service, an HAProxy ingress)
+is not used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import logging
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+from ray.llm._internal.serve.routing_policies.kv_aware.kv_aware_router import KVAwareRouter
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+
+from tiered_cache.events.schema import MEDIUM_CPU, MEDIUM_STORAGE
+from tiered_cache.index.keys import root_key
+from tiered_cache.workers.routing.event_index import ClusterEvents
+from tiered_cache.workers.routing.event_policy import EventRoutingPolicy, encode
+from tiered_cache.workers.routing.policies import PrefixAwarePolicy
+from tiered_cache.workers.routing.policy import Decision, prompt_text
+from tiered_cache.workers.routing.token_chain import TokenChainIndex
+from tiered_cache.workers.routing.ttft_estimate import with_store_share
+
+log = logging.getLogger("tiered_cache.workers.serve_llm")
+LOAD_AHEAD = "tiered_cache_load_ahead"  # the mark in a request's kv_transfer_params (_say_load_ahead)
+# The chain the router keys tokens by: its own, not the connector's (it never meets a page key).
+FINGERPRINT = hashlib.sha256(b"tiered-cache serve router").hexdigest()
+ROOT = root_key("", FINGERPRINT)
+ROUTERS: list[TieredCacheRouter] = []  # this process's routers, for the ingress's stats route
+RECENT = 4096  # routes remembered for the answers' `tiered_cache` field
+
+
+class TieredCacheRouter(KVAwareRouter):
+    def initialize_state(self, model: str = "", **_: Any) -> None:
+        """`model`: the folder (or Hugging Face id) of the replicas' tokenizer."""
+        self.model = model
+        # vLLM's publisher sends no heartbeat: a replica's events are trusted while subscribed.
+        events = ClusterEvents(stale_after_s=None, index=lambda: TokenChainIndex(ROOT), host_mediums=(),
+                               store_mediums=(MEDIUM_STORAGE, MEDIUM_CPU))
+        self.policy = EventRoutingPolicy(PrefixAwarePolicy(), events)
+        self.in_flight: Counter[str] = Counter()
+        self.routed: Counter[str] = Counter()
+        self.unparsed = 0  # requests with no prompt to key (routed to the least loaded)
+        self._decisions: dict[str, Decision] = {}  # internal request id -> the decision
+        self.recent: OrderedDict[str, dict[str, Any]] = OrderedDict()  # request id -> its route (answers say it)
+        self._expected: dict[str, tuple[int, int, int]] = {}  # request id -> (device, host, store) tokens expected
+        self._joined: dict[str, tuple[str, str]] = {}  # replica -> its event endpoints
+        self._joining: set[str] = set()
+        self._lock = threading.Lock()
+        _registry().append(self)
+
+    # --- replicas ---------------------------------------------------------------------------------
+    async def _join_new(self, replicas: list[RunningReplica]) -> None:
+        """Subscribe to replicas not followed yet (off the event loop: the tokenizer loads once,
+        a new subscription waits for its replay)."""
+        new = []
+        for replica in replicas:
+            name = replica.replica_id.unique_id
+            meta = (replica.routing_stats or {}).get("kv_event_metadata") or {}
+            endpoints = (meta.get("endpoint", ""), meta.get("replay_endpoint", ""))
+            if not all(endpoints) or self._joined.get(name) == endpoints or name in self._joining:
+                continue
+            self._joining.add(name)
+            new.append((name, endpoints, int(meta.get("block_size") or 0)))
+        for name, endpoints, block_size in new:
+            info = {"address": " ".join(endpoints), "model": self.model, "fingerprint": FINGERPRINT,
+                    "namespace": "", "page_size": block_size}
+            try:
+                self.policy.add_worker(name)
+                await asyncio.to_thread(self.policy.join, name, info)
+                self._joined[name] = endpoints
+            except Exception as exc:  # routed by the fallback until it can be followed
+                log.warning("tiered-cache router: cannot follow replica %s's KV events: %s", name, exc)
+            finally:
+                self._joining.discard(name)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        name = replica_id.unique_id
+        self._joined.pop(name, None)
+        self.in_flight.pop(name, None)
+        self.policy.remove_worker(name)
+
+    # --- routing ----------------------------------------------------------------------------------
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        await self._join_new(candidate_replicas)
+        by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = {name: self.in_flight[name] for name in by_name}
+        prompt, chat = _prompt_of(pending_request)
+        if prompt is None:
+            self.unparsed += 1
+            chosen = min(loads, key=lambda n: (loads[n], n))
+            decision = Decision(chosen, "balance", 0)
+        else:
+            decision = await asyncio.to_thread(self.policy.choose, prompt_text(prompt), loads, prompt, chat)
+        if pending_request is not None:
+            with self._lock:
+                # Serve asks again for a request it could not place (a replica refused or died):
+                # the new decision replaces the old one, which no longer counts.
+                previous = self._decisions.get(pending_request.metadata.internal_request_id)
+                if previous is not None:
+                    self.in_flight[previous.worker] = max(0, self.in_flight[previous.worker] - 1)
+                    self.routed[previous.worker] -= 1
+                self._decisions[pending_request.metadata.internal_request_id] = decision
+                self.recent[pending_request.metadata.request_id] = route_report(decision)
+                self._expected[pending_request.metadata.request_id] = decision.expected
+                while len(self.recent) > RECENT:
+                    self._expected.pop(self.recent.popitem(last=False)[0], None)
+                self.in_flight[decision.worker] += 1
+                self.routed[decision.worker] += 1
+            if previous is not None:
+                self.policy.finished(previous.worker, previous)
+            _say_load_ahead(pending_request, decision)
+        rest = [r for name, r in sorted(by_name.items()) if name != decision.worker]
+        return [[by_name[decision.worker]], *([rest] if rest else [])]
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        with self._lock:
+            decision = self._decisions.pop(internal_request_id, None)
+            if decision is None:
+                return
+            self.in_flight[decision.worker] = max(0, self.in_flight[decision.worker] - 1)
+        self.policy.finished(decision.worker, decision)
+
+    def stats(self) -> dict[str, Any]:
+        """What `stats --ray` shows for the router: routes, in flight, fallbacks and its sources,
+        and each replica's connector figures (from its routing stats, TieredCacheLLMServer)."""
+        connectors = {rid.unique_id: dict((r.routing_stats or {}).get("tiered_cache") or {})
+                      for rid, r in self.curr_replicas.items()}
+        return {"policy": "events", "routed": dict(self.routed), "in_flight": dict(self.in_flight),
+                "unparsed": self.unparsed, "replicas": sorted(self._joined), "connectors": connectors,
+                **self.policy.stats()}
+
+
+def route_report(decision: Decision) -> dict[str, Any]:
+    """What an answer says of its route: the replica, why, and (routed by events) the prompt
+    tokens the router expected it to find in a cache (its device, or the store)."""
+    report: dict[str, Any] = {"replica": decision.worker, "reason": decision.reason}
+    if decision.reason == "events":
+        report["expected_cached_tokens"] = decision.matched_chars  # the event policy counts tokens there
+    return report
+
+
+def _registry() -> list[TieredCacheRouter]:
+    """This process's routers. Serve may hand the router class over by value (with its own copy
+    of this module's globals): the registry is always the imported module's."""
+    return importlib.import_module(__name__).ROUTERS
+
+
+def route_of(request_id: str) -> dict[str, Any] | None:
+    """The route of a recent request (Serve's request id), from this process's routers."""
+    return next((r.recent[request_id] for r in _registry() if request_id in r.recent), None)
+
+
+def learn(request_id: str, answer: Mapping[str, Any], latency_s: float) -> None:
+    """Teach the router that routed `request_id` what its answer took (ttft_s, prompt_tokens,
+    reused_tokens): its estimate learns this hardware's prefill rate and service time."""
+    router = next((r for r in _registry() if request_id in r.recent), None)
+    if router is not None:
+        router.policy.learn(with_store_share(answer, router._expected.get(request_id, (0, 0, 0))), latency_s)
+
+
+def _prompt_of(pending: PendingRequest | None) -> tuple[Any, bool]:
+    """(prompt, chat) of a pending request's OpenAI body (`prompt_of`)."""
+    if pending is None or not pending.args:
+        return None, False
+    return prompt_of(pending.args[0])
+
+
+def _say_load_ahead(pending: PendingRequest, decision: Decision) -> None:
+    """Mark a request the chosen replica will load from our tiers beyond what its device holds (in
+    the body's `kv_transfer_params`, which travels with it): the replica then tells its workers to
+    start loading (`llm_server.py`). A replica holding the prefix gets no mark, so no store read
+    goes to waste; Serve asking again clears or renews it."""
+    device, host, store = decision.expected
+    body = pending.args[0] if pending.args else None
+    if body is None or not hasattr(body, "kv_transfer_params"):
+        return
+    params = {k: v for k, v in (body.kv_transfer_params or {}).items() if k != LOAD_AHEAD}
+    if max(host, store) > device:
+        params[LOAD_AHEAD] = True
+    body.kv_transfer_params = params or None
+
+
+def load_ahead(body: Any) -> bool:
+    """Whether the router marked this request for its replica to start loading it (`_say_load_ahead`)."""
+    return bool((getattr(body, "kv_transfer_params", None) or {}).get(LOAD_AHEAD))
+
+
+def prompt_tokens(tokenizer: Any, body: Any) -> list[int] | None:
+    """The token ids a replica's engine will see for an OpenAI body, keyed as this router keys
+    them; None for a body it does not key (a batch of prompts)."""
+    prompt, chat = prompt_of(body)
+    return None if prompt is None else encode(tokenizer, prompt, chat)
+
+
+def prompt_of(body: Any) -> tuple[Any, bool]:
+    """(prompt, chat) of an OpenAI request body: a completion's prompt (text or token ids), a
+    chat's messages; (None, False) for anything else (a batch of prompts)."""
+    messages = getattr(body, "messages", None)
+    if messages:
+        return [_message(m) for m in messages], True
+    prompt = getattr(body, "prompt", None)
+    if isinstance(prompt, str):
+        return prompt, False
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return prompt, False
+    return None, False
+
+
+def _message(message: Any) -> Mapping[str, str]:
+    data = message if isinstance(message, Mapping) else getattr(message, "model_dump", lambda: {})()
+    content = data.get("content")
+    if isinstance(content, list):  # OpenAI content parts: the text ones, in order
+        content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+    return {"role": str(data.get("role", "")), "content": str(content or "")}
+
+
+def _is_token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(isinstance(t, int) for t in prompt)
