@@ -193,7 +193,7 @@ def test_fork_bench_counts_pages_with_and_without_sharing():
     assert refused.returncode != 0 and "positive counts" in refused.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.long  # a benchmark run, not the cache's correctness: make test-long
 def test_swap_bench_moves_the_request_and_recomputes_its_prefill():
     (row,) = json.loads(run_cli("bench", "swap", "--tokens", "40", "--repeat", "1", "--json").stdout)
     assert row["operation"] == "swap_out + swap_in" and row["baseline_name"] == "recompute the prefill"

@@ -364,6 +364,7 @@ def test_chaos_a_worker_killed_mid_request_the_router_answers_from_another(actor
     assert stats["failures"] == before + 1 and victim not in stats["workers"]
 
 
+@pytest.mark.long  # a soak over the single-kill tests above, past the suite's time budget: make test-long
 def test_chaos_each_actor_kind_killed_twice_is_restarted_in_place_and_every_request_is_answered(actors):
     """Ray restarts a crashed directory, router, shard or worker in place (`max_restarts`): the
     same name and handles, state recovered from the cluster: all four kinds killed at once, twice
