@@ -44,7 +44,8 @@ class ClusterEvents:
                  host_mediums: tuple[str, ...] = (MEDIUM_CPU,), store_mediums: tuple[str, ...] = (MEDIUM_STORAGE,)
                  ) -> None:
         """`stale_after_s` None: a source that publishes no heartbeat (a vLLM engine) is fresh
-        while its subscription lives and has read its replay. `index` makes each source's index;
+        while its subscription lives and has read its replay. `index` makes each worker's index (a
+        shard's is a plain `BlockIndex`: it tells our page keys themselves);
         a worker's own `host_mediums` count as its host RAM, any source's `store_mediums` as the
         store every worker reads (a vLLM replica's connector tells its blocks as CPU, written
         through to the shared store: `store_mediums` there)."""
@@ -54,6 +55,9 @@ class ClusterEvents:
         self.store_mediums = store_mediums
         self.workers: dict[str, Source] = {}
         self.shards: dict[str, Source] = {}
+        # The keys a shard tells for a prompt's keys (a store page per block; a reader whose shards
+        # name pages otherwise, per layer group, sets it).
+        self.shard_keys: Callable[[Sequence[bytes]], Sequence[bytes]] = list
         self._lock = threading.Lock()
 
     def watch(self, name: str, endpoint: str, replay: str, shard: bool = False, incarnation: str = "") -> None:
@@ -65,7 +69,7 @@ class ClusterEvents:
             same = old is not None and (old.endpoint, old.replay, old.incarnation) == (endpoint, replay, incarnation)
             if same and old.subscriber.alive:
                 return
-            index = self._index()
+            index = BlockIndex() if shard else self._index()  # a shard tells our page keys themselves
             subscriber = EventSubscriber(endpoint, replay, index.apply, index.clear).start()
             sources[name] = Source(endpoint, replay, index, subscriber, incarnation)
         if old is not None:
@@ -101,7 +105,11 @@ class ClusterEvents:
     def _stored(self, keys: Sequence[bytes]) -> int:
         """Leading pages of `keys` some shard holds (or, with no shard watched, some worker tells in
         a store medium)."""
-        indexes = [s.index for s in self.shards.values()] or [s.index for s in self.workers.values()]
+        indexes = [s.index for s in self.shards.values()]
+        if indexes:
+            keys = self.shard_keys(keys)
+        else:
+            indexes = [s.index for s in self.workers.values()]
         held = 0
         for key in keys:
             if not any(not index.mediums(key).isdisjoint(self.store_mediums) for index in indexes):

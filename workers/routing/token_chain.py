@@ -11,13 +11,25 @@ before the subscription started and not replayed) cannot be keyed, is skipped an
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from tiered_cache.events.block_index import BlockIndex
-from tiered_cache.index.keys import chain_keys
+from tiered_cache.index.keys import chain_keys, root_key
+from tiered_cache.integrations.vllm.layer_groups import group_keys
 
 MAX_KNOWN = 1 << 18  # engine hashes remembered (about 20 MiB): older ones are forgotten first
+
+
+def connector_chain(keying: Mapping[str, Any]) -> tuple[bytes, Callable[[Sequence[bytes]], Sequence[bytes]]]:
+    """For a reader of store shards' events under our vLLM connector: the chain's root its blocks
+    are keyed from, and the keys a shard tells for a prompt's block keys (each block's first layer
+    group's page stands for it). `keying` is what the connector says (`BlockTiers.keying`)."""
+    root = root_key(str(keying["namespace"]), str(keying["fingerprint"]))
+    groups = int(keying.get("groups") or 1)
+    if groups == 1:
+        return root, list
+    return root, lambda keys: group_keys(keys, groups, 0)
 
 
 class TokenChainIndex(BlockIndex):

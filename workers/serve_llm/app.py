@@ -78,7 +78,7 @@ def llm_config(config: ClusterConfig, shards: list[str], source: str) -> Any:
         deployment["num_replicas"] = v.replicas
     if v.router in ROUTER_CLASSES:
         deployment["request_router_config"] = {"request_router_class": ROUTER_CLASSES[v.router],
-                                               "request_router_kwargs": _router_kwargs(v, source),
+                                               "request_router_kwargs": _router_kwargs(config, source),
                                                # how soon a new replica's event endpoint reaches the router
                                                "request_routing_stats_period_s": 2}
     return LLMConfig(model_loading_config={"model_id": model_id(v), "model_source": source},
@@ -96,8 +96,11 @@ def model_id(settings: VllmSettings) -> str:
         else settings.model
 
 
-def _router_kwargs(settings: VllmSettings, source: str) -> dict[str, Any]:
-    return {"model": source} if settings.router is ServeRouter.TIERED_CACHE else {}
+def _router_kwargs(config: ClusterConfig, source: str) -> dict[str, Any]:
+    """Our router's: the tokenizer, and the Ray namespace of the cluster's directory (its shards)."""
+    if config.vllm.router is not ServeRouter.TIERED_CACHE:
+        return {}
+    return {"model": source, "namespace": config.namespace}
 
 
 def _engine_env(settings: VllmSettings) -> dict[str, str]:

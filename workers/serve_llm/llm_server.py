@@ -8,6 +8,9 @@
   `kv_transfer_params`) first tells the engine's workers to start loading the prompt's blocks
   (`worker_extension.py`), before vLLM schedules it: the prompt is keyed as the router keys it
   (the model's tokenizer and chat template), the hint sent ahead of the request, never waited for.
+
+Its routing stats also say how its connector keys pages (`tiered_cache_keying`, asked of its
+workers once at start), which the router needs to read the store shards' own events.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
-from tiered_cache.integrations.vllm.worker_extension import PROMOTE
+from tiered_cache.integrations.vllm.worker_extension import KEYING, PROMOTE
 from tiered_cache.workers.serve_llm.request_router import load_ahead, prompt_tokens
 
 log = logging.getLogger(__name__)
@@ -32,12 +35,24 @@ class TieredCacheLLMServer(LLMServer):
         self.hinted_blocks = 0  # blocks the workers started loading on a hint
         self.hints_failed = 0
         self._hints: set[asyncio.Task[Any]] = set()
+        self.keying: dict[str, Any] | None = None
         engine_kwargs = self._llm_config.engine_kwargs or {}
         if engine_kwargs.get("kv_transfer_config") and engine_kwargs.get("worker_extension_cls"):
             from tiered_cache.integrations.hf_models import load_tokenizer
 
             source = self._llm_config.model_loading_config.model_source
             self._tokenizer = await asyncio.to_thread(load_tokenizer, str(source))
+            self.keying = await self._keying()
+
+    async def _keying(self) -> dict[str, Any] | None:
+        """How the connector keys pages (every worker keys alike: the first answer); None when the
+        workers do not say (the router then counts the connectors' own blocks as the store)."""
+        try:
+            answers = await self.engine.collective_rpc(method=KEYING, timeout=HINT_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("tiered-cache: the connector's page keying is unknown: %s", exc)
+            return None
+        return next((a for a in answers or () if a), None)
 
     async def _run_request(self, request: Any, *, engine_method: str, batch_output_stream: bool = False,
                            raw_request_info: Any = None) -> Any:
@@ -77,6 +92,7 @@ class TieredCacheLLMServer(LLMServer):
         figures["hinted_blocks"] = getattr(self, "hinted_blocks", 0)
         figures["hints_failed"] = getattr(self, "hints_failed", 0)
         stats["tiered_cache"] = figures
+        stats["tiered_cache_keying"] = getattr(self, "keying", None)
         return stats
 
 

@@ -8,6 +8,11 @@ by expected time to first token (routing/event_policy.py: what is on the replica
 the store holds, the work queued ahead of it, learned rates). While a replica's events are stale
 the prefix policy decides, counted (`fallbacks`).
 
+Where the cluster's store shards publish events too (`cluster start --kv-events`), the store is
+what the shards tell, not only what live replicas' connectors saved: pages a restarted replica
+or an earlier deployment left are found. Shards name pages by the connector's keys, so the router
+keys prompts with the connector's chain (`tiered_cache_keying` in the replicas' routing stats).
+
 It subclasses Ray's `KVAwareRouter` only for what Serve gives such a router's deployment: each
 replica's engine publishes on its own port (rank on its node), advertised in its routing stats
 (`kv_event_metadata`). Ray's own scoring (NVIDIA Dynamo's selection service, an HAProxy ingress)
@@ -21,39 +26,51 @@ import hashlib
 import importlib
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
+import ray
 from ray.llm._internal.serve.routing_policies.kv_aware.kv_aware_router import KVAwareRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from tiered_cache.events.schema import MEDIUM_CPU, MEDIUM_STORAGE
 from tiered_cache.index.keys import root_key
+from tiered_cache.workers.directory import SHARD
+from tiered_cache.workers.names import DIRECTORY
 from tiered_cache.workers.routing.event_index import ClusterEvents
 from tiered_cache.workers.routing.event_policy import EventRoutingPolicy, encode
 from tiered_cache.workers.routing.policies import PrefixAwarePolicy
 from tiered_cache.workers.routing.policy import Decision, prompt_text
-from tiered_cache.workers.routing.token_chain import TokenChainIndex
+from tiered_cache.workers.routing.token_chain import TokenChainIndex, connector_chain
 from tiered_cache.workers.routing.ttft_estimate import with_store_share
 
 log = logging.getLogger("tiered_cache.workers.serve_llm")
 LOAD_AHEAD = "tiered_cache_load_ahead"  # the mark in a request's kv_transfer_params (_say_load_ahead)
-# The chain the router keys tokens by: its own, not the connector's (it never meets a page key).
+# The chain the router keys tokens by while no replica has said the connector's (no connector).
 FINGERPRINT = hashlib.sha256(b"tiered-cache serve router").hexdigest()
 ROOT = root_key("", FINGERPRINT)
+SHARDS_EVERY_S = 5.0  # how often the cluster's directory is read for its shards' event endpoints
+SHARDS_WAIT_S = 2.0  # one directory or shard look-up, at most
 ROUTERS: list[TieredCacheRouter] = []  # this process's routers, for the ingress's stats route
 RECENT = 4096  # routes remembered for the answers' `tiered_cache` field
 
 
 class TieredCacheRouter(KVAwareRouter):
-    def initialize_state(self, model: str = "", **_: Any) -> None:
-        """`model`: the folder (or Hugging Face id) of the replicas' tokenizer."""
+    def initialize_state(self, model: str = "", namespace: str = "", **_: Any) -> None:
+        """`model`: the folder (or Hugging Face id) of the replicas' tokenizer; `namespace`: the
+        Ray namespace of the cluster's directory (its store shards), none: no shard is read."""
         self.model = model
+        self.namespace = namespace
+        self.keying: dict[str, Any] | None = None  # the connector's page keys (its replicas say)
+        self._root = ROOT
         # vLLM's publisher sends no heartbeat: a replica's events are trusted while subscribed.
-        events = ClusterEvents(stale_after_s=None, index=lambda: TokenChainIndex(ROOT), host_mediums=(),
+        events = ClusterEvents(stale_after_s=None, index=lambda: TokenChainIndex(self._root), host_mediums=(),
                                store_mediums=(MEDIUM_STORAGE, MEDIUM_CPU))
         self.policy = EventRoutingPolicy(PrefixAwarePolicy(), events)
+        self._shards_read = 0.0
+        self._shards_task: asyncio.Task[None] | None = None
         self.in_flight: Counter[str] = Counter()
         self.routed: Counter[str] = Counter()
         self.unparsed = 0  # requests with no prompt to key (routed to the least loaded)
@@ -70,6 +87,7 @@ class TieredCacheRouter(KVAwareRouter):
         """Subscribe to replicas not followed yet (off the event loop: the tokenizer loads once,
         a new subscription waits for its replay)."""
         new = []
+        self._learn_keying(replicas)
         for replica in replicas:
             name = replica.replica_id.unique_id
             meta = (replica.routing_stats or {}).get("kv_event_metadata") or {}
@@ -78,9 +96,10 @@ class TieredCacheRouter(KVAwareRouter):
                 continue
             self._joining.add(name)
             new.append((name, endpoints, int(meta.get("block_size") or 0)))
+        keying = self.keying or {"fingerprint": FINGERPRINT, "namespace": ""}
         for name, endpoints, block_size in new:
-            info = {"address": " ".join(endpoints), "model": self.model, "fingerprint": FINGERPRINT,
-                    "namespace": "", "page_size": block_size}
+            info = {"address": " ".join(endpoints), "model": self.model, "fingerprint": keying["fingerprint"],
+                    "namespace": keying["namespace"], "page_size": block_size}
             try:
                 self.policy.add_worker(name)
                 await asyncio.to_thread(self.policy.join, name, info)
@@ -89,6 +108,31 @@ class TieredCacheRouter(KVAwareRouter):
                 log.warning("tiered-cache router: cannot follow replica %s's KV events: %s", name, exc)
             finally:
                 self._joining.discard(name)
+
+    def _learn_keying(self, replicas: list[RunningReplica]) -> None:
+        """Key by the connector's chain once a replica says it, before any replica is followed (a
+        router that followed some under its own chain keeps it: their indexes are keyed by it)."""
+        if self.keying is not None or self._joined or self._joining:
+            return
+        said = next((k for r in replicas if (k := (r.routing_stats or {}).get("tiered_cache_keying"))), None)
+        if not said or int(said.get("page_size") or 0) <= 0:
+            return
+        self.keying = dict(said)
+        self._root, self.policy.events.shard_keys = connector_chain(said)
+
+    def _follow_shards(self) -> None:
+        """Now and then, in the background, follow the cluster's shards that publish events."""
+        if not self.namespace or self.keying is None or time.monotonic() - self._shards_read < SHARDS_EVERY_S:
+            return
+        if self._shards_task is not None and not self._shards_task.done():
+            return
+        self._shards_read = time.monotonic()
+        self._shards_task = asyncio.ensure_future(self._read_shards())
+
+    async def _read_shards(self) -> None:
+        shards = await shard_events(self.namespace)
+        if shards is not None:
+            await asyncio.to_thread(self.policy.watch_shards, shards)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -103,6 +147,7 @@ class TieredCacheRouter(KVAwareRouter):
         if not candidate_replicas:
             return []
         await self._join_new(candidate_replicas)
+        self._follow_shards()
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {name: self.in_flight[name] for name in by_name}
         prompt, chat = _prompt_of(pending_request)
@@ -148,7 +193,28 @@ class TieredCacheRouter(KVAwareRouter):
                       for rid, r in self.curr_replicas.items()}
         return {"policy": "events", "routed": dict(self.routed), "in_flight": dict(self.in_flight),
                 "unparsed": self.unparsed, "replicas": sorted(self._joined), "connectors": connectors,
+                "keying": self.keying,
                 **self.policy.stats()}
+
+
+async def shard_events(namespace: str) -> dict[str, dict[str, str] | None] | None:
+    """Each live store shard of the cluster in Ray namespace `namespace` and its KV event endpoints
+    (None: it publishes none, or did not answer); None when the directory cannot be read."""
+    try:
+        directory = ray.get_actor(DIRECTORY, namespace=namespace)
+        snapshot = await asyncio.wait_for(directory.snapshot.remote(), SHARDS_WAIT_S)
+    except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
+        return None
+    names = [m["name"] for m in snapshot["members"] if m["kind"] == SHARD]
+
+    async def events(name: str) -> dict[str, str] | None:
+        try:
+            info = await asyncio.wait_for(ray.get_actor(name, namespace=namespace).info.remote(), SHARDS_WAIT_S)
+        except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
+            return None
+        return info.get("events")
+
+    return dict(zip(names, await asyncio.gather(*(events(n) for n in names)), strict=True))
 
 
 def route_report(decision: Decision) -> dict[str, Any]:

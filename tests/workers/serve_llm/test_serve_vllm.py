@@ -2,8 +2,9 @@
 CPU build, SmolLM2) with our connector over a store shard, our request router and our front end,
 on a local Ray cluster. A repeat goes to the replica that holds it; while that replica is busy,
 a prompt whose prefix only the store holds goes to the idle one, which loads it from the store;
-answers equal a from-scratch computation (a cache salt of its own); no token, no answer; a dead
-shard means recompute, with the same answers.
+answers equal a from-scratch computation (a cache salt of its own); the router follows the
+shard's own events under the connector's keys; no token, no answer; a dead shard means recompute,
+with the same answers.
 
 Engines start for minutes: `make test-serve` runs this module (in `.venv-vllm`, which has vLLM
 and Ray Serve), CI runs it after `make test`; the tests share one application, in order."""
@@ -40,7 +41,7 @@ def app(tmp_path_factory):
     ray.init(num_cpus=8, namespace=NAMESPACE, include_dashboard=False, logging_level="WARNING",
              log_to_driver=False)
     config = ClusterConfig.from_dict({
-        "namespace": NAMESPACE, "shards": 1, "engine": "vllm",
+        "namespace": NAMESPACE, "shards": 1, "engine": "vllm", "kv_events": "tcp://127.0.0.1:0",
         "shard": {"disk_path": None, "ram_capacity": "256MiB", "host": "127.0.0.1", "token": SHARD_TOKEN},
         "vllm": {"replicas": 2, "host_capacity": "64MiB", "max_model_len": 2048}})
     try:
@@ -48,10 +49,11 @@ def app(tmp_path_factory):
         shards = [i["address"] for i in infos if i["kind"] == "shard"]
         url = cluster.serve_vllm(config, shards, "127.0.0.1", PORT, TOKEN)
         # Until Serve has polled both replicas' routing stats (their event endpoints), the router
-        # routes without events (a fallback, counted): warm up until it follows both.
+        # routes without events (a fallback, counted): warm up until it follows both, and the shard.
         deadline = time.monotonic() + 120
         ask(url, "Say hello.", max_tokens=1, salt="warm-up")  # Serve makes the router on the first request
-        while len(router(url)["replicas"]) < 2 and time.monotonic() < deadline:
+        while (len(router(url)["replicas"]) < 2 or "shard-0" not in router(url)["sources"]) \
+                and time.monotonic() < deadline:
             time.sleep(1.0)
             ask(url, "Say hello.", max_tokens=1, salt="warm-up")
         yield {"url": url, "config": config, "fallbacks": router(url)["fallbacks"]}
@@ -155,6 +157,9 @@ def test_a_repeat_goes_to_its_holder_and_a_busy_holder_s_prefix_is_loaded_by_the
     other = routed_to(url, before)
     busy.join(timeout=300)
     assert other != holder and second["tiered_cache"]["replica"] == other
+    # What the router expected there it knew from the shard's events (it follows a shard: the store
+    # is what shards tell), under the connector's keys.
+    assert second["tiered_cache"]["expected_cached_tokens"] >= 256
     streamed = urllib.request.Request(url + "/completions", json.dumps(
         {"model": "smollm2", "prompt": second_q, "max_tokens": 2, "stream": True}).encode(),
         {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
@@ -188,6 +193,10 @@ def test_stats_show_the_router_and_each_replica_s_connector_figures(app):
     # The idle replica was told to start loading the document before its engine scheduled it.
     assert sum(c.get("hinted_blocks", 0) for c in replicas.values()) > 0
     assert sum(c.get("hints_failed", 0) for c in replicas.values()) == 0
+    # The router keys prompts by the connector's chain (its replicas said it) and follows the shard's
+    # own events: the pages the replicas saved are there, under the keys the connector gave them.
+    assert router_figures["keying"]["page_size"] > 0 and router_figures["keying"]["groups"] >= 1
+    assert router_figures["sources"]["shard-0"]["pages"] > 0
     text = render_cluster(figures)
     assert "vLLM application" in text and all(f"replica {r}" in text for r in replicas)
 

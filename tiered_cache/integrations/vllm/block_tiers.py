@@ -19,6 +19,7 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,6 +112,13 @@ class BlockTiers:
             if keyer is None:
                 keyer = self._keyers[namespace] = PageKeyer(self.spec, namespace)
         return keyer.keys(np.asarray(tokens, dtype=np.int64))
+
+    def keying(self, namespace: str) -> dict[str, Any]:
+        """How `keys` and `all_page_keys` name pages, for a reader of the store's events (a
+        router): the chain from `root_key(namespace, fingerprint)` over blocks of `page_size`
+        tokens, each block's pages `group_keys(block keys, groups, g)`."""
+        return {"fingerprint": self.spec.fingerprint, "namespace": namespace, "page_size": self.spec.page_size,
+                "groups": self.num_groups}
 
     def leading(self, block_keys: Sequence[bytes]) -> int:
         """How many leading blocks the tiers hold whole (every layer group of each)."""
