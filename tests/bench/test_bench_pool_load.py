@@ -32,6 +32,14 @@ def test_every_path_loads_new_prefixes_into_a_full_pool_beside_its_limit(tmp_pat
         assert first is not None and first.first_seconds > 0 and len(first.steady_seconds) == 3
         assert first.memcpy_first_seconds > 0 and len(first.memcpy_steady_seconds) == 3
         assert isinstance(first.ready, bool)
+    # Into a pool, the engines' way (match -> prefetch -> load) is the headline and match -> load
+    # is timed beside it on prefixes of its own; the tensor API has one way.
+    for row in rows:
+        direct = row.direct
+        if row.path == "tensor":
+            assert direct is None
+        else:
+            assert direct is not None and direct.work == row.nbytes and direct.rounds == 2 and direct.seconds > 0
     assert rows[0].demotion is not None and rows[0].demotion.work == 2**20
     assert all(r.demotion is None for r in rows[1:])
     assert rows[1].label == "host RAM -> tensor (get())"  # the tensor API: KV handed back, checked whole
@@ -53,8 +61,10 @@ def test_bench_pool_load_cli_prints_rows_and_refuses_bad_arguments():
     data = json.loads(run_cli(*args, "--json").stdout)
     assert [r["path"] for r in data] == ["host"] and data[0]["first"] is None
     assert data[0]["serving"]["work"] == data[0]["nbytes"] and data[0]["warm"]["baseline_gb_per_s"] > 0
+    assert data[0]["direct"]["work"] == data[0]["nbytes"] and data[0]["direct"]["rounds"] == 1
     table = run_cli(*args).stdout
     assert "memcpy" in table and "vs limit" in table and "full pool of 2 prefixes" in table
+    assert "match -> load: vs limit" in table and "match -> prefetch -> load as engines call it" in table
     bad = run_cli("bench", "pool-load", "--paths", "tape", check=False)
     assert bad.returncode != 0 and "--paths takes some of host,tensor,disk,redis,remote" in bad.stderr
     bad = run_cli("bench", "pool-load", "--pool-prefixes", "1", check=False)

@@ -18,10 +18,13 @@ HOST = -1  # in a handle's plan: the page is in host RAM (chain tier indices are
 
 @dataclass
 class Prefetch:
-    """Pages on their way up for a handle: `future` gives a `Loaded`; `cancel` stops it early."""
+    """Pages on their way up for a handle: `future` gives a `Loaded`; `cancel` stops it early.
+    `pages`: the device pages it fills (a CPU pool: no staging), allocated for it and owned by
+    it until `load` adopts them or its end frees them; None: it fills staging."""
 
     future: Future[Any]
     cancel: threading.Event
+    pages: np.ndarray | None = None
 
 
 @dataclass(eq=False)

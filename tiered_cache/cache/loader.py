@@ -5,7 +5,8 @@ A load, top-down: `match` plans where each page lies (`TierLoads.plan`) and cuts
 loading stops paying (`ReuseGate`); `load` then takes one of three paths: every page in host RAM
 (`HostLoads`: rows straight into device pages), every page in a same-host store arena on CUDA
 (`ArenaLoads`: one DMA per run), or the rest (`TierLoads.load`: straight into the device pages
-of a CPU pool, else through staging, which a `prefetch` may have filled already).
+of a CPU pool, else through staging). A `prefetch` runs that load ahead: on a CPU pool into device
+pages it allocates, which `load` then only adopts; elsewhere into staging, which `load` copies.
 
 Pages are allocated first (as many as fit: a full pool ends the prefix where the room did), then
 filled without the lock (they are nobody else's until adopted: `ledger.loose`), then the leading
@@ -134,7 +135,16 @@ class Loader:
             return False
         if all(where == HOST for where in plan) or self.arena_loads.in_arenas(plan):
             return False  # `load` copies these straight into the pool: nothing to stage
-        handle.prefetch = self.tier_loads.prefetch(wanted, plan, self.canary.quarantined(handle.namespace))
+        pages = None
+        if self.tier_loads.fills_pool and HOST not in plan:
+            # A CPU pool: the prefetch fills the device pages the load would have (as many as fit),
+            # so the load only adopts them. (With pages in host RAM, allocating first could evict
+            # them before they are copied: those are staged.)
+            def pages() -> np.ndarray:
+                got = self.demoter.allocate_fitting(len(wanted))
+                self.ledger.loose += len(got)
+                return got
+        handle.prefetch = self.tier_loads.prefetch(wanted, plan, self.canary.quarantined(handle.namespace), pages)
         return handle.prefetch is not None
 
     def load(self, handle: CacheHandle) -> np.ndarray:
@@ -163,6 +173,11 @@ class Loader:
                 loaded = None
             if self._live_metrics is not None:
                 self._live_metrics.prefetch_wait.observe(time.perf_counter() - waited)
+            if pending.pages is not None:
+                placed = self._adopt_prefetched(handle, start, pending.pages, loaded)
+                if placed is not None:
+                    return placed
+                loaded = None  # it failed: loaded inline below
         skip = self.canary.quarantined(handle.namespace)  # also when a page is looked for again
         below = loaded is None and HOST not in plan
         direct = below and self.arena_loads.direct(plan)  # asked once: it looks at the tier
@@ -208,6 +223,19 @@ class Loader:
             if n < len(pages):
                 self.pool.free(pages[n:])  # from the first page that did not arrive: never adopted
             return self._adopt_loaded(handle, start, pages[:n], filled.tiers[:n] if filled is not None else [])
+
+    def _adopt_prefetched(self, handle: CacheHandle, start: int, pages: np.ndarray,
+                          loaded: Loaded | None) -> np.ndarray | None:
+        """A prefetch's device pages (a CPU pool): the leading ones that arrived into the tree,
+        the rest freed. None when the prefetch failed (its pages freed: the load runs inline)."""
+        with self._lock:
+            self.ledger.loose -= len(pages)
+            n = min(loaded.n, len(pages)) if loaded is not None else 0
+            if n < len(pages):
+                self.pool.free(pages[n:])  # from the first page that did not arrive: never adopted
+            if loaded is None:
+                return None
+            return self._adopt_loaded(handle, start, pages[:n], loaded.tiers[:n])
 
     def _load_from_host(self, handle: CacheHandle, start: int, wanted: list[bytes]) -> np.ndarray | None:
         """All of `wanted` in host RAM: copy its rows straight into new device pages, one copy
@@ -275,9 +303,20 @@ class Loader:
         return (n_new - dup) * self.spec.page_size
 
     def cancel(self, prefetch: Prefetch) -> None:
-        """A released handle's prefetch: stopped, its staging given back once it ends."""
+        """A released handle's prefetch: stopped, its staging given back (its device pages freed)
+        once it ends."""
         prefetch.cancel.set()
-        self.tier_loads.give_back_when_done(prefetch.future)
+        pages = prefetch.pages
+        if pages is None:
+            self.tier_loads.give_back_when_done(prefetch.future)
+            return
+
+        def free(_: Any) -> None:
+            with self._lock:
+                self.pool.free(pages)
+                self.ledger.loose -= len(pages)
+
+        prefetch.future.add_done_callback(free)
 
     def close(self) -> None:
         """Wait for the copies into the pool still running, then stop the loads' threads."""

@@ -17,7 +17,9 @@ The stages of a load, top-down (`loader.py` drives them):
   (`TierChain.get_into`: no blob in between, each page verified where it is placed). A page that
   moved meanwhile is looked for again, a bounded number of times.
 - `prefetch`: a `load` in the background (bounded: `max_prefetches` in flight, the rest declined
-  and counted; `TieredCache.load` then loads inline).
+  and counted; `TieredCache.load` then loads inline). On a CPU pool with no page in host RAM it
+  fills device pages allocated for it, which `load` adopts: a prefetched load copies nothing more
+  than a direct one.
 
 Nothing is put into host RAM on the way up. Who owns what: the cache allocates device pages and
 hands them to the tree (it owns the ledger); `TierLoads` only fills pages it is given and staging
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -102,12 +104,23 @@ class TierLoads:
         """Copy the first `len(pages)` loaded pages from their staging buffer into device `pages`."""
         self.copier.to_pool(loaded.buffer, np.arange(len(pages), dtype=np.int64), pages)
 
-    def prefetch(self, keys: list[bytes], plan: list[int], skip: frozenset[str] = frozenset()) -> Prefetch | None:
-        """Start loading `keys` (located by `plan`) in the background; None when `max_prefetches`
-        are already in flight (counted in `declined`)."""
+    def prefetch(self, keys: list[bytes], plan: list[int], skip: frozenset[str] = frozenset(),
+                 pages: Callable[[], np.ndarray] | None = None) -> Prefetch | None:
+        """Start loading `keys` (located by `plan`) in the background: into staging, or into the
+        device pages `pages()` allocates (a CPU pool, no page in host RAM: `load`'s direct way, so
+        the load that takes it copies nothing); None when `max_prefetches` are already in flight
+        (counted in `declined`)."""
         if not self._prefetch_permits.acquire(blocking=False):
             self.declined += 1
             return None
+        into = None
+        if pages is not None:
+            try:
+                into = pages()
+            except BaseException:
+                self._prefetch_permits.release()
+                raise
+            keys, plan = keys[:len(into)], plan[:len(into)]
         with self._start_lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self._workers, thread_name_prefix="tiered-cache-prefetch")
@@ -115,11 +128,11 @@ class TierLoads:
 
         def job() -> Loaded:
             try:
-                return self.load(keys, plan, cancel, skip=skip)
+                return self.load(keys, plan, cancel, pages=into, skip=skip)
             finally:
                 self._prefetch_permits.release()
 
-        return Prefetch(self._executor.submit(job), cancel)
+        return Prefetch(self._executor.submit(job), cancel, into)
 
     def load(self, keys: list[bytes], plan: list[int], cancel: threading.Event | None = None,
              pages: np.ndarray | None = None, skip: frozenset[str] = frozenset()) -> Loaded:

@@ -5,7 +5,8 @@ the same bytes out of that tier (its limit: sites.py), measured in the same run.
 Per path, three figures, the serving case first:
 - **serving** (the headline, serving.py): every round a prefix this reader never read,
   into a pool that is full and stays full (it holds `--pool-prefixes` prefixes, so the
-  watermarks work);
+  watermarks work), taken as engines take it (`match -> prefetch -> load`), and beside it
+  `match -> load` (no prefetch);
 - **first load** (first.py): a reader process started for the bench, its first load
   after `--settle` seconds from `TieredCache(...)` against its next ones, beside what the same
   pause costs a plain memcpy in that process (the machine's own share);
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from tiered_cache.bench.pool_load.sites import PATHS
+from tiered_cache.bench.pool_load.sites import PATHS, Way
 
 if TYPE_CHECKING:
     from tiered_cache.bench.pool_load.first import FirstLoads
@@ -36,8 +37,8 @@ FIRST_LOADS = 4  # the reader process's loads: the first, then the steady ones
 
 @dataclass(frozen=True)
 class PoolLoadRow:
-    """One path's figures (see the module doc); `demotion` for host RAM only (pool -> host RAM,
-    warm)."""
+    """One path's figures (see the module doc); `direct`: the serving case by `match + load` (a
+    path into the pool); `demotion` for host RAM only (pool -> host RAM, warm)."""
 
     path: str  # one of PATHS
     label: str
@@ -47,10 +48,11 @@ class PoolLoadRow:
     first: FirstLoads | None
     warm: Timed | None
     demotion: Timed | None = None
+    direct: Timed | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for name in ("serving", "warm", "demotion"):
+        for name in ("serving", "direct", "warm", "demotion"):
             timed = getattr(self, name)
             if timed is not None:
                 out[name].update(ratio=timed.ratio, gb_per_s=self.nbytes / timed.seconds / 1e9,
@@ -79,7 +81,8 @@ def bench_pool_load(spec: KVSpec, mib: float = 256, rounds: int = 7, paths: tupl
     tune_malloc()  # as TieredCache and the commands do: the baselines get the same heap
     say = progress or (lambda _: None)
     prefixes = Prefixes(spec, mib)
-    count = pool_prefixes + rounds + (FIRST_LOADS if first else 0)
+    ways = 2  # at most: the engines' way and match + load
+    count = pool_prefixes + ways * rounds + (FIRST_LOADS if first else 0)
     rows = []
     for path in paths:
         say(f"{path}: {count} prefixes of {prefixes.num_pages} pages of {spec.bytes_per_page:,} bytes ...")
@@ -87,18 +90,19 @@ def bench_pool_load(spec: KVSpec, mib: float = 256, rounds: int = 7, paths: tupl
             first_figures = None
             if first:
                 say(f"{path}: a reader process, {settle_s:g} s settle, {FIRST_LOADS} loads ...")
-                first_figures = first_loads(spec.to_dict(), mib, where.settings, path, pool_prefixes + rounds,
+                first_figures = first_loads(spec.to_dict(), mib, where.settings, path, pool_prefixes + ways * rounds,
                                             FIRST_LOADS, settle_s, where.way.value)
-            say(f"{path}: {rounds} new prefixes into a full pool of {pool_prefixes} ...")
-            serving = serving_rounds(where, prefixes, rounds, pool_prefixes)
+            say(f"{path}: {rounds} new prefixes a way ({' / '.join(w.value for w in where.ways)}) into a full "
+                f"pool of {pool_prefixes} ...")
+            timed = serving_rounds(where, prefixes, rounds, pool_prefixes)
             gc.collect()  # the reader's pool and host RAM go now (its parts refer to each other), not later
             loaded, demoted = None, None
             if warm:
                 say(f"{path}: the warm loop, {rounds} rounds ...")
                 loaded, demoted = warm_rounds(where, prefixes, rounds)
                 gc.collect()
-            rows.append(PoolLoadRow(path, where.label, where.baseline_name, prefixes.nbytes, serving, first_figures,
-                                    loaded, demoted))
+            rows.append(PoolLoadRow(path, where.label, where.baseline_name, prefixes.nbytes, timed[where.way],
+                                    first_figures, loaded, demoted, timed.get(Way.LOAD)))
     return rows
 
 
@@ -139,7 +143,8 @@ def run_pool_load_bench(args: argparse.Namespace) -> int:
         print(f"host: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
               f"{rows[0].nbytes / 2**20:,.0f} MiB prefixes of {spec.dtype.value} KV ({args.model}, "
               f"{spec.bytes_per_page:,}-byte pages). Serving: a new prefix each round into a full pool of "
-              f"{args.pool_prefixes} prefixes, median of {args.rounds}; first load: a reader process after a "
+              f"{args.pool_prefixes} prefixes, median of {args.rounds}, match -> prefetch -> load as engines call "
+              f"it (get() for the tensor), match -> load beside it; first load: a reader process after a "
               f"{args.settle:g} s settle; warm: one prefix again, a pool with room. Disk: page cache warm for both")
         print(render(rows))
     return 0
@@ -158,15 +163,16 @@ def render(rows: list[PoolLoadRow]) -> str:
                  f"{r.first.first_over_steady:.2f}x", f"{r.first.memcpy_first_over_steady:.2f}x") if r.first else \
             ("-", "-", "-")
         table.append([r.label, ms(s.seconds), f"{r.nbytes / s.seconds / 1e9:,.2f} GB/s", r.baseline_name,
-                      ms(s.baseline_seconds), f"{s.ratio:.2f}x", *first,
-                      f"{r.warm.ratio:.2f}x" if r.warm else "-"])
+                      ms(s.baseline_seconds), f"{s.ratio:.2f}x", f"{r.direct.ratio:.2f}x" if r.direct else "-",
+                      *first, f"{r.warm.ratio:.2f}x" if r.warm else "-"])
         if r.demotion is not None:
             d = r.demotion
             table.append(["pool -> host RAM (evict), warm", ms(d.seconds), f"{r.nbytes / d.seconds / 1e9:,.2f} GB/s",
-                          r.baseline_name, ms(d.baseline_seconds), "-", "-", "-", "-", f"{d.ratio:.2f}x"])
+                          r.baseline_name, ms(d.baseline_seconds), "-", "-", "-", "-", "-", f"{d.ratio:.2f}x"])
     return render_table(table, ["path", "serving: load", "rate", "limit", "limit time", "vs limit",
-                                "new reader: first / steady", "first/steady", "memcpy first/steady", "warm: vs limit"],
-                        align_right=(1, 2, 4, 5, 7, 8, 9))
+                                "match -> load: vs limit", "new reader: first / steady", "first/steady",
+                                "memcpy first/steady", "warm: vs limit"],
+                        align_right=(1, 2, 4, 5, 6, 8, 9, 10))
 
 
 def _up(first: FirstLoads) -> str:

@@ -2,13 +2,15 @@
 pool holds `pool_prefixes` prefixes is filled first (for the tiers below, by loading prefixes
 from the tier; for host RAM, by the tensor API), so the pool is full and stays full: every load
 pushes it past the high watermark and the background demoter makes room for the next. Each round
-then loads a prefix this reader has never read (`match` + `load`, every checksum verified) beside
-the path's limit, alternating which goes first; between rounds the demotions the load started
-finish (the gap between a request's prefill and the next one's). The figure is the median of the
-rounds.
+then loads a prefix this reader has never read (every checksum verified) beside the path's
+limit, alternating which goes first, in each of the site's ways: `match` + `prefetch` + `load`,
+the calls our engines make (the connector, `integrations/transformers.py`, the workers), and
+`match` + `load` beside it (their order alternating too); between loads the demotions a load
+started finish (the gap between a request's prefill and the next one's). Each figure is the
+median of the rounds.
 
 Index layout of a run's prefixes per path: `[0, pool_prefixes)` fill the pool, the next `rounds`
-are timed, and the ones after that go to a reader process started for the bench
+per way are timed, and the ones after that go to a reader process started for the bench
 (first.py).
 """
 
@@ -57,13 +59,15 @@ def reader(prefixes: Prefixes, settings: dict[str, Any], pool_prefixes: int, hos
     return TieredCache(prefixes.spec, config)
 
 
-def serving_rounds(site: Site, prefixes: Prefixes, rounds: int, pool_prefixes: int) -> Timed:
-    """The timed rounds of `site` (see the module doc)."""
+def serving_rounds(site: Site, prefixes: Prefixes, rounds: int, pool_prefixes: int) -> dict[Way, Timed]:
+    """The timed rounds of `site`, per way (see the module doc)."""
     fill = range(pool_prefixes)
-    timed = [prefixes[pool_prefixes + r] for r in range(rounds)]
+    first = pool_prefixes
+    by_way = {w: [prefixes[first + i * rounds + r] for r in range(rounds)] for i, w in enumerate(site.ways)}
+    timed = [p for ps in by_way.values() for p in ps]
     host = site.path in ("host", "tensor")
     # Host RAM holds the timed prefixes and what the pool demotes; below it, a pool's worth.
-    cache = reader(prefixes, site.settings, pool_prefixes, rounds + pool_prefixes + 2 if host else pool_prefixes)
+    cache = reader(prefixes, site.settings, pool_prefixes, len(timed) + pool_prefixes + 2 if host else pool_prefixes)
     try:
         cache.warming.join()  # faulted in before timing, as a long-running engine's would be
         if host:  # the timed prefixes into host RAM (written, then demoted), then the pool filled
@@ -80,32 +84,38 @@ def serving_rounds(site: Site, prefixes: Prefixes, rounds: int, pool_prefixes: i
                     raise RuntimeError(f"{site.label}: filling the pool loaded {len(got)} of {prefixes.num_pages} "
                                        "pages of a prefix")
         cache.demoter.flush(_SETTLE_S)
-        return timed_loads(cache, site, timed)
+        return timed_loads(cache, site, by_way)
     finally:
         cache.close()
 
 
-def timed_loads(cache: TieredCache, site: Site, timed: list[Prefix]) -> Timed:
-    """Load each of `timed` once beside the limit, alternating which runs first; each load is
-    checked byte for byte, then its demotions are let finish."""
-    ours: list[float] = []
-    base: list[float] = []
-    work = got = 0
-    for r, prefix in enumerate(timed):
-        baseline = site.baseline(prefix)
-        if r % 2:
-            seconds_base, got = clock(baseline)
-            seconds, placed = clock(lambda p=prefix: load(cache, p, site.way))
-        else:
-            seconds, placed = clock(lambda p=prefix: load(cache, p, site.way))
-            seconds_base, got = clock(baseline)
-        work = check_pool(cache, placed, prefix)
-        del placed
-        prefix.drop_pages()
-        ours.append(seconds)
-        base.append(seconds_base)
-        cache.demoter.flush(_SETTLE_S)
-    return Timed(statistics.median(ours), statistics.median(base), work, got, len(timed))
+def timed_loads(cache: TieredCache, site: Site, by_way: dict[Way, list[Prefix]]) -> dict[Way, Timed]:
+    """Load each prefix of `by_way` once in its way beside the limit, round by round (the ways'
+    order and which of load and limit runs first alternating); each load is checked byte for
+    byte, then its demotions are let finish."""
+    ways = list(by_way)
+    ours: dict[Way, list[float]] = {w: [] for w in ways}
+    base: dict[Way, list[float]] = {w: [] for w in ways}
+    work = dict.fromkeys(ways, 0)
+    got = dict.fromkeys(ways, 0)
+    for r in range(len(by_way[ways[0]])):
+        for way in ways[r % len(ways):] + ways[:r % len(ways)]:
+            prefix = by_way[way][r]
+            baseline = site.baseline(prefix)
+            if r % 2:
+                seconds_base, got[way] = clock(baseline)
+                seconds, placed = clock(lambda p=prefix, w=way: load(cache, p, w))
+            else:
+                seconds, placed = clock(lambda p=prefix, w=way: load(cache, p, w))
+                seconds_base, got[way] = clock(baseline)
+            work[way] = check_pool(cache, placed, prefix)
+            del placed
+            prefix.drop_pages()
+            ours[way].append(seconds)
+            base[way].append(seconds_base)
+            cache.demoter.flush(_SETTLE_S)
+    return {w: Timed(statistics.median(ours[w]), statistics.median(base[w]), work[w], got[w], len(ours[w]))
+            for w in ways}
 
 
 def load(cache: TieredCache, prefix: Prefix, way: Way = Way.LOAD) -> Any:

@@ -44,8 +44,13 @@ class Site:
     baseline_name: str
     settings: dict[str, Any]  # CacheConfig settings that put the tier below a reader's host RAM
     baseline: Callable[[Prefix], Callable[[], int]]  # the raw read of a prefix: returns bytes moved
-    way: Way = Way.LOAD
+    way: Way = Way.PREFETCH  # the headline's: the calls an engine makes
     closers: list[Callable[[], None]] = field(default_factory=list)
+
+    @property
+    def ways(self) -> tuple[Way, ...]:
+        """The ways timed: the engines' first; into a pool, `match + load` (no prefetch) beside it."""
+        return (self.way, Way.LOAD) if self.way is Way.PREFETCH else (self.way,)
 
 
 def memcpy_of(nbytes: int) -> Callable[[Prefix], Callable[[], int]]:
@@ -63,7 +68,7 @@ def site(path: str, prefixes: Prefixes, count: int, folder: str | None = None,
     """The tier of `path` holding prefixes `[0, count)` (written by a cache of its own, then
     closed: readers never saw them), removed afterwards."""
     if path == "host":
-        yield Site("host", "host RAM -> pool (match + load)", _MEMCPY, {}, memcpy_of(prefixes.nbytes))
+        yield Site("host", "host RAM -> pool", _MEMCPY, {}, memcpy_of(prefixes.nbytes))
     elif path == "tensor":  # the tensor API (LMCache's way): the KV handed back in a tensor
         yield Site("tensor", "host RAM -> tensor (get())", _MEMCPY, {}, memcpy_of(prefixes.nbytes), Way.GET)
     elif path == "disk":
@@ -126,7 +131,7 @@ def _disk_site(prefixes: Prefixes, count: int, folder: str | None) -> Iterator[S
             return read
 
         settings = {"lower_tiers": "disk", "disk_path": str(root), "disk_capacity": capacity, "disk_fsync": False}
-        yield Site("disk", "disk -> pool (match + load)", "read each page file (os.readv into a touched row)",
+        yield Site("disk", "disk -> pool", "read each page file (os.readv into a touched row)",
                    settings, read_files)
 
 
@@ -160,7 +165,7 @@ def _redis_site(prefixes: Prefixes, count: int, url: str | None) -> Iterator[Sit
                 return read
 
             settings = {"lower_tiers": "redis", "redis_url": where, "redis_prefix": NAMESPACE, "redis_timeout_s": 30}
-            yield Site("redis", "Redis -> pool (match + load)", f"redis-py + hiredis MGET, {step} keys a call",
+            yield Site("redis", "Redis -> pool", f"redis-py + hiredis MGET, {step} keys a call",
                        settings, mget)
         finally:
             for start in range(0, len(names), 1024):
@@ -184,9 +189,7 @@ def _remote_site(prefixes: Prefixes, count: int, shm: bool = True) -> Iterator[S
         finally:
             writer.close()
         settings = {"lower_tiers": "remote", "remote_addresses": store.address, "remote_timeout_s": 30}
-        # match + load, no prefetch: on a CPU pool the tier places pages straight into the device
-        # pages at `load`, where a prefetch (its pages not allocated yet) stages them first.
-        yield Site("remote", "same-host store server -> pool (match + load)", _MEMCPY, settings,
+        yield Site("remote", "same-host store server -> pool", _MEMCPY, settings,
                    memcpy_of(prefixes.nbytes))
 
 

@@ -1,7 +1,7 @@
 """`bench pool-load`'s side column: the warm loop. One prefix, loaded again and again by one warm
 reader whose pool has room: before each round the prefix is dropped from the pool and host RAM
-(only the tier below holds it), then loaded (`match` + `load`) beside the path's limit,
-alternating which goes first; the first round warms up. For host RAM, each round demotes the
+(only the tier below holds it), then loaded as engines load (`match` + `prefetch` + `load`)
+beside the path's limit, alternating which goes first; the first round warms up. For host RAM, each round demotes the
 pool into host RAM (`evict`, timed too: "pool -> host RAM") and loads it back. This flatters
 every path (the pages, the maps, the page cache are all warm): the serving rounds
 (serving.py) are the headline.
