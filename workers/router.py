@@ -241,4 +241,4 @@ def _checked(prompt: Prompt) -> str:
 
 
 def _route(decision: Decision) -> dict[str, Any]:
-    return {"worker": decision.worker, "reason": decision.reason, "matched_chars": decision.matched_chars}
+    return {"worker": decision.worker, "reason": decision.reason, f"matched_{decision.unit}": decision.matched}

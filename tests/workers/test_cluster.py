@@ -107,7 +107,7 @@ def test_the_router_sends_a_repeat_to_the_worker_that_holds_it(actors):
     again = ray.get(router.generate.remote(prompt))
     assert again["route"]["worker"] == first["route"]["worker"] == first["worker"]
     # The cached tokens it expected: every full page of the prompt, on that worker's device.
-    assert again["route"]["reason"] == "events" and again["route"]["matched_chars"] == again["prompt_tokens"] // 16 * 16
+    assert again["route"]["reason"] == "events" and again["route"]["matched_tokens"] == again["prompt_tokens"] // 16 * 16
     assert again["sources"].get("device", 0) == again["reused_tokens"] > 0  # served from that worker's own pool
     assert again["tokens"] == first["tokens"]
     other = ray.get(router.generate.remote(question("What is this about?", "A short note. " * 40)))

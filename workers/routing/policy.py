@@ -31,10 +31,16 @@ def prompt_text(prompt: Prompt) -> str:
 class Decision:
     worker: str
     reason: str  # "prefix" | "balance" | "least_cached" | "round_robin" | "events"
-    matched_chars: int  # of the prompt, recorded for the chosen worker (tokens under "events")
+    matched: int  # of the prompt, for the chosen worker, in `unit`s
     # Under "events": the leading prompt tokens expected on the worker's device, in its host RAM,
     # in the store (a router that sees no per-tier split in answers learns the store's cost by them).
     expected: tuple[int, int, int] = (0, 0, 0)
+
+    @property
+    def unit(self) -> str:
+        """What `matched` counts: prompt tokens expected cached (the event policy), else characters
+        of the prompt's text matched (the prefix policies)."""
+        return "tokens" if self.reason == "events" else "chars"
 
 
 class RoutingPolicy:

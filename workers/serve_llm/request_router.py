@@ -222,7 +222,7 @@ def route_report(decision: Decision) -> dict[str, Any]:
     tokens the router expected it to find in a cache (its device, or the store)."""
     report: dict[str, Any] = {"replica": decision.worker, "reason": decision.reason}
     if decision.reason == "events":
-        report["expected_cached_tokens"] = decision.matched_chars  # the event policy counts tokens there
+        report["expected_cached_tokens"] = decision.matched
     return report
 
 

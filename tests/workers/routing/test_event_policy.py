@@ -80,8 +80,8 @@ def test_a_prompt_goes_to_the_worker_whose_device_holds_it(tokenizer):
             first = policy.choose(DOCS[0], loads, DOCS[0])
             second = policy.choose(DOCS[1], loads, DOCS[1])
             assert (first.worker, first.reason) == ("a", "events") and (second.worker, second.reason) == ("b", "events")
-            assert second.matched_chars == n // SPEC.page_size * SPEC.page_size  # the cached tokens it expects
-            assert second.expected == (second.matched_chars, 0, 0)  # all of them on b's device
+            assert second.matched == n // SPEC.page_size * SPEC.page_size and second.unit == "tokens"  # cached tokens expected
+            assert second.expected == (second.matched, 0, 0)  # all of them on b's device
             # Evicted to host RAM, a prompt still goes where it is cheapest to load: a's host, not b's recompute.
             a.evict()
             _until(lambda: policy.events.holdings("a", _keys(tokenizer, DOCS[0])).host, "a's host pages")
@@ -177,7 +177,7 @@ def test_a_prompt_already_on_its_way_to_a_worker_counts_as_cached_there(tokenize
             first = policy.choose(DOCS[1], {"a": 0, "b": 0}, DOCS[1])
             busy = {first.worker: 1, ("b" if first.worker == "a" else "a"): 0}
             second = policy.choose(DOCS[1] + " Another question?", busy, DOCS[1] + " Another question?")
-            assert second.worker == first.worker and second.matched_chars > 0
+            assert second.worker == first.worker and second.matched > 0
             policy.finished(first.worker, first)
             policy.finished(second.worker, second)
             # Answered, and no event says its pages are there (nothing was stored here): the idle worker then.
