@@ -43,6 +43,12 @@ class ReusePolicy(enum.Enum):
 _SIZE_FIELDS = {"pool_capacity", "host_capacity", "disk_capacity"}
 
 
+def with_hints(unknown: list[str], known: set[str]) -> str:
+    """`unknown` keys, each with the closest of `known` as a "did you mean" where one is close."""
+    return ", ".join(f"{u} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u, known, 1)) else u
+                     for u in unknown)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     namespace: str = ""
@@ -148,9 +154,7 @@ class CacheConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            hints = [f"{u} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(u, known, 1)) else u
-                     for u in unknown]
-            raise ValueError(f"unknown config key(s): {', '.join(hints)}; known: {', '.join(sorted(known))}")
+            raise ValueError(f"unknown config key(s): {with_hints(unknown, known)}; known: {', '.join(sorted(known))}")
         return dataclasses.replace(base or cls(), **dict(data))
 
     @classmethod

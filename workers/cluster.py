@@ -279,10 +279,24 @@ def stats(timeout_s: float = 30.0) -> dict[str, Any]:
         actors[-1]["restarts"] = restarts(name)
     control = [{"kind": name, "name": name, "restarts": restarts(name)}
                for name in (DIRECTORY, ROUTER) if _existing(name) is not None]
+    for entry in control:
+        if entry["name"] == ROUTER:  # its policy, routes, reasons, failures (and the event policy's fallbacks)
+            entry["figures"] = _router_figures(timeout_s)
     figures = {"actors": actors, "control": control, "totals": rollup(actors)}
     vllm = _vllm_stats(ray.get_runtime_context().namespace, timeout_s)
     if vllm is not None:
         figures["vllm"] = vllm
+    return figures
+
+
+def _router_figures(timeout_s: float) -> dict[str, Any]:
+    """The router actor's own figures (`PrefixRouter.stats`), or why they cannot be read."""
+    try:
+        figures = dict(ray.get(ray.get_actor(ROUTER).stats.remote(), timeout=timeout_s))
+    except (ValueError, ray.exceptions.RayError, TimeoutError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}".splitlines()[0]}
+    figures.pop("kind", None)
+    figures.pop("name", None)
     return figures
 
 

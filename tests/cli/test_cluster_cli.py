@@ -79,7 +79,8 @@ def _walk(ray_cluster, where: list[str], tmp_path) -> None:
             for key in ("pages", "used_bytes", "hits", "misses", "bytes_in"):
                 assert total[key] == sum(int(r[key]) for r in rows), (name, key)
         assert figures["totals"]["ram"]["pages"] > 0  # the worker wrote its pages through to the shards
-        assert "cluster total" in run_cli("stats", "--ray", ray_cluster.address, "--namespace", NAMESPACE).stdout
+        table = run_cli("stats", "--ray", ray_cluster.address, "--namespace", NAMESPACE).stdout
+        assert "cluster total" in table and f"router (prefix): routed {served} " in table
     finally:
         stopped = run_cli("cluster", "stop", *where, "--json")
     with pytest.raises(OSError):  # the front end went with the cluster

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from service_helpers import FINGERPRINT, make_items
+from service_helpers import FINGERPRINT, SPEC, make_items
 from vllm_events import vllm_index
 
 from tiered_cache.events.block_index import BlockIndex
@@ -59,15 +59,23 @@ def test_the_index_of_a_store_s_events_holds_what_the_store_holds(tmp_path):
             sub.close()
     assert "KV events at tcp://127.0.0.1:" in "\n".join(store.output)
 
-    # A restarted server tells subscribers what its disk still holds.
+    # A restarted server tells subscribers what its disk still holds, with each page's size in tokens.
     index = BlockIndex()
+    told: list[dict] = []
+
+    def apply(events: list[dict]) -> None:
+        told.extend(events)
+        index.apply(events)
+
     with _store(tmp_path) as store:
-        sub = EventSubscriber(store.events_endpoint, store.replay_endpoint, index.apply, index.clear).start()
+        sub = EventSubscriber(store.events_endpoint, store.replay_endpoint, apply, index.clear).start()
         tier = RemoteTier([store.address], fingerprint=FINGERPRINT, shm=False)
         try:
             held = tier.contains(keys)
             assert any(held)
             assert _settled(index, keys, held) == {k for k, h in zip(keys, held, strict=True) if h}
+            sizes = {e["block_size"] for e in told if e["type"] == "BlockStored"}
+            assert sizes == {SPEC.page_size}
         finally:
             tier.close()
             sub.close()

@@ -243,6 +243,11 @@ def test_calls_before_the_pool_is_registered_and_bad_configs():
         TieredCacheStorage(config(backend_name="x"), {})
     with pytest.raises(ValueError, match=r"remote_adresses \(did you mean remote_addresses\?\)"):
         TieredCacheStorage(config(remote_adresses="127.0.0.1:1"), {})
+    # A misspelt key of the backend's own: named, the closest key offered, the backend's keys listed,
+    # and said to be ours (inside SGLang's traceback).
+    with pytest.raises(ValueError, match=r"^tiered-cache: unknown key\(s\) in SGLang's extra config: modelid "
+                                         r"\(did you mean model_id\?\); the backend's own: config, model_id; "):
+        TieredCacheStorage(config(remote_addresses="127.0.0.1:1", modelid="m"), {})
     early = TieredCacheStorage(config(remote_addresses="127.0.0.1:1", remote_timeout_s=0.5), {})
     assert early.batch_exists(["k"]) == 0 and early.batch_get_v1(["k"], slots([0])) == [False]
     assert early.stats()["faults"] == 2

@@ -107,7 +107,8 @@ def test_the_router_sends_a_repeat_to_the_worker_that_holds_it(actors):
     again = ray.get(router.generate.remote(prompt))
     assert again["route"]["worker"] == first["route"]["worker"] == first["worker"]
     # The cached tokens it expected: every full page of the prompt, on that worker's device.
-    assert again["route"]["reason"] == "events" and again["route"]["matched_tokens"] == again["prompt_tokens"] // 16 * 16
+    route = again["route"]
+    assert route["reason"] == "events" and route["matched_tokens"] == again["prompt_tokens"] // 16 * 16
     assert again["sources"].get("device", 0) == again["reused_tokens"] > 0  # served from that worker's own pool
     assert again["tokens"] == first["tokens"]
     other = ray.get(router.generate.remote(question("What is this about?", "A short note. " * 40)))
@@ -178,6 +179,16 @@ def test_stats_rollup_equals_the_sum_of_the_actors_own_figures(actors):
         for key, value in row.items():
             assert figures["totals"][name][key] == value, (name, key)
     assert figures["totals"]["remote"]["hits"] > 0  # workers did load from the shards
+    # The router's own figures beside them: what it routed where and why, the event policy's fallbacks.
+    (router,) = [c["figures"] for c in figures["control"] if c["kind"] == "router"]
+    own_router = ray.get(ray.get_actor("router").stats.remote())
+    assert router["routed"] == own_router["routed"] and sum(router["routed"].values()) > 0
+    assert router["policy"] == "events" and router["events"]["fallbacks"] == own_router["events"]["fallbacks"]
+    from tiered_cache.cli.cluster_cmd import render_status
+    from tiered_cache.cli.cluster_table import render_cluster
+
+    for text in (render_status(figures), render_cluster(figures)):
+        assert "router (events): routed worker-" in text and "event fallbacks" in text
 
 
 def test_each_worker_draws_its_prefix_tree_with_text(actors):

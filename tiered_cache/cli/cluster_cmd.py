@@ -194,7 +194,26 @@ def render_status(figures: dict[str, Any]) -> str:
         rows.append([actor["kind"], actor["name"], node_label(actor), compute_label(actor), actor.get("address", "-"),
                      restarted, pages])
     rows += [[c["kind"], c["name"], "-", "-", "-", _restarts(c), "-"] for c in figures.get("control", [])]
-    return render_table(rows, ["kind", "name", "node", "computes on", "address", "restarts", "pages per tier"])
+    table = render_table(rows, ["kind", "name", "node", "computes on", "address", "restarts", "pages per tier"])
+    return "\n".join([table, *router_lines(figures)])
+
+
+def router_lines(figures: dict[str, Any]) -> list[str]:
+    """The router actor's figures, one line: policy, routes per worker and why, failures, and
+    (routed by KV events) how often it fell back to the prefix policy."""
+    router = next((c.get("figures") for c in figures.get("control", []) if c["kind"] == "router"), None)
+    if router is None:
+        return []
+    if "error" in router:
+        return [f"router: unreachable ({router['error']})"]
+    routed = ", ".join(f"{w} {n:,}" for w, n in sorted(router.get("routed", {}).items())) or "none yet"
+    reasons = ", ".join(f"{r} {n:,}" for r, n in sorted(router.get("reasons", {}).items())) or "-"
+    line = (f"router ({router.get('policy', '?')}): routed {routed} (why: {reasons}); "
+            f"in flight {sum(router.get('in_flight', {}).values()):,}; failures {router.get('failures', 0):,}")
+    events = router.get("events")
+    if isinstance(events, dict):
+        line += f"; event fallbacks {events.get('fallbacks', 0):,}"
+    return [line]
 
 
 def _restarts(actor: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ def _row(actor: str, node: str, tier: dict[str, Any]) -> list[str]:
 
 
 def render_cluster(figures: dict[str, Any]) -> str:
-    from tiered_cache.cli.cluster_cmd import node_label
+    from tiered_cache.cli.cluster_cmd import node_label, router_lines
     from tiered_cache.report.tree import canary_line, reuse_line
     from tiered_cache.workers.cluster import tiers_of
 
@@ -43,7 +43,7 @@ def render_cluster(figures: dict[str, Any]) -> str:
     shards = sum(a["kind"] == "shard" and "error" not in a for a in figures["actors"])
     head = f"{workers} worker(s), {shards} shard(s)"
     return "\n".join([head, render_table(rows, _HEADERS, align_right=range(3, 15)), *notes,
-                      *render_vllm(figures.get("vllm"))])
+                      *router_lines(figures), *render_vllm(figures.get("vllm"))])
 
 
 _CONNECTOR = ["lookups", "blocks_asked", "blocks_hit", "blocks_saved", "saves_dropped", "load_failures",

@@ -42,8 +42,13 @@ class BlobStore:
         self.events = events
         for tier in self.lower:
             held = list(getattr(tier, "index", ()))  # a disk tier's pages survive a restart
+            file_of = getattr(tier, "file_of", None)
             for start in range(0, len(held), _EVENT_BATCH):
-                events.stored(held[start:start + _EVENT_BATCH], MEDIUM_STORAGE, block_size=0)
+                batch = held[start:start + _EVENT_BATCH]
+                if file_of is None:
+                    events.stored(batch, MEDIUM_STORAGE, block_size=0)  # no header to read: size unknown
+                else:
+                    self._tell_stored([(key, _file_head(file_of(key))) for key in batch])
         self.chain.on_change = lambda keys, held: None if held else events.removed(keys, MEDIUM_STORAGE)
 
     @property
@@ -129,7 +134,8 @@ class BlobStore:
         return len(fresh), len(items) - len(fresh)
 
     def _tell_stored(self, items: list[tuple[bytes, bytes]]) -> None:
-        """One event per run of pages of one size (tokens per page, from each blob's header)."""
+        """One event per run of pages of one size (tokens per page, from each blob's header: the
+        blob, or its first IDENTITY_BYTES)."""
         run: list[bytes] = []
         size = -1
         for key, blob in items:
@@ -184,3 +190,12 @@ class BlobStore:
     def close(self) -> None:
         """Close tiers that hold connections (Redis clients)."""
         self.chain.close()
+
+
+def _file_head(path: Any) -> bytes:
+    """The first IDENTITY_BYTES of a page file (empty when it cannot be read: size unknown)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(IDENTITY_BYTES)
+    except OSError:
+        return b""

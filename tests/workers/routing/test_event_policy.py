@@ -80,7 +80,8 @@ def test_a_prompt_goes_to_the_worker_whose_device_holds_it(tokenizer):
             first = policy.choose(DOCS[0], loads, DOCS[0])
             second = policy.choose(DOCS[1], loads, DOCS[1])
             assert (first.worker, first.reason) == ("a", "events") and (second.worker, second.reason) == ("b", "events")
-            assert second.matched == n // SPEC.page_size * SPEC.page_size and second.unit == "tokens"  # cached tokens expected
+            # The cached tokens it expects there, counted as tokens.
+            assert second.matched == n // SPEC.page_size * SPEC.page_size and second.unit == "tokens"
             assert second.expected == (second.matched, 0, 0)  # all of them on b's device
             # Evicted to host RAM, a prompt still goes where it is cheapest to load: a's host, not b's recompute.
             a.evict()

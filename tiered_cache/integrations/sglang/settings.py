@@ -3,10 +3,11 @@ and the identity of the model whose KV it keeps (module doc of backend.py: the k
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from tiered_cache.config import CacheConfig
+from tiered_cache.config import CacheConfig, with_hints
 from tiered_cache.integrations.vllm.identity import model_id_for
 
 # SGLang's own keys of the extra config; the rest are ours.
@@ -16,7 +17,15 @@ _OUR_KEYS = {"config", "model_id"}
 
 
 def store_settings(extra: dict[str, Any]) -> CacheConfig:
-    """Our settings from SGLang's extra config: a YAML it names (`config`), then inline keys."""
+    """Our settings from SGLang's extra config: a YAML it names (`config`), then inline keys. An
+    unknown key is one line naming it, the closest known key, and the backend's own keys."""
+    settings = {f.name for f in fields(CacheConfig)}
+    unknown = sorted(set(extra) - _SGLANG_KEYS - _OUR_KEYS - settings)
+    if unknown:
+        raise ValueError(f"tiered-cache: unknown key(s) in SGLang's extra config: "
+                         f"{with_hints(unknown, settings | _OUR_KEYS | _SGLANG_KEYS)}; the backend's own: "
+                         f"{', '.join(sorted(_OUR_KEYS))}; SGLang's: {', '.join(sorted(_SGLANG_KEYS))}; and any "
+                         f"tiered-cache setting (remote_addresses, remote_token, ...: CacheConfig)")
     base = CacheConfig.from_yaml(extra["config"]) if extra.get("config") else CacheConfig()
     config = CacheConfig.from_dict({k: v for k, v in extra.items() if k not in _SGLANG_KEYS | _OUR_KEYS}, base)
     if not config.remote_addresses:
