@@ -264,6 +264,7 @@ def test_workers_and_shards_export_the_cache_metrics_through_ray(actors):
     assert any(n == "ray_tiered_cache_server_requests_total" for n, _, _ in found)
 
 
+@pytest.mark.long  # a restart drill past the suite's time budget: make test-long (CI runs it)
 def test_a_restarted_directory_finds_the_running_actors_again(actors):
     a, b = actors["a"], actors["b"]
     router = cluster.start_router(actors["config"])
@@ -311,6 +312,7 @@ def _alive(name: str) -> bool:
     return True
 
 
+@pytest.mark.long  # a restart drill past the suite's time budget: make test-long (CI runs it)
 def test_chaos_a_killed_shard_restarted_rejoins_the_ring_and_serves_again(actors):
     a, b, config = actors["a"], actors["b"], actors["config"]
     prompt = question("What colour is the lighthouse?", document()[4800:7200])

@@ -63,7 +63,10 @@ def serving_rounds(site: Site, prefixes: Prefixes, rounds: int, pool_prefixes: i
     """The timed rounds of `site`, per way (see the module doc)."""
     fill = range(pool_prefixes)
     first = pool_prefixes
-    by_way = {w: [prefixes[first + i * rounds + r] for r in range(rounds)] for i, w in enumerate(site.ways)}
+    # Interleaved, so each way meets prefixes stored as early and as late as the other's (a tier may
+    # treat older pages differently: a store's arena holds the latest).
+    ways = len(site.ways)
+    by_way = {w: [prefixes[first + r * ways + i] for r in range(rounds)] for i, w in enumerate(site.ways)}
     timed = [p for ps in by_way.values() for p in ps]
     host = site.path in ("host", "tensor")
     # Host RAM holds the timed prefixes and what the pool demotes; below it, a pool's worth.
@@ -114,8 +117,10 @@ def timed_loads(cache: TieredCache, site: Site, by_way: dict[Way, list[Prefix]])
             ours[way].append(seconds)
             base[way].append(seconds_base)
             cache.demoter.flush(_SETTLE_S)
-    return {w: Timed(statistics.median(ours[w]), statistics.median(base[w]), work[w], got[w], len(ours[w]))
-            for w in ways}
+    # One limit for every way: the same raw read, timed beside each of their loads (a way's own
+    # median would carry where in the round its loads happened to fall).
+    limit = statistics.median([t for w in ways for t in base[w]])
+    return {w: Timed(statistics.median(ours[w]), limit, work[w], got[w], len(ours[w])) for w in ways}
 
 
 def load(cache: TieredCache, prefix: Prefix, way: Way = Way.LOAD) -> Any:
