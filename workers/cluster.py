@@ -245,8 +245,13 @@ def _start(config: ClusterConfig, progress: Progress) -> list[dict[str, Any]]:
     if config.engine is EngineName.VLLM:  # the vLLM replicas come after, through Ray Serve (serve_vllm)
         return [ray.get(a.info.remote()) for a in actors.values()]
     gpus = f", {config.worker.num_gpus:g} GPU(s) each" if config.worker.num_gpus else ""
-    progress(f"{config.workers} cache worker(s) loading {config.worker.model}{gpus} ...")
-    workers = {worker_name(i): start_worker(worker_name(i), config) for i in range(config.workers)}
+    names = [worker_name(i) for i in range(config.workers)]
+    new = sum(_existing(n) is None for n in names)
+    if new:
+        progress(f"{new} cache worker(s) loading {config.worker.model}{gpus} ...")
+    if new < len(names):
+        progress(f"{len(names) - new} cache worker(s) running already: kept as they are")
+    workers = {name: start_worker(name, config) for name in names}
     _await_started(workers, config, progress)
     actors.update(workers)
     actors[ROUTER] = start_router(config)

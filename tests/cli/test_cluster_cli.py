@@ -116,6 +116,8 @@ def _rerun(where: list[str], tmp_path, port: int) -> None:
     token = "re-run-token-0123456789"
     again = run_cli(*start, "--http-port", str(port), "--http-token", token)
     assert f"HTTP: {base}" in again.stdout
+    # Nothing loads on a re-run: the running workers are kept, and it says so.
+    assert "loading" not in again.stderr and "2 cache worker(s) running already" in again.stderr
     import urllib.request
 
     def models(authorization: str | None) -> int:

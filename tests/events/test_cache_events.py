@@ -60,8 +60,9 @@ def _learned(index: BlockIndex, keys: list[bytes]) -> dict[str, set[bytes]]:
 
 def _caught_up(cache: TieredCache, sub: EventSubscriber) -> None:
     deadline = time.monotonic() + 10
-    while sub.next_seq < cache.events.publisher.published or not cache.events.publisher._queue.empty():
-        assert time.monotonic() < deadline, f"read {sub.next_seq} of {cache.events.publisher.published} batches"
+    publisher = cache.events.publisher
+    while sub.next_seq < publisher.first_seq + publisher.published or not publisher._queue.empty():
+        assert time.monotonic() < deadline, f"read up to {sub.next_seq} of {publisher.published} batches"
         time.sleep(0.02)
 
 

@@ -189,6 +189,13 @@ def test_stats_rollup_equals_the_sum_of_the_actors_own_figures(actors):
 
     for text in (render_status(figures), render_cluster(figures)):
         assert "router (events): routed worker-" in text and "event fallbacks" in text
+    # Where each shard publishes its KV events, in `cluster status` and in what `cluster start` prints.
+    from tiered_cache.cli.cluster_cmd import render_actors
+
+    shard = next(a for a in figures["actors"] if a["kind"] == "shard" and "error" not in a)
+    endpoint = shard["events"]["endpoint"]
+    assert endpoint.startswith("tcp://127.0.0.1:") and endpoint in render_status(figures)
+    assert endpoint in render_actors([ray.get(ray.get_actor(shard["name"]).info.remote())])
 
 
 def test_each_worker_draws_its_prefix_tree_with_text(actors):

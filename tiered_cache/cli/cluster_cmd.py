@@ -176,8 +176,16 @@ def compute_label(actor: dict[str, Any]) -> str:
 
 
 def render_actors(infos: list[dict[str, Any]]) -> str:
-    rows = [[i["kind"], i["name"], node_label(i), compute_label(i), i.get("address", "-") or "-"] for i in infos]
-    return render_table(rows, ["kind", "name", "node", "computes on", "address"])
+    rows = [[i["kind"], i["name"], node_label(i), compute_label(i), i.get("address", "-") or "-", events_label(i)]
+            for i in infos]
+    return render_table(rows, ["kind", "name", "node", "computes on", "address", "KV events"])
+
+
+def events_label(actor: dict[str, Any]) -> str:
+    """Where a shard publishes its KV events (`--kv-events`; a worker's are its address); "-"
+    when it publishes none."""
+    events = actor.get("events")
+    return str(events["endpoint"]) if isinstance(events, dict) and events.get("endpoint") else "-"
 
 
 def render_status(figures: dict[str, Any]) -> str:
@@ -188,13 +196,14 @@ def render_status(figures: dict[str, Any]) -> str:
     for actor in figures["actors"]:
         restarted = _restarts(actor)
         if "error" in actor:
-            rows.append([actor["kind"], actor["name"], "-", "-", "-", restarted, f"unreachable: {actor['error']}"])
+            rows.append([actor["kind"], actor["name"], "-", "-", "-", "-", restarted, f"unreachable: {actor['error']}"])
             continue
         pages = ", ".join(f"{t['name']} {int(t['pages']):,}" for t in tiers_of(actor))
         rows.append([actor["kind"], actor["name"], node_label(actor), compute_label(actor), actor.get("address", "-"),
-                     restarted, pages])
-    rows += [[c["kind"], c["name"], "-", "-", "-", _restarts(c), "-"] for c in figures.get("control", [])]
-    table = render_table(rows, ["kind", "name", "node", "computes on", "address", "restarts", "pages per tier"])
+                     events_label(actor), restarted, pages])
+    rows += [[c["kind"], c["name"], "-", "-", "-", "-", _restarts(c), "-"] for c in figures.get("control", [])]
+    table = render_table(rows, ["kind", "name", "node", "computes on", "address", "KV events", "restarts",
+                                "pages per tier"])
     return "\n".join([table, *router_lines(figures)])
 
 

@@ -1,7 +1,12 @@
 """KV event batches over ZMQ, as vLLM's `ZmqEventPublisher` sends them, so its subscribers read ours.
 
 A PUB socket this side binds (subscribers connect) sends each batch as three frames: the topic,
-the batch's sequence number (8 bytes, big-endian, from 0) and the payload (`schema.encode_batch`).
+the batch's sequence number (8 bytes, big-endian) and the payload (`schema.encode_batch`). Numbers
+run on from `first_seq`: by default the wall clock's microseconds at start, past any earlier
+publisher's at the same endpoints, so a subscriber still connected across a restart sees a
+forward gap and asks the replay, which gives the new publisher's batches from its first (a
+cache's first is `AllBlocksCleared`), whatever rule it follows (vLLM's example replays only on a
+forward gap; vLLM's own publisher numbers from 0).
 The last `buffer_batches` are kept for a ROUTER replay endpoint: a subscriber that starts late, or
 saw a gap in the numbers, sends (empty frame, first wanted number as 8 bytes) and gets every kept
 batch from there as (empty, topic, number, payload), then (empty, b"", -1 as 8 signed bytes, b"").
@@ -37,7 +42,8 @@ END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 class EventPublisher:
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  buffer_batches: int = 10_000, max_queue: int = 10_000, data_parallel_rank: int | None = None,
-                 beyond_loopback: bool = False, heartbeat_s: float | None = None) -> None:
+                 beyond_loopback: bool = False, heartbeat_s: float | None = None,
+                 first_seq: int | None = None) -> None:
         import zmq
 
         self._ctx = zmq.Context.instance()
@@ -56,6 +62,7 @@ class EventPublisher:
         self._queue: queue.Queue[list[dict[str, Any]] | None] = queue.Queue(maxsize=max_queue)
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self.published = self.dropped = self.replayed = 0
+        self.first_seq = time.time_ns() // 1000 if first_seq is None else first_seq  # see the module doc
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
@@ -85,7 +92,7 @@ class EventPublisher:
         return True
 
     def _run(self) -> None:
-        seq = 0
+        seq = self.first_seq
         last = time.monotonic()
         while self._running or not self._queue.empty():
             if self._replay is not None and self._replay.poll(0):

@@ -2,10 +2,12 @@
 
 It connects a SUB socket to the publisher and asks its replay endpoint for every batch kept from
 number 0, so a subscriber that starts late (or restarts) learns what is cached before it reads
-live batches. A number past the next one expected (a batch ZMQ dropped) is filled from the replay
-endpoint; one below it is a batch read already (a replay and the live stream overlap), except
-number 0: the publisher restarted (a new cache), so what was learned from it is forgotten
-(`on_reset`) and read again from the start. Batches are applied in order and events are
+live batches. A number past the next one expected (a batch ZMQ dropped, or a restarted publisher
+of ours, whose numbers start past its predecessor's) is filled from the replay endpoint; one below
+it is a batch read already (a replay and the live stream overlap), except number 0: a publisher
+numbering from 0 (vLLM's) restarted, so what was learned from it is forgotten (`on_reset`) and
+read again from the start. A restarted cache of ours says the same with its first batch,
+`AllBlocksCleared`. Batches are applied in order and events are
 idempotent, so reading some twice changes nothing.
 """
 
