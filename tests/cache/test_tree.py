@@ -68,3 +68,19 @@ def test_the_drawing_shows_branches_and_a_bounded_tree_says_it_is_cut():
     assert cut["truncated"] and len(cut["namespaces"][0]["children"][0]["children"]) == 2
     assert "raise --max-nodes" in render_tree(cut)
     assert "the tree is empty" in render_tree({"namespaces": [], "nodes": 0, "truncated": False})
+
+
+def test_leaves_that_part_inside_a_page_show_where_they_part():
+    # Two prompts that share the first two tokens of a page, then differ: two leaves whose first
+    # pages start alike. Each leaf's text starts where they part, so the drawing tells them apart.
+    with _cache() as cache:
+        for tail in ([1, 2, 3, 4], [1, 2, 7, 8]):
+            cache.put(SHARED + tail, _kv(len(SHARED) + len(tail)))
+        view = cache.prefix_tree(decode=lambda ids: " ".join(map(str, ids)))
+    (branch,) = view["namespaces"][0]["children"]
+    leaves = sorted(branch["children"], key=lambda leaf: leaf["head_tokens"])
+    assert [leaf["head_skipped_tokens"] for leaf in leaves] == [2, 2]
+    assert [leaf["head_text"] for leaf in leaves] == ["3 4", "7 8"]
+    assert branch["head_skipped_tokens"] == 0 and branch["head_text"] == "100 101 102 103"  # no sibling
+    drawing = render_tree(view)
+    assert '"…3 4"' in drawing and '"…7 8"' in drawing

@@ -86,16 +86,34 @@ def _children(nodes: list[RadixNode], sizes: dict[int, int], page_size: int, mem
 
 
 def decode_previews(tree: dict[str, Any], decode: Callable[[list[int]], str]) -> dict[str, Any]:
-    """Add `head_text` / `tail_text` to every node whose tokens are known (in place; returns it)."""
-    stack = [c for ns in tree["namespaces"] for c in ns["children"]]
-    while stack:
-        node = stack.pop()
-        for end in ("head", "tail"):
-            ids = node.get(f"{end}_tokens")
-            if ids:
-                node[f"{end}_text"] = decode(ids)
-        stack.extend(node["children"])
+    """Add `head_text` / `tail_text` to every node whose tokens are known (in place; returns it).
+    Siblings split inside a page (their first pages differ after some tokens they share): each
+    one's head text starts where they part (`head_skipped_tokens` says how many were left out),
+    so two leaves never show the same text."""
+    groups = [ns["children"] for ns in tree["namespaces"]]
+    while groups:
+        siblings = groups.pop()
+        skip = _shared_head(siblings)
+        for node in siblings:
+            head, tail = node.get("head_tokens"), node.get("tail_tokens")
+            if head:
+                node["head_text"] = decode(head[skip:])
+                node["head_skipped_tokens"] = skip
+            if tail:
+                node["tail_text"] = decode(tail)
+            groups.append(node["children"])
     return tree
+
+
+def _shared_head(siblings: list[dict[str, Any]]) -> int:
+    """How many leading tokens every sibling's first page shares with the others (0 for one)."""
+    heads = [node.get("head_tokens") or [] for node in siblings]
+    if len(heads) < 2 or not all(heads):
+        return 0
+    n = 0
+    while all(n < len(h) - 1 for h in heads) and len({h[n] for h in heads}) == 1:
+        n += 1  # at least the last token of each head stays, so a head is never empty
+    return n
 
 
 def tree_of(cache: Any, max_nodes: int, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:

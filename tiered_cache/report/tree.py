@@ -21,6 +21,8 @@ def _clip(text: str, tail: bool) -> str:
 def _preview(node: dict[str, Any]) -> str:
     if node.get("head_text") is not None:
         head, tail = _clip(node["head_text"], False), _clip(node.get("tail_text") or "", True)
+        if node.get("head_skipped_tokens"):  # where it parts from its siblings
+            head = "…" + head
         return f'"{head}"' if node["pages"] == 1 else f'"{head}" … "{tail}"'
     ids = node.get("head_tokens")
     if ids:
