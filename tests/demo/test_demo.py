@@ -41,8 +41,10 @@ def test_demo_runs_the_two_instance_story_and_draws_the_shared_prefix():
     assert f"({reused:,} tokens)" in tree[branch] and "<|im_start|>" in tree[branch]
     leaves = tree[branch + 1:branch + 3]
     assert leaves[0].startswith("    ├── ") and leaves[1].startswith("    └── ")
-    # Each leaf shows its question's first words (where the questions part, after the document).
-    assert any("the light automat" in leaf for leaf in leaves) and any("the lighthouse's" in leaf for leaf in leaves)
+    # Each leaf shows its question from where the two part (after the document and the words they
+    # share), marked with "…": two leaves never print the same text.
+    assert any('"…light automated?' in leaf for leaf in leaves)
+    assert any('"…lighthouse\'s lamp' in leaf for leaf in leaves)
 
 
 def test_the_report_shows_the_median_and_the_spread_of_repeated_runs():

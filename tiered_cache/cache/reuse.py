@@ -25,8 +25,8 @@ is total amount over total seconds. Past the largest amount measured that is a g
 pessimistic one (`Rate.known_up_to`: a first load of one page, mostly round trip, prices many
 pages at many round trips): the request still recomputes them (never slower than recompute on a
 guess), and the reuse policy gets those pages from the tier aside at once, so the next plan knows it.
-Prefill samples are fitted the same way, and only the rate (the slope: seconds per extra token)
-is used, since the engine pays a forward's fixed cost for the suffix anyway.
+The prefill rate is estimated apart, robustly (`prefill_estimate.py`: medians over the last
+forwards), since a busy spell or a short suffix must not move it far.
 
 Until an estimate exists nothing is skipped: with no prefill rate every page is loaded, and a
 tier never measured is taken as free, so it is loaded and measured.
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tiered_cache.cache.handle import HOST
+from tiered_cache.cache.prefill_estimate import PrefillEstimate, PrefillFigure
 from tiered_cache.config import ReusePolicy
 
 if TYPE_CHECKING:
@@ -125,13 +126,6 @@ class RateEstimator:
         return Rate(mx / my, known_up_to=self.largest)
 
 
-# Prefill samples are suffixes, often of a similar few dozen tokens whose forwards cost the same
-# on a GPU: a slope fitted across them is noise and can claim millions of tokens/s (which would
-# skip even host RAM). Below this spread of sizes (std, tokens) the rate is tokens over seconds,
-# which errs towards loading.
-_PREFILL_MIN_SPREAD_TOKENS = 512.0
-
-
 @dataclass(frozen=True)
 class ReuseStats:
     """What the reuse policy knows and did, for `stats()`: estimates and pages skipped."""
@@ -141,14 +135,19 @@ class ReuseStats:
     prefill_configured: bool  # True: from CacheConfig.prefill_tokens_per_s, never learned
     load_rates: dict[str, Rate] = field(default_factory=dict)  # tier -> fitted load cost
     skipped_pages: dict[str, int] = field(default_factory=dict)  # tier -> pages left to recompute
+    prefill_measured: PrefillFigure | None = None  # what a measured rate rests on (None: none yet)
 
     @property
     def total_skipped(self) -> int:
         return sum(self.skipped_pages.values())
 
     def to_dict(self) -> dict[str, Any]:
+        measured = self.prefill_measured
         return {"policy": self.policy, "prefill_tokens_per_s": self.prefill_tokens_per_s,
                 "prefill_configured": self.prefill_configured,
+                "prefill_measured": None if measured is None else {
+                    "tokens_per_s": measured.tokens_per_s, "forwards": measured.samples,
+                    "throughput_tokens_per_s": measured.throughput, "basis": measured.basis},
                 "load_rates": {t: {"bytes_per_s": r.per_s, "latency_s": r.latency_s,
                                    "known_up_to_bytes": None if math.isinf(r.known_up_to) else r.known_up_to}
                                for t, r in self.load_rates.items()},
@@ -164,7 +163,7 @@ class ReuseEstimates:
         self._configured_prefill = prefill_tokens_per_s
         self._lock = threading.Lock()
         self._loads: dict[str, RateEstimator] = {}
-        self._prefill = RateEstimator()
+        self._prefill = PrefillEstimate()
         self._skipped: Counter[str] = Counter()
         self._probed: dict[str, float] = {}  # tier -> when a re-measuring probe last started
 
@@ -189,8 +188,8 @@ class ReuseEstimates:
         if self._configured_prefill is not None:
             return self._configured_prefill
         with self._lock:
-            fit = self._prefill.estimate(min_spread=_PREFILL_MIN_SPREAD_TOKENS)
-        return fit.per_s if fit is not None else None
+            figure = self._prefill.figure()
+        return figure.tokens_per_s if figure is not None else None
 
     def cut(self, plan: Sequence[int], names: Mapping[int, str], page_bytes: int, page_tokens: int) -> int:
         """How many leading pages of `plan` to load under this policy (`names`: plan entry -> tier
@@ -224,7 +223,8 @@ class ReuseEstimates:
         with self._lock:
             rates = {t: fit for t, e in self._loads.items() if (fit := e.estimate()) is not None}
             skipped = dict(self._skipped)
-        return ReuseStats(self.policy.value, prefill, self._configured_prefill is not None, rates, skipped)
+            measured = self._prefill.figure()
+        return ReuseStats(self.policy.value, prefill, self._configured_prefill is not None, rates, skipped, measured)
 
 
 def pages_to_load(plan: Sequence[int], rates: Mapping[int, Rate | None], page_bytes: int, page_tokens: int,

@@ -49,8 +49,12 @@ def reuse_line(reuse: dict[str, Any] | None) -> str:
     if not reuse:
         return ""
     prefill = reuse.get("prefill_tokens_per_s")
-    said = (f"prefill {prefill:,.0f} tokens/s ({'set' if reuse.get('prefill_configured') else 'measured'})"
-            if prefill else "prefill rate not known yet: everything found is loaded")
+    measured = reuse.get("prefill_measured") or {}
+    how = "set" if reuse.get("prefill_configured") else (
+        f"measured: {measured['basis']} over {measured['forwards']} forward(s), throughput "
+        f"{measured['throughput_tokens_per_s']:,.0f} tokens/s" if measured else "measured")
+    said = f"prefill {prefill:,.0f} tokens/s ({how})" if prefill else \
+        "prefill rate not known yet: everything found is loaded"
     rates = ", ".join(f"{tier} {format_binary(r['bytes_per_s'])}/s"
                       + (f" + {1e3 * r['latency_s']:.1f} ms" if r["latency_s"] >= 5e-5 else "")
                       + (f" (seen up to {format_binary(r['known_up_to_bytes'])})"
