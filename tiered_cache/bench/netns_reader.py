@@ -36,10 +36,12 @@ def read(job: dict[str, Any]) -> dict[str, Any]:
     tune_malloc()
     prefixes = Prefixes(KVSpec.from_dict(job["spec"]), job["mib"])
     token = os.environ["TIERED_CACHE_SERVE_TOKEN"]
+    ways = len(Site("remote", "", "", {}, lambda _prefix: lambda: 0).ways)  # the serving rounds' prefixes per round
     for store in (job["store"], job["grpc_store"]):
         writer = RemoteTier([store], token=token, timeout_s=60, fingerprint=bytes.fromhex(prefixes.spec.fingerprint))
         try:
-            put_prefixes(writer.put, prefixes, job["pool_prefixes"] + job["rounds"], f"the store server at {store}")
+            put_prefixes(writer.put, prefixes, job["pool_prefixes"] + ways * job["rounds"],
+                         f"the store server at {store}")
         finally:
             writer.close()
     blob = raw_blob_size(prefixes.spec)
@@ -52,9 +54,9 @@ def read(job: dict[str, Any]) -> dict[str, Any]:
     timed = {}
     for store in (job["store"], job["grpc_store"]):
         settings = {"lower_tiers": "remote", "remote_addresses": store, "remote_token": token, "remote_timeout_s": 60}
-        site = Site("remote", "store server in another namespace -> pool (match + load)",
+        site = Site("remote", "store server in another namespace -> pool",
                     "raw TCP stream, same bytes", settings, lambda _prefix: lambda: receive(sock, into))
-        timed[store] = serving_rounds(site, prefixes, job["rounds"], job["pool_prefixes"])
+        timed[store] = serving_rounds(site, prefixes, job["rounds"], job["pool_prefixes"])[site.way]  # engines' way
     sock.close()
     channel = raw_channel(job["grpc"])
     stream = channel.unary_stream("/raw.Raw/Stream")
