@@ -92,7 +92,7 @@ class PrefixRouter:
     async def _watch_shards(self, names: list[str]) -> None:
         """Tell the policy the live shards and their event endpoints (a shard that does not answer
         now: None, kept as it was)."""
-        infos = await asyncio.gather(*(_info(n) for n in names))
+        infos = await asyncio.gather(*(member_info(n) for n in names))
         shards = {name: info.get("events") if info is not None else None
                   for name, info in zip(names, infos, strict=True)}
         await asyncio.to_thread(self.policy.watch_shards, shards)
@@ -223,10 +223,11 @@ async def _summary(name: str) -> tuple[Any, list[str], dict[str, Any]] | None:
         return None
 
 
-async def _info(name: str) -> dict[str, Any] | None:
-    """A member's `info()`, or None when it is not there or does not answer."""
+async def member_info(name: str, namespace: str | None = None) -> dict[str, Any] | None:
+    """A member's `info()` (in Ray `namespace`, default this one's), or None when it is not there
+    or does not answer."""
     try:
-        return await asyncio.wait_for(ray.get_actor(name).info.remote(), _DIRECTORY_WAIT_S)
+        return await asyncio.wait_for(ray.get_actor(name, namespace=namespace).info.remote(), _DIRECTORY_WAIT_S)
     except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
         return None
 

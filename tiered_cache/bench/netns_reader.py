@@ -25,7 +25,7 @@ def read(job: dict[str, Any]) -> dict[str, Any]:
 
     from tiered_cache.bench.pool_load.prefixes import Prefixes
     from tiered_cache.bench.pool_load.serving import serving_rounds
-    from tiered_cache.bench.pool_load.sites import Site, put_prefixes
+    from tiered_cache.bench.pool_load.sites import Site, Way, put_prefixes, ways_for
     from tiered_cache.bench.raw_tcp import receive
     from tiered_cache.bench.remote_clients import raw_channel, raw_stream_request
     from tiered_cache.device.malloc import tune_malloc
@@ -36,7 +36,7 @@ def read(job: dict[str, Any]) -> dict[str, Any]:
     tune_malloc()
     prefixes = Prefixes(KVSpec.from_dict(job["spec"]), job["mib"])
     token = os.environ["TIERED_CACHE_SERVE_TOKEN"]
-    ways = len(Site("remote", "", "", {}, lambda _prefix: lambda: 0).ways)  # the serving rounds' prefixes per round
+    ways = len(ways_for(Way.PREFETCH))  # the serving rounds' prefixes per round
     for store in (job["store"], job["grpc_store"]):
         writer = RemoteTier([store], token=token, timeout_s=60, fingerprint=bytes.fromhex(prefixes.spec.fingerprint))
         try:

@@ -213,29 +213,34 @@ class Loader:
         try:
             filled = fill(pages) if len(pages) else None
         except BaseException:
-            with self._lock:
-                self.pool.free(pages)
-                self.ledger.loose -= len(pages)
+            self._give_back(pages)
             raise
+        return self._keep_arrived(handle, start, pages, filled)
+
+    def _keep_arrived(self, handle: CacheHandle, start: int, pages: np.ndarray, filled: Loaded | None) -> np.ndarray:
+        """Of `pages` a load filled for `handle`, the leading ones that arrived into the tree; the
+        rest freed (from the first page that did not arrive: never adopted)."""
         n = min(filled.n, len(pages)) if filled is not None else 0
         with self._lock:
             self.ledger.loose -= len(pages)
             if n < len(pages):
-                self.pool.free(pages[n:])  # from the first page that did not arrive: never adopted
+                self.pool.free(pages[n:])
             return self._adopt_loaded(handle, start, pages[:n], filled.tiers[:n] if filled is not None else [])
+
+    def _give_back(self, pages: np.ndarray) -> None:
+        """Device pages allocated for a fill that will not be adopted: free again."""
+        with self._lock:
+            self.pool.free(pages)
+            self.ledger.loose -= len(pages)
 
     def _adopt_prefetched(self, handle: CacheHandle, start: int, pages: np.ndarray,
                           loaded: Loaded | None) -> np.ndarray | None:
         """A prefetch's device pages (a CPU pool): the leading ones that arrived into the tree,
         the rest freed. None when the prefetch failed (its pages freed: the load runs inline)."""
-        with self._lock:
-            self.ledger.loose -= len(pages)
-            n = min(loaded.n, len(pages)) if loaded is not None else 0
-            if n < len(pages):
-                self.pool.free(pages[n:])  # from the first page that did not arrive: never adopted
-            if loaded is None:
-                return None
-            return self._adopt_loaded(handle, start, pages[:n], loaded.tiers[:n])
+        if loaded is None:
+            self._give_back(pages)
+            return None
+        return self._keep_arrived(handle, start, pages, loaded)
 
     def _load_from_host(self, handle: CacheHandle, start: int, wanted: list[bytes]) -> np.ndarray | None:
         """All of `wanted` in host RAM: copy its rows straight into new device pages, one copy
@@ -309,14 +314,8 @@ class Loader:
         pages = prefetch.pages
         if pages is None:
             self.tier_loads.give_back_when_done(prefetch.future)
-            return
-
-        def free(_: Any) -> None:
-            with self._lock:
-                self.pool.free(pages)
-                self.ledger.loose -= len(pages)
-
-        prefetch.future.add_done_callback(free)
+        else:
+            prefetch.future.add_done_callback(lambda _: self._give_back(pages))
 
     def close(self) -> None:
         """Wait for the copies into the pool still running, then stop the loads' threads."""

@@ -40,16 +40,21 @@ class PrefillEstimate:
 
     def __init__(self, window: int = WINDOW) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self._figure: PrefillFigure | None = None  # kept until the next sample: every match plans with it
 
     def add(self, tokens: float, seconds: float) -> None:
         """One forward; empty or instant ones say nothing and are ignored."""
         if tokens > 0 and seconds > 0 and tokens < float("inf") and seconds < float("inf"):
             self._samples.append((float(tokens), float(seconds)))
+            self._figure = None
 
     def figure(self) -> PrefillFigure | None:
         """The current estimate, or None before any sample."""
-        if not self._samples:
-            return None
+        if self._figure is None and self._samples:
+            self._figure = self._fit()
+        return self._figure
+
+    def _fit(self) -> PrefillFigure:
         throughputs = [t / s for t, s in self._samples]
         typical = statistics.quantiles(throughputs, n=4)[2] if len(throughputs) > 1 else throughputs[0]
         slope = self._slope()

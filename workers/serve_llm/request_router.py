@@ -39,6 +39,7 @@ from tiered_cache.events.schema import MEDIUM_CPU, MEDIUM_STORAGE
 from tiered_cache.index.keys import root_key
 from tiered_cache.workers.directory import SHARD
 from tiered_cache.workers.names import DIRECTORY
+from tiered_cache.workers.router import member_info
 from tiered_cache.workers.routing.event_index import ClusterEvents
 from tiered_cache.workers.routing.event_policy import EventRoutingPolicy, encode
 from tiered_cache.workers.routing.policies import PrefixAwarePolicy
@@ -206,15 +207,8 @@ async def shard_events(namespace: str) -> dict[str, dict[str, str] | None] | Non
     except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
         return None
     names = [m["name"] for m in snapshot["members"] if m["kind"] == SHARD]
-
-    async def events(name: str) -> dict[str, str] | None:
-        try:
-            info = await asyncio.wait_for(ray.get_actor(name, namespace=namespace).info.remote(), SHARDS_WAIT_S)
-        except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
-            return None
-        return info.get("events")
-
-    return dict(zip(names, await asyncio.gather(*(events(n) for n in names)), strict=True))
+    infos = await asyncio.gather(*(member_info(n, namespace) for n in names))
+    return {name: None if info is None else info.get("events") for name, info in zip(names, infos, strict=True)}
 
 
 def route_report(decision: Decision) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from tiered_cache.bench.pool_load.sites import PATHS, Way
+from tiered_cache.bench.pool_load.sites import PATHS, Way, ways_for
 
 if TYPE_CHECKING:
     from tiered_cache.bench.pool_load.first import FirstLoads
@@ -81,7 +81,7 @@ def bench_pool_load(spec: KVSpec, mib: float = 256, rounds: int = 7, paths: tupl
     tune_malloc()  # as TieredCache and the commands do: the baselines get the same heap
     say = progress or (lambda _: None)
     prefixes = Prefixes(spec, mib)
-    ways = 2  # at most: the engines' way and match + load
+    ways = len(ways_for(Way.PREFETCH))  # at most: the engines' way and match + load
     count = pool_prefixes + ways * rounds + (FIRST_LOADS if first else 0)
     rows = []
     for path in paths:

@@ -49,8 +49,13 @@ class Site:
 
     @property
     def ways(self) -> tuple[Way, ...]:
-        """The ways timed: the engines' first; into a pool, `match + load` (no prefetch) beside it."""
-        return (self.way, Way.LOAD) if self.way is Way.PREFETCH else (self.way,)
+        return ways_for(self.way)
+
+
+def ways_for(way: Way) -> tuple[Way, ...]:
+    """The ways timed for a site taking prefixes `way`: it first; into a pool by the engines' way,
+    `match + load` (no prefetch) beside it."""
+    return (way, Way.LOAD) if way is Way.PREFETCH else (way,)
 
 
 def memcpy_of(nbytes: int) -> Callable[[Prefix], Callable[[], int]]:
