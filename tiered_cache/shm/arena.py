@@ -100,11 +100,15 @@ class ArenaStats:
     evictions: int = 0
 
 
-# Capacity per record the arena may hold at most: the server's record of a blob (key, position,
-# lease: some 350 bytes of Python objects) lives outside the arena, so an arena of tiny blobs
-# would take several times its capacity. With this bound the records stay under half of it; pages
-# of 1 KiB and more never meet it, and blobs stay back to back (a run of pages is one copy).
-CAPACITY_PER_RECORD = 1024
+# The server's record of a blob (key, position, lease) lives outside the arena: some 270 bytes of
+# objects, about 640 in resident memory once a flood of tiny pages has churned the allocator. Each
+# record is charged RECORD_BYTES against the capacity beside its blob (`used`), and there is at most
+# one record per CAPACITY_PER_RECORD bytes of capacity, so the records of an arena of the smallest
+# pages stay within a third of it (the data, touched whole once the head comes round, is the rest
+# of the server's bound); pages of 2 KiB and more never meet the count, and blobs stay back to back
+# (a run of pages is one copy).
+RECORD_BYTES = 512
+CAPACITY_PER_RECORD = 2048
 
 
 @dataclass(slots=True)
@@ -138,7 +142,7 @@ class Arena:
         self._tail = 0
         self._records: OrderedDict[bytes, _Record] = OrderedDict()  # in position order
         self._lock = threading.Lock()
-        self.used = 0  # bytes of live blobs
+        self.used = 0  # bytes of live blobs, and RECORD_BYTES per record (what an entry costs)
         self.second_chances = 0  # blobs written again at the head because they had been read
         self.lease_blocked = 0  # blobs sent below because the oldest blob was leased
         self._counts = ArenaStats()
@@ -254,7 +258,7 @@ class Arena:
             for key in keys:
                 record = self._records.pop(key, None)
                 if record is not None:
-                    self.used -= record.length
+                    self.used -= record.length + RECORD_BYTES
                     self._publish(key, 0, 0)
 
     def _place(self, key: bytes, blob: bytes | memoryview, below: list[tuple[bytes, bytes]]) -> bool:
@@ -268,8 +272,7 @@ class Arena:
         while True:
             position, end = self._place_at_head(n)
             limit = end - self.capacity
-            if len(self._records) >= self.max_records:  # and the oldest record goes too
-                limit = max(limit, next(iter(self._records.values())).position + 1)
+            limit = max(limit, self._oldest_to_drop(n))
             again: list[tuple[bytes, bytes]] = []
             if not self._erase_before(limit, again, below):
                 self.lease_blocked += 1
@@ -280,6 +283,20 @@ class Arena:
             self._second_chances(again, below)  # the head moved: find the blob's place again
         self._write(key, blob, position, end)
         return True
+
+    def _oldest_to_drop(self, n: int) -> int:
+        """The position below which records go so that a blob of `n` bytes and its record fit the
+        charge (`used`) and the record count (under the lock); 0 when nothing need go for them."""
+        over = self.used + n + RECORD_BYTES - self.capacity
+        count_over = len(self._records) + 1 - self.max_records
+        limit = 0
+        for record in self._records.values():  # oldest first
+            if over <= 0 and count_over <= 0:
+                break
+            over -= record.length + RECORD_BYTES
+            count_over -= 1
+            limit = record.position + 1
+        return limit
 
     def _second_chances(self, again: list[tuple[bytes, bytes]], below: list[tuple[bytes, bytes]]) -> None:
         """Write erased, read blobs again at the head, with their read mark cleared; what they
@@ -311,7 +328,7 @@ class Arena:
         self._map[at:at + len(blob)] = blob
         self._prefault.nudge()
         self._records[key] = _Record(position, len(blob))
-        self.used += len(blob)
+        self.used += len(blob) + RECORD_BYTES
         self._publish(key, position, len(blob))
 
     def _publish(self, key: bytes, position: int, length: int) -> None:
@@ -339,7 +356,7 @@ class Arena:
             if record.leased_until > now:
                 return False
             del records[key]
-            self.used -= record.length
+            self.used -= record.length + RECORD_BYTES
             at = DATA + record.position % self.capacity
             if record.read:
                 pending.append((key, self._map[at:at + record.length]))
@@ -360,7 +377,7 @@ class Arena:
 
     def check(self) -> None:
         """Integrity (tests call it after each step): records in position order, disjoint, within
-        [tail, head], `used` their sum, the header's tail and head this object's."""
+        [tail, head], `used` their charge, the header's tail and head this object's."""
         with self._lock:
             last_end = self._tail
             total = 0
@@ -368,7 +385,7 @@ class Arena:
                 assert record.position >= last_end, "records overlap or lie below the tail"
                 assert record.position % self.capacity + record.length <= self.capacity, "a record wraps"
                 last_end = record.position + record.length
-                total += record.length
+                total += record.length + RECORD_BYTES
             assert last_end <= self._head, "a record lies past the head"
             assert total == self.used, f"used is {self.used}, records hold {total}"
             tail, capacity, head = struct.unpack_from("<QQQ", self._map, _TAIL)

@@ -1,15 +1,15 @@
 """gRPC options both ends of the store share, and the message bound they derive from.
 
-A message carries at most one page blob (a Get or Put stream item) plus protobuf framing, so both
-ends bound messages by the largest page the server takes (`serve --max-page-bytes`) plus
-`FRAMING_BYTES`.
+A message carries at most one page blob (a Get or Put stream item) plus protobuf framing, or a
+request naming many pages (a Lookup, a PutOffered of up to 4096 pages: some 200 KiB), so both ends
+bound messages by the largest page the server takes (`serve --max-page-bytes`) plus `FRAMING_BYTES`.
 """
 
 from __future__ import annotations
 
 DEFAULT_PORT = 50551  # `tiered-cache serve`'s
 DEFAULT_MAX_PAGE_BYTES = 64 * 2**20  # the largest blob a server takes unless told otherwise
-FRAMING_BYTES = 64 * 1024  # protobuf framing around a page blob, with room to spare
+FRAMING_BYTES = 2**20  # framing around a page blob, or a request of thousands of keys, with room to spare
 
 
 def max_message_bytes(max_page_bytes: int) -> int:
