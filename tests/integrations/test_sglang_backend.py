@@ -18,6 +18,7 @@ sglang_storage = pytest.importorskip("sglang.srt.mem_cache.hicache_storage")
 from tiered_cache.bench.redis_process import free_port  # noqa: E402
 from tiered_cache.client.store_client import StoreClient  # noqa: E402
 from tiered_cache.server.process import StoreProcess  # noqa: E402
+from tiered_cache.tiers.remote_servers import owner  # noqa: E402
 
 MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 MLA_LAYOUTS = ["mla:layer_first", "mla:page_first", "mla:page_first_direct"]
@@ -176,6 +177,7 @@ def test_a_dead_store_is_a_bounded_miss_and_reuse_comes_back_with_it(tmp_path):
         assert got == [True] * 3
         assert page_bytes(pool, 4) == page_bytes(pool, 1)
         assert b.batch_set_v1(keys("outage-new", 1), slots([7])) == [True]
+    b.close()  # its breaker says nothing into the next test
 
 
 def test_tenants_tokens_and_several_servers_through_the_extra_config(tmp_path):
@@ -189,11 +191,16 @@ def test_tenants_tokens_and_several_servers_through_the_extra_config(tmp_path):
         yaml = tmp_path / "cache.yaml"
         yaml.write_text(f"remote_addresses: [{one.address}, {two.address}]\nremote_token: tok-a\n")
         pool, other = host_pool(), host_pool()
-        names = keys("tenant", 12)
         writer = backend("", pool, config=str(yaml), remote_namespace="tenant-a")
+        # Twelve pages that rendezvous hashing spreads over both servers (any 12 land on one of
+        # two in 1 of 2,048 pairs of ports), each server holding exactly the pages it owns.
+        ring = sorted([one.address, two.address])
+        owners = {name: ring[owner(writer._format().key(name), ring)] for name in keys("tenant", 64)}
+        first, *rest = owners
+        names = [first, *rest[:10], next(n for n in rest[10:] if owners[n] != owners[first])]
         assert writer.batch_set_v1(names, slots(list(range(1, 13)))) == [True] * 12
         held = [StoreClient(s.address, token="ops").stats().tiers[0].pages for s in (one, two)]
-        assert sum(held) == 12 and min(held) > 0, held  # keys spread over both servers
+        assert held == [sum(owners[n] == s.address for n in names) for s in (one, two)] and min(held) > 0, held
         reader = backend("", other, config=str(yaml), remote_namespace="tenant-a")
         assert reader.batch_exists(names) == 12
         assert reader.batch_get_v1(names, slots(list(range(20, 32)))) == [True] * 12
