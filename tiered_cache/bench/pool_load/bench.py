@@ -9,7 +9,9 @@ Per path, three figures, the serving case first:
   `match -> load` (no prefetch);
 - **first load** (first.py): a reader process started for the bench, its first load
   after `--settle` seconds from `TieredCache(...)` against its next ones, beside what the same
-  pause costs a plain memcpy in that process (the machine's own share);
+  pause costs a plain memcpy in that process (the machine's own share); and a reader process that
+  loads right after it is built, against a copy of the same bytes into fresh memory (what its
+  memory costs: the pages a new pool hands out were never touched);
 - **warm** (the side column, warm.py): one prefix again and again, a pool with room.
 """
 
@@ -20,6 +22,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
     from tiered_cache.model.spec import KVSpec
 
 FIRST_LOADS = 4  # the reader process's loads: the first, then the steady ones
+JUST_BUILT_LOADS = 2  # the loads of the reader that loads right after it is built
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class PoolLoadRow:
     warm: Timed | None
     demotion: Timed | None = None
     direct: Timed | None = None
+    just_built: FirstLoads | None = None  # a reader process loading right after it is built
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -60,6 +65,8 @@ class PoolLoadRow:
         if self.first is not None:
             out["first"].update(first_over_steady=self.first.first_over_steady,
                                 memcpy_first_over_steady=self.first.memcpy_first_over_steady)
+        if self.just_built is not None:
+            out["just_built"].update(fresh_over_first=self.just_built.fresh_over_first)
         return out
 
 
@@ -82,16 +89,20 @@ def bench_pool_load(spec: KVSpec, mib: float = 256, rounds: int = 7, paths: tupl
     say = progress or (lambda _: None)
     prefixes = Prefixes(spec, mib)
     ways = len(ways_for(Way.PREFETCH))  # at most: the engines' way and match + load
-    count = pool_prefixes + ways * rounds + (FIRST_LOADS if first else 0)
+    count = pool_prefixes + ways * rounds + (FIRST_LOADS + JUST_BUILT_LOADS if first else 0)
     rows = []
     for path in paths:
         say(f"{path}: {count} prefixes of {prefixes.num_pages} pages of {spec.bytes_per_page:,} bytes ...")
         with site(path, prefixes, count, folder, redis_url) as where:
-            first_figures = None
+            first_figures = just_built = None
             if first:
                 say(f"{path}: a reader process, {settle_s:g} s settle, {FIRST_LOADS} loads ...")
-                first_figures = first_loads(spec.to_dict(), mib, where.settings, path, pool_prefixes + ways * rounds,
+                mine = pool_prefixes + ways * rounds
+                first_figures = first_loads(spec.to_dict(), mib, where.settings, path, mine,
                                             FIRST_LOADS, settle_s, where.way.value)
+                say(f"{path}: a reader process loading right after it is built ...")
+                just_built = first_loads(spec.to_dict(), mib, where.settings, path, mine + FIRST_LOADS,
+                                         JUST_BUILT_LOADS, 0.0, where.way.value)
             say(f"{path}: {rounds} new prefixes a way ({' / '.join(w.value for w in where.ways)}) into a full "
                 f"pool of {pool_prefixes} ...")
             timed = serving_rounds(where, prefixes, rounds, pool_prefixes)
@@ -102,7 +113,7 @@ def bench_pool_load(spec: KVSpec, mib: float = 256, rounds: int = 7, paths: tupl
                 loaded, demoted = warm_rounds(where, prefixes, rounds)
                 gc.collect()
             rows.append(PoolLoadRow(path, where.label, where.baseline_name, prefixes.nbytes, timed[where.way],
-                                    first_figures, loaded, demoted, timed.get(Way.LOAD)))
+                                    first_figures, loaded, demoted, timed.get(Way.LOAD), just_built))
     return rows
 
 
@@ -145,7 +156,8 @@ def run_pool_load_bench(args: argparse.Namespace) -> int:
               f"{spec.bytes_per_page:,}-byte pages). Serving: a new prefix each round into a full pool of "
               f"{args.pool_prefixes} prefixes, median of {args.rounds}, match -> prefetch -> load as engines call "
               f"it (get() for the tensor), match -> load beside it; first load: a reader process after a "
-              f"{args.settle:g} s settle; warm: one prefix again, a pool with room. Disk: page cache warm for both")
+              f"{args.settle:g} s settle; just built: a reader process loading at once, beside a copy into fresh "
+              f"memory; warm: one prefix again, a pool with room. Disk: page cache warm for both")
         print(render(rows))
     return 0
 
@@ -162,17 +174,21 @@ def render(rows: list[PoolLoadRow]) -> str:
         first = (f"{ms(r.first.first_seconds)} / {ms(r.first.steady)}" + _up(r.first),
                  f"{r.first.first_over_steady:.2f}x", f"{r.first.memcpy_first_over_steady:.2f}x") if r.first else \
             ("-", "-", "-")
+        built = r.just_built
+        just_built = (f"{ms(built.first_seconds)} / {ms(statistics.median(built.fresh_copy_seconds))}",
+                      f"{built.fresh_over_first:.2f}x") if built else ("-", "-")
         table.append([r.label, ms(s.seconds), f"{r.nbytes / s.seconds / 1e9:,.2f} GB/s", r.baseline_name,
                       ms(s.baseline_seconds), f"{s.ratio:.2f}x", f"{r.direct.ratio:.2f}x" if r.direct else "-",
-                      *first, f"{r.warm.ratio:.2f}x" if r.warm else "-"])
+                      *first, *just_built, f"{r.warm.ratio:.2f}x" if r.warm else "-"])
         if r.demotion is not None:
             d = r.demotion
             table.append(["pool -> host RAM (evict), warm", ms(d.seconds), f"{r.nbytes / d.seconds / 1e9:,.2f} GB/s",
-                          r.baseline_name, ms(d.baseline_seconds), "-", "-", "-", "-", "-", f"{d.ratio:.2f}x"])
+                          r.baseline_name, ms(d.baseline_seconds), *["-"] * 7, f"{d.ratio:.2f}x"])
     return render_table(table, ["path", "serving: load", "rate", "limit", "limit time", "vs limit",
                                 "match -> load: vs limit", "new reader: first / steady", "first/steady",
-                                "memcpy first/steady", "warm: vs limit"],
-                        align_right=(1, 2, 4, 5, 6, 8, 9, 10))
+                                "memcpy first/steady", "just built: first / fresh copy", "fresh copy/first",
+                                "warm: vs limit"],
+                        align_right=(1, 2, 4, 5, 6, 8, 9, 10, 11, 12))
 
 
 def _up(first: FirstLoads) -> str:

@@ -2,9 +2,11 @@
 of its own per path (`python -m tiered_cache.bench.pool_load.first`), the way a new instance comes
 up when a cluster scales out. It builds a `TieredCache` the way a user does (the path's tier
 from cache settings), lets it settle (`--settle` seconds from construction: what it starts in
-the background has time to finish), then loads prefixes it has never read, one after the other,
-each checked byte for byte, and prints each load's seconds as JSON. The first against the median
-of the rest is what starting costs a request.
+the background has time to finish; 0: it loads right after it is built), then loads prefixes it
+has never read, one after the other, each checked byte for byte, and prints each load's seconds
+as JSON. The first against the median of the rest is what starting costs a request; the first
+against a copy of the same bytes into fresh memory (never touched: what a new pool's pages cost
+to fault in) is what a reader right after construction pays beyond its memory.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_cache.bench.pool_load.prefixes import Prefixes
@@ -37,6 +39,13 @@ class FirstLoads:
     memcpy_steady_seconds: list[float]
     ready: bool = True  # the cache had come up (`TieredCache.warming` ended) by its first load
     up_s: float | None = None  # when it had, from its construction (None: not by the end of the run)
+    fresh_copy_seconds: list[float] = field(default_factory=list)  # memcpy into never-touched memory
+
+    @property
+    def fresh_over_first(self) -> float:
+        """A copy into fresh memory over the first load: 1x, the load pays only what its memory
+        costs; below, something else (connections, threads, maps made then) is on its path."""
+        return statistics.median(self.fresh_copy_seconds) / self.first_seconds
 
     @property
     def steady(self) -> float:
@@ -64,7 +73,8 @@ def first_loads(spec_dict: dict[str, Any], mib: float, settings: dict[str, Any],
         raise RuntimeError(f"the reader process for {path} failed: {tail}")
     out = json.loads(done.stdout.strip().splitlines()[-1])
     loads, memcpy = out["seconds"], out["memcpy_seconds"]
-    return FirstLoads(loads[0], loads[1:], settle_s, memcpy[0], memcpy[1:], out["ready"], out["up_s"])
+    return FirstLoads(loads[0], loads[1:], settle_s, memcpy[0], memcpy[1:], out["ready"], out["up_s"],
+                      out["fresh_copy_seconds"])
 
 
 def _run(job: dict[str, Any]) -> dict[str, Any]:
@@ -99,9 +109,34 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
         dst.copy_(src)
         time.sleep(job["settle_s"])
         memcpy = [clock(lambda: dst.copy_(src))[0] for _ in range(job["count"])]
-        return {"seconds": seconds, "memcpy_seconds": memcpy, "ready": ready, "up_s": up[0] if up else None}
+        fresh = [_fresh_copy(src) for _ in range(3)]
+        return {"seconds": seconds, "memcpy_seconds": memcpy, "ready": ready, "up_s": up[0] if up else None,
+                "fresh_copy_seconds": fresh}
     finally:
         cache.close()
+
+
+def _fresh_copy(src: Any) -> float:
+    """Seconds to copy `src` into memory never touched before, asked for huge pages as a pool's
+    is (device/memory.py: `empty_cpu`): its own mapping, so no freed memory is reused."""
+    import mmap
+
+    import torch
+
+    from tiered_cache.shm.advice import MADV_HUGEPAGE, madvise
+
+    flat = src.view(torch.uint8).reshape(-1)
+    fresh = mmap.mmap(-1, flat.numel())
+    try:
+        dst = torch.frombuffer(fresh, dtype=torch.uint8)
+        madvise(dst.data_ptr(), flat.numel(), MADV_HUGEPAGE)
+        start = time.perf_counter()
+        dst.copy_(flat)
+        took = time.perf_counter() - start
+        del dst  # the map's buffer is free to close
+    finally:
+        fresh.close()
+    return took
 
 
 def main(argv: list[str] | None = None) -> int:
