@@ -5,7 +5,9 @@ server run in one, the reader in the other, so every byte crosses the veth. The 
 prefixes it never read into a full pool (the serving rounds of `bench pool-load`), beside a raw TCP
 stream of the same bytes between the same two namespaces (the wire's limit from Python), a bare
 gRPC stream of them (kept, as a load must), and the same load from a second server without the
-bulk Get (`--bulk-port off`: gRPC's Get). Needs root and iproute2 (`ip netns`).
+bulk Get (`--bulk-port off`: gRPC's Get); last, a new reader process's first load after `settle_s`
+against its steady ones (`bench pool-load`'s first loads, across the veth). Needs root and
+iproute2 (`ip netns`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ class NetnsFigures:
     nbytes: int  # KV bytes of a prefix
     wire_bytes: int  # blob bytes of a prefix (what the limits move)
     rounds: int
+    first_s: float  # a new reader process's first load (the bulk Get's server)
+    steady_s: float  # the median of its next loads
+    memcpy_first_over_steady: float  # what the same pause costs a memcpy in that process
 
     def rows(self) -> list[tuple[str, float, float]]:
         """(limit, load GB/s, limit GB/s) per limit."""
@@ -44,6 +49,12 @@ class NetnsFigures:
         return [("raw TCP stream, same bytes", load, self.wire_bytes / self.raw_tcp_s / 1e9),
                 ("bare gRPC stream, same bytes, kept", load, self.wire_bytes / self.bare_grpc_s / 1e9),
                 ("the same load over gRPC's Get (--bulk-port off)", load, self.nbytes / self.grpc_load_s / 1e9)]
+
+    def first_row(self) -> tuple[str, float, float]:
+        """(baseline, first load GB/s, steady load GB/s): a new reader's first load against its
+        steady ones (a speed ratio: 1/1.3 = 0.77x is "within 1.3x")."""
+        return (f"its steady loads (a memcpy's first/steady there: {self.memcpy_first_over_steady:.2f}x)",
+                self.nbytes / self.first_s / 1e9, self.nbytes / self.steady_s / 1e9)
 
 
 def unavailable() -> str | None:
@@ -103,14 +114,18 @@ def _in_namespace(ns: str, args: list[str], env: dict[str, str] | None = None) -
         proc.wait(timeout=30)
 
 
-def bench_netns(spec_dict: dict[str, Any], mib: float, rounds: int, pool_prefixes: int) -> NetnsFigures:
+def bench_netns(spec_dict: dict[str, Any], mib: float, rounds: int, pool_prefixes: int,
+                settle_s: float = 5.0) -> NetnsFigures:
     """The figures (see the module doc). Raises RuntimeError when a part fails to start."""
+    from tiered_cache.bench.pool_load.bench import FIRST_LOADS
     from tiered_cache.bench.pool_load.prefixes import Prefixes
+    from tiered_cache.bench.pool_load.sites import Way, ways_for
     from tiered_cache.model.spec import KVSpec
     from tiered_cache.wire.codec import raw_blob_size
 
     prefixes = Prefixes(KVSpec.from_dict(spec_dict), mib)
-    total = (pool_prefixes + rounds) * prefixes.num_pages * raw_blob_size(prefixes.spec)
+    ways = len(ways_for(Way.PREFETCH))  # the reader puts each serving way's prefixes: the store holds them all
+    total = (pool_prefixes + ways * rounds + FIRST_LOADS) * prefixes.num_pages * raw_blob_size(prefixes.spec)
     token = secrets.token_hex(16)
     env = {**os.environ, "TIERED_CACHE_SERVE_TOKEN": token}
     with two_hosts() as (server_ns, client_ns, host), ExitStack() as stack:
@@ -121,11 +136,12 @@ def bench_netns(spec_dict: dict[str, Any], mib: float, rounds: int, pool_prefixe
         grpc_at = stack.enter_context(_in_namespace(server_ns, ["tiered_cache.bench.raw_grpc", host]))
         tcp_at = stack.enter_context(_in_namespace(server_ns, ["tiered_cache.bench.raw_tcp", host]))
         job = {"spec": spec_dict, "mib": mib, "rounds": rounds, "pool_prefixes": pool_prefixes, "store": store,
-               "grpc_store": grpc_store, "grpc": grpc_at, "tcp": tcp_at}
+               "grpc_store": grpc_store, "grpc": grpc_at, "tcp": tcp_at, "settle_s": settle_s}
         reader = ["ip", "netns", "exec", client_ns, sys.executable, "-m", "tiered_cache.bench.netns_reader"]
         done = subprocess.run([*reader, json.dumps(job)], capture_output=True, text=True, timeout=1800, env=env)
         if done.returncode != 0:
-            raise RuntimeError(f"the reader in {client_ns} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+            said = (done.stderr.strip() or done.stdout.strip() or f"exit code {done.returncode}").splitlines()[-1]
+            raise RuntimeError(f"the reader in {client_ns} failed: {said}")
         out = json.loads(done.stdout.strip().splitlines()[-1])
     return NetnsFigures(out["load_s"], out["grpc_load_s"], out["raw_tcp_s"], out["bare_grpc_s"], prefixes.nbytes,
-                        out["wire_bytes"], rounds)
+                        out["wire_bytes"], rounds, out["first_s"], out["steady_s"], out["memcpy_first_over_steady"])

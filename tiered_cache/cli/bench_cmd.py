@@ -349,8 +349,11 @@ def _netns_rows(spec: Any, pages: int) -> list[Any]:
           file=sys.stderr)
     figures = netns_bench.bench_netns(spec.to_dict(), mib, rounds=5, pool_prefixes=8)
     scale = f"{mib:,.0f} MiB, another namespace"
-    return [Comparison(scale, "store -> pool, new prefix, full pool", load, limit_name, limit, "GB/s", True,
+    rows = [Comparison(scale, "store -> pool, new prefix, full pool", load, limit_name, limit, "GB/s", True,
                        figures.nbytes, figures.wire_bytes) for limit_name, load, limit in figures.rows()]
+    steady_name, first, steady = figures.first_row()
+    return [*rows, Comparison(scale, "a new reader's first load (5 s after start)", first, steady_name, steady, "GB/s",
+                              True, figures.nbytes, figures.nbytes)]
 
 
 def _run_model_bench(args: argparse.Namespace) -> int:
