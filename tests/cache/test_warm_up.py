@@ -110,30 +110,29 @@ def test_a_new_caches_pretouch_steps_aside_while_a_request_runs():
     assert waits == [True, True]  # before each chunk of 4 OS pages, it waited for the request
 
 
-def test_the_warm_up_ends_with_a_full_collection_in_a_quiet_moment():
-    """What building a cache left behind is collected by the warm-up, not by the first request's
-    allocations (a full collection holds the GIL for 0.05-0.1 s); it waits for a request in
-    progress first."""
+
+def test_building_a_cache_ends_with_a_full_collection():
+    """What building a cache left behind is collected by its constructor, not by the first
+    request's allocations (a full collection holds the GIL for 0.05-0.1 s) nor by a background
+    thread beside the first loads' measurements."""
     import gc
 
-    from tiered_cache.cache.foreground import Foreground
-    from tiered_cache.cache.warm_up import warm_up_async
-
-    full: list[bool] = []  # per oldest-generation collection: whether a request was in progress
+    building = threading.Event()
+    full: list[bool] = []  # per oldest-generation collection: whether the cache was being built
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start" and info["generation"] == 2:
-            full.append(not foreground.wait_idle(0))
+            full.append(building.is_set())
 
-    foreground = Foreground()
-    loads = type("NoLoads", (), {"warm": lambda self: None})()
+    config = CacheConfig(pool_capacity="64KiB", host_capacity="64KiB", malloc_tuning=False)
     gc.callbacks.append(on_gc)
     try:
-        with foreground:  # a request in progress as the warm-up starts: the collection waits for it
-            warming = warm_up_async(TierChain([]), loads, [], foreground)
-            warming.join(0.05)
-            assert warming.is_alive() and full == []
-        warming.join(10)
+        building.set()
+        cache = TieredCache(SPEC, config)
+        building.clear()
     finally:
         gc.callbacks.remove(on_gc)
-    assert not warming.is_alive() and full and not any(full)
+    try:
+        assert full and full[-1]  # the last full collection ran inside the constructor
+    finally:
+        cache.close()

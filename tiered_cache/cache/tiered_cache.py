@@ -27,6 +27,7 @@ a time; several threads may use the cache at once.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,6 +77,10 @@ class TieredCache:
         self.tensor_reads = TensorReads(core)  # get
         self.sequences = Sequences(core, self.demoter, self.loader.tier_loads.staging)  # a sequence's own pages
         self.spare = SpareOutput.for_pool(core)  # get() without out=: one output faulted in ahead
+        # What building it left behind, collected now: else the first request's allocations set off
+        # CPython's oldest-generation collection (0.05-0.1 s with the GIL held, in the middle of a
+        # reader's first load), or a background collection skews the first loads' measured rates.
+        gc.collect()
         # Connections, threads, staging, memory faulted in, off the request path: join it to wait until ready.
         self.warming = warm_up_async(core.chain, self.loader.tier_loads, (core.pool.pretouch, core.host.pretouch),
                                      core.foreground)

@@ -1,17 +1,13 @@
 """What a new cache opens and faults in ahead of its first request, on a daemon thread started
 with the cache: the lower tiers' connections and threads (`TierChain.warm`: a store server's
 channels and arena maps, disk's reader threads), the prefetch threads, and on CUDA the pinned
-staging a load from below goes through (pinning is slow: the first load must not pay it); last, a
-full garbage collection, in a quiet moment: what building the cache left behind would otherwise
-make the first request's allocations set off CPython's oldest-generation collection (0.05-0.1 s
-with the GIL held, measured in the middle of a first load). A reader's first load then costs what
-its tenth does (docs/PERFORMANCE.md, "bench pool-load").
+staging a load from below goes through (pinning is slow: the first load must not pay it). A
+reader's first load then costs what its tenth does (docs/PERFORMANCE.md, "bench pool-load").
 Nothing here is needed for correctness: a failure is logged and the first request pays instead.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 from collections.abc import Sequence
@@ -44,9 +40,6 @@ def warm_up_async(chain: TierChain, tier_loads: TierLoads, pretouches: Sequence[
         for thread in pretouches:
             if thread is not None and thread.is_alive():
                 thread.join()
-        if foreground is not None:
-            foreground.wait_idle(_YIELD_S)  # it holds the GIL: not in the middle of a request if it can help it
-        gc.collect()
 
     thread = threading.Thread(target=run, name="tiered-cache-warm-up", daemon=True)
     thread.start()
