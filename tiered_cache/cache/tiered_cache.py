@@ -27,7 +27,6 @@ a time; several threads may use the cache at once.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,7 +46,7 @@ from tiered_cache.cache.spare_output import SpareOutput
 from tiered_cache.cache.stats import CacheStats, cache_stats
 from tiered_cache.cache.tensor_reads import TensorReads
 from tiered_cache.cache.tree_view import tree_of
-from tiered_cache.cache.warm_up import warm_up_async
+from tiered_cache.cache.warm_up import collect_leftovers, warm_up_async
 from tiered_cache.config import CacheConfig
 from tiered_cache.device.pool import check_tensor
 from tiered_cache.index.tokens import as_token_array
@@ -77,13 +76,10 @@ class TieredCache:
         self.tensor_reads = TensorReads(core)  # get
         self.sequences = Sequences(core, self.demoter, self.loader.tier_loads.staging)  # a sequence's own pages
         self.spare = SpareOutput.for_pool(core)  # get() without out=: one output faulted in ahead
-        # What building it left behind, collected now: else the first request's allocations set off
-        # CPython's oldest-generation collection (0.05-0.1 s with the GIL held, in the middle of a
-        # reader's first load), or a background collection skews the first loads' measured rates.
-        gc.collect()
         # Connections, threads, staging, memory faulted in, off the request path: join it to wait until ready.
         self.warming = warm_up_async(core.chain, self.loader.tier_loads, (core.pool.pretouch, core.host.pretouch),
                                      core.foreground)
+        collect_leftovers()  # what building it left behind, not in the middle of its first load
         self.metrics: Any = serve_metrics(self) if core.config.metrics_port is not None else None  # MetricsServer
         self.events = core.events  # the KV event publisher, or None
 

@@ -4,12 +4,20 @@ channels and arena maps, disk's reader threads), the prefetch threads, and on CU
 staging a load from below goes through (pinning is slow: the first load must not pay it). A
 reader's first load then costs what its tenth does (docs/PERFORMANCE.md, "bench pool-load").
 Nothing here is needed for correctness: a failure is logged and the first request pays instead.
+
+`collect_leftovers`, called by the constructor: a full garbage collection of what building the
+cache left behind. Left to itself, CPython's oldest-generation collection went off in the middle
+of a reader's first load (0.05-0.1 s with the GIL held); run on this thread it fell beside the
+first loads whose rates the reuse policy measures. At most once a minute in a process: one that
+builds many caches (a test suite, a benchmark) pays it once, not once a cache.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 from tiered_cache.cache.foreground import Foreground
@@ -19,6 +27,19 @@ from tiered_cache.tiers.chain import TierChain
 
 log = logging.getLogger("tiered_cache.cache.warm_up")
 _YIELD_S = 0.5  # the longest a pre-touch chunk waits for a request to end (it is not urgent)
+COLLECT_EVERY_S = 60.0  # a process's caches collect their leftovers at most this often
+_collected_at: float | None = None  # monotonic time of the last `collect_leftovers` that collected
+
+
+def collect_leftovers() -> bool:
+    """A full garbage collection unless one ran less than `COLLECT_EVERY_S` ago; whether it ran."""
+    global _collected_at
+    now = time.monotonic()
+    if _collected_at is not None and now - _collected_at < COLLECT_EVERY_S:
+        return False
+    gc.collect()
+    _collected_at = time.monotonic()
+    return True
 
 
 def warm_up_async(chain: TierChain, tier_loads: TierLoads, pretouches: Sequence[PretouchThread | None] = (),
