@@ -42,6 +42,7 @@ class NetnsFigures:
     first_s: float  # a new reader process's first load (the bulk Get's server)
     steady_s: float  # the median of its next loads
     memcpy_first_over_steady: float  # what the same pause costs a memcpy in that process
+    settle_s: float  # how long after its start that reader loaded first
 
     def rows(self) -> list[tuple[str, float, float]]:
         """(limit, load GB/s, limit GB/s) per limit."""
@@ -119,13 +120,13 @@ def bench_netns(spec_dict: dict[str, Any], mib: float, rounds: int, pool_prefixe
     """The figures (see the module doc). Raises RuntimeError when a part fails to start."""
     from tiered_cache.bench.pool_load.bench import FIRST_LOADS
     from tiered_cache.bench.pool_load.prefixes import Prefixes
-    from tiered_cache.bench.pool_load.sites import Way, ways_for
+    from tiered_cache.bench.pool_load.sites import serving_prefixes
     from tiered_cache.model.spec import KVSpec
     from tiered_cache.wire.codec import raw_blob_size
 
     prefixes = Prefixes(KVSpec.from_dict(spec_dict), mib)
-    ways = len(ways_for(Way.PREFETCH))  # the reader puts each serving way's prefixes: the store holds them all
-    total = (pool_prefixes + ways * rounds + FIRST_LOADS) * prefixes.num_pages * raw_blob_size(prefixes.spec)
+    # The store holds every prefix the reader puts: the serving rounds' and its reader process's.
+    total = (serving_prefixes(pool_prefixes, rounds) + FIRST_LOADS) * prefixes.num_pages * raw_blob_size(prefixes.spec)
     token = secrets.token_hex(16)
     env = {**os.environ, "TIERED_CACHE_SERVE_TOKEN": token}
     with two_hosts() as (server_ns, client_ns, host), ExitStack() as stack:
@@ -144,4 +145,5 @@ def bench_netns(spec_dict: dict[str, Any], mib: float, rounds: int, pool_prefixe
             raise RuntimeError(f"the reader in {client_ns} failed: {said}")
         out = json.loads(done.stdout.strip().splitlines()[-1])
     return NetnsFigures(out["load_s"], out["grpc_load_s"], out["raw_tcp_s"], out["bare_grpc_s"], prefixes.nbytes,
-                        out["wire_bytes"], rounds, out["first_s"], out["steady_s"], out["memcpy_first_over_steady"])
+                        out["wire_bytes"], rounds, out["first_s"], out["steady_s"], out["memcpy_first_over_steady"],
+                        settle_s)

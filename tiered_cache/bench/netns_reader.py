@@ -30,7 +30,7 @@ def read(job: dict[str, Any]) -> dict[str, Any]:
     from tiered_cache.bench.pool_load.first import first_loads
     from tiered_cache.bench.pool_load.prefixes import Prefixes
     from tiered_cache.bench.pool_load.serving import serving_rounds
-    from tiered_cache.bench.pool_load.sites import Site, Way, put_prefixes, ways_for
+    from tiered_cache.bench.pool_load.sites import Site, Way, put_prefixes, serving_prefixes
     from tiered_cache.bench.raw_tcp import receive
     from tiered_cache.bench.remote_clients import raw_channel, raw_stream_request
     from tiered_cache.device.malloc import tune_malloc
@@ -41,7 +41,7 @@ def read(job: dict[str, Any]) -> dict[str, Any]:
     tune_malloc()
     prefixes = Prefixes(KVSpec.from_dict(job["spec"]), job["mib"])
     token = os.environ["TIERED_CACHE_SERVE_TOKEN"]
-    serving = job["pool_prefixes"] + len(ways_for(Way.PREFETCH)) * job["rounds"]  # the serving rounds' prefixes
+    serving = serving_prefixes(job["pool_prefixes"], job["rounds"])
     for store, count in ((job["store"], serving + FIRST_LOADS), (job["grpc_store"], serving)):
         writer = RemoteTier([store], token=token, timeout_s=60, fingerprint=bytes.fromhex(prefixes.spec.fingerprint))
         try:

@@ -352,8 +352,9 @@ def _netns_rows(spec: Any, pages: int) -> list[Any]:
     rows = [Comparison(scale, "store -> pool, new prefix, full pool", load, limit_name, limit, "GB/s", True,
                        figures.nbytes, figures.wire_bytes) for limit_name, load, limit in figures.rows()]
     steady_name, first, steady = figures.first_row()
-    return [*rows, Comparison(scale, "a new reader's first load (5 s after start)", first, steady_name, steady, "GB/s",
-                              True, figures.nbytes, figures.nbytes)]
+    first_load = f"a new reader's first load ({figures.settle_s:g} s after start)"
+    return [*rows, Comparison(scale, first_load, first, steady_name, steady, "GB/s", True,
+                              figures.nbytes, figures.nbytes)]
 
 
 def _run_model_bench(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from tiered_cache.bench.pool_load.sites import PATHS, Way, ways_for
+from tiered_cache.bench.pool_load.sites import PATHS, Way, serving_prefixes
 
 if TYPE_CHECKING:
     from tiered_cache.bench.pool_load.first import FirstLoads
@@ -88,8 +88,8 @@ def bench_pool_load(spec: KVSpec, mib: float = 256, rounds: int = 7, paths: tupl
     tune_malloc()  # as TieredCache and the commands do: the baselines get the same heap
     say = progress or (lambda _: None)
     prefixes = Prefixes(spec, mib)
-    ways = len(ways_for(Way.PREFETCH))  # at most: the engines' way and match + load
-    count = pool_prefixes + ways * rounds + (FIRST_LOADS + JUST_BUILT_LOADS if first else 0)
+    mine = serving_prefixes(pool_prefixes, rounds)  # the reader processes' prefixes come after these
+    count = mine + (FIRST_LOADS + JUST_BUILT_LOADS if first else 0)
     rows = []
     for path in paths:
         say(f"{path}: {count} prefixes of {prefixes.num_pages} pages of {spec.bytes_per_page:,} bytes ...")
@@ -97,7 +97,6 @@ def bench_pool_load(spec: KVSpec, mib: float = 256, rounds: int = 7, paths: tupl
             first_figures = just_built = None
             if first:
                 say(f"{path}: a reader process, {settle_s:g} s settle, {FIRST_LOADS} loads ...")
-                mine = pool_prefixes + ways * rounds
                 first_figures = first_loads(spec.to_dict(), mib, where.settings, path, mine,
                                             FIRST_LOADS, settle_s, where.way.value)
                 say(f"{path}: a reader process loading right after it is built ...")

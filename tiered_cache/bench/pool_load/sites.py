@@ -58,6 +58,12 @@ def ways_for(way: Way) -> tuple[Way, ...]:
     return (way, Way.LOAD) if way is Way.PREFETCH else (way,)
 
 
+def serving_prefixes(pool_prefixes: int, rounds: int) -> int:
+    """Prefixes the serving rounds use (serving.py): the pool's fill, then each way's own prefixes
+    every round (at most both ways of `ways_for(Way.PREFETCH)`); a reader's own come after them."""
+    return pool_prefixes + len(ways_for(Way.PREFETCH)) * rounds
+
+
 def memcpy_of(nbytes: int) -> Callable[[Prefix], Callable[[], int]]:
     """The memcpy baseline: `nbytes` between two buffers both touched before."""
     import torch
