@@ -7,13 +7,22 @@ chain of their namespace and model (DESIGN.md §4), so a key here is the block h
 events. While any live worker's events are stale (no batch, not even a heartbeat, for a few
 seconds: a worker stuck or its events cut), the prefix policy decides instead and `fallbacks`
 counts it; that policy records every route either way, so it is warm when it is needed.
+
+The work ahead of a request is what the router sent to that worker and was not done yet. A worker
+that serves one request at a time (our HF workers) is busy with each until its answer ends. An
+engine that batches (vLLM) runs a new request's prefill beside the others' decoding: only the
+prefills ahead of it delay it, each until its first token (`first_token`), less the time the
+worker has been working through them.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
-from collections import defaultdict, deque
+import time
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from tiered_cache.index.keys import chain_keys, root_key
@@ -22,23 +31,44 @@ from tiered_cache.workers.routing.policies import PrefixAwarePolicy
 from tiered_cache.workers.routing.policy import Decision, Prompt, RoutingPolicy
 from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
 
+# A batching worker's prefills ahead are never taken as done before their first token: at least
+# this share of their expected time is left.
+LEFT_AT_LEAST = 0.1
+
+
+@dataclass
+class Pending:
+    """A request the router sent to a worker, not answered yet."""
+
+    keys: list[bytes]  # its prompt's page keys: on that worker's device before a request queued behind it runs
+    cost_s: float  # the work it was expected to take there (a batching worker: its prefill; else all of it)
+    sent: float  # monotonic
+    prefilling: bool = True  # no first token yet
+
 
 class EventRoutingPolicy(RoutingPolicy):
     follows_events = True
     choose_blocks = True  # keys the prompt with the workers' tokenizer
 
-    def __init__(self, fallback: PrefixAwarePolicy, events: ClusterEvents | None = None) -> None:
+    def __init__(self, fallback: PrefixAwarePolicy, events: ClusterEvents | None = None, batching: bool = False
+                 ) -> None:
+        """`batching`: the workers run requests side by side (vLLM's continuous batching); else
+        one at a time (our HF workers)."""
         self.fallback = fallback
         self.events = events or ClusterEvents()
+        self.batching = batching
         self.estimate = TTFTEstimate()
         self.fallbacks = 0  # decisions the prefix policy made because events were stale
         self._identity: dict[str, tuple[str, str, int]] = {}  # worker -> (fingerprint, namespace, page size)
-        # Per worker, the page keys of the prompts sent there and not answered yet: their pages are
-        # on no one's device so far, but will be on that worker's before a request queued behind them runs.
-        self._pending: dict[str, deque[tuple[list[bytes], float]]] = defaultdict(deque)  # (keys, expected seconds)
+        # Per worker, by ticket, the requests sent there and not answered yet (their pages are on no
+        # one's device so far), and when its last prefill ended (a first token).
+        self._pending: dict[str, dict[int, Pending]] = defaultdict(dict)
+        self._prefilled: dict[str, float] = {}
+        self._tickets = itertools.count(1)
         self._tokenizer: Any = None
         self._model = ""
         self._lock = threading.Lock()
+        self._pending_lock = threading.Lock()  # choose runs on a thread, the rest on the router's loop
 
     # --- members ----------------------------------------------------------------------------------
     def add_worker(self, name: str) -> None:
@@ -46,7 +76,9 @@ class EventRoutingPolicy(RoutingPolicy):
 
     def remove_worker(self, name: str) -> None:
         self.fallback.remove_worker(name)
-        self._pending.pop(name, None)
+        with self._pending_lock:
+            self._pending.pop(name, None)
+            self._prefilled.pop(name, None)
         self.events.forget(name)
         self._identity.pop(name, None)
 
@@ -76,7 +108,9 @@ class EventRoutingPolicy(RoutingPolicy):
 
     # --- routing ----------------------------------------------------------------------------------
     def choose(self, text: str, loads: Mapping[str, int], prompt: Prompt | None = None,
-               chat: bool = True) -> Decision:
+               chat: bool = True, namespace: str | None = None) -> Decision:
+        """`namespace`: the request's own (vLLM's cache salt), keying its pages in place of the
+        workers' namespace; pages under any other count for nothing."""
         if prompt is None or self._tokenizer is None or not all(
                 w in self._identity and self.events.fresh(w) for w in loads):
             self.fallbacks += 1
@@ -84,17 +118,22 @@ class EventRoutingPolicy(RoutingPolicy):
         ids = self._encode(prompt, chat)
         keyed: dict[tuple[str, str, int], list[bytes]] = {}
         best: tuple[float, int, str] | None = None
-        cached, split, chosen = 0, (0, 0, 0), ([], 0.0)
+        cached, split, chosen, ahead = 0, (0, 0, 0), Pending([], 0.0, 0.0), 0.0
         behind = 1.0 + min(1.0, sum(loads.values()) / len(loads))  # 1 on an idle cluster, 2 once busy
+        now = time.monotonic()
+        with self._pending_lock:
+            pending = {w: list(self._pending[w].values()) for w in loads}
+            waits = {w: self._ahead_s(w, pending[w], now) for w in loads}
         for worker in sorted(loads):
-            fingerprint, namespace, page = identity = self._identity[worker]
+            fingerprint, own_namespace, page = self._identity[worker]
+            identity = (fingerprint, own_namespace if namespace is None else namespace, page)
             if identity not in keyed:
-                keyed[identity] = chain_keys(ids, page, root_key(namespace, fingerprint))
-            keys, pending = keyed[identity], self._pending[worker]
-            coming = max((_common(keys, sent) for sent, _ in pending), default=0)
+                keyed[identity] = chain_keys(ids, page, root_key(identity[1], fingerprint))
+            keys = keyed[identity]
+            coming = max((_common(keys, p.keys) for p in pending[worker]), default=0)
             held = self.events.holdings(worker, keys, coming)
-            untracked = max(0, loads[worker] - len(pending))  # sent while events were stale: cost unknown
-            wait = sum(cost for _, cost in pending) + untracked * self.estimate.service_s
+            untracked = max(0, loads[worker] - len(pending[worker]))  # sent while events were stale: cost unknown
+            wait = waits[worker] + untracked * self.estimate.service_s
             own = self.estimate.seconds(len(ids), held.device * page, held.host * page, held.store * page)
             found = (held.device + held.host + held.store) * page
             # A recomputed token costs in this TTFT and, on a busy cluster, again in the TTFT of the
@@ -103,19 +142,45 @@ class EventRoutingPolicy(RoutingPolicy):
             spent = behind * self.estimate.compute_s(len(ids), found)
             if best is None or (wait + own + spent, loads[worker], worker) < best:
                 best = (wait + own + spent, loads[worker], worker)
-                cached, chosen = found, (keys, own + self.estimate.decode_s)
+                cost = own if self.batching else own + self.estimate.decode_s
+                cached, chosen, ahead = found, Pending(keys, cost, now), wait
                 split = (held.device * page, held.host * page, held.store * page)
         assert best is not None
         self.fallback.observe(best[2], [text])  # kept warm for when events stop
-        self._pending[best[2]].append(chosen)
-        return Decision(best[2], "events", cached, split)
+        ticket = next(self._tickets)
+        with self._pending_lock:
+            self._pending[best[2]][ticket] = chosen
+        return Decision(best[2], "events", cached, split, wait_s=ahead, ticket=ticket)
+
+    def _ahead_s(self, worker: str, pending: Sequence[Pending], now: float) -> float:
+        """The work ahead of a request sent to `worker` now. One at a time: every request there,
+        whole. Batching: the prefills not done, less the time since the worker began on them
+        (the oldest one's arrival, or the last prefill's end)."""
+        if not self.batching:
+            return sum(p.cost_s for p in pending)
+        prefills = [p for p in pending if p.prefilling]
+        if not prefills:
+            return 0.0
+        total = sum(p.cost_s for p in prefills)
+        began = max(min(p.sent for p in prefills), self._prefilled.get(worker, 0.0))
+        return max(LEFT_AT_LEAST * total, total - (now - began))
+
+    def first_token(self, worker: str, decision: Decision) -> None:
+        with self._pending_lock:
+            entry = self._pending.get(worker, {}).get(decision.ticket)
+            if entry is not None and entry.prefilling:
+                entry.prefilling = False
+                self._prefilled[worker] = time.monotonic()
 
     def finished(self, worker: str, decision: Decision) -> None:
         """A request routed by `decision` to `worker` was answered (or failed): its pages are told
-        by events now. Requests on a worker finish in the order they came, near enough."""
-        pending = self._pending.get(worker)
-        if decision.reason == "events" and pending:
-            pending.popleft()
+        by events now."""
+        if decision.reason != "events":
+            return
+        with self._pending_lock:
+            entry = self._pending.get(worker, {}).pop(decision.ticket, None)
+            if entry is not None and entry.prefilling:
+                self._prefilled[worker] = time.monotonic()
 
     def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
         return encode(self._tokenizer, prompt, chat)

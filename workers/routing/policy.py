@@ -35,6 +35,8 @@ class Decision:
     # Under "events": the leading prompt tokens expected on the worker's device, in its host RAM,
     # in the store (a router that sees no per-tier split in answers learns the store's cost by them).
     expected: tuple[int, int, int] = (0, 0, 0)
+    wait_s: float = 0.0  # under "events": the work the router expected ahead of it on the worker
+    ticket: int = 0  # under "events": names the request among the worker's pending ones
 
     @property
     def unit(self) -> str:
@@ -76,6 +78,9 @@ class RoutingPolicy:
 
     def learn(self, answer: Mapping[str, Any], latency_s: float) -> None:
         """An answer relayed from a worker (its sources and times), `latency_s` after it was sent."""
+
+    def first_token(self, worker: str, decision: Decision) -> None:
+        """The request `decision` sent to `worker` has its first token: its prefill is done."""
 
     def finished(self, worker: str, decision: Decision) -> None:
         """The request `decision` sent to `worker` was answered or failed."""

@@ -3,9 +3,10 @@
 A vLLM engine tells its blocks by its own block hashes, which depend on its hash function and
 seed; a router keys a prompt itself. Every `BlockStored` event also carries the blocks' token ids
 and their parent's hash, so this index re-keys each block as our page-key chain over its tokens
-(index/keys.py, from `root`) and remembers which chain key each engine hash stands for: removals
-and children find it there. A block whose parent it never saw (its `BlockStored` dropped, or told
-before the subscription started and not replayed) cannot be keyed, is skipped and counted.
+(index/keys.py, from `root`, or from its cache salt's root: the salt is the connector's namespace)
+and remembers which chain key each engine hash stands for: removals and children find it there.
+A block whose parent it never saw (its `BlockStored` dropped, or told before the subscription
+started and not replayed) cannot be keyed, is skipped and counted.
 """
 
 from __future__ import annotations
@@ -32,10 +33,26 @@ def connector_chain(keying: Mapping[str, Any]) -> tuple[bytes, Callable[[Sequenc
     return root, lambda keys: group_keys(keys, groups, 0)
 
 
+def salt_of(event: Mapping[str, Any]) -> str | None:
+    """The cache salt a vLLM `BlockStored` event's first block was hashed with (its `extra_keys`:
+    the LoRA name first when one is set, `(mm id, offset)` pairs, then the salt), else None."""
+    extra = event.get("extra_keys") or ()
+    first = extra[0] if extra else None
+    strings = [k for k in first or () if isinstance(k, str)]
+    if event.get("lora_name"):
+        strings = strings[1:]
+    return strings[0] if strings else None
+
+
 class TokenChainIndex(BlockIndex):
-    def __init__(self, root: bytes, max_known: int = MAX_KNOWN) -> None:
+    def __init__(self, root: bytes, max_known: int = MAX_KNOWN,
+                 salted: Callable[[str], bytes] | None = None) -> None:
+        """`root`: where a chain of unsalted blocks starts; `salted`: where a chain under a cache
+        salt starts (the connector keys a salted request's pages in the salt's namespace); None:
+        salted chains are not keyed (skipped, counted)."""
         super().__init__()
         self.root = root
+        self.salted = salted
         self.max_known = max_known
         self.unkeyed = 0  # blocks skipped: their parent's chain key was unknown
         self._key_of: OrderedDict[Any, bytes] = OrderedDict()  # engine block hash -> chain key
@@ -61,7 +78,11 @@ class TokenChainIndex(BlockIndex):
 
     def _stored(self, event: dict[str, Any], hashes: list[Any]) -> dict[str, Any] | None:
         parent_hash = event.get("parent_block_hash")
-        parent = self.root if parent_hash is None else self._key_of.get(parent_hash)
+        if parent_hash is None:
+            salt = salt_of(event)
+            parent = self.root if salt is None else self.salted(salt) if self.salted else None
+        else:
+            parent = self._key_of.get(parent_hash)
         size = int(event.get("block_size") or 0)
         tokens = list(event.get("token_ids") or ())
         if parent is None or size <= 0 or len(tokens) < size * len(hashes):

@@ -19,6 +19,7 @@ from typing import Any
 from tiered_cache.tiers.base import Tier
 
 _WEIGHT = 0.2  # of each new sample in the moving estimates
+AHEAD_AT_MOST = 0.25  # of a TTFT expected to be waiting, for it to teach the rates
 
 
 @dataclass
@@ -44,7 +45,8 @@ class TTFTEstimate:
 
     def observe(self, answer: Mapping[str, Any], latency_s: float) -> None:
         """Learn from one answer (`CacheWorker.generate`'s: ttft_s, prompt_tokens, reused_tokens,
-        sources: tier -> tokens) and its latency as the router saw it."""
+        sources: tier -> tokens; queued_s, its wait outside the TTFT; ahead_s, the wait the
+        router expected inside it) and its latency as the router saw it."""
         ttft = float(answer.get("ttft_s") or 0.0)
         prompt = int(answer.get("prompt_tokens") or 0)
         sources: Mapping[str, int] = answer.get("sources") or {}
@@ -56,6 +58,12 @@ class TTFTEstimate:
         busy = max(latency_s - float(answer.get("queued_s") or 0.0), ttft)
         self.service_s = _moved(self.service_s, busy)
         self.decode_s = _moved(self.decode_s, busy - ttft)
+        # An engine that queues inside itself (vLLM) times the wait in its TTFT: the router takes
+        # out what it expected ahead, and learns no rate from a TTFT that was mostly waiting.
+        ahead = float(answer.get("ahead_s") or 0.0)
+        if ahead > AHEAD_AT_MOST * ttft:
+            return
+        ttft -= ahead
         computed = prompt - int(answer.get("reused_tokens") or 0)
         host, store = int(sources.get(Tier.HOST, 0)), int(sources.get(Tier.REMOTE, 0))
         if computed >= prompt // 2:  # mostly recomputed: the prefill rate shows (loads are a small part)
@@ -77,10 +85,12 @@ def _moved(old: float, sample: float) -> float:
     return (1 - _WEIGHT) * old + _WEIGHT * sample
 
 
-def with_store_share(answer: Mapping[str, Any], expected: tuple[int, int, int]) -> dict[str, Any]:
+def with_store_share(answer: Mapping[str, Any], expected: tuple[int, int, int], ahead_s: float = 0.0
+                     ) -> dict[str, Any]:
     """`answer` with the tokens it took from the store, for an engine that tells only how many
     prompt tokens came from any cache (vLLM's `cached_tokens`): what it reused beyond the tokens
-    expected on the worker's device, up to those expected in the store (`Decision.expected`)."""
+    expected on the worker's device, up to those expected in the store (`Decision.expected`);
+    and the work the router expected ahead of it inside its TTFT (`Decision.wait_s`)."""
     device, _, store = expected
     from_store = max(0, min(int(answer.get("reused_tokens") or 0) - device, store))
-    return {**answer, "sources": {Tier.REMOTE: from_store} if from_store else {}}
+    return {**answer, "sources": {Tier.REMOTE: from_store} if from_store else {}, "ahead_s": ahead_s}

@@ -80,8 +80,9 @@ class RouteReport(BaseHTTPMiddleware):
 
 
 async def _timed(chunks: Any, request_id: str, started: float) -> Any:
-    """A streamed answer passed on as it is, timed: its first token's time and its usage (the
-    last chunk's, with `stream_options.include_usage`) teach the router's estimate."""
+    """A streamed answer passed on as it is, timed: its first token tells the router its prefill
+    is done; its first token's time and its usage (the last chunk's, with
+    `stream_options.include_usage`) teach the router's estimate."""
     first = 0.0
     usage: dict[str, Any] = {}
     async for chunk in chunks:
@@ -89,6 +90,9 @@ async def _timed(chunks: Any, request_id: str, started: float) -> Any:
         squeezed = text.replace(" ", "")
         if not first and '"content":"' in squeezed and '"content":""' not in squeezed:
             first = time.monotonic() - started
+            from tiered_cache.workers.serve_llm.request_router import first_token
+
+            first_token(request_id)
         if '"usage":{' in squeezed:
             usage = _usage_of(text) or usage
         yield chunk

@@ -67,9 +67,10 @@ class TieredCacheRouter(KVAwareRouter):
         self.keying: dict[str, Any] | None = None  # the connector's page keys (its replicas say)
         self._root = ROOT
         # vLLM's publisher sends no heartbeat: a replica's events are trusted while subscribed.
-        events = ClusterEvents(stale_after_s=None, index=lambda: TokenChainIndex(self._root), host_mediums=(),
-                               store_mediums=(MEDIUM_STORAGE, MEDIUM_CPU))
-        self.policy = EventRoutingPolicy(PrefixAwarePolicy(), events)
+        events = ClusterEvents(stale_after_s=None, index=lambda: TokenChainIndex(self._root, salted=self._salted),
+                               host_mediums=(), store_mediums=(MEDIUM_STORAGE, MEDIUM_CPU))
+        # vLLM batches: a request waits only for the prefills ahead of it (first_token says when each ends).
+        self.policy = EventRoutingPolicy(PrefixAwarePolicy(), events, batching=True)
         self._shards_read = 0.0
         self._shards_task: asyncio.Task[None] | None = None
         self.in_flight: Counter[str] = Counter()
@@ -77,7 +78,7 @@ class TieredCacheRouter(KVAwareRouter):
         self.unparsed = 0  # requests with no prompt to key (routed to the least loaded)
         self._decisions: dict[str, Decision] = {}  # internal request id -> the decision
         self.recent: OrderedDict[str, dict[str, Any]] = OrderedDict()  # request id -> its route (answers say it)
-        self._expected: dict[str, tuple[int, int, int]] = {}  # request id -> (device, host, store) tokens expected
+        self._routes: dict[str, Decision] = {}  # request id -> its decision (what it expected, for the answer)
         self._joined: dict[str, tuple[str, str]] = {}  # replica -> its event endpoints
         self._joining: set[str] = set()
         self._lock = threading.Lock()
@@ -121,6 +122,10 @@ class TieredCacheRouter(KVAwareRouter):
         self.keying = dict(said)
         self._root, self.policy.events.shard_keys = connector_chain(said)
 
+    def _salted(self, salt: str) -> bytes:
+        """Where the connector's chain of a request under cache salt `salt` starts: the salt is its namespace."""
+        return root_key(salt, str((self.keying or {}).get("fingerprint") or FINGERPRINT))
+
     def _follow_shards(self) -> None:
         """Now and then, in the background, follow the cluster's shards that publish events."""
         if not self.namespace or self.keying is None or time.monotonic() - self._shards_read < SHARDS_EVERY_S:
@@ -157,7 +162,9 @@ class TieredCacheRouter(KVAwareRouter):
             chosen = min(loads, key=lambda n: (loads[n], n))
             decision = Decision(chosen, "balance", 0)
         else:
-            decision = await asyncio.to_thread(self.policy.choose, prompt_text(prompt), loads, prompt, chat)
+            salt = getattr(pending_request.args[0], "cache_salt", None) if pending_request else None
+            decision = await asyncio.to_thread(self.policy.choose, prompt_text(prompt), loads, prompt, chat,
+                                               salt or None)
         if pending_request is not None:
             with self._lock:
                 # Serve asks again for a request it could not place (a replica refused or died):
@@ -168,9 +175,9 @@ class TieredCacheRouter(KVAwareRouter):
                     self.routed[previous.worker] -= 1
                 self._decisions[pending_request.metadata.internal_request_id] = decision
                 self.recent[pending_request.metadata.request_id] = route_report(decision)
-                self._expected[pending_request.metadata.request_id] = decision.expected
+                self._routes[pending_request.metadata.request_id] = decision
                 while len(self.recent) > RECENT:
-                    self._expected.pop(self.recent.popitem(last=False)[0], None)
+                    self._routes.pop(self.recent.popitem(last=False)[0], None)
                 self.in_flight[decision.worker] += 1
                 self.routed[decision.worker] += 1
             if previous is not None:
@@ -235,8 +242,18 @@ def learn(request_id: str, answer: Mapping[str, Any], latency_s: float) -> None:
     """Teach the router that routed `request_id` what its answer took (ttft_s, prompt_tokens,
     reused_tokens): its estimate learns this hardware's prefill rate and service time."""
     router = next((r for r in _registry() if request_id in r.recent), None)
-    if router is not None:
-        router.policy.learn(with_store_share(answer, router._expected.get(request_id, (0, 0, 0))), latency_s)
+    decision = router._routes.get(request_id) if router is not None else None
+    if router is not None and decision is not None:
+        router.policy.learn(with_store_share(answer, decision.expected, decision.wait_s), latency_s)
+
+
+def first_token(request_id: str) -> None:
+    """Tell the router that routed `request_id` that its answer's first token came: its prefill
+    no longer holds up the requests behind it on that replica."""
+    router = next((r for r in _registry() if request_id in r.recent), None)
+    decision = router._routes.get(request_id) if router is not None else None
+    if router is not None and decision is not None:
+        router.policy.first_token(decision.worker, decision)
 
 
 def _prompt_of(pending: PendingRequest | None) -> tuple[Any, bool]:

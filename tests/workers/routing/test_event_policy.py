@@ -46,8 +46,8 @@ def _prefill(cache: TieredCache, tokenizer, text: str, namespace: str | None = N
     return len(ids)
 
 
-def _policy(stale_after_s: float = 3.0) -> EventRoutingPolicy:
-    return EventRoutingPolicy(PrefixAwarePolicy(), ClusterEvents(stale_after_s))
+def _policy(stale_after_s: float = 3.0, batching: bool = False) -> EventRoutingPolicy:
+    return EventRoutingPolicy(PrefixAwarePolicy(), ClusterEvents(stale_after_s), batching=batching)
 
 
 def _until(predicate, what: str, timeout_s: float = 10.0):
@@ -116,6 +116,57 @@ def test_another_namespace_s_pages_do_not_count(tokenizer):
             policy.close()
 
 
+def test_a_request_under_a_cache_salt_counts_only_the_pages_under_it(tokenizer):
+    """vLLM's cache salt is the connector's namespace for that request: the router keys the prompt
+    under it, so pages another tenant (or no salt) left count for nothing."""
+    with _cache() as a, _cache() as b:
+        policy = _policy()
+        try:
+            _join(policy, a, b)
+            _prefill(a, tokenizer, DOCS[2], namespace="salt-x")
+            _until(lambda: _pages(policy, "a"), "a's events")
+            loads = {"a": 0, "b": 0}
+            under = policy.choose(DOCS[2], loads, DOCS[2], namespace="salt-x")
+            assert under.worker == "a" and under.expected[0] == under.matched > 0
+            for other in (None, "salt-y"):
+                assert policy.choose(DOCS[2], loads, DOCS[2], namespace=other).matched == 0
+        finally:
+            policy.close()
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_batching_engine_holds_a_request_up_only_with_the_prefills_ahead_of_it(tokenizer, batching):
+    """One at a time (our HF workers), a request waits for the whole of every request sent there
+    before it. A batching engine (vLLM) runs it beside the others' decoding: it waits for the
+    prefills ahead only, each until its first token, less the time the engine has spent on them."""
+    with _cache() as a, _cache() as b:
+        policy = _policy(batching=batching)
+        try:
+            _join(policy, a, b)
+            _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+            first = policy.choose(DOCS[1], {"a": 0, "b": 0}, DOCS[1])
+            busy = {first.worker: 1, ("b" if first.worker == "a" else "a"): 0}
+            question = DOCS[1] + " A question?"
+            second = policy.choose(question, busy, question)
+            assert second.worker == first.worker and second.wait_s > 0.5  # behind the document's prefill
+            policy.finished(second.worker, second)
+            time.sleep(0.3)
+            later = policy.choose(question, busy, question)
+            policy.finished(later.worker, later)
+            if batching:  # the engine has been at the prefill meanwhile
+                assert later.wait_s < second.wait_s - 0.2
+            else:
+                assert later.wait_s == pytest.approx(second.wait_s)
+            policy.first_token(first.worker, first)
+            third = policy.choose(question, busy, question)
+            assert third.worker == first.worker and (third.wait_s == 0) == batching
+            for done in (first, third):
+                policy.finished(done.worker, done)
+            assert policy.choose(question, busy, question).wait_s == 0  # nothing ahead any more
+        finally:
+            policy.close()
+
+
 def test_a_router_that_starts_late_learns_from_the_replay_and_one_whose_events_stop_falls_back(tokenizer):
     a, b = _cache(), _cache()
     try:
@@ -148,6 +199,18 @@ def test_answers_teach_the_estimate():
     assert estimate.prefill_s_per_token == pytest.approx(1.0 / 500, rel=0.05)
     assert estimate.store_s_per_token == pytest.approx((0.05 - 20 / 500) / 480, rel=0.1)
     assert estimate.seconds(500, 0, 0, 480, 0) < estimate.seconds(500, 0, 0, 0, 0)
+
+
+def test_an_engine_that_queues_inside_teaches_its_rates_without_the_wait():
+    """vLLM's TTFT holds its wait behind other prefills: the router takes out the work it
+    expected ahead, and a TTFT that was mostly waiting teaches no rate (it would teach queueing)."""
+    from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
+
+    estimate = TTFTEstimate()
+    for _ in range(30):
+        estimate.observe({"ttft_s": 1.1, "prompt_tokens": 500, "reused_tokens": 0, "ahead_s": 0.1}, 1.5)
+        estimate.observe({"ttft_s": 9.0, "prompt_tokens": 500, "reused_tokens": 0, "ahead_s": 8.0}, 9.5)
+    assert estimate.prefill_s_per_token == pytest.approx(1.0 / 500, rel=0.05)
 
 
 def test_an_engine_that_tells_only_its_cached_total_still_teaches_the_store_s_cost():

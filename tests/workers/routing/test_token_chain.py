@@ -69,6 +69,27 @@ def test_a_block_whose_parent_was_never_told_is_skipped_and_counted():
     assert index.leading(keys, (MEDIUM_GPU,)) == 0
 
 
+def salted_root(salt: str) -> bytes:
+    return root_key(salt, "ab" * 32)
+
+
+@pytest.mark.parametrize("lora", [None, "adapter-1"])
+def test_a_chain_under_a_cache_salt_is_keyed_under_the_salt_s_root(lora):
+    """vLLM tells a salted chain's salt in its first block's extra keys (after the LoRA name):
+    its blocks count for a prompt under that salt only, as the connector keys its pages."""
+    hashes = random.Random(7).sample(range(1 << 62), 6)
+    first = block_stored(hashes[:2], None, TOKENS[:2 * BLOCK], BLOCK, MEDIUM_GPU,
+                         extra_keys=[(*([lora] if lora else []), "tenant-x"), None], lora_name=lora)
+    index = TokenChainIndex(ROOT, salted=salted_root)
+    index.apply([first, stored(hashes, hashes[1], 2, 4)])
+    assert index.leading(chain_keys(TOKENS, BLOCK, salted_root("tenant-x")), (MEDIUM_GPU,)) == 6
+    assert index.leading(chain_keys(TOKENS, BLOCK, salted_root("tenant-y")), (MEDIUM_GPU,)) == 0
+    assert index.leading(chain_keys(TOKENS, BLOCK, ROOT), (MEDIUM_GPU,)) == 0
+    unsalted = TokenChainIndex(ROOT)  # no root for salted chains: skipped and counted, never guessed
+    unsalted.apply([first])
+    assert unsalted.unkeyed == 2 and len(unsalted) == 0
+
+
 def test_short_token_lists_and_the_remembered_hashes_stay_bounded():
     index = TokenChainIndex(ROOT, max_known=3)
     hashes, events = engine_events(5)

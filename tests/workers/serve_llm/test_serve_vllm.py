@@ -266,3 +266,31 @@ def test_the_router_marks_a_request_to_load_ahead_only_where_the_device_lacks_th
     plain = CompletionRequest(model="smollm2", prompt="hi")
     _say_load_ahead(Pending(plain), Decision("a", "balance", 0))
     assert not load_ahead(plain) and plain.kv_transfer_params is None
+
+
+def test_the_connector_tells_a_salted_chain_s_salt_and_the_router_keys_its_blocks_under_it():
+    """A salted request's blocks, as the connector hands them to vLLM's publisher, carry the salt
+    on the chain's first block (as vLLM's own do): the router's index keys them in the salt's
+    namespace, where the connector keeps their pages, and nowhere else."""
+    from types import SimpleNamespace
+
+    import msgpack
+    import msgspec
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    from tiered_cache.events.schema import MEDIUM_CPU
+    from tiered_cache.index.keys import chain_keys, root_key
+    from tiered_cache.integrations.vllm.block_events import BlockEvents
+    from tiered_cache.workers.routing.token_chain import TokenChainIndex
+
+    fingerprint, block, tokens = "cd" * 32, 4, list(range(500, 512))
+    request = SimpleNamespace(block_hashes=[BlockHash(bytes([i]) * 32) for i in range(3)], all_token_ids=tokens,
+                              cache_salt="tenant-x", lora_request=None)
+    told = BlockEvents(list)
+    told.saved(request, 0, [b"k0", b"k1"], block)
+    told.saved(request, 2, [b"k2"], block)
+    events = [msgpack.unpackb(msgspec.msgpack.encode(e), raw=False) for e in told.take()]
+    index = TokenChainIndex(root_key("", fingerprint), salted=lambda salt: root_key(salt, fingerprint))
+    index.apply(events)
+    assert index.leading(chain_keys(tokens, block, root_key("tenant-x", fingerprint)), (MEDIUM_CPU,)) == 3
+    assert index.leading(chain_keys(tokens, block, root_key("", fingerprint)), (MEDIUM_CPU,)) == 0

@@ -41,9 +41,14 @@ class BlockEvents:
         parent = maybe_convert_block_hash(hashes[first - 1]) if first else None
         tokens = list(request.all_token_ids[first * block_size:(first + len(keys)) * block_size])
         lora = getattr(request, "lora_request", None)
+        extra: dict[str, Any] = {}
+        salt = getattr(request, "cache_salt", None)
+        if salt and not first and "extra_keys" in BlockStored.__struct_fields__:
+            # The salt, as vLLM tells it on a chain's first block: a reader keys the chain under it.
+            extra["extra_keys"] = [(*((lora.name,) if lora else ()), salt), *[None] * (len(keys) - 1)]
         event = BlockStored(block_hashes=external, parent_block_hash=parent, token_ids=tokens, block_size=block_size,
                             lora_id=lora.adapter_id if lora else None, medium=MEDIUM,
-                            lora_name=lora.name if lora else None)
+                            lora_name=lora.name if lora else None, **extra)
         with self._lock:
             for key, block_hash in zip(keys, external, strict=True):
                 for page in self._page_keys([key]):
