@@ -11,15 +11,13 @@ counts it; that policy records every route either way, so it is warm when it is 
 The work ahead of a request is what the router sent to that worker and was not done yet. A worker
 that serves one request at a time (our HF workers) is busy with each until its answer ends. An
 engine that batches (vLLM) runs a new request's prefill beside the others' decoding: only the
-prefills ahead of it delay it, each until its first token (`first_token`), less the time the
-worker has been working through them.
+prefills ahead of it delay it, each until its first token (`first_token`).
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,10 +29,6 @@ from tiered_cache.workers.routing.policies import PrefixAwarePolicy
 from tiered_cache.workers.routing.policy import Decision, Prompt, RoutingPolicy
 from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
 
-# A batching worker's prefills ahead are never taken as done before their first token: at least
-# this share of their expected time is left.
-LEFT_AT_LEAST = 0.1
-
 
 @dataclass
 class Pending:
@@ -42,7 +36,6 @@ class Pending:
 
     keys: list[bytes]  # its prompt's page keys: on that worker's device before a request queued behind it runs
     cost_s: float  # the work it was expected to take there (a batching worker: its prefill; else all of it)
-    sent: float  # monotonic
     prefilling: bool = True  # no first token yet
 
 
@@ -61,9 +54,8 @@ class EventRoutingPolicy(RoutingPolicy):
         self.fallbacks = 0  # decisions the prefix policy made because events were stale
         self._identity: dict[str, tuple[str, str, int]] = {}  # worker -> (fingerprint, namespace, page size)
         # Per worker, by ticket, the requests sent there and not answered yet (their pages are on no
-        # one's device so far), and when its last prefill ended (a first token).
+        # one's device so far).
         self._pending: dict[str, dict[int, Pending]] = defaultdict(dict)
-        self._prefilled: dict[str, float] = {}
         self._tickets = itertools.count(1)
         self._tokenizer: Any = None
         self._model = ""
@@ -78,7 +70,6 @@ class EventRoutingPolicy(RoutingPolicy):
         self.fallback.remove_worker(name)
         with self._pending_lock:
             self._pending.pop(name, None)
-            self._prefilled.pop(name, None)
         self.events.forget(name)
         self._identity.pop(name, None)
 
@@ -118,12 +109,11 @@ class EventRoutingPolicy(RoutingPolicy):
         ids = self._encode(prompt, chat)
         keyed: dict[tuple[str, str, int], list[bytes]] = {}
         best: tuple[float, int, str] | None = None
-        cached, split, chosen, ahead = 0, (0, 0, 0), Pending([], 0.0, 0.0), 0.0
+        cached, split, chosen, ahead = 0, (0, 0, 0), Pending([], 0.0), 0.0
         behind = 1.0 + min(1.0, sum(loads.values()) / len(loads))  # 1 on an idle cluster, 2 once busy
-        now = time.monotonic()
         with self._pending_lock:
             pending = {w: list(self._pending[w].values()) for w in loads}
-            waits = {w: self._ahead_s(w, pending[w], now) for w in loads}
+            waits = {w: self._ahead_s(pending[w]) for w in loads}
         for worker in sorted(loads):
             fingerprint, own_namespace, page = self._identity[worker]
             identity = (fingerprint, own_namespace if namespace is None else namespace, page)
@@ -143,7 +133,7 @@ class EventRoutingPolicy(RoutingPolicy):
             if best is None or (wait + own + spent, loads[worker], worker) < best:
                 best = (wait + own + spent, loads[worker], worker)
                 cost = own if self.batching else own + self.estimate.decode_s
-                cached, chosen, ahead = found, Pending(keys, cost, now), wait
+                cached, chosen, ahead = found, Pending(keys, cost), wait
                 split = (held.device * page, held.host * page, held.store * page)
         assert best is not None
         self.fallback.observe(best[2], [text])  # kept warm for when events stop
@@ -152,25 +142,17 @@ class EventRoutingPolicy(RoutingPolicy):
             self._pending[best[2]][ticket] = chosen
         return Decision(best[2], "events", cached, split, wait_s=ahead, ticket=ticket)
 
-    def _ahead_s(self, worker: str, pending: Sequence[Pending], now: float) -> float:
-        """The work ahead of a request sent to `worker` now. One at a time: every request there,
-        whole. Batching: the prefills not done, less the time since the worker began on them
-        (the oldest one's arrival, or the last prefill's end)."""
-        if not self.batching:
-            return sum(p.cost_s for p in pending)
-        prefills = [p for p in pending if p.prefilling]
-        if not prefills:
-            return 0.0
-        total = sum(p.cost_s for p in prefills)
-        began = max(min(p.sent for p in prefills), self._prefilled.get(worker, 0.0))
-        return max(LEFT_AT_LEAST * total, total - (now - began))
+    def _ahead_s(self, pending: Sequence[Pending]) -> float:
+        """The work ahead of a request sent where `pending` are. One at a time: every request
+        there, whole. Batching: the prefills without a first token yet, whole (a prefill is not
+        taken as partly done: how far it got depends on rates the router may not have learned)."""
+        return sum(p.cost_s for p in pending if p.prefilling or not self.batching)
 
     def first_token(self, worker: str, decision: Decision) -> None:
         with self._pending_lock:
             entry = self._pending.get(worker, {}).get(decision.ticket)
-            if entry is not None and entry.prefilling:
+            if entry is not None:
                 entry.prefilling = False
-                self._prefilled[worker] = time.monotonic()
 
     def finished(self, worker: str, decision: Decision) -> None:
         """A request routed by `decision` to `worker` was answered (or failed): its pages are told
@@ -178,9 +160,7 @@ class EventRoutingPolicy(RoutingPolicy):
         if decision.reason != "events":
             return
         with self._pending_lock:
-            entry = self._pending.get(worker, {}).pop(decision.ticket, None)
-            if entry is not None and entry.prefilling:
-                self._prefilled[worker] = time.monotonic()
+            self._pending.get(worker, {}).pop(decision.ticket, None)
 
     def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
         return encode(self._tokenizer, prompt, chat)

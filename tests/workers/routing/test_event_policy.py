@@ -138,7 +138,7 @@ def test_a_request_under_a_cache_salt_counts_only_the_pages_under_it(tokenizer):
 def test_a_batching_engine_holds_a_request_up_only_with_the_prefills_ahead_of_it(tokenizer, batching):
     """One at a time (our HF workers), a request waits for the whole of every request sent there
     before it. A batching engine (vLLM) runs it beside the others' decoding: it waits for the
-    prefills ahead only, each until its first token, less the time the engine has spent on them."""
+    prefills ahead only, each until its first token."""
     with _cache() as a, _cache() as b:
         policy = _policy(batching=batching)
         try:
@@ -150,13 +150,6 @@ def test_a_batching_engine_holds_a_request_up_only_with_the_prefills_ahead_of_it
             second = policy.choose(question, busy, question)
             assert second.worker == first.worker and second.wait_s > 0.5  # behind the document's prefill
             policy.finished(second.worker, second)
-            time.sleep(0.3)
-            later = policy.choose(question, busy, question)
-            policy.finished(later.worker, later)
-            if batching:  # the engine has been at the prefill meanwhile
-                assert later.wait_s < second.wait_s - 0.2
-            else:
-                assert later.wait_s == pytest.approx(second.wait_s)
             policy.first_token(first.worker, first)
             third = policy.choose(question, busy, question)
             assert third.worker == first.worker and (third.wait_s == 0) == batching
