@@ -11,14 +11,19 @@ counts it; that policy records every route either way, so it is warm when it is 
 The work ahead of a request is what the router sent to that worker and was not done yet. A worker
 that serves one request at a time (our HF workers) is busy with each until its answer ends. An
 engine that batches (vLLM) runs a new request's prefill beside the others' decoding: only the
-prefills ahead of it delay it, each until its first token (`first_token`).
+prefills ahead of it delay it, each until its first token (`first_token`). There, where a
+request goes matters to the requests to come as well: one that arrives while every worker is
+still prefilling waits for the first to finish. A worker's score adds the waiting its new work
+would cause them at the recent arrival rate (`_all_busy_cost`): on a loaded cluster a long
+prefill goes where long work already is, and a worker is kept free for the short ones.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +33,24 @@ from tiered_cache.workers.routing.event_index import ClusterEvents
 from tiered_cache.workers.routing.policies import PrefixAwarePolicy
 from tiered_cache.workers.routing.policy import Decision, Prompt, RoutingPolicy
 from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
+
+
+class ArrivalRate:
+    """Requests a second lately: over the last `window` arrivals, none counted until a few came,
+    and over `span_s` at least (a burst of a few at once is not a rate)."""
+
+    def __init__(self, window: int = 32, least: int = 4, span_s: float = 5.0) -> None:
+        self._times: deque[float] = deque(maxlen=window)
+        self._least = least
+        self._span_s = span_s
+
+    def record(self, at: float | None = None) -> None:
+        self._times.append(time.monotonic() if at is None else at)
+
+    def per_s(self) -> float:
+        if len(self._times) < self._least:
+            return 0.0
+        return (len(self._times) - 1) / max(self._span_s, self._times[-1] - self._times[0])
 
 
 @dataclass
@@ -43,13 +66,14 @@ class EventRoutingPolicy(RoutingPolicy):
     follows_events = True
     choose_blocks = True  # keys the prompt with the workers' tokenizer
 
-    def __init__(self, fallback: PrefixAwarePolicy, events: ClusterEvents | None = None, batching: bool = False
-                 ) -> None:
+    def __init__(self, fallback: PrefixAwarePolicy, events: ClusterEvents | None = None, batching: bool = False,
+                 arrivals: ArrivalRate | None = None) -> None:
         """`batching`: the workers run requests side by side (vLLM's continuous batching); else
         one at a time (our HF workers)."""
         self.fallback = fallback
         self.events = events or ClusterEvents()
         self.batching = batching
+        self.arrivals = arrivals or ArrivalRate()
         self.estimate = TTFTEstimate()
         self.fallbacks = 0  # decisions the prefix policy made because events were stale
         self._identity: dict[str, tuple[str, str, int]] = {}  # worker -> (fingerprint, namespace, page size)
@@ -102,18 +126,21 @@ class EventRoutingPolicy(RoutingPolicy):
                chat: bool = True, namespace: str | None = None) -> Decision:
         """`namespace`: the request's own (vLLM's cache salt), keying its pages in place of the
         workers' namespace; pages under any other count for nothing."""
+        self.arrivals.record()
         if prompt is None or self._tokenizer is None or not all(
                 w in self._identity and self.events.fresh(w) for w in loads):
             self.fallbacks += 1
             return self.fallback.choose(text, loads)
         ids = self._encode(prompt, chat)
+        rate = self.arrivals.per_s()
         keyed: dict[tuple[str, str, int], list[bytes]] = {}
         best: tuple[float, int, str] | None = None
         cached, split, chosen, ahead = 0, (0, 0, 0), Pending([], 0.0), 0.0
         behind = 1.0 + min(1.0, sum(loads.values()) / len(loads))  # 1 on an idle cluster, 2 once busy
         with self._pending_lock:
             pending = {w: list(self._pending[w].values()) for w in loads}
-            waits = {w: self._ahead_s(pending[w]) for w in loads}
+            waits = {w: self._ahead_s(pending[w]) + max(0, loads[w] - len(pending[w])) * self.estimate.service_s
+                     for w in loads}  # requests sent while events were stale: cost unknown, service_s each
         for worker in sorted(loads):
             fingerprint, own_namespace, page = self._identity[worker]
             identity = (fingerprint, own_namespace if namespace is None else namespace, page)
@@ -122,14 +149,20 @@ class EventRoutingPolicy(RoutingPolicy):
             keys = keyed[identity]
             coming = max((_common(keys, p.keys) for p in pending[worker]), default=0)
             held = self.events.holdings(worker, keys, coming)
-            untracked = max(0, loads[worker] - len(pending[worker]))  # sent while events were stale: cost unknown
-            wait = waits[worker] + untracked * self.estimate.service_s
+            wait = waits[worker]
             own = self.estimate.seconds(len(ids), held.device * page, held.host * page, held.store * page)
             found = (held.device + held.host + held.store) * page
-            # A recomputed token costs in this TTFT and, on a busy cluster, again in the TTFT of the
-            # request that will queue behind it there: racing an idle worker to recompute a prefix
-            # another is about to hold wins one request and slows the next.
-            spent = behind * self.estimate.compute_s(len(ids), found)
+            if self.batching:
+                # What it costs the requests to come: recomputed tokens are work the cluster does
+                # again, and a worker kept busy while every other is busy too delays whoever arrives.
+                others = [waits[w] for w in loads if w != worker]
+                spent = self.estimate.compute_s(len(ids), found) + (
+                    _all_busy_cost(wait, own, min(others), rate) if others else 0.0)
+            else:
+                # A recomputed token costs in this TTFT and, on a busy cluster, again in the TTFT of
+                # the request that will queue behind it there: racing an idle worker to recompute a
+                # prefix another is about to hold wins one request and slows the next.
+                spent = behind * self.estimate.compute_s(len(ids), found)
             if best is None or (wait + own + spent, loads[worker], worker) < best:
                 best = (wait + own + spent, loads[worker], worker)
                 cost = own if self.batching else own + self.estimate.decode_s
@@ -169,10 +202,22 @@ class EventRoutingPolicy(RoutingPolicy):
         self.estimate.observe(answer, latency_s)
 
     def stats(self) -> dict[str, Any]:
-        return {"fallbacks": self.fallbacks, "estimate": self.estimate.to_dict(), "sources": self.events.stats()}
+        return {"fallbacks": self.fallbacks, "estimate": self.estimate.to_dict(), "sources": self.events.stats(),
+                "arrivals_per_s": round(self.arrivals.per_s(), 3)}
 
     def close(self) -> None:
         self.events.close()
+
+
+def _all_busy_cost(wait_s: float, own_s: float, others_s: float, rate: float) -> float:
+    """Seconds of waiting that `own_s` more work on a worker busy for `wait_s` adds to the
+    requests arriving at `rate` a second, when the least busy other worker is free in `others_s`:
+    a request that comes while every worker is busy waits until the first is free, and this work
+    makes that moment later by `longer` (a worker left free, or one long busy anyway, costs none:
+    long prefills go where long work already is, short ones keep a worker free)."""
+    free_before = min(wait_s, others_s)
+    longer = min(wait_s + own_s, others_s) - free_before
+    return rate * longer * (free_before + longer / 2)
 
 
 def _common(a: Sequence[bytes], b: Sequence[bytes]) -> int:

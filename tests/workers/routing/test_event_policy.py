@@ -19,7 +19,7 @@ from tiered_cache.integrations.hf_models import encode_prompt, load_tokenizer
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.workers.routing import PrefixAwarePolicy
 from tiered_cache.workers.routing.event_index import ClusterEvents
-from tiered_cache.workers.routing.event_policy import EventRoutingPolicy
+from tiered_cache.workers.routing.event_policy import ArrivalRate, EventRoutingPolicy
 
 SPEC = KVSpec("event-routing-test", 2, 1, 8, page_size=16)
 DOCS = [f"Document {d}: " + " ".join(f"word{d}x{i}" for i in range(120)) for d in range(3)]
@@ -155,7 +155,38 @@ def test_a_batching_engine_holds_a_request_up_only_with_the_prefills_ahead_of_it
             assert third.worker == first.worker and (third.wait_s == 0) == batching
             for done in (first, third):
                 policy.finished(done.worker, done)
-            assert policy.choose(question, busy, question).wait_s == 0  # nothing ahead any more
+            idle = {first.worker: 0, ("b" if first.worker == "a" else "a"): 0}
+            assert policy.choose(question, idle, question).wait_s == 0  # nothing ahead any more
+        finally:
+            policy.close()
+
+
+def test_on_a_loaded_cluster_a_long_prefill_goes_where_long_work_is_and_a_short_one_to_the_free_worker(tokenizer):
+    """Batching engines under load: a request arriving while every worker prefills waits for the
+    first to finish. Quiet, a new long prompt takes the free worker; arriving ten a second, it
+    queues behind the long work already under way and the free worker stays free for the short
+    requests, which go there."""
+    with _cache() as a, _cache() as b:
+        arrivals = ArrivalRate()
+        policy = EventRoutingPolicy(PrefixAwarePolicy(), ClusterEvents(3.0), batching=True, arrivals=arrivals)
+        try:
+            _join(policy, a, b)
+            _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+            long = [DOCS[d] * 4 for d in range(3)]
+            first = policy.choose(long[0], {"a": 0, "b": 0}, long[0])
+            free = "b" if first.worker == "a" else "a"
+            loads = {first.worker: 1, free: 0}
+            quiet = policy.choose(long[1], loads, long[1])
+            assert quiet.worker == free and policy.stats()["arrivals_per_s"] == 0  # too few arrivals to tell
+            policy.finished(quiet.worker, quiet)
+            now = time.monotonic()
+            for i in range(31):
+                arrivals.record(now - 3.1 + i / 10)
+            busy = policy.choose(long[2], loads, long[2])
+            assert busy.worker == first.worker and busy.wait_s > 0
+            assert policy.stats()["arrivals_per_s"] > 5
+            short = policy.choose("Hi", loads, "Hi")
+            assert short.worker == free and short.wait_s == 0
         finally:
             policy.close()
 
