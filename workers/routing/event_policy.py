@@ -155,9 +155,11 @@ class EventRoutingPolicy(RoutingPolicy):
             if self.batching:
                 # What it costs the requests to come: recomputed tokens are work the cluster does
                 # again, and a worker kept busy while every other is busy too delays whoever arrives.
+                # That waiting counts up to the request's own time: for the requests to come, a
+                # long one may queue behind long work, but never for longer than it takes itself.
                 others = [waits[w] for w in loads if w != worker]
                 spent = self.estimate.compute_s(len(ids), found) + (
-                    _all_busy_cost(wait, own, min(others), rate) if others else 0.0)
+                    min(own, _all_busy_cost(wait, own, min(others), rate)) if others else 0.0)
             else:
                 # A recomputed token costs in this TTFT and, on a busy cluster, again in the TTFT of
                 # the request that will queue behind it there: racing an idle worker to recompute a
@@ -214,7 +216,8 @@ def _all_busy_cost(wait_s: float, own_s: float, others_s: float, rate: float) ->
     requests arriving at `rate` a second, when the least busy other worker is free in `others_s`:
     a request that comes while every worker is busy waits until the first is free, and this work
     makes that moment later by `longer` (a worker left free, or one long busy anyway, costs none:
-    long prefills go where long work already is, short ones keep a worker free)."""
+    long prefills go where long work already is, short ones keep a worker free; `choose` counts
+    it up to the request's own time)."""
     free_before = min(wait_s, others_s)
     longer = min(wait_s + own_s, others_s) - free_before
     return rate * longer * (free_before + longer / 2)

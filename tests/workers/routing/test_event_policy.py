@@ -164,15 +164,15 @@ def test_a_batching_engine_holds_a_request_up_only_with_the_prefills_ahead_of_it
 def test_on_a_loaded_cluster_a_long_prefill_goes_where_long_work_is_and_a_short_one_to_the_free_worker(tokenizer):
     """Batching engines under load: a request arriving while every worker prefills waits for the
     first to finish. Quiet, a new long prompt takes the free worker; arriving ten a second, it
-    queues behind the long work already under way and the free worker stays free for the short
-    requests, which go there."""
+    queues behind the long work already under way (shorter than itself: it waits no longer than it
+    takes) and the free worker stays free for the short requests, which go there."""
     with _cache() as a, _cache() as b:
         arrivals = ArrivalRate()
         policy = EventRoutingPolicy(PrefixAwarePolicy(), ClusterEvents(3.0), batching=True, arrivals=arrivals)
         try:
             _join(policy, a, b)
             _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
-            long = [DOCS[d] * 4 for d in range(3)]
+            long = [DOCS[d] * n for d, n in enumerate((3, 4, 5))]  # the third longer than the work ahead
             first = policy.choose(long[0], {"a": 0, "b": 0}, long[0])
             free = "b" if first.worker == "a" else "a"
             loads = {first.worker: 1, free: 0}
@@ -187,6 +187,9 @@ def test_on_a_loaded_cluster_a_long_prefill_goes_where_long_work_is_and_a_short_
             assert policy.stats()["arrivals_per_s"] > 5
             short = policy.choose("Hi", loads, "Hi")
             assert short.worker == free and short.wait_s == 0
+            # Behind more work than it takes itself, a long prompt takes the free worker after all.
+            again = long[1] + " Once more."
+            assert policy.choose(again, {first.worker: 2, free: 1}, again).worker == free
         finally:
             policy.close()
 
