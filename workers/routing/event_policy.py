@@ -12,8 +12,9 @@ The work ahead of a request is what the router sent to that worker and was not d
 that serves one request at a time (our HF workers) is busy with each until its answer ends. An
 engine that batches (vLLM) runs a new request's prefill beside the others' decoding: only the
 prefills ahead of it delay it, each until its first token (`first_token`). There, where a
-request goes matters to the requests to come as well: one that arrives while every worker is
-still prefilling waits for the first to finish. A worker's score adds the waiting its new work
+request goes matters to the others as well: the prefills waiting on that worker are batched
+with it and wait for its prefill too, and one that arrives while every worker is still
+prefilling waits for the first to finish. A worker's score adds the waiting its new work
 would cause them at the recent arrival rate (`_all_busy_cost`): on a loaded cluster a long
 prefill goes where long work already is, and a worker is kept free for the short ones.
 """
@@ -141,6 +142,7 @@ class EventRoutingPolicy(RoutingPolicy):
             pending = {w: list(self._pending[w].values()) for w in loads}
             waits = {w: self._ahead_s(pending[w]) + max(0, loads[w] - len(pending[w])) * self.estimate.service_s
                      for w in loads}  # requests sent while events were stale: cost unknown, service_s each
+            prefills = {w: sum(p.prefilling for p in pending[w]) for w in loads}
         for worker in sorted(loads):
             fingerprint, own_namespace, page = self._identity[worker]
             identity = (fingerprint, own_namespace if namespace is None else namespace, page)
@@ -153,13 +155,15 @@ class EventRoutingPolicy(RoutingPolicy):
             own = self.estimate.seconds(len(ids), held.device * page, held.host * page, held.store * page)
             found = (held.device + held.host + held.store) * page
             if self.batching:
-                # What it costs the requests to come: recomputed tokens are work the cluster does
-                # again, and a worker kept busy while every other is busy too delays whoever arrives.
-                # That waiting counts up to the request's own time: for the requests to come, a
-                # long one may queue behind long work, but never for longer than it takes itself.
+                # What it costs the others: recomputed tokens are work the cluster does again; the
+                # prefills waiting there (all but the one under way) run in its step and get their
+                # first token only when its prefill is done too; and a worker kept busy while every
+                # other is busy too delays whoever arrives. That last waiting counts up to the
+                # request's own time: a long one may queue behind long work, never for longer than
+                # it takes itself.
                 others = [waits[w] for w in loads if w != worker]
-                spent = self.estimate.compute_s(len(ids), found) + (
-                    min(own, _all_busy_cost(wait, own, min(others), rate)) if others else 0.0)
+                spent = (self.estimate.compute_s(len(ids), found) + max(0, prefills[worker] - 1) * own
+                         + (min(own, _all_busy_cost(wait, own, min(others), rate)) if others else 0.0))
             else:
                 # A recomputed token costs in this TTFT and, on a busy cluster, again in the TTFT of
                 # the request that will queue behind it there: racing an idle worker to recompute a

@@ -194,6 +194,27 @@ def test_on_a_loaded_cluster_a_long_prefill_goes_where_long_work_is_and_a_short_
             policy.close()
 
 
+def test_a_batching_engine_s_waiting_prefills_are_not_held_up_by_a_long_one_that_can_go_elsewhere(tokenizer):
+    """vLLM prefills the requests waiting on it together: a short prompt waiting behind a long
+    prefill would get its first token only when a long prompt sent after it is prefilled too.
+    The long one goes to the worker where nothing waits, though it is busy a little longer."""
+    with _cache() as a, _cache() as b:
+        policy = EventRoutingPolicy(PrefixAwarePolicy(), ClusterEvents(3.0), batching=True,
+                                    arrivals=ArrivalRate(least=1000))  # no rate: only those waiting count
+        try:
+            _join(policy, a, b)
+            _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+            first = policy.choose(DOCS[0] * 2, {"a": 0, "b": 0}, DOCS[0] * 2)
+            free = "b" if first.worker == "a" else "a"
+            longer = policy.choose(DOCS[1] * 3, {first.worker: 1, free: 0}, DOCS[1] * 3)
+            short = policy.choose("Hi", {first.worker: 1, free: 1}, "Hi")
+            assert (longer.worker, short.worker) == (free, first.worker)  # the short one waits least there
+            late = policy.choose(DOCS[2] * 2, {first.worker: 2, free: 1}, DOCS[2] * 2)
+            assert late.worker == free and late.wait_s > short.wait_s
+        finally:
+            policy.close()
+
+
 def test_a_router_that_starts_late_learns_from_the_replay_and_one_whose_events_stop_falls_back(tokenizer):
     a, b = _cache(), _cache()
     try:
