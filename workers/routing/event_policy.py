@@ -137,7 +137,6 @@ class EventRoutingPolicy(RoutingPolicy):
         keyed: dict[tuple[str, str, int], list[bytes]] = {}
         best: tuple[float, int, str] | None = None
         cached, split, chosen, ahead = 0, (0, 0, 0), Pending([], 0.0), 0.0
-        behind = 1.0 + min(1.0, sum(loads.values()) / len(loads))  # 1 on an idle cluster, 2 once busy
         with self._pending_lock:
             pending = {w: list(self._pending[w].values()) for w in loads}
             waits = {w: self._ahead_s(pending[w]) + max(0, loads[w] - len(pending[w])) * self.estimate.service_s
@@ -168,6 +167,7 @@ class EventRoutingPolicy(RoutingPolicy):
                 # A recomputed token costs in this TTFT and, on a busy cluster, again in the TTFT of
                 # the request that will queue behind it there: racing an idle worker to recompute a
                 # prefix another is about to hold wins one request and slows the next.
+                behind = 1.0 + min(1.0, sum(loads.values()) / len(loads))  # 1 on an idle cluster, 2 once busy
                 spent = behind * self.estimate.compute_s(len(ids), found)
             if best is None or (wait + own + spent, loads[worker], worker) < best:
                 best = (wait + own + spent, loads[worker], worker)

@@ -241,19 +241,26 @@ def route_of(request_id: str) -> dict[str, Any] | None:
 def learn(request_id: str, answer: Mapping[str, Any], latency_s: float) -> None:
     """Teach the router that routed `request_id` what its answer took (ttft_s, prompt_tokens,
     reused_tokens): its estimate learns this hardware's prefill rate and service time."""
-    router = next((r for r in _registry() if request_id in r.recent), None)
-    decision = router._routes.get(request_id) if router is not None else None
-    if router is not None and decision is not None:
+    routed = _routed(request_id)
+    if routed is not None:
+        router, decision = routed
         router.policy.learn(with_store_share(answer, decision.expected, decision.wait_s), latency_s)
 
 
 def first_token(request_id: str) -> None:
     """Tell the router that routed `request_id` that its answer's first token came: its prefill
     no longer holds up the requests behind it on that replica."""
+    routed = _routed(request_id)
+    if routed is not None:
+        router, decision = routed
+        router.policy.first_token(decision.worker, decision)
+
+
+def _routed(request_id: str) -> tuple[TieredCacheRouter, Decision] | None:
+    """The router of this process that routed a recent request (Serve's request id), and its decision."""
     router = next((r for r in _registry() if request_id in r.recent), None)
     decision = router._routes.get(request_id) if router is not None else None
-    if router is not None and decision is not None:
-        router.policy.first_token(decision.worker, decision)
+    return None if router is None or decision is None else (router, decision)
 
 
 def _prompt_of(pending: PendingRequest | None) -> tuple[Any, bool]:

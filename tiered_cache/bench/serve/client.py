@@ -7,9 +7,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
-
-from tiered_cache.workers.names import ROUTE_HEADER
+from dataclasses import dataclass
 
 
 @dataclass
@@ -22,7 +20,6 @@ class Outcome:
     cached_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
-    route: dict = field(default_factory=dict)  # our router's `x-tiered-cache-route` (replica, why), if any
 
 
 def send(url: str, token: str | None, key: str, body: dict, timeout_s: float = 600.0) -> Outcome:
@@ -35,7 +32,6 @@ def send(url: str, token: str | None, key: str, body: dict, timeout_s: float = 6
     started = time.perf_counter()
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as answer:
-            outcome.route = json.loads(answer.headers.get(ROUTE_HEADER) or "{}")
             for raw in answer:
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
