@@ -64,6 +64,9 @@ class CacheConfig:
     redis_ttl_s: float | None = None
     redis_timeout_s: float = 1.0
     remote_addresses: tuple[str, ...] = ()  # HOST:PORT of store servers; keys spread over them
+    # A file of HOST:PORT lines the remote tier follows when it changes (shards that move:
+    # cache/address_file.py); remote_addresses is the ring until it is read.
+    remote_addresses_file: str | None = None
     remote_token: str | None = None
     # The store servers' namespace this cache reads and writes: its token must allow it (a server
     # with a token file, server/tenants.py); None: the token's first namespace.
@@ -278,7 +281,7 @@ def _coerce(name: str, value: Any) -> Any:
             return None if value in (None, "") else check_namespace(str(value), name)
         if name in {"kv_events_endpoint", "kv_events_replay_endpoint"}:
             return None if value in (None, "", "none") else str(value)
-        if name == "remote_tls_ca":
+        if name in {"remote_tls_ca", "remote_addresses_file"}:
             return None if value in (None, "") else str(value)
         if name == "redis_ttl_s":
             return None if value in (None, "", "none") else _number(value)

@@ -95,6 +95,27 @@ def test_blocks_go_through_a_store_server_as_layer_group_pages():
         assert reader.leading(reader.keys(list(range(3 * BS + 1)), "other tenant")) == 0
 
 
+def test_the_connector_s_tiers_follow_a_store_server_to_its_new_address(tmp_path):
+    """A shard back on another port (its address file rewritten, as each Serve replica keeps it):
+    the engine's saves go there and its lookups ask there, without a restart."""
+    from tiered_cache.cache.address_file import write_addresses
+
+    listed = tmp_path / "shards"
+    with StoreProcess(["--no-disk"]) as old, StoreProcess(["--no-disk"]) as new:
+        write_addresses(listed, [old.address])
+        tiers = BlockTiers(SPEC, remote_config(old.address, remote_addresses_file=str(listed)))
+        first, second = tiers.keys(list(range(2 * BS)), ""), tiers.keys(list(range(100, 100 + 2 * BS)), "")
+        assert tiers.save(first, gather_blocks(vllm_layers(), [0, 1], "cpu", DIM)) and tiers.flush(10)
+        assert StoreClient(old.address).stats().tiers[0].pages == 2
+        write_addresses(listed, [new.address])
+        assert tiers.address_file is not None and tiers.address_file.check()
+        assert tiers.save(second, gather_blocks(vllm_layers(), [2, 3], "cpu", DIM)) and tiers.flush(10)
+        assert StoreClient(new.address).stats().tiers[0].pages == 2  # saved at the new address
+        assert StoreClient(old.address).stats().tiers[0].pages == 2
+        reader = BlockTiers(SPEC, remote_config(old.address, remote_addresses_file=str(listed)))
+        assert reader.leading(second) == 2  # a new engine reads the file at start
+
+
 def test_a_block_missing_one_layer_group_is_not_held():
     tiers = BlockTiers(SPEC, CacheConfig(), layers_per_page=3)
     keys = tiers.keys(list(range(3 * BS)), "")

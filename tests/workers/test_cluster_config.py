@@ -57,11 +57,14 @@ def test_the_vllm_engine_s_settings_parse_and_the_app_carries_them():
     assert config.vllm.router is ServeRouter.PREFIX and config.vllm.host_capacity == 64 * 2**20
     pytest.importorskip("ray.serve")
     from tiered_cache.workers.serve_llm.app import connector_config
+    from tiered_cache.workers.serve_llm.shard_list import shard_list_path
 
     secured = config.replace(shard=config.shard.__class__(token="t0ken", tls_ca="/ca.pem"))
     extra = connector_config(secured, ["10.0.0.1:5000", "10.0.0.2:5000"])["kv_connector_extra_config"]
     assert extra == {"host_capacity": 64 * 2**20, "lower_tiers": ["remote"], "remote_token": "t0ken",
-                     "remote_tls_ca": "/ca.pem", "remote_addresses": ["10.0.0.1:5000", "10.0.0.2:5000"]}
+                     "remote_tls_ca": "/ca.pem", "remote_addresses": ["10.0.0.1:5000", "10.0.0.2:5000"],
+                     # the list the replicas keep from the directory, followed when shards move
+                     "remote_addresses_file": str(shard_list_path(config.namespace))}
     assert connector_config(config, [])["kv_connector_extra_config"]["lower_tiers"] == []  # no shards: RAM only
 
 

@@ -21,7 +21,7 @@ import torch
 
 from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue, QueueOwner
 from tiered_cache.cache.foreground import YIELD_S
-from tiered_cache.tiers.base import Readdressable
+from tiered_cache.tiers.readdress import readdress
 from tiered_cache.wire.codec import encode_page
 
 if TYPE_CHECKING:
@@ -119,23 +119,11 @@ class LowerWriter(QueueOwner):
     def set_remote_addresses(self, addresses: Sequence[str]) -> bool:
         """Point the remote tier at `addresses`; forget what moved, put what host RAM holds to the
         keys' new owners in the background (`TieredCache.set_remote_addresses`)."""
-        from tiered_cache.tiers.remote_servers import owner_address
-
-        index = next((i for i, t in enumerate(self.chain.tiers) if isinstance(t, Readdressable)), None)
-        if index is None:
-            raise ValueError("this cache has no remote tier (lower_tiers has no 'remote')")
-        tier = self.chain.tiers[index]
-        assert isinstance(tier, Readdressable)
-        old = tier.addresses
-        if not tier.set_addresses(addresses):
+        readdressed = readdress(self.chain, addresses)
+        if readdressed is None:
             return False
-        new = tier.addresses
-
-        def moved(key: bytes) -> bool:
-            return owner_address(key, old) != owner_address(key, new)
-
-        self.chain.forget(index, moved)
-        if new and not self.queue.submit(self._republish, index, moved):
+        index, moved = readdressed
+        if addresses and not self.queue.submit(self._republish, index, moved):
             self.pages_dropped += 1  # the queue is full: counted, not waited for
         return True
 

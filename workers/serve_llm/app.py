@@ -17,6 +17,7 @@ from tiered_cache.tiers.base import Tier
 from tiered_cache.workers.config import ClusterConfig
 from tiered_cache.workers.names import SERVE_LLM_INGRESS, serve_llm_app_name
 from tiered_cache.workers.serve_llm.settings import ServeRouter, VllmSettings
+from tiered_cache.workers.serve_llm.shard_list import NAMESPACE_ENV, shard_list_path
 
 ROUTER_CLASSES = {
     ServeRouter.TIERED_CACHE: "tiered_cache.workers.serve_llm.request_router:TieredCacheRouter",
@@ -39,7 +40,9 @@ def connector_config(config: ClusterConfig, shards: list[str]) -> dict[str, Any]
     cluster's shards below it, with the shards' token and CA."""
     extra: dict[str, Any] = {"host_capacity": config.vllm.host_capacity}
     if shards:
-        extra.update(lower_tiers=[Tier.REMOTE.value], remote_addresses=list(shards))
+        # The shards at deploy time, then the list the replicas keep from the directory (shard_list.py).
+        extra.update(lower_tiers=[Tier.REMOTE.value], remote_addresses=list(shards),
+                     remote_addresses_file=str(shard_list_path(config.namespace)))
         if config.shard.token:
             extra["remote_token"] = config.shard.token
         if config.shard.tls_ca:
@@ -85,7 +88,7 @@ def llm_config(config: ClusterConfig, shards: list[str], source: str) -> Any:
                      server_cls="tiered_cache.workers.serve_llm.llm_server:TieredCacheLLMServer",
                      accelerator_config={"kind": "cpu"} if cpu else None,
                      engine_kwargs=engine, deployment_config=deployment,
-                     runtime_env={"env_vars": _engine_env(v)},
+                     runtime_env={"env_vars": _engine_env(v, config.namespace if v.connector and shards else None)},
                      experimental_configs={"KV_EVENTS_PORT_BASE": v.events_port,
                                            "KV_TOKEN_PORT_BASE": v.token_port})
 
@@ -103,8 +106,10 @@ def _router_kwargs(config: ClusterConfig, source: str) -> dict[str, Any]:
     return {"model": source, "namespace": config.namespace}
 
 
-def _engine_env(settings: VllmSettings) -> dict[str, str]:
+def _engine_env(settings: VllmSettings, follow_shards_of: str | None) -> dict[str, str]:
     env = {"PYTHONHASHSEED": "0"}  # vLLM's block hashes alike on every replica
+    if follow_shards_of is not None:  # the replicas keep the cluster's shard list (shard_list.py)
+        env[NAMESPACE_ENV] = follow_shards_of
     if not settings.num_gpus:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, settings.cpu_kv_cache // 2**30))
         # One environment for every replica of a deployment: binding would put every engine on

@@ -9,9 +9,10 @@ wrong), with what Ray's lacks in front of it:
 - a non-streamed answer's `tiered_cache` field: the replica our router chose and why (a streamed
   one's `x-tiered-cache-route` header); a streamed answer's first-token time and usage taught to
   the router's estimate (prefill rate, service time, the store's cost);
-- a request whose replica dies before answering, sent again to a live one;
+- a request whose replica dies before answering, sent again to a live one; a stream whose replica
+  dies mid-way, finished by a live one (resume.py);
 - `GET /tiered-cache/router`: the request router's own figures in this ingress process (routes,
-  in flight, fallbacks, the event sources it follows), for `stats --ray`.
+  in flight, fallbacks, the event sources it follows) and the requests sent again, for `stats --ray`.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the route's annotations at run time.
@@ -30,7 +31,9 @@ from tiered_cache.workers.http_frontend import token_refusal
 from tiered_cache.workers.names import ROUTE_HEADER
 
 ROUTER_STATS_PATH = "/tiered-cache/router"
-RETRIES = 2  # times a request whose replica died before answering is sent again
+RETRIES = 2  # times a request whose replica died is sent again
+# Requests this process sent again after their replica died: whole, or a stream from where it stopped.
+RETRIED = {"requests_sent_again": 0, "streams_resumed": 0}
 log = logging.getLogger("tiered_cache.workers.serve_llm")
 
 
@@ -166,31 +169,40 @@ def routers() -> list[dict[str, Any]]:
 
 
 def router_stats() -> JSONResponse:
-    return JSONResponse({"routers": routers()})
+    return JSONResponse({"routers": routers(), "retried": dict(RETRIED)})
 
 
 class TieredCacheIngress(OpenAiIngress):
     """Ray's ingress, and the router's stats for a deployment handle (`stats --ray`). A request
-    whose replica dies before the answer's first byte is sent again (`RETRIES` times): Serve has
-    dropped the dead replica by then, so the router picks a live one. A stream already under way
-    cannot be taken back and fails."""
+    whose replica dies is sent again (`RETRIES` times; Serve has dropped the dead replica by then,
+    so the router picks a live one): whole when nothing of its answer was sent yet, and a stream
+    already under way from where it stopped (resume.py), where its token ids tell the whole
+    answer; another stream under way fails."""
 
     async def _get_response(self, *, body: Any, call_method: str, raw_request: Any = None) -> Any:
         from ray.exceptions import ActorUnavailableError, RayActorError
 
+        from tiered_cache.workers.serve_llm.resume import Transcript
+
+        transcript = Transcript.of(body, call_method)
+        asked = transcript.asked() if transcript is not None else body
         for attempt in range(RETRIES + 1):
             started = False
             try:
-                async for response in super()._get_response(body=body, call_method=call_method,
+                async for response in super()._get_response(body=asked, call_method=call_method,
                                                              raw_request=raw_request):
                     started = True
-                    yield response
+                    yield transcript.passed(response) if transcript is not None else response
                 return
             except (RayActorError, ActorUnavailableError) as exc:
-                if started or attempt == RETRIES:
+                if attempt == RETRIES or (started and (transcript is None or not transcript.can_resume())):
                     raise
-                log.warning("tiered-cache ingress: a replica died under a request (%s); sending it again",
-                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                if started and transcript is not None:
+                    asked, call_method = transcript.continuation(), "completions"
+                RETRIED["streams_resumed" if started else "requests_sent_again"] += 1
+                log.warning("tiered-cache ingress: a replica died under a request (%s); %s",
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                            "asking a live one for the rest" if started else "sending it again")
 
     async def tiered_cache_routers(self) -> list[dict[str, Any]]:
         return routers()

@@ -9,6 +9,9 @@
   (`worker_extension.py`), before vLLM schedules it: the prompt is keyed as the router keys it
   (the model's tokenizer and chat template), the hint sent ahead of the request, never waited for.
 
+It also keeps the cluster's shard list in a file on its node, which its connector follows
+(shard_list.py): a shard that moves is found without a redeploy.
+
 Its routing stats also say how its connector keys pages (`tiered_cache_keying`, asked of its
 workers once at start), which the router needs to read the store shards' own events.
 """
@@ -23,6 +26,7 @@ from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
 from tiered_cache.integrations.vllm.worker_extension import KEYING, PROMOTE
 from tiered_cache.workers.serve_llm.request_router import load_ahead, prompt_tokens
+from tiered_cache.workers.serve_llm.shard_list import cluster_namespace, keep_shard_list, write_shard_list
 
 log = logging.getLogger(__name__)
 HINT_TIMEOUT_S = 10.0  # a hint the engine has not taken by then is dropped (the load happens anyway)
@@ -30,6 +34,11 @@ HINT_TIMEOUT_S = 10.0  # a hint the engine has not taken by then is dropped (the
 
 class TieredCacheLLMServer(LLMServer):
     async def start(self) -> None:
+        namespace = cluster_namespace()
+        self._shard_list: asyncio.Task[None] | None = None
+        if namespace is not None:  # the connector follows the shards' addresses (shard_list.py)
+            await write_shard_list(namespace)  # before the engine reads it
+            self._shard_list = asyncio.ensure_future(keep_shard_list(namespace))
         await super().start()
         self._tokenizer: Any = None
         self.hinted_blocks = 0  # blocks the workers started loading on a hint

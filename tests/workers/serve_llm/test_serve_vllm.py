@@ -3,8 +3,9 @@ CPU build, SmolLM2) with our connector over a store shard, our request router an
 on a local Ray cluster. A repeat goes to the replica that holds it; while that replica is busy,
 a prompt whose prefix only the store holds goes to the idle one, which loads it from the store;
 answers equal a from-scratch computation (a cache salt of its own); the router follows the
-shard's own events under the connector's keys; no token, no answer; a dead shard means recompute,
-with the same answers.
+shard's own events under the connector's keys; no token, no answer; a replica killed under a
+request or mid-way through a stream, the answers still whole; a dead shard means recompute, with
+the same answers.
 
 Engines start for minutes: `make test-serve` runs this module (in `.venv-vllm`, which has vLLM
 and Ray Serve), CI runs it after `make test`; the tests share one application, in order."""
@@ -12,6 +13,7 @@ and Ray Serve), CI runs it after `make test`; the tests share one application, i
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.error
@@ -87,11 +89,16 @@ def cached(answer: dict) -> int:
     return int((answer["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-def router(url: str) -> dict:
+def front_end(url: str) -> dict:
+    """The front end's own figures: its routers' and the requests it sent again."""
     request = urllib.request.Request(url.removesuffix("/v1") + "/tiered-cache/router",
                                      headers={"authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(request, timeout=30) as answer:
-        routers = json.loads(answer.read())["routers"]
+        return json.loads(answer.read())
+
+
+def router(url: str) -> dict:
+    routers = front_end(url)["routers"]
     assert len(routers) == 1  # one ingress replica, one router in it
     return routers[0]
 
@@ -237,6 +244,52 @@ def test_a_replica_killed_mid_request_every_request_is_still_answered(app):
     assert after["choices"][0]["text"] and after["tiered_cache"]["replica"] != busy[0]
 
 
+def test_a_stream_whose_replica_dies_mid_way_is_finished_by_a_live_one(app):
+    """The replica streaming a chat answer dies after its first tokens: the front end asks a live
+    replica for the rest (the prompt and the answer so far as token ids) and the client reads one
+    stream: the greedy text of an uninterrupted answer, one id, usage over the whole answer."""
+    url = app["url"]
+    deadline = time.monotonic() + 300
+    while len(router(url)["replicas"]) < 2 and time.monotonic() < deadline:  # the last test's victim replaced
+        time.sleep(1.0)
+        ask(url, "Say hello.", max_tokens=1, salt="warm-up")  # the router meets a new replica when it routes
+    assert len(router(url)["replicas"]) == 2
+    prompt = question("Tell the story of the keepers, one by one.", 8000)
+    body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": 160,
+            "temperature": 0, "ignore_eos": True}
+    status, reference = post(url, "/chat/completions", {**body, "cache_salt": f"reference-{uuid.uuid4()}"})
+    assert status == 200, reference
+    resumed_before = front_end(url)["retried"]["streams_resumed"]
+    request = urllib.request.Request(url + "/chat/completions", json.dumps(
+        {**body, "stream": True, "stream_options": {"include_usage": True}}).encode(),
+        {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+    chunks: list[dict] = []
+    killed_at = done = 0
+    with urllib.request.urlopen(request, timeout=300) as answer:
+        replica = json.loads(answer.headers["x-tiered-cache-route"])["replica"]
+        for raw in answer:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":
+                done = len(chunks)
+            elif line.startswith("data:"):
+                chunks.append(json.loads(line[5:]))
+                said = chunks[-1]["choices"] and chunks[-1]["choices"][0]["delta"].get("content")
+                if said and not killed_at:
+                    [victim] = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                                if a["namespace"] == "serve" and replica in a["name"] and "LLMServer" in a["name"]]
+                    ray.kill(ray.get_actor(victim["name"], namespace="serve"), no_restart=True)
+                    killed_at = len(chunks)
+    assert killed_at and done == len(chunks)
+    assert front_end(url)["retried"]["streams_resumed"] == resumed_before + 1
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == reference["choices"][0]["message"]["content"]
+    assert {(c["id"], c["object"]) for c in chunks} == {(chunks[0]["id"], "chat.completion.chunk")}
+    assert not any("token_ids" in c or "token_ids" in ch for c in chunks for ch in c["choices"])  # not asked
+    usage = chunks[-1]["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == \
+        (reference["usage"]["prompt_tokens"], reference["usage"]["completion_tokens"])
+
+
 def test_a_dead_shard_means_recompute_with_the_same_answers(app):
     url = app["url"]
     shard = ray.get_actor("shard-0")
@@ -246,6 +299,39 @@ def test_a_dead_shard_means_recompute_with_the_same_answers(app):
     reference = ask(url, prompt, salt=f"reference-{uuid.uuid4()}")
     assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
     assert cached(reference) == 0
+
+
+def test_a_shard_back_on_another_port_is_followed_without_a_redeploy(app):
+    """The dead shard starts again while another process holds its old port: it serves on a free
+    one, the replicas keep the directory's list in their node's file, and their connectors save to
+    and load from the shard at its new address."""
+    from tiered_cache.cache.address_file import read_addresses
+    from tiered_cache.client.store_client import StoreClient
+    from tiered_cache.workers.serve_llm.shard_list import shard_list_path
+
+    url, listed = app["url"], shard_list_path(NAMESPACE)
+    [old] = read_addresses(listed)
+    host, port = old.rsplit(":", 1)
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind((host, int(port)))
+        squatter.listen()
+        moved = ray.get(cluster.start_shard("shard-0", app["config"]).ping.remote(), timeout=120)
+    assert moved != old
+    deadline = time.monotonic() + 60
+    while read_addresses(listed) != [moved] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert read_addresses(listed) == [moved]
+    time.sleep(2.0)  # the engines look at the file every second
+    prompt = question("What did the keeper write in the log?", 9000)  # a slice nobody computed
+    first = ask(url, prompt)
+    store = StoreClient(moved, token=SHARD_TOKEN)
+    deadline = time.monotonic() + 30  # saved in the background
+    while store.stats().tiers[0].pages == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert store.stats().tiers[0].pages > 0  # saved at the new address
+    again = ask(url, prompt, max_tokens=10)
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
 
 
 def test_the_router_marks_a_request_to_load_ahead_only_where_the_device_lacks_the_prefix():

@@ -14,6 +14,7 @@ process (the usual single-GPU engine) share it, so the scheduler sees what the w
 
 from __future__ import annotations
 
+import logging
 import threading
 import warnings
 from collections import OrderedDict
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tiered_cache.cache.address_file import AddressFile
 from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue
 from tiered_cache.cache.lower_tiers import build_lower_tiers
 from tiered_cache.config import CacheConfig
@@ -32,10 +34,13 @@ from tiered_cache.index.keys import PageKeyer
 from tiered_cache.integrations.vllm.layer_groups import group_keys
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.shm.arena_map import ArenaViews
+from tiered_cache.tiers.base import Tier
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.ram import RamTier
+from tiered_cache.tiers.readdress import readdress
 from tiered_cache.wire.codec import BlobError, encode_page, page_view
 
+log = logging.getLogger("tiered_cache.integrations.vllm")
 _SHARED: dict[tuple[str, str, int], BlockTiers] = {}  # (fingerprint, config, layers per page)
 _SHARED_LOCK = threading.Lock()
 _MAX_PREFETCHES = 16  # loads started ahead and not yet taken (a request vLLM then did not load)
@@ -61,6 +66,10 @@ class BlockTiers:
         self.writer = BackgroundQueue("vllm-block-saver", capacity=config.demotion_queue, nice=BACKGROUND_NICE)
         self._keyers: dict[str, PageKeyer] = {}
         self._lock = threading.Lock()
+        # Store servers that move (a shard back on another port): the list a file keeps, read
+        # before the channels are opened.
+        self.address_file = AddressFile(config.remote_addresses_file, self.set_remote_addresses).start() \
+            if config.remote_addresses_file and Tier.REMOTE in config.lower_tiers else None
         # Channels to store servers open now, off the engine's start, not on the first load.
         threading.Thread(target=self._warm, name="vllm-block-tiers-warm", daemon=True).start()
         self.saves_dropped = 0  # blocks whose save was dropped: the queue was full
@@ -78,6 +87,11 @@ class BlockTiers:
         self.promoted = 0  # blocks started toward this process ahead of their request
         self.promotes_dropped = 0
 
+    def set_remote_addresses(self, addresses: Sequence[str]) -> bool:
+        """Point the store tier at `addresses`: keys move to their new owners (a key whose owner
+        changed reads as a miss until saved again). False when the ring is unchanged."""
+        return readdress(self.chain, addresses) is not None
+
     @classmethod
     def shared(cls, spec: KVSpec, config: CacheConfig, layers_per_page: int | None = None) -> BlockTiers:
         key = (spec.fingerprint, repr(sorted(config.to_dict().items())), layers_per_page or spec.num_layers)
@@ -91,7 +105,10 @@ class BlockTiers:
         for tier in self.chain.tiers:
             warm = getattr(tier, "warm", None)
             if warm is not None:
-                warm()
+                try:
+                    warm()
+                except Exception as exc:  # its servers moved meanwhile: the first load opens them
+                    log.debug("tiered-cache: warming %s failed: %s", type(tier).__name__, exc)
 
     def layers_of(self, group: int) -> range:
         """The model layers that group `group`'s pages hold."""
