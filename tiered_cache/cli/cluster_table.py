@@ -58,6 +58,10 @@ def render_vllm(vllm: dict[str, Any] | None) -> list[str]:
     if "error" in vllm:
         return [f"vLLM application: unreachable ({vllm['error']})"]
     lines = [f"vLLM application {vllm['app']}"]
+    retried = vllm.get("retried") or {}
+    if any(retried.values()):  # a replica died under requests: said only when it happened
+        lines.append(f"  front end: {retried.get('requests_sent_again', 0):,} requests sent again, "
+                     f"{retried.get('streams_resumed', 0):,} streams finished on another replica")
     if not vllm["routers"]:
         return [*lines, "  no routes or connector figures yet: Serve makes the router on the first request "
                         "(or its router is Ray's: --serve-router prefix or pow2)"]

@@ -154,13 +154,14 @@ def running(namespace: str) -> bool:
 
 
 def serve_stats(namespace: str, timeout_s: float = 30.0) -> dict[str, Any] | None:
-    """The application's request router stats (each replica's connector figures in them); None
-    when no vLLM application runs in `namespace`."""
+    """The application's request router stats (each replica's connector figures in them) and the
+    requests its front end sent again; None when no vLLM application runs in `namespace`."""
     from ray import serve
 
     if not running(namespace):
         return None
     name = serve_llm_app_name(namespace)
     handle = serve.get_deployment_handle(SERVE_LLM_INGRESS, app_name=name)
-    return {"app": name, "routers": handle.tiered_cache_routers.remote().result(timeout_s=timeout_s)}
+    return {"app": name, "routers": handle.tiered_cache_routers.remote().result(timeout_s=timeout_s),
+            "retried": handle.tiered_cache_retried.remote().result(timeout_s=timeout_s)}
 

@@ -207,6 +207,10 @@ class TieredCacheIngress(OpenAiIngress):
     async def tiered_cache_routers(self) -> list[dict[str, Any]]:
         return routers()
 
+    async def tiered_cache_retried(self) -> dict[str, int]:
+        """Requests this front end sent again after their replica died."""
+        return dict(RETRIED)
+
 
 def ingress_app(token: str | None) -> FastAPI:
     """Ray Serve LLM's FastAPI app (its middleware: errors as JSON, request ids, metrics), our

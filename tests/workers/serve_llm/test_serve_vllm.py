@@ -281,6 +281,11 @@ def test_a_stream_whose_replica_dies_mid_way_is_finished_by_a_live_one(app):
                     killed_at = len(chunks)
     assert killed_at and done == len(chunks)
     assert front_end(url)["retried"]["streams_resumed"] == resumed_before + 1
+    from tiered_cache.cli.cluster_table import render_vllm
+
+    figures = cluster.stats()["vllm"]  # what `stats --ray` shows: the request above, this stream
+    assert figures["retried"]["requests_sent_again"] >= 1 and figures["retried"]["streams_resumed"] >= 1
+    assert "streams finished on another replica" in "\n".join(render_vllm(figures))
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert text == reference["choices"][0]["message"]["content"]
     assert {(c["id"], c["object"]) for c in chunks} == {(chunks[0]["id"], "chat.completion.chunk")}
