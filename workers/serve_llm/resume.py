@@ -11,7 +11,10 @@ usage counted over the whole answer), so the client reads one stream.
 
 A stream is resumed only where the token ids tell the whole answer: one choice, no stop strings
 (their text is held back behind the tokens), no logprobs, no structured output, no tools, no echo.
-Anything else fails as before when its replica dies.
+Anything else fails as before when its replica dies. Exact for greedy decoding; a sampled answer
+goes on as a valid sample, not the one the dead replica would have drawn (the request's generator
+starts again), and frequency and presence penalties count only the tokens after the cut (the rest
+is prompt to the live replica).
 """
 
 from __future__ import annotations
