@@ -37,7 +37,9 @@ class TieredCacheLLMServer(LLMServer):
         namespace = cluster_namespace()
         self._shard_list: asyncio.Task[None] | None = None
         if namespace is not None:  # the connector follows the shards' addresses (shard_list.py)
-            await write_shard_list(namespace)  # before the engine reads it
+            transfer = (self._llm_config.engine_kwargs or {}).get("kv_transfer_config") or {}
+            deployed = (transfer.get("kv_connector_extra_config") or {}).get("remote_addresses")
+            await write_shard_list(namespace, list(deployed or ()))  # before the engine reads it
             self._shard_list = asyncio.ensure_future(keep_shard_list(namespace))
         await super().start()
         self._tokenizer: Any = None

@@ -33,15 +33,24 @@ def shard_list_path(namespace: str) -> Path:
     return Path(tempfile.gettempdir()) / f"tiered-cache-{namespace}" / "shards"
 
 
-async def write_shard_list(namespace: str) -> bool:
-    """Ask the directory once and write what it lists; False when it could not be read or lists
-    no shard (the file keeps the last list: the engines keep their ring)."""
+async def directory_shards(namespace: str) -> list[str] | None:
+    """The live shards' addresses the directory of cluster `namespace` lists; None when it does
+    not answer."""
     try:
         directory = ray.get_actor(DIRECTORY, namespace=namespace)
         _, addresses = await asyncio.wait_for(directory.shards.remote(), ASK_TIMEOUT_S)
     except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError) as exc:
         log.debug("tiered-cache: the cluster's directory did not answer: %s", exc)
-        return False
+        return None
+    return list(addresses)
+
+
+async def write_shard_list(namespace: str, deployed: list[str] | None = None) -> bool:
+    """Ask the directory once and write what it lists. When it does not answer or lists no shard,
+    `deployed` (the list the engines were deployed with, given at a replica's start) is written
+    instead, so an engine about to start never reads a list an earlier deployment left; without
+    it the file keeps the last list (the engines keep their ring). Whether the file was written."""
+    addresses = await directory_shards(namespace) or deployed
     if not addresses:
         return False
     try:
