@@ -220,10 +220,14 @@ async def shard_events(namespace: str) -> dict[str, dict[str, str] | None] | Non
 
 def route_report(decision: Decision) -> dict[str, Any]:
     """What an answer says of its route: the replica, why, and (routed by events) the prompt
-    tokens the router expected it to find in a cache (its device, or the store)."""
+    tokens the router expected it to find in a cache, by tier (its device, host RAM, the store),
+    and the work it expected ahead of it there."""
     report: dict[str, Any] = {"replica": decision.worker, "reason": decision.reason}
     if decision.reason == "events":
         report["expected_cached_tokens"] = decision.matched
+        device, host, store = decision.expected  # where the router expected them: which tier
+        report["expected_from"] = {"device": device, "host": host, "store": store}
+        report["expected_wait_ms"] = round(decision.wait_s * 1e3)  # the prefills it expected ahead there
     return report
 
 

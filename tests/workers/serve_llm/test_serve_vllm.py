@@ -149,6 +149,7 @@ def test_a_repeat_goes_to_its_holder_and_a_busy_holder_s_prefix_is_loaded_by_the
     assert routed_to(url, before) == holder and cached(repeat) >= 256  # its own prefix cache
     route = repeat["tiered_cache"]  # the answer says where it went and why
     assert route["replica"] == holder and route["reason"] == "events" and route["expected_cached_tokens"] >= 256
+    assert route["expected_from"]["device"] >= 256  # which tier: the holder's own device
     assert repeat["choices"][0]["text"] == first["choices"][0]["text"]
 
     # The holder busy with a long answer: the next prompt on the same document goes to the idle
@@ -167,6 +168,7 @@ def test_a_repeat_goes_to_its_holder_and_a_busy_holder_s_prefix_is_loaded_by_the
     # What the router expected there it knew from the shard's events (it follows a shard: the store
     # is what shards tell), under the connector's keys.
     assert second["tiered_cache"]["expected_cached_tokens"] >= 256
+    assert second["tiered_cache"]["expected_from"]["store"] >= 256  # which tier: the store, not its device
     streamed = urllib.request.Request(url + "/completions", json.dumps(
         {"model": "smollm2", "prompt": second_q, "max_tokens": 2, "stream": True}).encode(),
         {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
