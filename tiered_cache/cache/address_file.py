@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from tiered_cache.config import CacheConfig
+from tiered_cache.tiers.base import Tier
 from tiered_cache.wire.options import normalize_address
 
 log = logging.getLogger("tiered_cache.cache.address_file")
@@ -54,6 +56,14 @@ def write_addresses(path: str | Path, addresses: Sequence[str]) -> bool:
     partial.write_text(text)
     os.replace(partial, target)
     return True
+
+
+def follow(config: CacheConfig, apply: Callable[[list[str]], object]) -> AddressFile | None:
+    """A started `AddressFile` for `config.remote_addresses_file`, when it names one and the
+    config has a remote tier; None otherwise."""
+    if not config.remote_addresses_file or Tier.REMOTE not in config.lower_tiers:
+        return None
+    return AddressFile(config.remote_addresses_file, apply).start()
 
 
 class AddressFile:

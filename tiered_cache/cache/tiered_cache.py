@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_cache.cache.address_file import AddressFile
+from tiered_cache.cache.address_file import follow as follow_address_file
 from tiered_cache.cache.arguments import as_count
 from tiered_cache.cache.canary import Canary
 from tiered_cache.cache.core import CacheCore
@@ -78,8 +78,7 @@ class TieredCache:
         self.sequences = Sequences(core, self.demoter, self.loader.tier_loads.staging)  # a sequence's own pages
         self.spare = SpareOutput.for_pool(core)  # get() without out=: one output faulted in ahead
         # Store servers that move: the list a file keeps, read before the warm-up opens channels.
-        self.address_file = AddressFile(core.config.remote_addresses_file, self.set_remote_addresses).start() \
-            if core.config.remote_addresses_file and Tier.REMOTE in core.config.lower_tiers else None
+        self.address_file = follow_address_file(core.config, self.set_remote_addresses)
         # Connections, threads, staging, memory faulted in, off the request path: join it to wait until ready.
         self.warming = warm_up_async(core.chain, self.loader.tier_loads, (core.pool.pretouch, core.host.pretouch),
                                      core.foreground)

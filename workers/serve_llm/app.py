@@ -162,6 +162,5 @@ def serve_stats(namespace: str, timeout_s: float = 30.0) -> dict[str, Any] | Non
         return None
     name = serve_llm_app_name(namespace)
     handle = serve.get_deployment_handle(SERVE_LLM_INGRESS, app_name=name)
-    return {"app": name, "routers": handle.tiered_cache_routers.remote().result(timeout_s=timeout_s),
-            "retried": handle.tiered_cache_retried.remote().result(timeout_s=timeout_s)}
+    return {"app": name, **handle.tiered_cache_figures.remote().result(timeout_s=timeout_s)}
 

@@ -168,8 +168,13 @@ def routers() -> list[dict[str, Any]]:
     return [r.stats() for r in ROUTERS]
 
 
+def front_end_figures() -> dict[str, Any]:
+    """This front end's figures: its request routers', and the requests it sent again."""
+    return {"routers": routers(), "retried": dict(RETRIED)}
+
+
 def router_stats() -> JSONResponse:
-    return JSONResponse({"routers": routers(), "retried": dict(RETRIED)})
+    return JSONResponse(front_end_figures())
 
 
 class TieredCacheIngress(OpenAiIngress):
@@ -204,12 +209,8 @@ class TieredCacheIngress(OpenAiIngress):
                             str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
                             "asking a live one for the rest" if started else "sending it again")
 
-    async def tiered_cache_routers(self) -> list[dict[str, Any]]:
-        return routers()
-
-    async def tiered_cache_retried(self) -> dict[str, int]:
-        """Requests this front end sent again after their replica died."""
-        return dict(RETRIED)
+    async def tiered_cache_figures(self) -> dict[str, Any]:
+        return front_end_figures()
 
 
 def ingress_app(token: str | None) -> FastAPI:

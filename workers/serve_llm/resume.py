@@ -90,6 +90,8 @@ class Transcript:
         else:
             self.head = self.head or {k: chunk.get(k) for k in ("id", "object", "created", "model")}
         self._record(chunk)
+        if self.show_ids and not self.continued:
+            return event  # the client reads it as the engine wrote it
         if not self.show_ids:
             chunk.pop("prompt_token_ids", None)
             for choice in chunk.get("choices") or ():

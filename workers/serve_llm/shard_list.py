@@ -62,11 +62,12 @@ async def write_shard_list(namespace: str, deployed: list[str] | None = None) ->
 
 
 async def keep_shard_list(namespace: str) -> None:
-    """Write the list now and whenever the directory changes it, until cancelled."""
+    """Rewrite the list whenever the directory changes it (every `EVERY_S`), until cancelled;
+    the replica wrote it once at start."""
     while True:
+        await asyncio.sleep(EVERY_S)
         with contextlib.suppress(Exception):  # a bad round is skipped; the next one tries again
             await write_shard_list(namespace)
-        await asyncio.sleep(EVERY_S)
 
 
 def cluster_namespace() -> str | None:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tiered_cache.cache.address_file import AddressFile
+from tiered_cache.cache.address_file import follow as follow_address_file
 from tiered_cache.cache.background import BACKGROUND_NICE, BackgroundQueue
 from tiered_cache.cache.lower_tiers import build_lower_tiers
 from tiered_cache.config import CacheConfig
@@ -34,7 +34,6 @@ from tiered_cache.index.keys import PageKeyer
 from tiered_cache.integrations.vllm.layer_groups import group_keys
 from tiered_cache.model.spec import KVSpec
 from tiered_cache.shm.arena_map import ArenaViews
-from tiered_cache.tiers.base import Tier
 from tiered_cache.tiers.chain import TierChain
 from tiered_cache.tiers.ram import RamTier
 from tiered_cache.tiers.readdress import readdress
@@ -68,8 +67,7 @@ class BlockTiers:
         self._lock = threading.Lock()
         # Store servers that move (a shard back on another port): the list a file keeps, read
         # before the channels are opened.
-        self.address_file = AddressFile(config.remote_addresses_file, self.set_remote_addresses).start() \
-            if config.remote_addresses_file and Tier.REMOTE in config.lower_tiers else None
+        self.address_file = follow_address_file(config, self.set_remote_addresses)
         # Channels to store servers open now, off the engine's start, not on the first load.
         threading.Thread(target=self._warm, name="vllm-block-tiers-warm", daemon=True).start()
         self.saves_dropped = 0  # blocks whose save was dropped: the queue was full
