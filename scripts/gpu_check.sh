@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU path in one go, on a machine with CUDA, CuPy and torch (e.g. an H100 or H200):
 # compile every kernel for sm_90, run the `gpu` tests,
-# then `bench gpu` (TTFT on the Llama-3.1-8B shape with random weights at 2k/8k/32k tokens), `bench
-# kernels`, `bench gpu` on the Llama-3-70B shape cut to the layers that fit (8k), the store-hit and
-# device-hit profiles (scripts/profile_*.py), the CPU tests with CUDA present, the kernel variants
+# then `bench kernels` (with the vLLM connector's save and load), `bench gpu` (TTFT on the
+# Llama-3.1-8B shape with random weights at 2k/8k/32k tokens), `bench gpu` on the Llama-3-70B
+# shape cut to the layers that fit (8k), the store-hit and device-hit profiles
+# (scripts/profile_*.py), the CPU tests with CUDA present, the kernel variants
 # (scripts/kernel_variants.py), and `bench engine --device cuda` beside `--device cpu`. About 6
 # minutes on an H100.
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (logs land in OUTDIR, default ./gpu-check)
@@ -50,13 +51,14 @@ python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy._
 # brings back the figures that matter: the gpu tests, then bench gpu on the 8B shape.
 for f in kernels/*.cu; do step gpu_tests.log nvcc -arch=sm_90 -c -o /dev/null "$f"; done
 step gpu_tests.log python3 -m pytest -p no:cacheprovider -q -rs tests/device/test_kernels_gpu.py tests/cache/test_cache_gpu.py \
-    tests/device/test_host_copy.py tests/device/test_arena_copy.py
+    tests/device/test_host_copy.py tests/device/test_arena_copy.py tests/integrations/test_vllm_block_copy.py
+# The kernels beside the plain copies, and the vLLM connector's save and load (its CUDA path).
+step bench_kernels.txt cli bench kernels
 # The serving state (a new prefix per round into a full pool of 8) is the headline; at 32k its pool
 # leaves an 80 GB card room for fewer layers, so that length runs on its own. The warm state beside it.
 step bench_gpu.txt cli bench gpu --model llama-3.1-8b --tokens 2048,8192
 step bench_gpu.txt cli bench gpu --model llama-3.1-8b --tokens 8192 --state warm
 step bench_gpu.txt cli bench gpu --model llama-3.1-8b --tokens 32768
-step bench_kernels.txt cli bench kernels
 step bench_gpu.txt cli bench gpu --model llama-3-70b --tokens 8192 --rounds 2
 step profile.txt python3 scripts/profile_store_hit.py --tokens 8192
 step profile.txt python3 scripts/profile_device_hit.py --tokens 32768

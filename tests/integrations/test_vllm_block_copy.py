@@ -70,3 +70,45 @@ def test_layers_unlike_each_other_are_refused_by_the_staged_copier_and_copied_by
     pages, ready = HostBlocks(layers, "flash", DIM).gather([4])
     ready()
     assert torch.equal(pages, gather_blocks(layers, [4], "flash", DIM))
+
+
+@pytest.mark.parametrize("pages_a_buffer", [0, 1, 2.5, 100])
+def test_a_load_larger_than_its_buffers_crosses_in_runs_and_writes_every_block(pages_a_buffer):
+    """A load goes through two fixed buffers in turns: runs of as many pages as a buffer holds
+    (a page larger than a buffer on its own); every block written as the reference writes it."""
+    src = vllm_layers("flash", 1, torch.bfloat16, DIM)
+    pages, ready = DeviceBlocks(src, "flash", HEADS, DIM, BS).gather([0, 3, 5, 6, 8, 9, 1])
+    ready()
+    page_bytes = pages[0][1:4].numel() * pages.element_size()
+    staged, reference = vllm_layers("flash", 2, torch.bfloat16, DIM), vllm_layers("flash", 2, torch.bfloat16, DIM)
+    copier = DeviceBlocks(staged, "flash", HEADS, DIM, BS, load_buffer_bytes=int(pages_a_buffer * page_bytes) or 1)
+    group = [page[1:4] for page in pages]
+    copier.scatter([9, 2, 4, 0, 7, 1, 5], group, range(1, 4))
+    scatter_blocks(reference[1:4], [9, 2, 4, 0, 7, 1, 5], group, "flash", DIM)
+    assert all(torch.equal(a, b) for a, b in zip(staged, reference, strict=True))
+    copier.scatter([3, 6], [group[0], group[6]], range(1, 4))  # the buffers again, another load
+    scatter_blocks(reference[1:4], [3, 6], [group[0], group[6]], "flash", DIM)
+    assert all(torch.equal(a, b) for a, b in zip(staged, reference, strict=True))
+
+def test_the_connector_copy_bench_times_checked_copies_beside_the_plain_copy(monkeypatch):
+    """`bench kernels`' connector rows (here on the CPU, torch ops): a save and a load row per
+    copier, each beside the plain copy of the same bytes; a copier that moves the wrong bytes
+    gives no figure."""
+    from tiered_cache.bench.connector_copy_bench import bench_connector_copy
+    from tiered_cache.model.spec import KVSpec
+
+    spec = KVSpec("tiny", num_layers=3, num_kv_heads=2, head_dim=8, dtype="bf16", page_size=4)
+    rows = bench_connector_copy(spec, tokens=40, device="cpu", repeat=2)
+    steady = [r for r in rows if "first call" not in r.operation]
+    assert [r.operation for r in steady] == ["connector save (torch ops)", "connector load (torch ops)"]
+    assert all(r.work == r.baseline_work == 10 * spec.bytes_per_page and r.value > 0 for r in steady)
+    assert [r.baseline_name for r in steady] == ["memcpy to host", "memcpy from host"]
+
+    real = DeviceBlocks.gather
+
+    def off_by_one(self, ids):
+        return real(self, [(i + 1) % 20 for i in ids])
+
+    monkeypatch.setattr(DeviceBlocks, "gather", off_by_one)
+    with pytest.raises(AssertionError, match="save"):
+        bench_connector_copy(spec, tokens=40, device="cpu", repeat=1)

@@ -125,8 +125,11 @@ def _compute(model: object, upper: TieredCache, spec: KVSpec, n: int, count: int
         made.references.append(result.first_logits)
         if lower:
             _, kv = upper.get(prompt[:n])
+            # The writer's pool holds this one prefix: beside the upper's full pool, one as large
+            # would not fit the device at long prompts.
+            writer = serving_config(upper.config.device, spec, n, 1, 1)
             for row in lower:
-                fill_tier(spec, upper.config.replace(**servers.lower_settings(row, n)), prompt[:n], kv)
+                fill_tier(spec, writer.replace(**servers.lower_settings(row, n)), prompt[:n], kv)
             del kv
         progress(f"  prompt {i + 1}/{count} computed" + (f" and written to {', '.join(lower)}" if lower else ""))
     return made

@@ -113,9 +113,12 @@ def add_parser(commands: Any) -> None:
     retention.add_argument("--window", type=int, default=128, help="SinkWindow's window (default 128)")
     retention.add_argument("--sink", type=int, default=4, help="SinkWindow's sink tokens (default 4)")
     subs.append(retention)
-    kernels = _add(which, "kernels", help="(CUDA) gather/scatter kernels vs D2D copy; offload vs pinned copy")
+    kernels = _add(which, "kernels", help="(CUDA) gather/scatter kernels vs D2D copy; offload and the vLLM "
+                   "connector's save/load vs pinned copy")
     kernels.add_argument("--model", default="llama-3.1-8b", help="preset whose pages are moved")
     kernels.add_argument("--pages", type=int, default=1024, help="pages moved per call (default 1024)")
+    kernels.add_argument("--connector-tokens", type=int, default=8192,
+                         help="tokens of the vLLM connector's save and load rows (default 8192)")
     subs.append(kernels)
     ttft = _add(which, "ttft", help="TTFT on SmolLM2-135M: recompute vs each tier, and a 70B projection")
     ttft.add_argument("--lengths", default="512,1024,2048,4096", help="prefix lengths in tokens")
@@ -266,7 +269,13 @@ def _run_rows(args: argparse.Namespace) -> tuple[list[Any], str]:
             print("tiered-cache bench kernels: needs a CUDA device (none here); the CPU runs the torch "
                   "reference path, which the other benches measure", file=sys.stderr)
             raise SystemExit(2)
-        return bench_kernels(get_preset(args.model).spec, args.pages), "batch"
+        from tiered_cache.bench.connector_copy_bench import bench_connector_copy
+        from tiered_cache.device import cupy_ops
+
+        spec = get_preset(args.model).spec
+        kernels = cupy_ops.launch_blocks if cupy_ops.available() else None
+        connector = bench_connector_copy(spec, args.connector_tokens, "cuda", kernels)
+        return bench_kernels(spec, args.pages) + connector, "batch"
     if args.bench == "remote":
         return _remote_rows(args, get_preset(args.model).spec.with_options(page_size=args.page_size)), "batch"
 

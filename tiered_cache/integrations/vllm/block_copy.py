@@ -6,8 +6,9 @@ keeps its KV:
   are slices of one tensor;
 - `DeviceBlocks` (a CUDA cache): our transfer kernels (`kernels/gather_blocks.cu`,
   `scatter_blocks.cu`) on a copy stream of their own: a save gathers the blocks into device
-  staging and crosses to pinned host memory in one DMA; a load crosses in one DMA and scatters.
-  Without CuPy the same steps run as torch ops on the device (one DMA still).
+  staging and crosses to pinned host memory in one DMA; a load goes through two pinned buffers
+  of its own in turns (the next run of pages copied into one while the other crosses), each run
+  one DMA and one scatter. Without CuPy the same steps run as torch ops on the device.
 A page is (layers, 2, kv_heads, block_size, head_dim) whatever vLLM's layout: `BlockStrides`
 describes the layout, so one kernel serves the CPU layout and the CUDA ones.
 """
@@ -15,6 +16,7 @@ describes the layout, so one kernel serves the CPU layout and the CUDA ones.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -24,6 +26,10 @@ import torch
 from tiered_cache.integrations.vllm.layout import gather_blocks, scatter_blocks
 
 log = logging.getLogger(__name__)
+
+# Each of a CUDA load's two pinned buffers: runs of this size keep the DMA busy while the next is
+# copied in, and two of them stay small beside the engine's host memory.
+LOAD_BUFFER_BYTES = 64 << 20
 
 
 def _ready() -> None:
@@ -98,7 +104,7 @@ class DeviceBlocks:
     stream ordered after the engine's stream. The layers must share their strides (vLLM's do)."""
 
     def __init__(self, layers: Sequence[torch.Tensor], kind: str, heads: int, head_dim: int, block_size: int,
-                 kernels: BlockKernels | None = None) -> None:
+                 kernels: BlockKernels | None = None, load_buffer_bytes: int = LOAD_BUFFER_BYTES) -> None:
         self.layers = list(layers)
         first = self.layers[0]
         self.strides = BlockStrides.of(first, kind, head_dim)
@@ -112,6 +118,11 @@ class DeviceBlocks:
         self.views = [block_view(t, self.strides, heads, block_size) for t in self.layers]
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # A load's pinned buffers, made here so no request pays for pinning them: pages (host
+        # memory the tiers hand out, never pinned) are copied into one while the other crosses.
+        self._load_lock = threading.Lock()
+        self._buffers = [torch.empty(load_buffer_bytes, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
+        self._crossed = [torch.cuda.Event() if self.cuda else None for _ in range(2)]
 
     def _page_shape(self, layers: int) -> tuple[int, ...]:
         return layers, 2, self.heads, self.block_size, self.head_dim
@@ -167,19 +178,35 @@ class DeviceBlocks:
         the engine's)."""
         if not block_ids:
             return
-        host = self._host((len(block_ids), *self._page_shape(len(layers))))
-        torch.stack(list(pages), out=host)
-        with self._on_copy_stream(after):
-            blocks = torch.tensor(list(block_ids), dtype=torch.int64, device=self.device)
-            staging = host.to(self.device, non_blocking=self.cuda)
-            if self.kernels is not None:
-                self.kernels("scatter_blocks", self.pointers[layers.start:layers.stop], staging, blocks, self.heads,
-                             self.block_size, self.strides.as_tuple())
-            else:
-                for j, layer in enumerate(layers):
-                    self.views[layer].index_copy_(0, blocks, staging[:, j])
+        shape = self._page_shape(len(layers))
+        page_bytes = self.dtype.itemsize * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+        run = max(1, self._buffers[0].numel() // page_bytes)
+        with self._load_lock, self._on_copy_stream(after):
+            for turn, start in enumerate(range(0, len(block_ids), run)):
+                part = pages[start:start + run]
+                buffer, crossed = self._buffers[turn % 2], self._crossed[turn % 2]
+                if len(part) * page_bytes > buffer.numel():  # a page larger than a buffer
+                    buffer = torch.empty(len(part) * page_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+                if crossed is not None:
+                    crossed.synchronize()  # this buffer's last run is across
+                host = buffer[:len(part) * page_bytes].view(self.dtype).view(len(part), *shape)
+                torch.stack(list(part), out=host)
+                staging = host.to(self.device, non_blocking=self.cuda)
+                if crossed is not None:
+                    crossed.record(self.stream)
+                self._scatter_run(list(block_ids[start:start + run]), staging, layers)
         if self.stream is not None:
-            self.stream.synchronize()  # in before the layer group is signalled; the pinned pages free
+            self.stream.synchronize()  # in before the layer group is signalled
+
+    def _scatter_run(self, block_ids: list[int], staging: torch.Tensor, layers: range) -> None:
+        """Scatter `staging` (pages of `layers` on the device) into `block_ids` of vLLM's KV."""
+        blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        if self.kernels is not None:
+            self.kernels("scatter_blocks", self.pointers[layers.start:layers.stop], staging, blocks, self.heads,
+                         self.block_size, self.strides.as_tuple())
+        else:
+            for j, layer in enumerate(layers):
+                self.views[layer].index_copy_(0, blocks, staging[:, j])
 
 
 class _NoStream:
