@@ -182,6 +182,11 @@ class DeviceBlocks:
         page_bytes = self.dtype.itemsize * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
         run = max(1, self._buffers[0].numel() // page_bytes)
         with self._load_lock, self._on_copy_stream(after):
+            # Every block id crosses first, from pinned memory: a pageable copy would wait for
+            # the stream, so each run's ids would wait for the run before to cross.
+            ids = torch.tensor(list(block_ids), dtype=torch.int64).pin_memory() if self.cuda else \
+                torch.tensor(list(block_ids), dtype=torch.int64)
+            blocks = ids.to(self.device, non_blocking=self.cuda)
             for turn, start in enumerate(range(0, len(block_ids), run)):
                 part = pages[start:start + run]
                 buffer, crossed = self._buffers[turn % 2], self._crossed[turn % 2]
@@ -194,13 +199,13 @@ class DeviceBlocks:
                 staging = host.to(self.device, non_blocking=self.cuda)
                 if crossed is not None:
                     crossed.record(self.stream)
-                self._scatter_run(list(block_ids[start:start + run]), staging, layers)
+                self._scatter_run(blocks[start:start + run], staging, layers)
         if self.stream is not None:
             self.stream.synchronize()  # in before the layer group is signalled
 
-    def _scatter_run(self, block_ids: list[int], staging: torch.Tensor, layers: range) -> None:
-        """Scatter `staging` (pages of `layers` on the device) into `block_ids` of vLLM's KV."""
-        blocks = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+    def _scatter_run(self, blocks: torch.Tensor, staging: torch.Tensor, layers: range) -> None:
+        """Scatter `staging` (pages of `layers` on the device) into `blocks` (their ids, on the
+        device) of vLLM's KV."""
         if self.kernels is not None:
             self.kernels("scatter_blocks", self.pointers[layers.start:layers.stop], staging, blocks, self.heads,
                          self.block_size, self.strides.as_tuple())
