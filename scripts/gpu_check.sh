@@ -5,8 +5,9 @@
 # Llama-3.1-8B shape with random weights at 2k/8k/32k tokens), `bench gpu` on the Llama-3-70B
 # shape cut to the layers that fit (8k), the store-hit and device-hit profiles
 # (scripts/profile_*.py), the CPU tests with CUDA present, the kernel variants
-# (scripts/kernel_variants.py), and `bench engine --device cuda` beside `--device cpu`. About 6
-# minutes on an H100.
+# (scripts/kernel_variants.py), and `bench engine --device cuda` beside `--device cpu`. The tests,
+# `bench kernels` and the 8B serving rows at 2K/8K take ~5 minutes on an H200; the whole script
+# over 10 (the serving state pins host RAM for a pool of 8 prefixes per row).
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (logs land in OUTDIR, default ./gpu-check)
 # Packages the machine lacks may sit as wheels in .whl/ (see docs/PERFORMANCE.md, "GPU path"), made
 # on a machine with network access with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
@@ -58,8 +59,8 @@ step bench_kernels.txt cli bench kernels
 # leaves an 80 GB card room for fewer layers, so that length runs on its own. The warm state beside it.
 step bench_gpu.txt cli bench gpu --model llama-3.1-8b --tokens 2048,8192
 step bench_gpu.txt cli bench gpu --model llama-3.1-8b --tokens 8192 --state warm
-step bench_gpu.txt cli bench gpu --model llama-3.1-8b --tokens 32768
 step bench_gpu.txt cli bench gpu --model llama-3-70b --tokens 8192 --rounds 2
+step bench_gpu.txt cli bench gpu --model llama-3.1-8b --tokens 32768 --rows host,store,disk
 step profile.txt python3 scripts/profile_store_hit.py --tokens 8192
 step profile.txt python3 scripts/profile_device_hit.py --tokens 32768
 step cpu_tests_with_cuda.log python3 -m pytest -p no:cacheprovider -q tests/device/test_offload.py tests/device/test_pool.py tests/cache/test_cache.py \
