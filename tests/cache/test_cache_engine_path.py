@@ -450,6 +450,29 @@ def test_get_without_out_hands_over_a_spare_faulted_in_ahead_and_never_shares_it
         assert torch.equal(plain.get(tokens)[1], kv)
 
 
+def test_a_new_caches_first_gets_share_the_spare_its_warm_up_faulted_in():
+    """Before any get there is no last size: the warm-up faults in a quarter of the pool, and the
+    first gets each take the front of what is left (their bytes apart), until it runs short."""
+    spec = KVSpec("spare-output-test", 4, 4, 64, dtype=DType.FP32, page_size=64)  # 512 KiB pages
+    kv = torch.randn(spec.kv_shape(8 * spec.page_size), generator=torch.Generator().manual_seed(4))
+    tokens = list(range(8 * spec.page_size))
+    with TieredCache(spec, CacheConfig(pool_capacity=64 * spec.bytes_per_page, host_capacity=64 * spec.bytes_per_page,
+                                       malloc_tuning=False)) as cache:  # a 32 MiB pool: an 8 MiB first spare
+        cache.spare.flush(10)
+        cache.put(tokens, kv)
+        _, first = cache.get(tokens[:4 * spec.page_size])  # 2 MiB
+        _, second = cache.get(tokens)  # 4 MiB: 6 MiB were left
+        assert cache.spare.taken == 2
+        assert torch.equal(first, kv[:, :, :4 * spec.page_size]) and torch.equal(second, kv)
+        first.fill_(7.0)  # apart: writing one changes nothing in the other
+        assert torch.equal(second, kv)
+        # 2 MiB were left, too little to keep: the next spare is the last size's own.
+        cache.spare.flush(10)
+        _, third = cache.get(tokens)
+        assert cache.spare.taken == 3 and torch.equal(third, kv)
+        assert third.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+
+
 def test_a_prefetch_released_before_its_load_gives_its_device_pages_back():
     # On a CPU pool a prefetch fills device pages of its own: a handle released before `load`
     # (a request cancelled, preempted) must not leak them, nor leave them counted as being filled.

@@ -7,6 +7,11 @@ spare moves that cost off the request path: `get` takes the spare when it fits a
 for good (it is never reused, so the caller owns it like any new tensor), and a background
 thread then allocates and faults in the next one during a quiet moment. At most one spare, the
 size of the last result, is held.
+
+A new cache has no last result: its warm-up prepares a first spare (a quarter of the pool, at most
+`FIRST_MAX_BYTES`) that the first gets share, each handed the front of what is left, so a reader's
+first `get` costs what its later ones do. Only that first spare is shared this way: its memory is
+freed once every result cut from it is.
 """
 
 from __future__ import annotations
@@ -26,14 +31,17 @@ if TYPE_CHECKING:
 
 _SLACK = 1.25  # a spare up to this much larger than asked is handed out (the rest rides along)
 _QUIET_S = 0.05
+FIRST_MAX_BYTES = 512 << 20  # the warm-up's first spare, at most (a quarter of the pool otherwise)
 
 
 class SpareOutput(QueueOwner):
     def __init__(self, foreground: Foreground, max_bytes: int) -> None:
-        super().__init__(BackgroundQueue("spare-output", capacity=1))
+        # Room for the warm-up's first spare and a get's refill behind it.
+        super().__init__(BackgroundQueue("spare-output", capacity=2))
         self.max_bytes = max_bytes
         self._foreground = foreground
         self._spare: torch.Tensor | None = None
+        self._shared = False  # the spare is the warm-up's first: each get takes its front
         self._lock = threading.Lock()
         self.taken = 0  # gets served from a spare
 
@@ -45,16 +53,32 @@ class SpareOutput(QueueOwner):
             return None
         return cls(core.foreground, core.pool.num_pages * core.spec.bytes_per_page)
 
+    def prepare_first(self, dtype: torch.dtype) -> None:
+        """Have the background thread fault in the first spare, for the first gets to share."""
+        numel = min(self.max_bytes // 4, FIRST_MAX_BYTES) // dtype.itemsize
+        if numel * dtype.itemsize >= HUGEPAGE_MIN_BYTES:
+            self.queue.submit(self._prepare, numel, dtype, True)
+
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        """The spare shaped as `shape`, if one of the dtype fits within the slack; else None."""
+        """The spare shaped as `shape`, if one of the dtype fits within the slack, or the front of
+        the first spare while it lasts; else None."""
         numel = math.prod(shape)
         with self._lock:
-            spare = self._spare
-            if spare is None or spare.dtype != dtype or not numel <= spare.numel() <= _SLACK * numel:
+            if not self._fits(numel, dtype):
                 return None
-            self._spare = None
+            spare = self._spare
+            assert spare is not None
+            rest = spare[numel:]
+            keep = self._shared and rest.numel() * rest.element_size() >= HUGEPAGE_MIN_BYTES
+            self._spare, self._shared = (rest, True) if keep else (None, False)
         self.taken += 1
         return spare[:numel].view(shape)
+
+    def _fits(self, numel: int, dtype: torch.dtype) -> bool:
+        spare = self._spare
+        if spare is None or spare.dtype != dtype or numel > spare.numel():
+            return False
+        return self._shared or spare.numel() <= _SLACK * numel
 
     def output(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """The spare for a result of `shape` (or None: the caller allocates), and the next one
@@ -75,13 +99,13 @@ class SpareOutput(QueueOwner):
         with self._lock:
             self._spare = None
 
-    def _prepare(self, numel: int, dtype: torch.dtype) -> None:
+    def _prepare(self, numel: int, dtype: torch.dtype, shared: bool = False) -> None:
         with self._lock:
-            if self._spare is not None and self._spare.numel() == numel and self._spare.dtype == dtype:
+            if self._fits(numel, dtype):  # the next get of this size is served already
                 return
         self._foreground.wait_idle(_QUIET_S)
         with torch.inference_mode(False):
             tensor = empty_cpu((numel,), dtype)
         pretouch_async(tensor).join()  # this thread is the background already
         with self._lock:
-            self._spare = tensor
+            self._spare, self._shared = tensor, shared

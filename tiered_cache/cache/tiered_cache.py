@@ -77,6 +77,8 @@ class TieredCache:
         self.tensor_reads = TensorReads(core)  # get
         self.sequences = Sequences(core, self.demoter, self.loader.tier_loads.staging)  # a sequence's own pages
         self.spare = SpareOutput.for_pool(core)  # get() without out=: one output faulted in ahead
+        if self.spare is not None:
+            self.spare.prepare_first(core.pool.kv.dtype)
         # Store servers that move: the list a file keeps, read before the warm-up opens channels.
         self.address_file = follow_address_file(core.config, self.set_remote_addresses)
         # Connections, threads, staging, memory faulted in, off the request path: join it to wait until ready.
