@@ -24,13 +24,14 @@ import torch
 
 from tiered_cache.cache.background import BackgroundQueue, QueueOwner
 from tiered_cache.cache.foreground import Foreground
-from tiered_cache.device.memory import HUGEPAGE_MIN_BYTES, empty_cpu, pretouch_async
+from tiered_cache.device.memory import HUGEPAGE_MIN_BYTES, PretouchThread, empty_cpu
 
 if TYPE_CHECKING:
     from tiered_cache.cache.core import CacheCore
 
 _SLACK = 1.25  # a spare up to this much larger than asked is handed out (the rest rides along)
 _QUIET_S = 0.05
+_YIELD_S = 0.5  # the longest a chunk of the pre-touch waits for a request to end
 FIRST_MAX_BYTES = 512 << 20  # the warm-up's first spare, at most (a quarter of the pool otherwise)
 
 
@@ -106,6 +107,9 @@ class SpareOutput(QueueOwner):
         self._foreground.wait_idle(_QUIET_S)
         with torch.inference_mode(False):
             tensor = empty_cpu((numel,), dtype)
-        pretouch_async(tensor).join()  # this thread is the background already
+        touch = PretouchThread(tensor)
+        touch.yield_to = lambda: self._foreground.wait_idle(_YIELD_S)  # a request first: it may be a get
+        touch.start()
+        touch.join()  # this thread is the background already
         with self._lock:
             self._spare, self._shared = tensor, shared

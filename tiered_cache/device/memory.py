@@ -60,8 +60,8 @@ class PretouchThread(threading.Thread):
         data, start, end = self._bytes, 0, self._bytes.numel()
         while start < end:
             stop = min(start + self._chunk, end)
+            self._step_aside()
             if self.preserves_bytes:
-                self._step_aside()
                 _populate(data.data_ptr() + start, stop - start)  # a refusal leaves faults to first use
             else:
                 data[start:stop:_OS_PAGE].zero_()  # one byte in each OS page of the chunk ...
