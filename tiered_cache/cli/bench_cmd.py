@@ -175,6 +175,8 @@ def add_parser(commands: Any) -> None:
     srv.add_argument("--max-tokens", type=int, default=16, help="tokens each answer generates (default 16)")
     srv.add_argument("--seed", type=int, default=0, help="the workload's order and arrivals (default 0)")
     srv.add_argument("--address", help="an existing Ray cluster (default: start a local one for the run)")
+    srv.add_argument("--outcomes", metavar="FILE",
+                     help="also write every request's outcome per way (arrival, TTFT, cached tokens) as JSON")
     subs.append(srv)
     traffic = _add(which, "store-traffic", help="N client processes in a serving-like mix against a store server (or, "
                                                 "with --ray, a cluster's router): p50/p99/p999, errors, RSS over time")
@@ -460,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.bench == "serve":
         from tiered_cache.bench.serve.bench import ServeBenchSettings, bench_serve
-        from tiered_cache.bench.serve.report import render, summary
+        from tiered_cache.bench.serve.report import outcomes, render, summary
         from tiered_cache.bench.serve.workload import ServeWorkload
         from tiered_cache.workers.cluster import stdout_for_the_answer
 
@@ -471,6 +473,9 @@ def run(args: argparse.Namespace) -> int:
         runs = bench_serve(settings, progress=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
         rows = [summary(r, runs[0]) for r in runs]
         print(json.dumps(rows, indent=2) if args.json else render(rows), file=out)
+        if args.outcomes:
+            with open(args.outcomes, "w") as f:
+                json.dump(outcomes(runs, workload.requests()), f, indent=1)
         return 0
     if args.bench == "store-traffic":
         from tiered_cache.bench.store_traffic.bench import run_store_traffic_bench

@@ -1,12 +1,14 @@
 """What `bench serve` prints: per way, TTFT and end-to-end latency (p50, p99), output tokens and
 requests a second, the share of prompt tokens served from a cache, errors, and how many answers
-equal the first way's."""
+equal the first way's; and, asked for, every request's outcome per way (`outcomes`), to see which
+requests a way lost its time on."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from tiered_cache.bench.serve.runner import WayRun
+from tiered_cache.bench.serve.workload import ServeRequest
 from tiered_cache.bench.timing import quantile
 from tiered_cache.report.table import render_table
 
@@ -42,3 +44,15 @@ def render(rows: list[dict[str, Any]]) -> str:
              for r in rows]
     return render_table(table, ["way", "TTFT p50 ms", "p99 ms", "p50 vs first", "e2e p50 ms", "p99 ms", "out tok/s",
                                 "req/s", "cached", "errors", "answers = first"])
+
+
+def outcomes(runs: list[WayRun], requests: list[ServeRequest]) -> dict[str, list[dict[str, Any]]]:
+    """Per way, each request in arrival order: its key, arrival, TTFT, latency, prompt and cached
+    tokens, output tokens and error (the same keys in every way, so rows line up)."""
+    arrival = {r.key: r.arrival_s for r in requests}
+    return {run.way: sorted(({"key": o.key, "arrival_s": arrival.get(o.key), "ttft_s": o.ttft_s,
+                              "latency_s": o.latency_s, "prompt_tokens": o.prompt_tokens,
+                              "cached_tokens": o.cached_tokens, "output_tokens": o.output_tokens,
+                              "error": o.error} for o in run.outcomes),
+                            key=lambda row: (row["arrival_s"] is None, row["arrival_s"] or 0.0))
+            for run in runs}
