@@ -26,17 +26,22 @@ def layout_of(layer: torch.Tensor, kv_heads: int, head_dim: int) -> str:
 
 
 def gather_blocks(layers: Sequence[torch.Tensor], block_ids: Sequence[int], kind: str, head_dim: int) -> torch.Tensor:
-    """A copy of `block_ids` of every layer as pages: (n, layers, 2, kv_heads, block_size, head_dim)."""
-    index = torch.tensor(list(block_ids), dtype=torch.long, device=layers[0].device)
-    per_layer = []
-    for layer in layers:
-        if kind == "cpu":
-            blocks = layer.index_select(0, index)  # (n, heads, bs, 2d)
-            per_layer.append(torch.stack((blocks[..., :head_dim], blocks[..., head_dim:]), dim=1))
-        else:
-            blocks = layer.index_select(1, index)  # (2, n, bs, heads, d)
-            per_layer.append(blocks.permute(1, 0, 3, 2, 4))
-    return torch.stack(per_layer, dim=1).cpu()
+    """A copy of `block_ids` of every layer as pages: (n, layers, 2, kv_heads, block_size, head_dim).
+    Each layer's blocks are selected (one copy) and written into their place in the pages (the
+    second): no per-layer pages stacked after."""
+    first = layers[0]
+    index = torch.tensor(list(block_ids), dtype=torch.long, device=first.device)
+    heads = first.shape[1] if kind == "cpu" else first.shape[3]
+    block_size = first.shape[2]
+    out = torch.empty((len(index), len(layers), 2, heads, block_size, head_dim), dtype=first.dtype,
+                      device=first.device)
+    for i, layer in enumerate(layers):
+        if kind == "cpu":  # (n, heads, bs, 2d): K then V in each row
+            blocks = layer.index_select(0, index).unflatten(-1, (2, head_dim)).permute(0, 3, 1, 2, 4)
+        else:  # (2, n, bs, heads, d)
+            blocks = layer.index_select(1, index).permute(1, 0, 3, 2, 4)
+        out[:, i].copy_(blocks)
+    return out.cpu()
 
 
 def stacked_view(layers: Sequence[torch.Tensor]) -> torch.Tensor | None:
