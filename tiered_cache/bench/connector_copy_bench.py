@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from tiered_cache.bench.timing import Comparison
-from tiered_cache.integrations.vllm.block_copy import DeviceBlocks
+from tiered_cache.integrations.vllm.block_copy import BlockKernels, DeviceBlocks
 from tiered_cache.integrations.vllm.layout import gather_blocks
 from tiered_cache.model.spec import KVSpec
 
@@ -46,7 +46,7 @@ def _synchronize(device: torch.device) -> None:
 
 
 def bench_connector_copy(spec: KVSpec, tokens: int = 8192, device: str = "cuda",
-                         kernels: object | None = None, repeat: int = 5) -> list[Comparison]:
+                         kernels: BlockKernels | None = None, repeat: int = 5) -> list[Comparison]:
     """Save and load of `tokens` tokens' blocks, scattered over a cache twice that size.
     `kernels`: our launch (`cupy_ops.launch_blocks`) or None for the torch ops alone."""
     blocks = spec.pages_for_tokens(tokens)
@@ -56,7 +56,7 @@ def bench_connector_copy(spec: KVSpec, tokens: int = 8192, device: str = "cuda",
     copiers = {"torch ops": DeviceBlocks(layers, "flash", spec.num_kv_heads, spec.head_dim, spec.page_size)}
     if kernels is not None:
         copiers["our kernels"] = DeviceBlocks(layers, "flash", spec.num_kv_heads, spec.head_dim, spec.page_size,
-                                              kernels)  # type: ignore[arg-type]
+                                              kernels)
     reference = gather_blocks(layers, ids, "flash", spec.head_dim)
     total = reference.numel() * reference.element_size()
     pinned = dev.type == "cuda"
