@@ -7,30 +7,14 @@ beside the same steps as torch ops. Every timed copy is checked against the refe
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
 
-from tiered_cache.bench.timing import Comparison
+from tiered_cache.bench.timing import Comparison, best_time, timed
 from tiered_cache.integrations.vllm.block_copy import BlockKernels, DeviceBlocks
 from tiered_cache.integrations.vllm.layout import gather_blocks
 from tiered_cache.model.spec import KVSpec
 
 GB = 1e9
-
-
-def _wall(fn: Callable[[], object], repeat: int) -> tuple[float, float]:
-    """The first call's seconds and the best of `repeat` more (each call complete when it returns)."""
-    t0 = time.perf_counter()
-    fn()
-    first = time.perf_counter() - t0
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return first, best
 
 
 def vllm_flash_layers(spec: KVSpec, num_blocks: int, device: str) -> list[torch.Tensor]:
@@ -71,22 +55,23 @@ def bench_connector_copy(spec: KVSpec, tokens: int = 8192, device: str = "cuda",
         on_device.copy_(host, non_blocking=pinned)
         _synchronize(dev)
 
-    _, limit_down = _wall(down, repeat)
-    _, limit_up = _wall(up, repeat)
+    down()  # each limit after one unmeasured call
+    limit_down = best_time(down, repeat)
+    up()
+    limit_up = best_time(up, repeat)
     limit = "pinned copy" if pinned else "memcpy"
     pages = [p.clone() for p in reference]  # host pages as the tiers give them (not pinned)
     scale = f"{tokens:,} tokens, {blocks} blocks, {total / 2**20:,.0f} MiB"
     rows = []
     for name, copier in copiers.items():
-        out: list[torch.Tensor] = []
-
-        def save(copier: DeviceBlocks = copier, out: list[torch.Tensor] = out) -> None:
+        def save(copier: DeviceBlocks = copier) -> torch.Tensor:
             got, ready = copier.gather(ids)
             ready()
-            out[:] = [got]
+            return got
 
-        first, best = _wall(save, repeat)
-        if not torch.equal(out[0], reference):
+        first = best_time(save, 1)
+        best, got = timed(save, repeat)
+        if not torch.equal(got, reference):
             raise AssertionError(f"connector save ({name}) gathered bytes unlike vLLM's blocks")
         rows += [Comparison(scale, f"connector save ({name})", total / best / GB, f"{limit} to host",
                             total / limit_down / GB, "GB/s", True, work=total, baseline_work=total),
@@ -99,7 +84,8 @@ def bench_connector_copy(spec: KVSpec, tokens: int = 8192, device: str = "cuda",
         def load(copier: DeviceBlocks = copier) -> None:
             copier.scatter(ids, pages, range(spec.num_layers))
 
-        first, best = _wall(load, repeat)
+        first = best_time(load, 1)
+        best = best_time(load, repeat)
         if not torch.equal(gather_blocks(layers, ids, "flash", spec.head_dim), reference):
             raise AssertionError(f"connector load ({name}) wrote bytes unlike the pages")
         rows += [Comparison(scale, f"connector load ({name})", total / best / GB, f"{limit} from host",

@@ -16,6 +16,7 @@ describes the layout, so one kernel serves the CPU layout and the CUDA ones.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -179,14 +180,13 @@ class DeviceBlocks:
         if not block_ids:
             return
         shape = self._page_shape(len(layers))
-        page_bytes = self.dtype.itemsize * shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+        page_bytes = self.dtype.itemsize * math.prod(shape)
         run = max(1, self._buffers[0].numel() // page_bytes)
         with self._load_lock, self._on_copy_stream(after):
             # Every block id crosses first, from pinned memory: a pageable copy would wait for
             # the stream, so each run's ids would wait for the run before to cross.
-            ids = torch.tensor(list(block_ids), dtype=torch.int64).pin_memory() if self.cuda else \
-                torch.tensor(list(block_ids), dtype=torch.int64)
-            blocks = ids.to(self.device, non_blocking=self.cuda)
+            ids = torch.tensor(list(block_ids), dtype=torch.int64)
+            blocks = (ids.pin_memory() if self.cuda else ids).to(self.device, non_blocking=self.cuda)
             for turn, start in enumerate(range(0, len(block_ids), run)):
                 part = pages[start:start + run]
                 buffer, crossed = self._buffers[turn % 2], self._crossed[turn % 2]
