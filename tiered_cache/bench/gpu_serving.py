@@ -83,6 +83,45 @@ def measure_serving(model: object, spec: KVSpec, n: int, rows: tuple[str, ...], 
     # Host RAM takes what the pool demotes (the filler's room at the low watermark after the fill,
     # then a prefix's worth a round), and for the host row the prompts too.
     demoted = (pool_prefixes + 3) // 4 + count + 2
+    prompts, out = _upper_rows(model, spec, n, rows, rounds, device, pool_prefixes, servers, recompute, progress,
+                               seed, count, demoted)
+    # The upper cache's pool and host RAM go back before the readers' come: at long prompts both
+    # would not fit beside each other (the device's memory, and the host's with the lower tiers).
+    _release_memory()
+    for row in lower:
+        settings = serving_config(device, spec, n, pool_prefixes, demoted)
+        reader = TieredCache(spec, settings.replace(**servers.lower_settings(row, n)))
+        source = None
+        try:
+            reader.warming.join()  # its channels open now: a running engine has them open
+            source = ServingSource(row, reader, prompts, pool_prefixes, seed)
+            out.append(measure_reuse(model, source, TIER_OF[row], source.prompts(), n, rounds, recompute, device,
+                                     progress))
+        finally:
+            reader.close()
+            del reader, source  # the next row's reader is built with this one's memory back
+            _release_memory()
+    return out
+
+
+def _release_memory() -> None:
+    """What freed caches held goes back: device memory, and the pinned host memory torch's caching
+    host allocator keeps (in blocks rounded up to a power of two) where this torch can release it."""
+    gc.collect()
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.empty_cache()
+    empty_host = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty_host is not None:
+        empty_host()
+
+
+def _upper_rows(model: object, spec: KVSpec, n: int, rows: tuple[str, ...], rounds: int, device: str,
+                pool_prefixes: int, servers: Servers, recompute: GpuRow, progress: Progress, seed: int,
+                count: int, demoted: int) -> tuple[Prompts, list[GpuRow]]:
+    """The prompts computed by the upper cache (and written below), and the device and host rows
+    read from it. Nothing of the upper cache outlives this call."""
+    lower = [r for r in rows if r not in ("device", "host")]
     out = []
     with TieredCache(spec, serving_config(device, spec, n, pool_prefixes, count + demoted)) as upper:
         prompts = _compute(model, upper, spec, n, count, lower, servers, progress, seed)
@@ -93,20 +132,7 @@ def measure_serving(model: object, spec: KVSpec, n: int, rows: tuple[str, ...], 
             source = ServingSource(row, upper, prompts, pool_prefixes if row == "host" else 0, seed)
             out.append(measure_reuse(model, source, TIER_OF[row], source.prompts(), n, rounds, recompute, device,
                                      progress))
-    gc.collect()  # the upper cache's pool goes back to the allocator before the readers' come
-    for row in lower:
-        settings = serving_config(device, spec, n, pool_prefixes, demoted)
-        reader = TieredCache(spec, settings.replace(**servers.lower_settings(row, n)))
-        try:
-            reader.warming.join()  # its channels open now: a running engine has them open
-            source = ServingSource(row, reader, prompts, pool_prefixes, seed)
-            out.append(measure_reuse(model, source, TIER_OF[row], source.prompts(), n, rounds, recompute, device,
-                                     progress))
-        finally:
-            reader.close()
-            del reader
-            gc.collect()
-    return out
+    return prompts, out
 
 
 def _compute(model: object, upper: TieredCache, spec: KVSpec, n: int, count: int, lower: list[str],

@@ -12,6 +12,7 @@ import threading
 import torch
 
 from tiered_cache.device.memory import empty_cpu
+from tiered_cache.device.pinned import pinned_empty
 from tiered_cache.model.spec import KVSpec
 
 
@@ -34,7 +35,7 @@ class StagingBuffers:
         shape = self.spec.staging_shape(max(num_pages, 1))
         with torch.inference_mode(False):
             if self.pin:
-                return torch.empty(shape, dtype=self.spec.dtype.torch, pin_memory=True)
+                return pinned_empty(shape, self.spec.dtype.torch)
             # Unpinned: on transparent huge pages where Linux gives them, which makes the first
             # touch of fresh memory several times faster (device/memory.py).
             return empty_cpu(shape, self.spec.dtype.torch)

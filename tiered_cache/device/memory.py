@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tiered_cache.device.pinned import pinned_empty
 from tiered_cache.shm.advice import MADV_HUGEPAGE as _MADV_HUGEPAGE
 from tiered_cache.shm.advice import madvise as _madvise
 from tiered_cache.shm.advice import populate as _populate
@@ -95,7 +96,7 @@ def allocate_pretouched(shape: tuple[int, ...], dtype: torch.dtype, device: str 
     """A new tensor for a long-lived pool, and the thread pre-touching it (None when there is none).
 
     Large unpinned CPU tensors are left uninitialised and pre-touched by a daemon thread, so this
-    returns at once. Pinned memory is faulted in by pinning. Small CPU tensors (up to
+    returns at once. Pinned memory is faulted in by pinning, at its own size (`pinned.py`). Small CPU tensors (up to
     `ZERO_FILL_BYTES`) and tensors on an accelerator are zero-filled at once, which costs next to
     nothing there. Callers must not rely on the bytes of a large CPU tensor before writing them.
     `blocks`: see `PretouchThread`.
@@ -103,7 +104,7 @@ def allocate_pretouched(shape: tuple[int, ...], dtype: torch.dtype, device: str 
     device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
     if pin_memory:
-        return torch.empty(shape, dtype=dtype, pin_memory=True), None
+        return pinned_empty(shape, dtype), None
     if device.type != "cpu" or nbytes <= ZERO_FILL_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device), None
     tensor = empty_cpu(shape, dtype)
