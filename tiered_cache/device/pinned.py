@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import mmap
+import sys
 import threading
 from collections.abc import Callable
 
@@ -25,6 +26,7 @@ from tiered_cache.shm.advice import MADV_HUGEPAGE, madvise, map_address
 log = logging.getLogger(__name__)
 
 LARGE_BYTES = 64 * 2**20
+_PORTABLE = 0x01  # cudaHostRegisterPortable
 
 Register = Callable[[int, int], int]  # (address, size) -> CUDA error, 0 when registered
 Unregister = Callable[[int], int]  # address -> CUDA error
@@ -58,7 +60,7 @@ class RegisteredMapping:
         if self._registered:
             self._registered = False
             err = self._unregister(self.address)
-            if err:
+            if err and not sys.is_finalizing():  # at exit the runtime may have gone first
                 log.warning("pinned host memory: unregistering %d bytes at %#x failed (CUDA error %d)",
                             self.size, self.address, err)
         self._unmap()
@@ -99,6 +101,7 @@ def _log_refusal(nbytes: int, err: int) -> None:
 
 def _cuda_calls() -> tuple[Register, Unregister]:
     cudart = torch.cuda.cudart()
-    return (lambda address, size: int(cudart.cudaHostRegister(address, size, 0)),  # cudaHostRegisterDefault
+    # Portable: pinned for every device's context, as torch's own pinned memory is.
+    return (lambda address, size: int(cudart.cudaHostRegister(address, size, _PORTABLE)),
             lambda address: int(cudart.cudaHostUnregister(address)))
 
