@@ -30,3 +30,47 @@ def test_outcomes_line_up_by_arrival_and_the_summary_compares_answers_by_key():
     row = summary(other, first)
     assert row["answers_compared"] == len(keys) and row["answers_equal"] == len(keys) - 1
     assert row["cached_share"] == sum(50 for k in keys if ttft[k] < 1) / (100 * len(keys))
+
+
+def test_a_streamed_answer_is_read_with_its_route_and_a_bad_route_header_is_none():
+    """`send` against a real HTTP server streaming an answer as an OpenAI front end does: its
+    text, TTFT, usage and our router's route header; a header that is not a JSON object reads as
+    no route, and the answer still counts."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tiered_cache.bench.serve.client import send
+    from tiered_cache.workers.names import ROUTE_HEADER
+
+    routes = iter(['{"replica":"r1","reason":"events","expected_from":{"store":96}}', "not json"])
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["content-length"]))
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header(ROUTE_HEADER, next(routes))
+            self.end_headers()
+            for chunk in ({"choices": [{"delta": {"content": "Hello"}}]},
+                          {"choices": [{"delta": {"content": " there"}}]},
+                          {"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 2,
+                                                    "prompt_tokens_details": {"cached_tokens": 32}}}):
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        routed = send(url, None, "doc0-q0", {"messages": []})
+        unrouted = send(url, None, "doc0-q1", {"messages": []})
+    finally:
+        server.shutdown()
+    assert routed.error == "" and routed.text == "Hello there" and routed.ttft_s > 0
+    assert (routed.prompt_tokens, routed.cached_tokens, routed.output_tokens) == (40, 32, 2)
+    assert routed.route == {"replica": "r1", "reason": "events", "expected_from": {"store": 96}}
+    assert unrouted.route == {} and unrouted.text == "Hello there"

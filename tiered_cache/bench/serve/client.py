@@ -1,5 +1,6 @@
 """One streamed chat request against an OpenAI front end: time to its first token, its latency,
-its text and usage (prompt, cached and output tokens)."""
+its text and usage (prompt, cached and output tokens), and our router's route where it says one
+(the replica, why, what it expected there: the answer's route header)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import json
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiered_cache.workers.names import ROUTE_HEADER
 
 
 @dataclass
@@ -20,6 +24,7 @@ class Outcome:
     cached_tokens: int = 0
     output_tokens: int = 0
     error: str = ""
+    route: dict[str, Any] = field(default_factory=dict)  # our router's, where it routed the request
 
 
 def send(url: str, token: str | None, key: str, body: dict, timeout_s: float = 600.0) -> Outcome:
@@ -32,6 +37,7 @@ def send(url: str, token: str | None, key: str, body: dict, timeout_s: float = 6
     started = time.perf_counter()
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            outcome.route = _route(answer.headers.get(ROUTE_HEADER))
             for raw in answer:
                 line = raw.decode().strip()
                 if not line.startswith("data:") or line == "data: [DONE]":
@@ -42,6 +48,14 @@ def send(url: str, token: str | None, key: str, body: dict, timeout_s: float = 6
         outcome.error = f"{type(exc).__name__}: {exc} {detail}".strip()
     outcome.latency_s = time.perf_counter() - started
     return outcome
+
+
+def _route(header: str | None) -> dict[str, Any]:
+    try:
+        route = json.loads(header) if header else {}
+    except ValueError:
+        return {}
+    return route if isinstance(route, dict) else {}
 
 
 def _read_chunk(chunk: dict, outcome: Outcome, started: float) -> None:

@@ -48,11 +48,12 @@ def render(rows: list[dict[str, Any]]) -> str:
 
 def outcomes(runs: list[WayRun], requests: list[ServeRequest]) -> dict[str, list[dict[str, Any]]]:
     """Per way, each request in arrival order: its key, arrival, TTFT, latency, prompt and cached
-    tokens, output tokens and error (the same keys in every way, so rows line up)."""
+    tokens, output tokens, error and our router's route (empty where another router chose; the
+    same keys in every way, so rows line up)."""
     arrival = {r.key: r.arrival_s for r in requests}
     return {run.way: sorted(({"key": o.key, "arrival_s": arrival.get(o.key), "ttft_s": o.ttft_s,
                               "latency_s": o.latency_s, "prompt_tokens": o.prompt_tokens,
                               "cached_tokens": o.cached_tokens, "output_tokens": o.output_tokens,
-                              "error": o.error} for o in run.outcomes),
+                              "error": o.error, "route": o.route} for o in run.outcomes),
                             key=lambda row: (row["arrival_s"] is None, row["arrival_s"] or 0.0))
             for run in runs}
