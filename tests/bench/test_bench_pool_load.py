@@ -36,6 +36,7 @@ def test_every_path_loads_new_prefixes_into_a_full_pool_beside_its_limit(tmp_pat
         assert built is not None and built.settle_s == 0 and built.first_seconds > 0
         assert len(built.steady_seconds) == 1 and len(built.fresh_copy_seconds) == 3
         assert all(s > 0 for s in built.fresh_copy_seconds) and built.fresh_over_first > 0
+        assert len(built.fresh_pool_seconds) == 3 and built.fresh_pool_over_first > 0
     # Into a pool, the engines' way (match -> prefetch -> load) is the headline and match -> load
     # is timed beside it on prefixes of its own; the tensor API has one way.
     for row in rows:

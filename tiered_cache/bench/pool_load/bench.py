@@ -66,7 +66,8 @@ class PoolLoadRow:
             out["first"].update(first_over_steady=self.first.first_over_steady,
                                 memcpy_first_over_steady=self.first.memcpy_first_over_steady)
         if self.just_built is not None:
-            out["just_built"].update(fresh_over_first=self.just_built.fresh_over_first)
+            out["just_built"].update(fresh_over_first=self.just_built.fresh_over_first,
+                                     fresh_pool_over_first=self.just_built.fresh_pool_over_first)
         return out
 
 
@@ -156,7 +157,8 @@ def run_pool_load_bench(args: argparse.Namespace) -> int:
               f"{args.pool_prefixes} prefixes, median of {args.rounds}, match -> prefetch -> load as engines call "
               f"it (get() for the tensor), match -> load beside it; first load: a reader process after a "
               f"{args.settle:g} s settle; just built: a reader process loading at once, beside a copy into fresh "
-              f"memory; warm: one prefix again, a pool with room. Disk: page cache warm for both")
+              f"memory and one into fresh pages of a pool like its own; warm: one prefix again, a pool with "
+              f"room. Disk: page cache warm for both")
         print(render(rows))
     return 0
 
@@ -175,19 +177,20 @@ def render(rows: list[PoolLoadRow]) -> str:
             ("-", "-", "-")
         built = r.just_built
         just_built = (f"{ms(built.first_seconds)} / {ms(statistics.median(built.fresh_copy_seconds))}",
-                      f"{built.fresh_over_first:.2f}x") if built else ("-", "-")
+                      f"{built.fresh_over_first:.2f}x", f"{built.fresh_pool_over_first:.2f}x") if built else \
+            ("-", "-", "-")
         table.append([r.label, ms(s.seconds), f"{r.nbytes / s.seconds / 1e9:,.2f} GB/s", r.baseline_name,
                       ms(s.baseline_seconds), f"{s.ratio:.2f}x", f"{r.direct.ratio:.2f}x" if r.direct else "-",
                       *first, *just_built, f"{r.warm.ratio:.2f}x" if r.warm else "-"])
         if r.demotion is not None:
             d = r.demotion
             table.append(["pool -> host RAM (evict), warm", ms(d.seconds), f"{r.nbytes / d.seconds / 1e9:,.2f} GB/s",
-                          r.baseline_name, ms(d.baseline_seconds), *["-"] * 7, f"{d.ratio:.2f}x"])
+                          r.baseline_name, ms(d.baseline_seconds), *["-"] * 8, f"{d.ratio:.2f}x"])
     return render_table(table, ["path", "serving: load", "rate", "limit", "limit time", "vs limit",
                                 "match -> load: vs limit", "new reader: first / steady", "first/steady",
                                 "memcpy first/steady", "just built: first / fresh copy", "fresh copy/first",
-                                "warm: vs limit"],
-                        align_right=(1, 2, 4, 5, 6, 8, 9, 10, 11, 12))
+                                "fresh pool pages/first", "warm: vs limit"],
+                        align_right=(1, 2, 4, 5, 6, 8, 9, 10, 11, 12, 13))
 
 
 def _up(first: FirstLoads) -> str:

@@ -6,7 +6,9 @@ the background has time to finish; 0: it loads right after it is built), then lo
 has never read, one after the other, each checked byte for byte, and prints each load's seconds
 as JSON. The first against the median of the rest is what starting costs a request; the first
 against a copy of the same bytes into fresh memory (never touched: what a new pool's pages cost
-to fault in) is what a reader right after construction pays beyond its memory.
+to fault in) is what a reader right after construction pays beyond its memory; beside it the
+same copy into fresh pages of a pool laid out as the reader's (a page a slice of every layer's
+block), whose first touch costs more where huge pages are faulted in.
 """
 
 from __future__ import annotations
@@ -40,12 +42,22 @@ class FirstLoads:
     ready: bool = True  # the cache had come up (`TieredCache.warming` ended) by its first load
     up_s: float | None = None  # when it had, from its construction (None: not by the end of the run)
     fresh_copy_seconds: list[float] = field(default_factory=list)  # memcpy into never-touched memory
+    # The same pages into never-touched pages of a pool as the reader's (layer-first: each page a
+    # slice of every K/V and layer block, the memory asked for huge pages): its own first touch.
+    fresh_pool_seconds: list[float] = field(default_factory=list)
 
     @property
     def fresh_over_first(self) -> float:
         """A copy into fresh memory over the first load: 1x, the load pays only what its memory
         costs; below, something else (connections, threads, maps made then) is on its path."""
         return statistics.median(self.fresh_copy_seconds) / self.first_seconds
+
+    @property
+    def fresh_pool_over_first(self) -> float:
+        """A copy into fresh pages of a pool like the reader's over the first load (nan: none taken)."""
+        if not self.fresh_pool_seconds:
+            return float("nan")
+        return statistics.median(self.fresh_pool_seconds) / self.first_seconds
 
     @property
     def steady(self) -> float:
@@ -74,7 +86,7 @@ def first_loads(spec_dict: dict[str, Any], mib: float, settings: dict[str, Any],
     out = json.loads(done.stdout.strip().splitlines()[-1])
     loads, memcpy = out["seconds"], out["memcpy_seconds"]
     return FirstLoads(loads[0], loads[1:], settle_s, memcpy[0], memcpy[1:], out["ready"], out["up_s"],
-                      out["fresh_copy_seconds"])
+                      out["fresh_copy_seconds"], out["fresh_pool_seconds"])
 
 
 def _run(job: dict[str, Any]) -> dict[str, Any]:
@@ -110,8 +122,9 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
         time.sleep(job["settle_s"])
         memcpy = [clock(lambda: dst.copy_(src))[0] for _ in range(job["count"])]
         fresh = [_fresh_copy(src) for _ in range(3)]
+        fresh_pool = [_fresh_pool_copy(mine[0].pages, cache.pool.num_pages) for _ in range(3)]
         return {"seconds": seconds, "memcpy_seconds": memcpy, "ready": ready, "up_s": up[0] if up else None,
-                "fresh_copy_seconds": fresh}
+                "fresh_copy_seconds": fresh, "fresh_pool_seconds": fresh_pool}
     finally:
         cache.close()
 
@@ -136,6 +149,25 @@ def _fresh_copy(src: Any) -> float:
         del dst  # the map's buffer is free to close
     finally:
         fresh.close()
+    return took
+
+
+def _fresh_pool_copy(pages: Any, num_pages: int) -> float:
+    """Seconds to copy page-first `pages` into the first pages of a never-touched pool tensor of
+    `num_pages` pages, laid out and allocated as `PagePool`'s (`empty_cpu`), one strided copy per
+    K/V and layer block as a load into pool pages writes them."""
+    import torch
+
+    from tiered_cache.device.memory import empty_cpu
+
+    n = pages.shape[0]
+    kv = empty_cpu((2, pages.shape[1], num_pages, *pages.shape[3:]), pages.dtype)
+    source = pages.permute(2, 1, 0, *range(3, pages.dim()))  # (n, L, 2, ...) -> (2, L, n, ...)
+    start = time.perf_counter()
+    with torch.inference_mode(False):
+        kv[:, :, :n].copy_(source)
+    took = time.perf_counter() - start
+    del kv
     return took
 
 
