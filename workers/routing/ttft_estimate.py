@@ -1,10 +1,13 @@
 """`TTFTEstimate`: what the event router expects a worker's time to first token to be.
 
-A prompt's leading pages may be on the worker's device (free), in its host RAM (a copy up), in
-the store (a load over the network) or nowhere (recomputed); a busy worker first finishes what
-it is doing. Each cost is a moving estimate learned from the answers the router relays: seconds
-per recomputed token from answers that reused little, per host or store token from the rest of
-the TTFT once the recomputed part is taken out, and a request's time after its first token.
+A prompt's leading pages may be on the worker's device, in its host RAM (a copy up), in the store
+(a load over the network) or nowhere (recomputed); wherever they were found they are not free
+(the prefill of the rest attends over them, and the engine steps each request it runs); a busy
+worker first finishes what it is doing. Each cost is a moving estimate learned from the answers
+the router relays: seconds per recomputed token from answers that reused little, a cached
+token's share of a recomputed one's from answers that found their pages on the device, per host
+or store token from the rest of the TTFT once those parts are taken out, and a request's time
+after its first token.
 A queued request waits for the work ahead of it: the router adds up what it expected of each
 request it sent there (its own loads and prefill, then its decode), and `service_s` for any it
 did not cost. Until answers teach it, the priors hold (recompute dearest, host RAM cheapest).
@@ -25,6 +28,10 @@ AHEAD_AT_MOST = 0.25  # of a TTFT expected to be waiting, for it to teach the ra
 @dataclass
 class TTFTEstimate:
     prefill_s_per_token: float = 2e-3
+    # A cached token against one computed: a request that finds a long prefix still takes time
+    # in the engine's step, and requests piled on the worker that holds it wait for each other (a
+    # hit with 1.4K tokens cached took 15-20% of a prefill of them on the development box).
+    cached_share: float = 0.1
     host_s_per_token: float = 2e-5
     store_s_per_token: float = 1e-4
     service_s: float = 0.5  # one request on a worker, answer included (for requests whose cost is unknown)
@@ -35,8 +42,9 @@ class TTFTEstimate:
         """Expected TTFT on a worker with `device`, then `host`, then `store` leading tokens of a
         `prompt_tokens` prompt (each run after the one before), after `wait_s` of work ahead of it."""
         computed = max(0, prompt_tokens - device - host - store)
+        cached = prompt_tokens - computed
         return (wait_s + host * self.host_s_per_token + store * self.store_s_per_token
-                + computed * self.prefill_s_per_token)
+                + (computed + cached * self.cached_share) * self.prefill_s_per_token)
 
     def compute_s(self, prompt_tokens: int, cached: int) -> float:
         """The prefill the worker would spend on the uncached tokens: time taken from whatever
@@ -70,13 +78,19 @@ class TTFTEstimate:
             self.prefill_s_per_token = _moved(self.prefill_s_per_token, ttft / computed)
             return
         rest = max(0.0, ttft - computed * self.prefill_s_per_token)
+        cached = prompt - computed
+        if not host and not store:  # all on the device: the rest is what its cached tokens cost
+            self.cached_share = _moved(self.cached_share, min(1.0, rest / (cached * self.prefill_s_per_token)))
+            return
+        loading = max(0.0, rest - cached * self.cached_share * self.prefill_s_per_token)
         if store and not host:
-            self.store_s_per_token = _moved(self.store_s_per_token, rest / store)
+            self.store_s_per_token = _moved(self.store_s_per_token, loading / store)
         elif host and not store:
-            self.host_s_per_token = _moved(self.host_s_per_token, rest / host)
+            self.host_s_per_token = _moved(self.host_s_per_token, loading / host)
 
     def to_dict(self) -> dict[str, float]:
-        return {"prefill_s_per_token": self.prefill_s_per_token, "host_s_per_token": self.host_s_per_token,
+        return {"prefill_s_per_token": self.prefill_s_per_token, "cached_share": self.cached_share,
+                "host_s_per_token": self.host_s_per_token,
                 "store_s_per_token": self.store_s_per_token, "service_s": self.service_s, "decode_s": self.decode_s,
                 "samples": self.samples}
 

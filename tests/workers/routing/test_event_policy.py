@@ -237,16 +237,26 @@ def test_a_router_that_starts_late_learns_from_the_replay_and_one_whose_events_s
 
 
 def test_answers_teach_the_estimate():
+    """Recomputed answers teach the prefill rate; answers found on the device what a cached token
+    costs against a computed one (the rest of the prompt attends over it); answers from the store
+    the load per token on top of that."""
     from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
 
     estimate = TTFTEstimate()
+    on_device = 20 / 500 + 480 * 0.25 / 500  # 20 tokens computed, 480 cached at a quarter of the cost
+    from_store = on_device + 480 * 1e-4  # and each loaded from the store in 0.1 ms
     for _ in range(30):
         estimate.observe({"ttft_s": 1.0, "prompt_tokens": 500, "reused_tokens": 0, "sources": {}}, 1.2)
-        estimate.observe({"ttft_s": 0.05, "prompt_tokens": 500, "reused_tokens": 480,
-                          "sources": {"remote": 480}}, 0.1)
+        estimate.observe({"ttft_s": on_device, "prompt_tokens": 500, "reused_tokens": 480, "sources": {}}, 0.4)
+        estimate.observe({"ttft_s": from_store, "prompt_tokens": 500, "reused_tokens": 480,
+                          "sources": {"remote": 480}}, 0.5)
     assert estimate.prefill_s_per_token == pytest.approx(1.0 / 500, rel=0.05)
-    assert estimate.store_s_per_token == pytest.approx((0.05 - 20 / 500) / 480, rel=0.1)
-    assert estimate.seconds(500, 0, 0, 480, 0) < estimate.seconds(500, 0, 0, 0, 0)
+    assert estimate.cached_share == pytest.approx(0.25, rel=0.1)
+    assert estimate.store_s_per_token == pytest.approx(1e-4, rel=0.1)
+    assert estimate.seconds(500, 480, 0, 0) == pytest.approx(on_device, rel=0.1)
+    assert estimate.seconds(500, 0, 0, 480) == pytest.approx(from_store, rel=0.1)
+    # Wherever the cached tokens were, they cost less than recomputing them, and the store's load on top.
+    assert estimate.seconds(500, 480, 0, 0) < estimate.seconds(500, 0, 0, 480) < estimate.seconds(500, 0, 0, 0)
 
 
 def test_an_engine_that_queues_inside_teaches_its_rates_without_the_wait():
@@ -272,8 +282,9 @@ def test_an_engine_that_tells_only_its_cached_total_still_teaches_the_store_s_co
     assert with_store_share({**answer, "reused_tokens": 600}, (512, 0, 384))["sources"] == {"remote": 88}
     assert with_store_share({**answer, "reused_tokens": 100}, (512, 0, 384))["sources"] == {}  # evicted meanwhile
     estimate = TTFTEstimate()
+    attend = 896 * estimate.cached_share * 2e-3  # the cached tokens' share, as on the device
     for _ in range(30):
-        estimate.observe(with_store_share({"ttft_s": 0.05 + 104 * 2e-3, "prompt_tokens": 1000,
+        estimate.observe(with_store_share({"ttft_s": 0.05 + 104 * 2e-3 + attend, "prompt_tokens": 1000,
                                            "reused_tokens": 896}, (0, 0, 896)), 0.5)
     assert estimate.store_s_per_token == pytest.approx(0.05 / 896, rel=0.1)
 
@@ -295,5 +306,37 @@ def test_a_prompt_already_on_its_way_to_a_worker_counts_as_cached_there(tokenize
             # Answered, and no event says its pages are there (nothing was stored here): the idle worker then.
             third = policy.choose(DOCS[1], {first.worker: 1, ("b" if first.worker == "a" else "a"): 0}, DOCS[1])
             assert third.worker != first.worker
+        finally:
+            policy.close()
+
+
+@pytest.mark.parametrize("share", [0.1, 0.0])
+def test_questions_piling_on_a_documents_holder_spill_to_the_idle_worker(tokenizer, share):
+    """A batching engine: questions on one new document arrive faster than its prefill ends. The
+    first few wait for it on the worker computing it (they find it there), but each costs that
+    worker a step over the whole document, and those piled there wait for each other: once the
+    pile costs more than prefilling the document on the idle worker, a question goes there. A
+    router that took cached pages as free (`cached_share` 0) piles every one up."""
+    with _cache() as a, _cache() as b:
+        policy = EventRoutingPolicy(PrefixAwarePolicy(), ClusterEvents(3.0), batching=True,
+                                    arrivals=ArrivalRate(least=1000))
+        policy.estimate.cached_share = share
+        try:
+            _join(policy, a, b)
+            _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+            doc = DOCS[2] * 4
+            first = policy.choose(doc, {"a": 0, "b": 0}, doc)
+            idle = "b" if first.worker == "a" else "a"
+            loads = {first.worker: 1, idle: 0}
+            went = []
+            for i in range(16):
+                question = f"{doc} Question {i}?"
+                decision = policy.choose(question, loads, question)
+                went.append(decision.worker)
+                loads[decision.worker] += 1
+                if decision.worker == idle:
+                    break
+            assert went[0] == first.worker  # the first waits for the document where it is computed
+            assert (idle in went) == (share > 0), went
         finally:
             policy.close()
