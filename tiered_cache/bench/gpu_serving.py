@@ -83,8 +83,8 @@ def measure_serving(model: object, spec: KVSpec, n: int, rows: tuple[str, ...], 
     # Host RAM takes what the pool demotes (the filler's room at the low watermark after the fill,
     # then a prefix's worth a round), and for the host row the prompts too.
     demoted = (pool_prefixes + 3) // 4 + count + 2
-    prompts, out = _upper_rows(model, spec, n, rows, rounds, device, pool_prefixes, servers, recompute, progress,
-                               seed, count, demoted)
+    prompts, out = _upper_rows(model, spec, n, rows, lower, rounds, device, pool_prefixes, servers, recompute,
+                               progress, seed, count, demoted)
     # The upper cache's pool and host RAM go back before the readers' come: at long prompts both
     # would not fit beside each other (the device's memory, and the host's with the lower tiers).
     _release_memory()
@@ -116,12 +116,11 @@ def _release_memory() -> None:
         empty_host()
 
 
-def _upper_rows(model: object, spec: KVSpec, n: int, rows: tuple[str, ...], rounds: int, device: str,
-                pool_prefixes: int, servers: Servers, recompute: GpuRow, progress: Progress, seed: int,
+def _upper_rows(model: object, spec: KVSpec, n: int, rows: tuple[str, ...], lower: list[str], rounds: int,
+                device: str, pool_prefixes: int, servers: Servers, recompute: GpuRow, progress: Progress, seed: int,
                 count: int, demoted: int) -> tuple[Prompts, list[GpuRow]]:
-    """The prompts computed by the upper cache (and written below), and the device and host rows
-    read from it. Nothing of the upper cache outlives this call."""
-    lower = [r for r in rows if r not in ("device", "host")]
+    """The prompts computed by the upper cache (and written into the `lower` rows' tiers), and the
+    device and host rows read from it. Nothing of the upper cache outlives this call."""
     out = []
     with TieredCache(spec, serving_config(device, spec, n, pool_prefixes, count + demoted)) as upper:
         prompts = _compute(model, upper, spec, n, count, lower, servers, progress, seed)

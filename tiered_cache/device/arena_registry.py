@@ -180,15 +180,20 @@ def _cuda_registry(device: Any) -> ArenaRegistry:
         with torch.cuda.device(device):
             return call()
 
-    def forget_error() -> None:
-        # Torch binds no cudaGetLastError: one tiny kernel launch has torch's launch check read it
-        # (and so clear it), raising it here, where it is expected, instead of in the next op.
-        with torch.cuda.device(device), contextlib.suppress(RuntimeError):
-            torch.zeros(1, device=device)
-
     return ArenaRegistry(
         lambda address, size: on_device(lambda: int(cudart.cudaHostRegister(address, size, _READ_ONLY))),
-        lambda address: on_device(lambda: int(cudart.cudaHostUnregister(address))), forget_error, work.put)
+        lambda address: on_device(lambda: int(cudart.cudaHostUnregister(address))),
+        lambda: forget_cuda_error(device), work.put)
+
+
+def forget_cuda_error(device: Any) -> None:
+    """Clear the error a refused CUDA runtime call left behind. Torch binds no cudaGetLastError:
+    one tiny kernel launch has torch's launch check read it (and so clear it), raising it here,
+    where it is expected, instead of in the next op."""
+    import torch
+
+    with torch.cuda.device(device), contextlib.suppress(RuntimeError):
+        torch.zeros(1, device=device)
 
 
 _CUDA: ArenaRegistry | None = None

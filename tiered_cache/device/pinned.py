@@ -21,6 +21,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from tiered_cache.device.arena_registry import forget_cuda_error
 from tiered_cache.shm.advice import MADV_HUGEPAGE, madvise, map_address
 
 log = logging.getLogger(__name__)
@@ -78,11 +79,14 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype, register: Register 
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < LARGE_BYTES:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
-    if register is None or unregister is None:
+    cuda_runtime = register is None or unregister is None
+    if cuda_runtime:
         register, unregister = _cuda_calls()
     try:
         mapping = RegisteredMapping(nbytes, register, unregister)
     except PinRefused as refused:
+        if cuda_runtime:
+            forget_cuda_error(torch.cuda.current_device())  # else torch's next launch check raises it
         _log_refusal(nbytes, int(refused.args[0]))
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     raw = torch.from_numpy(np.asarray(mapping))  # the array's base is the mapping: kept alive with it

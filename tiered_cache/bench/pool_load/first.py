@@ -54,9 +54,7 @@ class FirstLoads:
 
     @property
     def fresh_pool_over_first(self) -> float:
-        """A copy into fresh pages of a pool like the reader's over the first load (nan: none taken)."""
-        if not self.fresh_pool_seconds:
-            return float("nan")
+        """A copy into fresh pages of a pool like the reader's over the first load."""
         return statistics.median(self.fresh_pool_seconds) / self.first_seconds
 
     @property
@@ -122,7 +120,8 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
         time.sleep(job["settle_s"])
         memcpy = [clock(lambda: dst.copy_(src))[0] for _ in range(job["count"])]
         fresh = [_fresh_copy(src) for _ in range(3)]
-        fresh_pool = [_fresh_pool_copy(mine[0].pages, cache.pool.num_pages) for _ in range(3)]
+        fresh_pool = [_fresh_pool_copy(mine[0].pages, prefixes.spec.pool_shape(cache.pool.num_pages))
+                      for _ in range(3)]
         return {"seconds": seconds, "memcpy_seconds": memcpy, "ready": ready, "up_s": up[0] if up else None,
                 "fresh_copy_seconds": fresh, "fresh_pool_seconds": fresh_pool}
     finally:
@@ -152,16 +151,16 @@ def _fresh_copy(src: Any) -> float:
     return took
 
 
-def _fresh_pool_copy(pages: Any, num_pages: int) -> float:
+def _fresh_pool_copy(pages: Any, pool_shape: tuple[int, ...]) -> float:
     """Seconds to copy page-first `pages` into the first pages of a never-touched pool tensor of
-    `num_pages` pages, laid out and allocated as `PagePool`'s (`empty_cpu`), one strided copy per
-    K/V and layer block as a load into pool pages writes them."""
+    `pool_shape` (`KVSpec.pool_shape`), allocated as `PagePool`'s (`empty_cpu`), one strided copy
+    per K/V and layer block as a load into pool pages writes them."""
     import torch
 
     from tiered_cache.device.memory import empty_cpu
 
     n = pages.shape[0]
-    kv = empty_cpu((2, pages.shape[1], num_pages, *pages.shape[3:]), pages.dtype)
+    kv = empty_cpu(pool_shape, pages.dtype)
     source = pages.permute(2, 1, 0, *range(3, pages.dim()))  # (n, L, 2, ...) -> (2, L, n, ...)
     start = time.perf_counter()
     with torch.inference_mode(False):
