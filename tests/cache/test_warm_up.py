@@ -72,6 +72,36 @@ def test_a_tier_that_fails_to_warm_up_is_skipped_and_the_next_warms():
     assert chain.locate([b"k" * 32]) == [0]
 
 
+def test_the_warm_up_returns_once_the_tiers_are_open_and_never_later_than_its_bound():
+    import time
+
+    from tiered_cache.cache.warm_up import warm_up_async
+
+    loads = type("NoLoads", (), {"warm": lambda self: None})()
+    warmed: list[bool] = []
+
+    class Slow(RamTier):
+        def warm(self) -> None:  # a connection that takes a while
+            time.sleep(0.3)
+            warmed.append(True)
+
+    thread = warm_up_async(TierChain([Slow(1 << 16)]), loads)
+    assert warmed == [True]  # open when it returned: a request made then does not open it
+
+    release = threading.Event()
+
+    class Stuck(RamTier):
+        def warm(self) -> None:  # a server that does not answer
+            release.wait(30)
+
+    started = time.monotonic()
+    thread = warm_up_async(TierChain([Stuck(1 << 16)]), loads, open_wait_s=0.2)
+    assert time.monotonic() - started < 5 and thread.is_alive()  # the constructor goes on; the tier opens later
+    release.set()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
 def test_the_pool_is_faulted_in_page_range_by_page_range_across_its_blocks(monkeypatch):
     import tiered_cache.device.memory as memory
 
@@ -86,6 +116,66 @@ def test_the_pool_is_faulted_in_page_range_by_page_range_across_its_blocks(monke
     # The first page range of every block comes before the second range of any block.
     first = [i for i, (a, _) in enumerate(calls) if (a - base) % block == 0]
     assert max(first) < min(i for i, (a, _) in enumerate(calls) if (a - base) % block == 4096)
+
+
+def test_the_pool_pretouch_steps_aside_before_every_blocks_range(monkeypatch):
+    # A range's first populate faults a whole huge page in each block: one step across all blocks
+    # is blocks x 2 MiB, so the thread looks for a request before each block's range, not per step.
+    import tiered_cache.device.memory as memory
+
+    events: list[object] = []
+    monkeypatch.setattr(memory, "_populate", lambda address, length: (events.append(address), True)[1])
+    tensor = torch.empty(2, 4, 8 * 1024, dtype=torch.uint8)  # 8 blocks of 8 KiB
+    thread = memory.PretouchThread(tensor, chunk_bytes=8 * 4096, blocks=8)
+    events.clear()
+    thread.yield_to = lambda: events.append("step")
+    thread.run()
+    assert len(events) == 2 * 16 and events[0::2] == ["step"] * 16  # 8 blocks x 2 ranges, each after a step
+
+
+def test_an_arena_maps_read_ahead_steps_aside_while_any_cache_of_the_process_serves_a_request(monkeypatch):
+    import struct
+
+    import tiered_cache.cache.warm_up as warm_up
+    from tiered_cache.cache.foreground import PROCESS, Foreground
+    from tiered_cache.shm import read_ahead
+
+    monkeypatch.setattr(warm_up, "_YIELD_S", 0.01)
+    monkeypatch.setattr(read_ahead, "step_aside", None)
+    loads = type("NoLoads", (), {"warm": lambda self: None})()
+    warm_up.warm_up_async(TierChain([]), loads).join(10)  # any cache's warm-up installs the hook
+    hook = read_ahead.step_aside
+    assert hook is not None
+    waits: list[bool] = []  # per chunk: whether a request was still running when its wait ended
+    monkeypatch.setattr(read_ahead, "step_aside", lambda: waits.append((hook(), not PROCESS.wait_idle(0))[1]))
+    monkeypatch.setattr(read_ahead, "_CHUNK_BYTES", 250)
+
+    class Owner:
+        raw = bytearray(64)
+
+    def run_read_ahead() -> int:
+        owner = Owner()
+        struct.pack_into("<Q", owner.raw, 40, 1000)  # a full ring of 1,000 bytes written
+        ahead = read_ahead.ReadAhead(owner, address=0, head_at=40, data_at=4096, capacity=1000, extra=(8, 16),
+                                     closed=lambda _: False)
+        advised: list[int] = []
+
+        def advise(offset: int, length: int) -> bool:
+            advised.append(length)
+            if sum(advised[1:]) >= 1000:
+                ahead._stopping.set()
+            return True
+
+        ahead._advise = advise
+        ahead.run()
+        return len(advised) - 1  # the data chunks (the index is not waited for)
+
+    other_cache = Foreground(PROCESS)  # a request of another cache in this process
+    with other_cache:
+        chunks = run_read_ahead()
+    assert chunks == 4 and waits == [True] * 4  # each chunk waited for the request
+    waits.clear()
+    assert run_read_ahead() == 4 and waits == [False] * 4  # no request: no wait
 
 
 def test_a_new_caches_pretouch_steps_aside_while_a_request_runs():

@@ -53,7 +53,7 @@ def test_a_range_that_wraps_round_the_ring_is_faulted_in_two_pieces():
 
     owner = type("Owner", (), {})()
     ahead = ReadAhead(owner, address=1 << 20, head_at=40, data_at=4096, capacity=1000, extra=(0, 0),
-                      closed=lambda _: False, backlog=300)
+                      closed=lambda _: False)
     calls: list[tuple[int, int]] = []
     ahead._advise = lambda offset, length: (calls.append((offset, length)), True)[1]
     assert ahead._advise_ring(900, 1050)  # 100 bytes to the ring's end, then 50 from its start
@@ -62,18 +62,20 @@ def test_a_range_that_wraps_round_the_ring_is_faulted_in_two_pieces():
     assert ahead._advise_ring(2100, 2200) and calls == [(4096 + 100, 100)]
 
 
-def test_the_newest_backlog_comes_first_then_the_rest_of_the_ring_newest_first():
+def test_what_was_written_before_the_map_is_faulted_in_newest_first_and_only_what_the_ring_holds(monkeypatch):
     import struct
 
+    from tiered_cache.shm import read_ahead
     from tiered_cache.shm.read_ahead import ReadAhead
 
     class Owner:
         raw = bytearray(64)
 
+    monkeypatch.setattr(read_ahead, "_CHUNK_BYTES", 300)
     owner = Owner()
     struct.pack_into("<Q", owner.raw, 40, 1500)  # the head: 1,500 bytes written into a ring of 1,000
     ahead = ReadAhead(owner, address=0, head_at=40, data_at=4096, capacity=1000, extra=(8, 16),
-                      closed=lambda _: False, backlog=300)
+                      closed=lambda _: False)
     spans: list[tuple[int, int]] = []
 
     def advise(offset: int, length: int) -> bool:
@@ -85,6 +87,44 @@ def test_the_newest_backlog_comes_first_then_the_rest_of_the_ring_newest_first()
     ahead._advise = advise
     ahead.run()
     assert spans[0] == (8, 16)  # the index, once
-    assert spans[1] == (4096 + 200, 300)  # positions 1,200-1,500 (offsets 200-500): the newest first
-    rest = sorted((o - 4096, o - 4096 + n) for o, n in spans[2:])
-    assert rest == [(0, 200), (500, 1000)]  # then what was written before (positions 500-1,200), no more
+    # Positions 1,200-1,500 (offsets 200-500) first, then 900-1,200 (400-500 and 0-200 round the
+    # ring's end), then 600-900, then 500-600: the newest first, nothing older than the ring holds.
+    assert spans[1:] == [(4096 + 200, 300), (4096 + 900, 100), (4096, 200), (4096 + 600, 300), (4096 + 500, 100)]
+
+
+def test_a_page_the_read_ahead_has_not_reached_is_mapped_in_one_call_before_it_is_read(monkeypatch):
+    from tiered_cache.shm import read_ahead
+    from tiered_cache.shm.read_ahead import MADV_POPULATE_READ, ReadAhead
+
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(read_ahead, "madvise",
+                        lambda address, length, advice: (calls.append((address, length, advice)), True)[1])
+    owner = type("Owner", (), {})()
+    ahead = ReadAhead(owner, address=1 << 20, head_at=40, data_at=4096, capacity=1000, extra=(0, 0),
+                      closed=lambda _: False)
+    ahead.fault_in(100, 50)
+    assert calls == []  # not known yet whether the kernel offers it: left to fault in
+    ahead._offered, ahead.mapped_from, ahead.mapped_to = True, 1200, 1500
+    ahead.fault_in(1300, 100)  # mapped already
+    assert calls == []
+    ahead.fault_in(1100, 150)  # partly before what is mapped: positions 1,100-1,250 are offsets 100-250
+    assert calls == [((1 << 20) + 4096 + 100, 150, MADV_POPULATE_READ)]
+    calls.clear()
+    ahead.fault_in(1950, 100)  # would cross the ring's end: left to fault in
+    assert calls == []
+
+
+def test_reading_a_page_through_a_new_map_faults_it_in_and_reads_it_right():
+    arena = Arena(16 * MIB, lease_s=0)
+    try:
+        arena.put([(i.to_bytes(32, "little"), bytes([i]) * MIB) for i in range(4)])
+        reader = ArenaMap(arena.path, arena.size, arena.id)
+        try:
+            reader._read_ahead.stop()  # as if it had stepped aside for a request
+            position, length = arena.refs([(2).to_bytes(32, "little")], lease=False)[0]
+            view = reader.view(position, length)
+            assert view is not None and bytes(view) == bytes([2]) * MIB
+        finally:
+            reader.close()
+    finally:
+        arena.close()

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tiered_cache.cache.arguments import as_namespace
-from tiered_cache.cache.foreground import Foreground
+from tiered_cache.cache.foreground import PROCESS, Foreground
 from tiered_cache.cache.handle import HOST
 from tiered_cache.cache.host_loads import HostLoads
 from tiered_cache.cache.ledger import PageLedger
@@ -58,7 +58,7 @@ class CacheCore:
         # One lock guards tree, pool and host RAM metadata (and host RAM copies, which are memory);
         # lower-tier I/O, encoding and decoding run outside it.
         self.lock = threading.RLock()
-        self.foreground = Foreground()
+        self.foreground = Foreground(PROCESS)
         self.moves = Movements()
         self.demotions_idle = threading.Event()  # set while no demotion is queued or running
         self.demotions_idle.set()

@@ -17,13 +17,18 @@ class Foreground:
     moment, bounded by a timeout so background work always progresses, keeps that off p99.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, process: Foreground | None = None) -> None:
+        """`process`: a Foreground counting every request of this process too (`PROCESS`), for
+        background work shared by the process's caches (an arena map's read-ahead)."""
+        self._process = process
         self._active = 0
         self._lock = threading.Lock()
         self._idle = threading.Event()
         self._idle.set()
 
     def __enter__(self) -> Foreground:
+        if self._process is not None:
+            self._process.__enter__()
         with self._lock:
             self._active += 1
             self._idle.clear()
@@ -34,11 +39,15 @@ class Foreground:
             self._active -= 1
             if not self._active:
                 self._idle.set()
+        if self._process is not None:
+            self._process.__exit__()
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no request is in progress or `timeout` passed; True if idle."""
         return self._idle.wait(timeout)
 
+
+PROCESS = Foreground()  # every request of every cache in this process (a cache's own counts here too)
 
 _F = TypeVar("_F", bound=Any)
 

@@ -76,8 +76,10 @@ class PretouchThread(threading.Thread):
         base = self._bytes.data_ptr()
         for start in range(0, block, step):
             length = min(step, block - start)
-            self._step_aside()
             for b in range(self._blocks):
+                # Before each block: a range's first populate faults in a whole huge page in each
+                # block, so a step across all of them is blocks x 2 MiB, not a chunk.
+                self._step_aside()
                 _populate(base + b * block + start, length)
 
     def _step_aside(self) -> None:

@@ -100,6 +100,7 @@ class ArenaMap:
         at = self._at(position, length)
         if at is None or not self.intact(position, length):
             return None
+        self._read_ahead.fault_in(position, length)  # one call where the read-ahead has not been
         return memoryview(self._map)[at:at + length]
 
     def find(self, keys: Sequence[bytes]) -> list[tuple[int, int]] | None:

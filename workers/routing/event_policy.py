@@ -26,7 +26,7 @@ import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tiered_cache.index.keys import chain_keys, root_key
@@ -131,7 +131,7 @@ class EventRoutingPolicy(RoutingPolicy):
         if prompt is None or self._tokenizer is None or not all(
                 w in self._identity and self.events.fresh(w) for w in loads):
             self.fallbacks += 1
-            return self.fallback.choose(text, loads)
+            return self._pending_fallback(self.fallback.choose(text, loads), prompt, chat, namespace)
         ids = self._encode(prompt, chat)
         rate = self.arrivals.per_s()
         keyed: dict[tuple[str, str, int], list[bytes]] = {}
@@ -181,6 +181,23 @@ class EventRoutingPolicy(RoutingPolicy):
             self._pending[best[2]][ticket] = chosen
         return Decision(best[2], "events", cached, split, wait_s=ahead, ticket=ticket)
 
+    def _pending_fallback(self, decision: Decision, prompt: Prompt | None, chat: bool,
+                          namespace: str | None) -> Decision:
+        """`decision`, the prefix policy's, kept among the worker's pending requests where its
+        prompt can be keyed (events not yet fresh: a deployment's first requests): the next request
+        on the same prefix then sees it coming there, and its cost, as for a decision of ours."""
+        identity = self._identity.get(decision.worker)
+        if prompt is None or self._tokenizer is None or identity is None:
+            return decision
+        fingerprint, own_namespace, page = identity
+        ids = self._encode(prompt, chat)
+        keys = chain_keys(ids, page, root_key(own_namespace if namespace is None else namespace, fingerprint))
+        cost = self.estimate.seconds(len(ids), 0, 0, 0) + (0.0 if self.batching else self.estimate.decode_s)
+        ticket = next(self._tickets)
+        with self._pending_lock:
+            self._pending[decision.worker][ticket] = Pending(keys, cost)
+        return replace(decision, ticket=ticket)
+
     def _ahead_s(self, pending: Sequence[Pending]) -> float:
         """The work ahead of a request sent where `pending` are. One at a time: every request
         there, whole. Batching: the prefills without a first token yet, whole (a prefill is not
@@ -196,8 +213,8 @@ class EventRoutingPolicy(RoutingPolicy):
     def finished(self, worker: str, decision: Decision) -> None:
         """A request routed by `decision` to `worker` was answered (or failed): its pages are told
         by events now."""
-        if decision.reason != "events":
-            return
+        if not decision.ticket:
+            return  # not kept among the pending (a fallback's without a prompt)
         with self._pending_lock:
             self._pending.get(worker, {}).pop(decision.ticket, None)
 

@@ -36,7 +36,7 @@ class Decision:
     # in the store (a router that sees no per-tier split in answers learns the store's cost by them).
     expected: tuple[int, int, int] = (0, 0, 0)
     wait_s: float = 0.0  # under "events": the work the router expected ahead of it on the worker
-    ticket: int = 0  # under "events": names the request among the worker's pending ones
+    ticket: int = 0  # the event policy: names the request among the worker's pending ones (0: not kept)
 
     @property
     def unit(self) -> str:

@@ -310,6 +310,31 @@ def test_a_prompt_already_on_its_way_to_a_worker_counts_as_cached_there(tokenize
             policy.close()
 
 
+def test_a_deployments_first_request_routed_before_events_are_fresh_still_counts_as_on_its_way(tokenizer,
+                                                                                               monkeypatch):
+    """The first request of a deployment goes by the prefix policy (no heartbeat yet); a second
+    question on its document then finds it coming on that worker, as for a decision of ours."""
+    with _cache() as a, _cache() as b:
+        policy = _policy()
+        try:
+            _join(policy, a, b)
+            _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+            with monkeypatch.context() as starting:  # the moment before the first heartbeats came
+                starting.setattr(policy.events, "fresh", lambda worker: False)
+                first = policy.choose(DOCS[1], {"a": 0, "b": 0}, DOCS[1])
+            assert first.reason != "events" and policy.fallbacks == 1
+            other = "b" if first.worker == "a" else "a"
+            second = policy.choose(DOCS[1] + " Another question?", {first.worker: 1, other: 0},
+                                   DOCS[1] + " Another question?")
+            assert second.worker == first.worker and second.matched > 0
+            policy.finished(first.worker, first)
+            policy.finished(second.worker, second)
+            third = policy.choose(DOCS[1], {first.worker: 1, other: 0}, DOCS[1])  # nothing stored: the idle one
+            assert third.worker == other
+        finally:
+            policy.close()
+
+
 @pytest.mark.parametrize("share", [0.1, 0.0])
 def test_questions_piling_on_a_documents_holder_spill_to_the_idle_worker(tokenizer, share):
     """A batching engine: questions on one new document arrive faster than its prefill ends. The

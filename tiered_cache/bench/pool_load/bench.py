@@ -22,7 +22,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -176,7 +175,7 @@ def render(rows: list[PoolLoadRow]) -> str:
                  f"{r.first.first_over_steady:.2f}x", f"{r.first.memcpy_first_over_steady:.2f}x") if r.first else \
             ("-", "-", "-")
         built = r.just_built
-        just_built = (f"{ms(built.first_seconds)} / {ms(statistics.median(built.fresh_copy_seconds))}",
+        just_built = (f"{ms(built.first_seconds)} / {ms(built.fresh_copy_seconds[0])}",
                       f"{built.fresh_over_first:.2f}x", f"{built.fresh_pool_over_first:.2f}x") if built else \
             ("-", "-", "-")
         table.append([r.label, ms(s.seconds), f"{r.nbytes / s.seconds / 1e9:,.2f} GB/s", r.baseline_name,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_cache.bench.pool_load.prefixes import Prefixes
-from tiered_cache.bench.pool_load.serving import check_pool, clock, load, reader
+from tiered_cache.bench.pool_load.serving import check_pool, clock, load, reader, reader_pool_pages
 from tiered_cache.bench.pool_load.sites import Way
 
 
@@ -41,7 +41,9 @@ class FirstLoads:
     memcpy_steady_seconds: list[float]
     ready: bool = True  # the cache had come up (`TieredCache.warming` ended) by its first load
     up_s: float | None = None  # when it had, from its construction (None: not by the end of the run)
-    fresh_copy_seconds: list[float] = field(default_factory=list)  # memcpy into never-touched memory
+    # A memcpy into never-touched memory: the first a moment before the cache was built (the
+    # baseline), the rest once its warm-up had ended.
+    fresh_copy_seconds: list[float] = field(default_factory=list)
     # The same pages into never-touched pages of a pool as the reader's (layer-first: each page a
     # slice of every K/V and layer block, the memory asked for huge pages): its own first touch.
     fresh_pool_seconds: list[float] = field(default_factory=list)
@@ -50,12 +52,12 @@ class FirstLoads:
     def fresh_over_first(self) -> float:
         """A copy into fresh memory over the first load: 1x, the load pays only what its memory
         costs; below, something else (connections, threads, maps made then) is on its path."""
-        return statistics.median(self.fresh_copy_seconds) / self.first_seconds
+        return self.fresh_copy_seconds[0] / self.first_seconds
 
     @property
     def fresh_pool_over_first(self) -> float:
         """A copy into fresh pages of a pool like the reader's over the first load."""
-        return statistics.median(self.fresh_pool_seconds) / self.first_seconds
+        return self.fresh_pool_seconds[0] / self.first_seconds
 
     @property
     def steady(self) -> float:
@@ -97,6 +99,15 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     for prefix in mine:  # the bench's own work (the pool check needs the pages): before the cache
         prefix.pages  # noqa: B018
     room = job["count"] + 1  # an instance that just started: its pool and host RAM have room
+    src = torch.ones(prefixes.nbytes, dtype=torch.uint8)
+    pool_shape = prefixes.spec.pool_shape(reader_pool_pages(prefixes, room))
+    # The baselines a moment before the cache is built, into memory held to the end: fresh memory
+    # drawn from the same free memory, at the same moment, as the reader's pages (on a VM that
+    # hands freed memory back to its host, first touches cost several times more some minutes
+    # than others).
+    held: list[Any] = []
+    fresh = [_fresh_copy(src, held)]
+    fresh_pool = [_fresh_pool_copy(mine[0].pages, pool_shape, held)]
     started = time.monotonic()
     cache = reader(prefixes, job["settings"], room, room)
     up: list[float] = []  # when the cache had come up, from its construction
@@ -115,22 +126,26 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
             del placed
             seconds.append(took)
         # The machine's own first-after-idle cost: a memcpy of the same bytes, after the same pause.
-        src, dst = torch.ones(prefixes.nbytes, dtype=torch.uint8), torch.zeros(prefixes.nbytes, dtype=torch.uint8)
+        dst = torch.zeros(prefixes.nbytes, dtype=torch.uint8)
         dst.copy_(src)
         time.sleep(job["settle_s"])
         memcpy = [clock(lambda: dst.copy_(src))[0] for _ in range(job["count"])]
-        fresh = [_fresh_copy(src) for _ in range(3)]
-        fresh_pool = [_fresh_pool_copy(mine[0].pages, prefixes.spec.pool_shape(cache.pool.num_pages))
-                      for _ in range(3)]
+        # Then the same copies once the cache's warm-up has ended (it steps aside for requests,
+        # not for these): beside the first ones in the JSON, not in the ratios.
+        cache.warming.join(timeout=120)
+        held.clear()
+        fresh += [_fresh_copy(src) for _ in range(2)]
+        fresh_pool += [_fresh_pool_copy(mine[0].pages, pool_shape) for _ in range(2)]
         return {"seconds": seconds, "memcpy_seconds": memcpy, "ready": ready, "up_s": up[0] if up else None,
                 "fresh_copy_seconds": fresh, "fresh_pool_seconds": fresh_pool}
     finally:
         cache.close()
 
 
-def _fresh_copy(src: Any) -> float:
+def _fresh_copy(src: Any, held: list[Any] | None = None) -> float:
     """Seconds to copy `src` into memory never touched before, asked for huge pages as a pool's
-    is (device/memory.py: `empty_cpu`): its own mapping, so no freed memory is reused."""
+    is (device/memory.py: `empty_cpu`): its own private mapping, so no freed memory is reused (a
+    shared one would be shmem, faulted 4 KiB at a time where shmem huge pages are off)."""
     import mmap
 
     import torch
@@ -138,23 +153,28 @@ def _fresh_copy(src: Any) -> float:
     from tiered_cache.shm.advice import MADV_HUGEPAGE, madvise
 
     flat = src.view(torch.uint8).reshape(-1)
-    fresh = mmap.mmap(-1, flat.numel())
+    fresh = mmap.mmap(-1, flat.numel(), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         dst = torch.frombuffer(fresh, dtype=torch.uint8)
         madvise(dst.data_ptr(), flat.numel(), MADV_HUGEPAGE)
         start = time.perf_counter()
         dst.copy_(flat)
         took = time.perf_counter() - start
+        if held is not None:
+            held.append(dst)  # the tensor keeps the map open
+            return took
         del dst  # the map's buffer is free to close
     finally:
-        fresh.close()
+        if held is None:
+            fresh.close()
     return took
 
 
-def _fresh_pool_copy(pages: Any, pool_shape: tuple[int, ...]) -> float:
+def _fresh_pool_copy(pages: Any, pool_shape: tuple[int, ...], held: list[Any] | None = None) -> float:
     """Seconds to copy page-first `pages` into the first pages of a never-touched pool tensor of
     `pool_shape` (`KVSpec.pool_shape`), allocated as `PagePool`'s (`empty_cpu`), one strided copy
-    per K/V and layer block as a load into pool pages writes them."""
+    per K/V and layer block as a load into pool pages writes them. With `held`, the pool is kept
+    there."""
     import torch
 
     from tiered_cache.device.memory import empty_cpu
@@ -166,7 +186,8 @@ def _fresh_pool_copy(pages: Any, pool_shape: tuple[int, ...]) -> float:
     with torch.inference_mode(False):
         kv[:, :, :n].copy_(source)
     took = time.perf_counter() - start
-    del kv
+    if held is not None:
+        held.append(kv)
     return took
 
 

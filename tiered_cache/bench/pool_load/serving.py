@@ -54,9 +54,14 @@ def reader(prefixes: Prefixes, settings: dict[str, Any], pool_prefixes: int, hos
     from tiered_cache.config import CacheConfig
 
     page = prefixes.spec.bytes_per_page
-    config = CacheConfig(namespace=NAMESPACE, pool_capacity=pool_prefixes * prefixes.nbytes + 4 * page,
+    config = CacheConfig(namespace=NAMESPACE, pool_capacity=reader_pool_pages(prefixes, pool_prefixes) * page,
                          host_capacity=host_prefixes * prefixes.nbytes + 4 * page, **settings)
     return TieredCache(prefixes.spec, config)
+
+
+def reader_pool_pages(prefixes: Prefixes, pool_prefixes: int) -> int:
+    """The pages of a `reader`'s pool holding `pool_prefixes` prefixes (and a few spare)."""
+    return pool_prefixes * prefixes.num_pages + 4
 
 
 def serving_rounds(site: Site, prefixes: Prefixes, rounds: int, pool_prefixes: int) -> dict[Way, Timed]:
