@@ -114,15 +114,22 @@ def test_a_page_the_read_ahead_has_not_reached_is_mapped_in_one_call_before_it_i
     assert calls == []
 
 
-def test_reading_a_page_through_a_new_map_faults_it_in_and_reads_it_right():
+def test_a_view_of_a_page_the_read_ahead_has_not_reached_maps_it_and_reads_it_right():
     arena = Arena(16 * MIB, lease_s=0)
     try:
-        arena.put([(i.to_bytes(32, "little"), bytes([i]) * MIB) for i in range(4)])
-        reader = ArenaMap(arena.path, arena.size, arena.id)
+        reader = ArenaMap(arena.path, arena.size, arena.id)  # nothing written yet: nothing to map
         try:
-            reader._read_ahead.stop()  # as if it had stepped aside for a request
+            ahead = reader._read_ahead
+            ahead.stop()  # as if it had stepped aside for a request
+            ahead._offered, ahead.mapped_from, ahead.mapped_to = True, 0, 0
+            arena.put([(i.to_bytes(32, "little"), bytes([i]) * MIB) for i in range(4)])
+            address, index = reader.address(), reader.size - reader.index_at
+            before = mapped_bytes(address)
+            assert before < MIB + index  # the data is not mapped yet
             position, length = arena.refs([(2).to_bytes(32, "little")], lease=False)[0]
+            ahead._stopping.clear()  # open again: a view may map it now
             view = reader.view(position, length)
+            assert mapped_bytes(address) >= before + length  # mapped by the view, before any byte is read
             assert view is not None and bytes(view) == bytes([2]) * MIB
         finally:
             reader.close()

@@ -27,6 +27,7 @@ _CHUNK_BYTES = 4 * 2**20
 _OS_PAGE = mmap.PAGESIZE
 ZERO_FILL_BYTES = 2**20
 HUGEPAGE_MIN_BYTES = 4 * 2**20
+_HUGE_PAGE = 2 * 2**20  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
 
 class PretouchThread(threading.Thread):
@@ -77,10 +78,13 @@ class PretouchThread(threading.Thread):
         for start in range(0, block, step):
             length = min(step, block - start)
             for b in range(self._blocks):
-                # Before each block: a range's first populate faults in a whole huge page in each
-                # block, so a step across all of them is blocks x 2 MiB, not a chunk.
-                self._step_aside()
-                _populate(base + b * block + start, length)
+                address = base + b * block + start
+                # Before each block's range that reaches a huge page not touched yet: it faults in
+                # a whole one, so a step across all blocks would be blocks x 2 MiB, not a chunk;
+                # the ranges within a touched huge page cost next to nothing.
+                if (address + length - 1) // _HUGE_PAGE != (address - 1) // _HUGE_PAGE:
+                    self._step_aside()
+                _populate(address, length)
 
     def _step_aside(self) -> None:
         yield_to = self.yield_to

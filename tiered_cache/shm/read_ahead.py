@@ -60,14 +60,16 @@ class ReadAhead(threading.Thread):
             return
         # [oldest, older): written before and not yet mapped, mapped from `older` down (the newest
         # first: what a reader is likeliest to ask for next); [mapped_to, head): written since.
-        self.mapped_to = self.mapped_from = older = head
+        self.mapped_from = self.mapped_to = older = head
         oldest = max(0, head - self._capacity)  # what the ring still holds (it grows as the head moves)
         while not self._stopping.is_set():
             head = self._head()
             if head is None:
                 return
-            while self.mapped_to < head and not self._stopping.is_set():  # what is written now comes first
-                stop = min(head, self.mapped_to + _CHUNK_BYTES)
+            # What is written now comes first; what a lap of the ring wrote over is skipped.
+            self.mapped_to = max(self.mapped_to, head - self._capacity)
+            while self.mapped_to < head and not self._stopping.is_set():
+                stop = min(head, self.mapped_to + min(_CHUNK_BYTES, self._capacity))
                 if not self._advise_ring(self.mapped_to, stop):
                     return
                 self.mapped_to = stop
@@ -100,8 +102,13 @@ class ReadAhead(threading.Thread):
         if not self._offered or (self.mapped_from <= position and position + length <= self.mapped_to):
             return
         offset = position % self._capacity
-        if offset + length <= self._capacity:
-            madvise(self._address + self._data_at + offset, length, MADV_POPULATE_READ)
+        if offset + length > self._capacity or not self._chunk_lock.acquire(blocking=False):
+            return  # mid-chunk: the thread may be closing the map; the page faults in on its own
+        try:
+            if not self._stopping.is_set():  # the map is open: no madvise outlives it
+                madvise(self._address + self._data_at + offset, length, MADV_POPULATE_READ)
+        finally:
+            self._chunk_lock.release()
 
     def _head(self) -> int | None:
         owner = self._owner()

@@ -190,8 +190,11 @@ class EventRoutingPolicy(RoutingPolicy):
         if prompt is None or self._tokenizer is None or identity is None:
             return decision
         fingerprint, own_namespace, page = identity
-        ids = self._encode(prompt, chat)
-        keys = chain_keys(ids, page, root_key(own_namespace if namespace is None else namespace, fingerprint))
+        try:
+            ids = self._encode(prompt, chat)
+            keys = chain_keys(ids, page, root_key(own_namespace if namespace is None else namespace, fingerprint))
+        except Exception:  # the fallback routes what cannot be keyed, as it always did
+            return decision
         cost = self.estimate.seconds(len(ids), 0, 0, 0) + (0.0 if self.batching else self.estimate.decode_s)
         ticket = next(self._tickets)
         with self._pending_lock:

@@ -326,7 +326,7 @@ def test_a_deployments_first_request_routed_before_events_are_fresh_still_counts
             other = "b" if first.worker == "a" else "a"
             second = policy.choose(DOCS[1] + " Another question?", {first.worker: 1, other: 0},
                                    DOCS[1] + " Another question?")
-            assert second.worker == first.worker and second.matched > 0
+            assert second.reason == "events" and second.worker == first.worker and second.matched > 0
             policy.finished(first.worker, first)
             policy.finished(second.worker, second)
             third = policy.choose(DOCS[1], {first.worker: 1, other: 0}, DOCS[1])  # nothing stored: the idle one
