@@ -20,7 +20,6 @@ pytestmark = pytest.mark.slow
 NAMESPACE = "walk"
 
 
-@pytest.mark.long  # the whole walk takes ~40 s of the suite's 10 minutes: make test-long (CI runs it)
 def test_the_cluster_commands_start_use_report_and_stop(ray_cluster, tmp_path):
     where = ["--address", ray_cluster.address, "--namespace", NAMESPACE]
     ray.shutdown()  # the commands join the cluster themselves, in the walk's namespace
