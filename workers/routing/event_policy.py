@@ -176,10 +176,15 @@ class EventRoutingPolicy(RoutingPolicy):
                 split = (held.device * page, held.host * page, held.store * page)
         assert best is not None
         self.fallback.observe(best[2], [text])  # kept warm for when events stop
+        ticket = self._keep_pending(best[2], chosen)
+        return Decision(best[2], "events", cached, split, wait_s=ahead, ticket=ticket)
+
+    def _keep_pending(self, worker: str, pending: Pending) -> int:
+        """Count `pending` on `worker` until `finished`; its ticket."""
         ticket = next(self._tickets)
         with self._pending_lock:
-            self._pending[best[2]][ticket] = chosen
-        return Decision(best[2], "events", cached, split, wait_s=ahead, ticket=ticket)
+            self._pending[worker][ticket] = pending
+        return ticket
 
     def _pending_fallback(self, decision: Decision, prompt: Prompt | None, chat: bool,
                           namespace: str | None) -> Decision:
@@ -196,10 +201,7 @@ class EventRoutingPolicy(RoutingPolicy):
         except Exception:  # the fallback routes what cannot be keyed, as it always did
             return decision
         cost = self.estimate.seconds(len(ids), 0, 0, 0) + (0.0 if self.batching else self.estimate.decode_s)
-        ticket = next(self._tickets)
-        with self._pending_lock:
-            self._pending[decision.worker][ticket] = Pending(keys, cost)
-        return replace(decision, ticket=ticket)
+        return replace(decision, ticket=self._keep_pending(decision.worker, Pending(keys, cost)))
 
     def _ahead_s(self, pending: Sequence[Pending]) -> float:
         """The work ahead of a request sent where `pending` are. One at a time: every request

@@ -154,19 +154,13 @@ def _fresh_copy(src: Any, held: list[Any] | None = None) -> float:
 
     flat = src.view(torch.uint8).reshape(-1)
     fresh = mmap.mmap(-1, flat.numel(), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        dst = torch.frombuffer(fresh, dtype=torch.uint8)
-        madvise(dst.data_ptr(), flat.numel(), MADV_HUGEPAGE)
-        start = time.perf_counter()
-        dst.copy_(flat)
-        took = time.perf_counter() - start
-        if held is not None:
-            held.append(dst)  # the tensor keeps the map open
-            return took
-        del dst  # the map's buffer is free to close
-    finally:
-        if held is None:
-            fresh.close()
+    dst = torch.frombuffer(fresh, dtype=torch.uint8)  # keeps the map open while it lives
+    madvise(dst.data_ptr(), flat.numel(), MADV_HUGEPAGE)
+    start = time.perf_counter()
+    dst.copy_(flat)
+    took = time.perf_counter() - start
+    if held is not None:
+        held.append(dst)
     return took
 
 
