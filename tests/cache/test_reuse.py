@@ -146,6 +146,23 @@ def test_a_rate_from_one_size_of_load_says_where_it_is_a_guess_and_stays_pessimi
     assert fit.estimate().known_up_to == PAGE_BYTES
 
 
+def test_a_bulk_load_faster_than_a_slow_small_first_one_is_priced_near_what_it_took():
+    # A first load of one page slowed by connecting (65 ms), then sixteen pages in 16 ms: a
+    # bigger load no slower than a smaller one fits no latency; priced by the samples' mean
+    # rate, the sixteen pages would cost four times what they took, and a fast tier would stay
+    # skipped after the probe that measured it.
+    fit = RateEstimator()
+    fit.add(PAGE_BYTES, 0.065)
+    fit.add(16 * PAGE_BYTES, 0.016)
+    rate = fit.estimate()
+    assert rate.latency_s == 0 and rate.known_up_to == 16 * PAGE_BYTES
+    assert rate.seconds(16 * PAGE_BYTES) < 1.5 * 0.016
+    one_size = RateEstimator()  # of one size, the mean rate, as before
+    for seconds in (0.010, 0.030):
+        one_size.add(PAGE_BYTES, seconds)
+    assert one_size.estimate().per_s == pytest.approx(PAGE_BYTES * 1.75 / (0.75 * 0.010 + 0.030))
+
+
 def test_a_probe_for_an_extrapolated_estimate_is_due_at_once_but_not_twice_a_second():
     estimates = ReuseEstimates(prefill_tokens_per_s=PREFILL)
     estimates.observe_load("remote", PAGE_BYTES, 0.05)

@@ -370,10 +370,11 @@ def test_chaos_a_worker_killed_mid_request_the_router_answers_from_another(actor
     extra = cluster.start_worker("worker-2", config, resources={"node0": 1})
     ray.get(extra.ping.remote(), timeout=300)
     wait_for(lambda: "worker-2" in ray.get(router.stats.remote())["workers"], what="the router to see worker-2")
-    before = ray.get(router.stats.remote())["failures"]
+    stats = ray.get(router.stats.remote())
+    before, idle = stats["failures"], stats["in_flight"]  # a test before may still have a request in flight
     prompt = question("Describe the keeper's day.", "An unrelated text about gardens. " * 60)
     pending = router.generate.remote(prompt, 48)
-    busy = wait_for(lambda: [w for w, n in ray.get(router.stats.remote())["in_flight"].items() if n > 0],
+    busy = wait_for(lambda: [w for w, n in ray.get(router.stats.remote())["in_flight"].items() if n > idle.get(w, 0)],
                     timeout_s=60, what="the request to reach a worker")
     victim = busy[0]
     ray.kill(ray.get_actor(victim), no_restart=True)  # mid-request: it is generating

@@ -20,11 +20,12 @@ few slow pages between fast ones are loaded when the fast ones after them pay fo
 The estimates: `RateEstimator` fits `seconds = latency + amount / rate` to recent samples, each
 sample weighing (1 - alpha) less per newer one. A latency is fitted only when the samples differ
 enough in size to tell it from the rate (gRPC and Redis calls pay a fixed cost per call, which
-makes a one-page load look many times slower per byte than a big one); otherwise it is 0 and the rate
-is total amount over total seconds. Past the largest amount measured that is a guess, and a
-pessimistic one (`Rate.known_up_to`: a first load of one page, mostly round trip, prices many
-pages at many round trips): the request still recomputes them (never slower than recompute on a
-guess), and the reuse policy gets those pages from the tier aside at once, so the next plan knows it.
+makes a one-page load look many times slower per byte than a big one); otherwise it is 0 and the
+rate is fitted through the origin (of one size: total amount over total seconds). Past the largest
+amount measured that is a guess, and a pessimistic one (`Rate.known_up_to`: a first load of one
+page, mostly round trip, prices many pages at many round trips): the request still recomputes them
+(never slower than recompute on a guess), and the reuse policy gets those pages from the tier
+aside at once, so the next plan knows it.
 The prefill rate is estimated apart, robustly (`prefill_estimate.py`: medians over the last
 forwards), since a busy spell or a short suffix must not move it far.
 
@@ -60,7 +61,7 @@ class Rate:
     """A fitted cost: `latency_s` per call plus `amount / per_s` (bytes or tokens).
 
     `known_up_to`: the largest amount the fit saw, where no latency could be fitted (samples of
-    one size; infinite where one was). Such a rate is total amount over total seconds, latency
+    one size; infinite where one was). Such a rate is fitted through the origin, latency
     included, so past `known_up_to` it may overstate what a bigger call costs: a first load of
     one page, mostly round trip, prices a hundred pages at a hundred round trips. `seconds` still
     prices them so (pessimistic: a request never waits for a load on a guess), and the reuse
@@ -121,9 +122,12 @@ class RateEstimator:
             latency = my - slope * mx
             if latency >= 0:
                 return Rate(1.0 / slope, latency)
-        # Samples of one size (or a fit with a negative latency, which noise gives): no latency,
-        # so what a larger call costs is a guess (Rate.known_up_to).
-        return Rate(mx / my, known_up_to=self.largest)
+        # Samples of one size, a bigger call no slower than a smaller one, or a negative latency
+        # (noise gives these): no latency, so what a larger call costs is a guess
+        # (Rate.known_up_to). The rate is fitted through the origin, where bigger calls weigh
+        # more: a small call slowed once (connecting) does not price a fast bulk load as slow.
+        # Of one size this is the mean rate.
+        return Rate(self._xx / self._xy, known_up_to=self.largest)
 
 
 @dataclass(frozen=True)
