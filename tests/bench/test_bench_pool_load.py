@@ -31,6 +31,7 @@ def test_every_path_loads_new_prefixes_into_a_full_pool_beside_its_limit(tmp_pat
         first = row.first  # the reader process: a first load and three steady ones, and memcpy's
         assert first is not None and first.first_seconds > 0 and len(first.steady_seconds) == 3
         assert first.memcpy_first_seconds > 0 and len(first.memcpy_steady_seconds) == 3
+        assert len(first.limit_seconds) == 4 and first.limit_first_over_steady > 0  # the limit after the pause
         assert isinstance(first.ready, bool)
         built = row.just_built  # a reader loading right after it is built, beside copies into fresh memory
         assert built is not None and built.settle_s == 0 and built.first_seconds > 0

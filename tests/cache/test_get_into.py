@@ -133,6 +133,46 @@ def test_disk_get_into_is_byte_exact_and_refuses_bad_files(tmp_path, monkeypatch
     disk.close()
 
 
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_warm_disk_tier_reads_into_a_pool_through_buffers_it_made_before(tmp_path, monkeypatch, threaded):
+    # A page read into a CPU pool goes through a page-sized buffer: made on the first read, it
+    # costs a page of fresh memory on the request's path. A reopened folder's warm-up makes them
+    # (one per reader thread and one for a caller reading itself), whichever thread reads then.
+    if threaded:
+        monkeypatch.setattr(disk_module, "_THREADED_BYTES", 0)
+    writer = DiskTier(tmp_path, "1MiB")
+    writer.put(items())
+    writer.close()
+    disk = DiskTier(tmp_path, "1MiB")
+    try:
+        assert disk.files.buffers.made == 0
+        disk.warm()
+        made = disk.files.buffers.made
+        assert made >= 2
+        for _ in range(3):  # from this thread (a small call) or the reader threads, again and again
+            dests, _ = destinations("pool")
+            assert_pages(dests, disk.get_into(keys_for(N), dests, SPEC), [True] * N)
+        assert disk.files.buffers.made == made  # none made on a read
+    finally:
+        disk.close()
+
+
+def test_read_buffers_hand_back_the_last_one_given_and_keep_at_most_their_bound():
+    from tiered_cache.tiers.read_buffers import ReadBuffers
+
+    buffers = ReadBuffers(keep=2)
+    buffers.make(3, 100)
+    assert buffers.made == 2  # never more than kept
+    a, b = buffers.take(100), buffers.take(50)
+    c = buffers.take(100)  # none left: made
+    assert buffers.made == 3 and len({id(a), id(b), id(c)}) == 3
+    for buffer in (a, b, c):
+        buffers.give_back(buffer)  # the third is not kept
+    assert buffers.take(100) is b
+    assert len(buffers.take(200)) == 200 and buffers.made == 4  # too small ones are passed over
+    assert buffers.take(10) is a
+
+
 @pytest.mark.parametrize("kind", ["staging", "pool"])
 def test_redis_get_into_is_byte_exact_and_refuses_bad_blobs(redis_server, redis_prefix, kind):
     tier = RedisTier(redis_server.url, prefix=redis_prefix)

@@ -58,6 +58,7 @@ class DiskTier:
         self.on_evict = on_evict
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, least recent first
         self.used = 0
+        self.largest = 0  # the largest file indexed since start: what a read buffer is made for
         self._stats = TierStats(self.name, capacity_bytes=self.capacity)
         self._readers: ThreadPoolExecutor | None = None  # get_into's, started by `warm` or on first use
         self._start_lock = threading.Lock()
@@ -78,6 +79,7 @@ class DiskTier:
         for key, size in found:
             self.index[key] = size
             self.used += size
+            self.largest = max(self.largest, size)
         self._bound_by_filesystem()
         self._evict_to(self.capacity)
 
@@ -157,6 +159,7 @@ class DiskTier:
             if not self._store(key, blob, room):
                 continue
             self.index[key] = len(blob)
+            self.largest = max(self.largest, len(blob))
             self.used += len(blob)
             self._stats.bytes_in += len(blob)
             stored += 1
@@ -174,9 +177,13 @@ class DiskTier:
         return self._stats
 
     def warm(self) -> None:
-        """Start the reader threads now, not on the first large read."""
+        """Start the reader threads now, not on the first large read, and make the buffers page
+        files are read through (one per reader thread and one for a caller reading a small call
+        itself), as large as the largest file here."""
         readers = self._reader_threads()
         wait([readers.submit(time.sleep, 0.01) for _ in range(checker_threads())])
+        if self.largest:
+            self.files.buffers.make(checker_threads() + 1, self.largest + 1)  # + 1: a read asks one byte past
 
     def _reader_threads(self) -> ThreadPoolExecutor:
         with self._start_lock:

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import enum
 import os
-import threading
 import uuid
 from pathlib import Path
 
 from tiered_cache.model.spec import KVSpec
+from tiered_cache.tiers.read_buffers import ReadBuffers
 from tiered_cache.wire.codec import (
     HEADER_BYTES,
     BlobError,
@@ -35,6 +35,7 @@ from tiered_cache.wire.codec import (
 FOLDER_MODE = 0o700
 FILE_MODE = 0o600
 _TMP_SUFFIX = ".tmp"
+_KEPT_BUFFERS = 16  # read buffers kept between reads: more than the threads that read at once
 
 
 def make_private_folder(path: str | Path) -> Path:
@@ -80,7 +81,7 @@ class PageFiles:
     def __init__(self, root: str | Path, fsync: bool = True) -> None:
         self.root = make_private_folder(root)
         self.fsync = fsync
-        self._scratch = threading.local()  # a reused blob-sized buffer per reading thread
+        self.buffers = ReadBuffers(_KEPT_BUFFERS)  # what a file is read through into strided pages
 
     def path(self, key: bytes) -> Path:
         """The file that holds (or would hold) `key`'s blob."""
@@ -142,7 +143,7 @@ class PageFiles:
         A raw blob into a contiguous destination (a staging row): header, payload and trailer
         read apart by one `os.preadv`, the payload straight into `dest`, the checksum computed
         where the bytes lie. Anything else (a page's strided blocks in a CPU pool, a compressed
-        blob): the file into this thread's reused buffer, which stays in cache, checked there,
+        blob): the file into a reused buffer (`ReadBuffers`), which stays in cache, checked there,
         then one copy or decode into `dest` (a preadv scattered straight over a pool page's 64
         blocks is slower than this: docs/PERFORMANCE.md, "Issue 33, item 3")."""
         try:
@@ -161,9 +162,12 @@ class PageFiles:
                     raise BlobError(f"page file holds {got} bytes, expected {size}")
                 check_raw_pieces(header, flat, trailer, spec, key)
             else:
-                scratch = self._scratch_for(size + 1)
-                got = os.preadv(fd, [scratch[:size + 1]], 0)
-                decode_into(scratch[:got], spec, key, dest)
+                scratch = self.buffers.take(size + 1)
+                try:
+                    got = os.preadv(fd, [scratch[:size + 1]], 0)
+                    decode_into(scratch[:got], spec, key, dest)
+                finally:
+                    self.buffers.give_back(scratch)
             return PageRead.ARRIVED
         except BlobError:
             return PageRead.CORRUPT
@@ -171,13 +175,6 @@ class PageFiles:
             return PageRead.ERROR
         finally:
             os.close(fd)
-
-    def _scratch_for(self, nbytes: int) -> memoryview:
-        """This thread's reused buffer, at least `nbytes` long (kept, so it is touched once)."""
-        buffer = getattr(self._scratch, "buffer", None)
-        if buffer is None or len(buffer) < nbytes:
-            buffer = self._scratch.buffer = memoryview(bytearray(nbytes))
-        return buffer
 
     # --- writes ----------------------------------------------------------------------------------
     def write(self, key: bytes, blob: bytes) -> None:

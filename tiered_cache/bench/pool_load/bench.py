@@ -9,7 +9,8 @@ Per path, three figures, the serving case first:
   `match -> load` (no prefetch);
 - **first load** (first.py): a reader process started for the bench, its first load
   after `--settle` seconds from `TieredCache(...)` against its next ones, beside what the same
-  pause costs a plain memcpy in that process (the machine's own share); and a reader process that
+  pause costs a plain memcpy in that process (the machine's own share) and the path's raw read
+  (the tier's own: a server idle as long); and a reader process that
   loads right after it is built, against a copy of the same bytes into fresh memory (what its
   memory costs: the pages a new pool hands out were never touched);
 - **warm** (the side column, warm.py): one prefix again and again, a pool with room.
@@ -24,7 +25,7 @@ import os
 import platform
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from tiered_cache.bench.pool_load.sites import PATHS, Way, serving_prefixes
@@ -63,7 +64,8 @@ class PoolLoadRow:
                                  baseline_gb_per_s=self.nbytes / timed.baseline_seconds / 1e9)
         if self.first is not None:
             out["first"].update(first_over_steady=self.first.first_over_steady,
-                                memcpy_first_over_steady=self.first.memcpy_first_over_steady)
+                                memcpy_first_over_steady=self.first.memcpy_first_over_steady,
+                                limit_first_over_steady=self.first.limit_first_over_steady)
         if self.just_built is not None:
             out["just_built"].update(fresh_over_first=self.just_built.fresh_over_first,
                                      fresh_pool_over_first=self.just_built.fresh_pool_over_first)
@@ -77,7 +79,7 @@ def bench_pool_load(spec: KVSpec, mib: float = 256, rounds: int = 7, paths: tupl
     """The rows of `paths` (of PATHS) for prefixes of `mib` MiB; `folder` holds the disk tier's
     files (default: a temporary folder), `redis_url` an existing Redis (default: one started for
     the run). `first` / `warm`: take those figures too."""
-    from tiered_cache.bench.pool_load.first import first_loads
+    from tiered_cache.bench.pool_load.first import first_loads, limit_after_idle
     from tiered_cache.bench.pool_load.prefixes import Prefixes
     from tiered_cache.bench.pool_load.serving import serving_rounds
     from tiered_cache.bench.pool_load.sites import site
@@ -99,6 +101,8 @@ def bench_pool_load(spec: KVSpec, mib: float = 256, rounds: int = 7, paths: tupl
                 say(f"{path}: a reader process, {settle_s:g} s settle, {FIRST_LOADS} loads ...")
                 first_figures = first_loads(spec.to_dict(), mib, where.settings, path, mine,
                                             FIRST_LOADS, settle_s, where.way.value)
+                first_figures = replace(first_figures, limit_seconds=limit_after_idle(
+                    where.baseline, prefixes, mine, FIRST_LOADS, settle_s))
                 say(f"{path}: a reader process loading right after it is built ...")
                 just_built = first_loads(spec.to_dict(), mib, where.settings, path, mine + FIRST_LOADS,
                                          JUST_BUILT_LOADS, 0.0, where.way.value)
@@ -172,8 +176,9 @@ def render(rows: list[PoolLoadRow]) -> str:
     for r in rows:
         s = r.serving
         first = (f"{ms(r.first.first_seconds)} / {ms(r.first.steady)}" + _up(r.first),
-                 f"{r.first.first_over_steady:.2f}x", f"{r.first.memcpy_first_over_steady:.2f}x") if r.first else \
-            ("-", "-", "-")
+                 f"{r.first.first_over_steady:.2f}x", f"{r.first.memcpy_first_over_steady:.2f}x / "
+                 + (f"{r.first.limit_first_over_steady:.2f}x" if r.first.limit_first_over_steady else "-")) \
+            if r.first else ("-", "-", "-")
         built = r.just_built
         just_built = (f"{ms(built.first_seconds)} / {ms(built.fresh_copy_seconds[0])}",
                       f"{built.fresh_over_first:.2f}x", f"{built.fresh_pool_over_first:.2f}x") if built else \
@@ -187,7 +192,8 @@ def render(rows: list[PoolLoadRow]) -> str:
                           r.baseline_name, ms(d.baseline_seconds), *["-"] * 8, f"{d.ratio:.2f}x"])
     return render_table(table, ["path", "serving: load", "rate", "limit", "limit time", "vs limit",
                                 "match -> load: vs limit", "new reader: first / steady", "first/steady",
-                                "memcpy first/steady", "just built: first / fresh copy", "fresh copy/first",
+                                "paused: memcpy / limit first/steady",
+                                "just built: first / fresh copy", "fresh copy/first",
                                 "fresh pool pages/first", "warm: vs limit"],
                         align_right=(1, 2, 4, 5, 6, 8, 9, 10, 11, 12, 13))
 

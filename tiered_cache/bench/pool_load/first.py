@@ -20,10 +20,11 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiered_cache.bench.pool_load.prefixes import Prefixes
+from tiered_cache.bench.pool_load.prefixes import Prefix, Prefixes
 from tiered_cache.bench.pool_load.serving import check_pool, clock, load, reader, reader_pool_pages
 from tiered_cache.bench.pool_load.sites import Way
 
@@ -47,6 +48,10 @@ class FirstLoads:
     # The same pages into never-touched pages of a pool as the reader's (layer-first: each page a
     # slice of every K/V and layer block, the memory asked for huge pages): its own first touch.
     fresh_pool_seconds: list[float] = field(default_factory=list)
+    # The path's raw read (its limit) of the same prefixes after the same pause, in the bench's
+    # process: what the tier itself charges a first read after idling (a Redis server's memory
+    # handed back meanwhile), first then steady.
+    limit_seconds: list[float] = field(default_factory=list)
 
     @property
     def fresh_over_first(self) -> float:
@@ -70,6 +75,20 @@ class FirstLoads:
     @property
     def memcpy_first_over_steady(self) -> float:
         return self.memcpy_first_seconds / statistics.median(self.memcpy_steady_seconds)
+
+    @property
+    def limit_first_over_steady(self) -> float | None:
+        if len(self.limit_seconds) < 2:
+            return None
+        return self.limit_seconds[0] / statistics.median(self.limit_seconds[1:])
+
+
+def limit_after_idle(baseline: Callable[[Prefix], Callable[[], Any]], prefixes: Prefixes, first: int, count: int,
+                     idle_s: float) -> list[float]:
+    """The raw read `baseline` of prefixes `[first, first + count)` after `idle_s` without any:
+    the limit's own first read after a pause, then its steady ones."""
+    time.sleep(idle_s)
+    return [clock(baseline(prefixes[first + i]))[0] for i in range(count)]
 
 
 def first_loads(spec_dict: dict[str, Any], mib: float, settings: dict[str, Any], path: str, first: int,
