@@ -16,7 +16,9 @@ request goes matters to the others as well: the prefills waiting on that worker 
 with it and wait for its prefill too, and one that arrives while every worker is still
 prefilling waits for the first to finish. A worker's score adds the waiting its new work
 would cause them at the recent arrival rate (`_all_busy_cost`): on a loaded cluster a long
-prefill goes where long work already is, and a worker is kept free for the short ones.
+prefill goes where long work already is, and a worker is kept free for the short ones. That
+waiting is an expectation and the request's own is certain: within a near tie (`_NEAR_TIE`) the
+worker where its own TTFT is lowest wins.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from tiered_cache.workers.routing.event_index import ClusterEvents
 from tiered_cache.workers.routing.policies import PrefixAwarePolicy
 from tiered_cache.workers.routing.policy import Decision, Prompt, RoutingPolicy
 from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
+
+_NEAR_TIE = 0.05  # scores this close are a tie: the request's own TTFT decides (`choose`)
 
 
 class ArrivalRate:
@@ -61,6 +65,20 @@ class Pending:
     keys: list[bytes]  # its prompt's page keys: on that worker's device before a request queued behind it runs
     cost_s: float  # the work it was expected to take there (a batching worker: its prefill; else all of it)
     prefilling: bool = True  # no first token yet
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A worker as `choose` scores it for one request."""
+
+    worker: str
+    score: float  # its expected TTFT plus what sending it there costs the others
+    wait: float  # the work ahead of it there
+    own: float  # its own loads and prefill there
+    load: int  # requests in flight there
+    found: int  # prompt tokens cached for it there (device, host RAM, store)
+    split: tuple[int, int, int]  # of which on the device, in host RAM, in the store
+    pending: Pending  # what it adds to that worker's work once sent
 
 
 class EventRoutingPolicy(RoutingPolicy):
@@ -135,8 +153,7 @@ class EventRoutingPolicy(RoutingPolicy):
         ids = self._encode(prompt, chat)
         rate = self.arrivals.per_s()
         keyed: dict[tuple[str, str, int], list[bytes]] = {}
-        best: tuple[float, int, str] | None = None
-        cached, split, chosen, ahead = 0, (0, 0, 0), Pending([], 0.0), 0.0
+        scored: list[_Candidate] = []
         with self._pending_lock:
             pending = {w: list(self._pending[w].values()) for w in loads}
             waits = {w: self._ahead_s(pending[w]) + max(0, loads[w] - len(pending[w])) * self.estimate.service_s
@@ -169,15 +186,18 @@ class EventRoutingPolicy(RoutingPolicy):
                 # prefix another is about to hold wins one request and slows the next.
                 behind = 1.0 + min(1.0, sum(loads.values()) / len(loads))  # 1 on an idle cluster, 2 once busy
                 spent = behind * self.estimate.compute_s(len(ids), found)
-            if best is None or (wait + own + spent, loads[worker], worker) < best:
-                best = (wait + own + spent, loads[worker], worker)
-                cost = own if self.batching else own + self.estimate.decode_s
-                cached, chosen, ahead = found, Pending(keys, cost), wait
-                split = (held.device * page, held.host * page, held.store * page)
-        assert best is not None
-        self.fallback.observe(best[2], [text])  # kept warm for when events stop
-        ticket = self._keep_pending(best[2], chosen)
-        return Decision(best[2], "events", cached, split, wait_s=ahead, ticket=ticket)
+            cost = own if self.batching else own + self.estimate.decode_s
+            scored.append(_Candidate(worker, wait + own + spent, wait, own, loads[worker], found,
+                                     (held.device * page, held.host * page, held.store * page), Pending(keys, cost)))
+        # Within a near tie, the worker where this request's own TTFT is lowest: the waiting it
+        # would cause others is an expectation, its own wait is certain (a new document, a busy
+        # worker with as long a prefill ahead as its own: the two tie exactly at the cap above).
+        least = min(c.score for c in scored)
+        best = min((c for c in scored if c.score <= least * (1 + _NEAR_TIE)),
+                   key=lambda c: (c.wait + c.own, c.load, c.worker))
+        self.fallback.observe(best.worker, [text])  # kept warm for when events stop
+        ticket = self._keep_pending(best.worker, best.pending)
+        return Decision(best.worker, "events", best.found, best.split, wait_s=best.wait, ticket=ticket)
 
     def _keep_pending(self, worker: str, pending: Pending) -> int:
         """Count `pending` on `worker` until `finished`; its ticket."""

@@ -134,6 +134,12 @@ def test_a_request_under_a_cache_salt_counts_only_the_pages_under_it(tokenizer):
             policy.close()
 
 
+def _ready(policy: EventRoutingPolicy, a, b) -> None:
+    """`policy` joined to `a` and `b`, both workers' events fresh."""
+    _join(policy, a, b)
+    _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+
+
 @pytest.mark.parametrize("batching", [False, True])
 def test_a_batching_engine_holds_a_request_up_only_with_the_prefills_ahead_of_it(tokenizer, batching):
     """One at a time (our HF workers), a request waits for the whole of every request sent there
@@ -142,8 +148,7 @@ def test_a_batching_engine_holds_a_request_up_only_with_the_prefills_ahead_of_it
     with _cache() as a, _cache() as b:
         policy = _policy(batching=batching)
         try:
-            _join(policy, a, b)
-            _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+            _ready(policy, a, b)
             first = policy.choose(DOCS[1], {"a": 0, "b": 0}, DOCS[1])
             busy = {first.worker: 1, ("b" if first.worker == "a" else "a"): 0}
             question = DOCS[1] + " A question?"
@@ -170,8 +175,7 @@ def test_on_a_loaded_cluster_a_long_prefill_goes_where_long_work_is_and_a_short_
         arrivals = ArrivalRate()
         policy = EventRoutingPolicy(PrefixAwarePolicy(), ClusterEvents(3.0), batching=True, arrivals=arrivals)
         try:
-            _join(policy, a, b)
-            _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+            _ready(policy, a, b)
             long = [DOCS[d] * n for d, n in enumerate((3, 4, 5))]  # the third longer than the work ahead
             first = policy.choose(long[0], {"a": 0, "b": 0}, long[0])
             free = "b" if first.worker == "a" else "a"
@@ -194,6 +198,31 @@ def test_on_a_loaded_cluster_a_long_prefill_goes_where_long_work_is_and_a_short_
             policy.close()
 
 
+def test_a_new_document_goes_to_the_free_worker_rather_than_behind_a_prefill_as_long_as_its_own(tokenizer):
+    """Requests arriving steadily, one worker prefilling a new document, the other only decoding:
+    a second new document of the same length waits the first's whole prefill on the busy worker,
+    or keeps the free one busy as long for whoever arrives next. Those two weigh the same; its own
+    wait is certain, the others' expected: it takes the free worker."""
+    with _cache() as a, _cache() as b:
+        arrivals = ArrivalRate()
+        policy = EventRoutingPolicy(PrefixAwarePolicy(), ClusterEvents(3.0), batching=True, arrivals=arrivals)
+        try:
+            _ready(policy, a, b)
+            now = time.monotonic()
+            for i in range(20):  # 1.5 a second lately
+                arrivals.record(now - 19 / 1.5 + i / 1.5)
+            first_doc, second_doc = list(range(1000, 2000)), list(range(3000, 4000))  # token ids, as engines take
+            first = policy.choose("first", {"a": 0, "b": 0}, first_doc)
+            free = "b" if first.worker == "a" else "a"
+            chat = policy.choose("Hi", {first.worker: 1, free: 0}, "Hi")
+            assert chat.worker == free
+            policy.first_token(free, chat)  # decoding now: nothing ahead of a prefill there
+            second = policy.choose("second", {"a": 1, "b": 1}, second_doc)
+            assert second.worker == free and second.wait_s == 0
+        finally:
+            policy.close()
+
+
 def test_a_batching_engine_s_waiting_prefills_are_not_held_up_by_a_long_one_that_can_go_elsewhere(tokenizer):
     """vLLM prefills the requests waiting on it together: a short prompt waiting behind a long
     prefill would get its first token only when a long prompt sent after it is prefilled too.
@@ -202,8 +231,7 @@ def test_a_batching_engine_s_waiting_prefills_are_not_held_up_by_a_long_one_that
         policy = EventRoutingPolicy(PrefixAwarePolicy(), ClusterEvents(3.0), batching=True,
                                     arrivals=ArrivalRate(least=1000))  # no rate: only those waiting count
         try:
-            _join(policy, a, b)
-            _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+            _ready(policy, a, b)
             first = policy.choose(DOCS[0] * 2, {"a": 0, "b": 0}, DOCS[0] * 2)
             free = "b" if first.worker == "a" else "a"
             longer = policy.choose(DOCS[1] * 3, {first.worker: 1, free: 0}, DOCS[1] * 3)
@@ -295,8 +323,7 @@ def test_a_prompt_already_on_its_way_to_a_worker_counts_as_cached_there(tokenize
     with _cache() as a, _cache() as b:
         policy = _policy()
         try:
-            _join(policy, a, b)
-            _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+            _ready(policy, a, b)
             first = policy.choose(DOCS[1], {"a": 0, "b": 0}, DOCS[1])
             busy = {first.worker: 1, ("b" if first.worker == "a" else "a"): 0}
             second = policy.choose(DOCS[1] + " Another question?", busy, DOCS[1] + " Another question?")
@@ -317,8 +344,7 @@ def test_a_deployments_first_request_routed_before_events_are_fresh_still_counts
     with _cache() as a, _cache() as b:
         policy = _policy()
         try:
-            _join(policy, a, b)
-            _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+            _ready(policy, a, b)
             with monkeypatch.context() as starting:  # the moment before the first heartbeats came
                 starting.setattr(policy.events, "fresh", lambda worker: False)
                 first = policy.choose(DOCS[1], {"a": 0, "b": 0}, DOCS[1])
@@ -347,8 +373,7 @@ def test_questions_piling_on_a_documents_holder_spill_to_the_idle_worker(tokeniz
                                     arrivals=ArrivalRate(least=1000))
         policy.estimate.cached_share = share
         try:
-            _join(policy, a, b)
-            _until(lambda: policy.events.fresh("a") and policy.events.fresh("b"), "both workers' heartbeats")
+            _ready(policy, a, b)
             doc = DOCS[2] * 4
             first = policy.choose(doc, {"a": 0, "b": 0}, doc)
             idle = "b" if first.worker == "a" else "a"
