@@ -212,9 +212,12 @@ def test_stats_show_the_router_and_each_replica_s_connector_figures(app):
 
 def test_cluster_generate_answers_through_the_front_end_with_its_token(app):
     q = question("Who kept the lighthouse?", 3000)
-    direct = ask(app["url"], q, max_tokens=8)
-    got = cluster.generate(q, 8, token=TOKEN)  # what `tiered-cache cluster generate` calls
-    assert got["text"] == direct["choices"][0]["text"] and got["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    status, direct = post(app["url"], "/chat/completions", {"model": "smollm2", "max_tokens": 8, "temperature": 0,
+                                                           "messages": [{"role": "user", "content": q}]})
+    assert status == 200, direct
+    got = cluster.generate(q, 8, token=TOKEN)  # `tiered-cache cluster generate`: one user turn, as HF workers
+    assert got["text"] == direct["choices"][0]["message"]["content"]
+    assert got["prompt_tokens"] == direct["usage"]["prompt_tokens"] > ask(app["url"], q, 1)["usage"]["prompt_tokens"]
     assert got["route"]["reason"] == "events" and got["reused_tokens"] >= 256 and got["ttft_s"] > 0
     reference = cluster.generate(q, 8, use_cache=False, token=TOKEN)
     assert reference["reused_tokens"] == 0 and reference["text"] == got["text"]
