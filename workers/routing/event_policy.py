@@ -34,7 +34,7 @@ from typing import Any
 from tiered_cache.index.keys import chain_keys, root_key
 from tiered_cache.workers.routing.event_index import ClusterEvents
 from tiered_cache.workers.routing.policies import PrefixAwarePolicy
-from tiered_cache.workers.routing.policy import Decision, Prompt, RoutingPolicy
+from tiered_cache.workers.routing.policy import Considered, Decision, Prompt, RoutingPolicy
 from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
 
 _NEAR_TIE = 0.05  # scores this close are a tie: the request's own TTFT decides (`choose`)
@@ -197,7 +197,10 @@ class EventRoutingPolicy(RoutingPolicy):
                    key=lambda c: (c.wait + c.own, c.load, c.worker))
         self.fallback.observe(best.worker, [text])  # kept warm for when events stop
         ticket = self._keep_pending(best.worker, best.pending)
-        return Decision(best.worker, "events", best.found, best.split, wait_s=best.wait, ticket=ticket)
+        considered = tuple(Considered(c.worker, c.wait + c.own, c.wait, c.split, c.score)
+                           for c in sorted(scored, key=lambda c: (c is not best, c.score)))
+        return Decision(best.worker, "events", best.found, best.split, wait_s=best.wait, ticket=ticket,
+                        considered=considered)
 
     def _keep_pending(self, worker: str, pending: Pending) -> int:
         """Count `pending` on `worker` until `finished`; its ticket."""

@@ -28,6 +28,17 @@ def prompt_text(prompt: Prompt) -> str:
 
 
 @dataclass(frozen=True)
+class Considered:
+    """A worker the event policy weighed for a request, as it expected the request there."""
+
+    worker: str
+    ttft_s: float  # the work ahead of it there, then its own loads and prefill
+    wait_s: float  # the work ahead of it there
+    expected: tuple[int, int, int]  # leading prompt tokens on its device, in its host RAM, in the store
+    score_s: float  # `ttft_s` plus what sending it there costs the requests after it
+
+
+@dataclass(frozen=True)
 class Decision:
     worker: str
     reason: str  # "prefix" | "balance" | "least_cached" | "round_robin" | "events"
@@ -37,6 +48,7 @@ class Decision:
     expected: tuple[int, int, int] = (0, 0, 0)
     wait_s: float = 0.0  # under "events": the work the router expected ahead of it on the worker
     ticket: int = 0  # the event policy: names the request among the worker's pending ones (0: not kept)
+    considered: tuple[Considered, ...] = ()  # under "events": every worker weighed, the chosen one first
 
     @property
     def unit(self) -> str:

@@ -43,7 +43,7 @@ from tiered_cache.workers.router import member_info
 from tiered_cache.workers.routing.event_index import ClusterEvents
 from tiered_cache.workers.routing.event_policy import EventRoutingPolicy, encode
 from tiered_cache.workers.routing.policies import PrefixAwarePolicy
-from tiered_cache.workers.routing.policy import Decision, prompt_text
+from tiered_cache.workers.routing.policy import Considered, Decision, prompt_text
 from tiered_cache.workers.routing.token_chain import TokenChainIndex, connector_chain
 from tiered_cache.workers.routing.ttft_estimate import with_store_share
 
@@ -221,14 +221,29 @@ async def shard_events(namespace: str) -> dict[str, dict[str, str] | None] | Non
 def route_report(decision: Decision) -> dict[str, Any]:
     """What an answer says of its route: the replica, why, and (routed by events) the prompt
     tokens the router expected it to find in a cache, by tier (its device, host RAM, the store),
-    and the work it expected ahead of it there."""
+    the work it expected ahead of it there, its expected TTFT there and the score that chose it
+    (that TTFT plus what it costs the requests after it); `others`: the same for each replica
+    not chosen, so a route that looks wrong shows what the router believed."""
     report: dict[str, Any] = {"replica": decision.worker, "reason": decision.reason}
     if decision.reason == "events":
         report["expected_cached_tokens"] = decision.matched
         device, host, store = decision.expected  # where the router expected them: which tier
         report["expected_from"] = {"device": device, "host": host, "store": store}
         report["expected_wait_ms"] = round(decision.wait_s * 1e3)  # the prefills it expected ahead there
+        weighed = {c.worker: c for c in decision.considered}
+        if decision.worker in weighed:
+            chosen = weighed.pop(decision.worker)
+            report.update(expected_ttft_ms=round(chosen.ttft_s * 1e3), score_ms=round(chosen.score_s * 1e3))
+        if weighed:
+            report["others"] = {name: _considered(c) for name, c in weighed.items()}
     return report
+
+
+def _considered(c: Considered) -> dict[str, Any]:
+    device, host, store = c.expected
+    return {"expected_from": {"device": device, "host": host, "store": store},
+            "expected_wait_ms": round(c.wait_s * 1e3), "expected_ttft_ms": round(c.ttft_s * 1e3),
+            "score_ms": round(c.score_s * 1e3)}
 
 
 def _registry() -> list[TieredCacheRouter]:

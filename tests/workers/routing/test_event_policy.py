@@ -83,6 +83,13 @@ def test_a_prompt_goes_to_the_worker_whose_device_holds_it(tokenizer):
             # The cached tokens it expects there, counted as tokens.
             assert second.matched == n // SPEC.page_size * SPEC.page_size and second.unit == "tokens"
             assert second.expected == (second.matched, 0, 0)  # all of them on b's device
+            # Every worker weighed, the chosen one first: a's device holds only the chat template's
+            # opening page of it, so its own TTFT there is nearly a whole prefill, more than b's.
+            chosen, passed_over = second.considered
+            assert (chosen.worker, chosen.expected) == ("b", second.expected) and passed_over.worker == "a"
+            assert passed_over.expected[0] <= SPEC.page_size < chosen.expected[0]
+            assert passed_over.ttft_s > chosen.ttft_s
+            assert passed_over.score_s >= chosen.score_s and chosen.wait_s == second.wait_s
             # Evicted to host RAM, a prompt still goes where it is cheapest to load: a's host, not b's recompute.
             a.evict()
             _until(lambda: policy.events.holdings("a", _keys(tokenizer, DOCS[0])).host, "a's host pages")

@@ -169,6 +169,11 @@ def test_a_repeat_goes_to_its_holder_and_a_busy_holder_s_prefix_is_loaded_by_the
     # is what shards tell), under the connector's keys.
     assert second["tiered_cache"]["expected_cached_tokens"] >= 256
     assert second["tiered_cache"]["expected_from"]["store"] >= 256  # which tier: the store, not its device
+    # Why not the holder: the answer shows what the router believed there (its device held the
+    # document, with the long prefill ahead of it) beside what it chose.
+    passed_over = second["tiered_cache"]["others"][holder]
+    assert passed_over["expected_from"]["device"] >= 256 and passed_over["expected_wait_ms"] > 0
+    assert passed_over["score_ms"] >= second["tiered_cache"]["score_ms"]
     streamed = urllib.request.Request(url + "/completions", json.dumps(
         {"model": "smollm2", "prompt": second_q, "max_tokens": 2, "stream": True}).encode(),
         {"authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
