@@ -11,7 +11,9 @@ counts it; that policy records every route either way, so it is warm when it is 
 The work ahead of a request is what the router sent to that worker and was not done yet. A worker
 that serves one request at a time (our HF workers) is busy with each until its answer ends. An
 engine that batches (vLLM) runs a new request's prefill beside the others' decoding: only the
-prefills ahead of it delay it, each until its first token (`first_token`). There, where a
+prefills ahead of it delay it, each until its first token (`first_token`). Either way the wait
+ends when the last request sent there was expected to be done with it, not that long from now:
+the time since it was sent has run (one overdue still counts a share of its cost). There, where a
 request goes matters to the others as well: the prefills waiting on that worker are batched
 with it and wait for its prefill too, and one that arrives while every worker is still
 prefilling waits for the first to finish. A worker's score adds the waiting its new work
@@ -38,6 +40,9 @@ from tiered_cache.workers.routing.policy import Considered, Decision, Prompt, Ro
 from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
 
 _NEAR_TIE = 0.05  # scores this close are a tie: the request's own TTFT decides (`choose`)
+# Of a pending request's expected work, what still counts once it is overdue (its end was expected
+# and has not come: the worker is slower than the rates learned so far, or the rates are priors).
+_OVERDUE_SHARE = 0.25
 
 
 class ArrivalRate:
@@ -64,6 +69,7 @@ class Pending:
 
     keys: list[bytes]  # its prompt's page keys: on that worker's device before a request queued behind it runs
     cost_s: float  # the work it was expected to take there (a batching worker: its prefill; else all of it)
+    due_at: float  # monotonic time that work was expected to end: when sent, the work ahead of it, then its own
     prefilling: bool = True  # no first token yet
 
 
@@ -154,9 +160,11 @@ class EventRoutingPolicy(RoutingPolicy):
         rate = self.arrivals.per_s()
         keyed: dict[tuple[str, str, int], list[bytes]] = {}
         scored: list[_Candidate] = []
+        now = time.monotonic()
         with self._pending_lock:
             pending = {w: list(self._pending[w].values()) for w in loads}
-            waits = {w: self._ahead_s(pending[w]) + max(0, loads[w] - len(pending[w])) * self.estimate.service_s
+            waits = {w: self._ahead_s(pending[w], now)
+                     + max(0, loads[w] - len(pending[w])) * self.estimate.service_s
                      for w in loads}  # requests sent while events were stale: cost unknown, service_s each
             prefills = {w: sum(p.prefilling for p in pending[w]) for w in loads}
         for worker in sorted(loads):
@@ -188,7 +196,8 @@ class EventRoutingPolicy(RoutingPolicy):
                 spent = behind * self.estimate.compute_s(len(ids), found)
             cost = own if self.batching else own + self.estimate.decode_s
             scored.append(_Candidate(worker, wait + own + spent, wait, own, loads[worker], found,
-                                     (held.device * page, held.host * page, held.store * page), Pending(keys, cost)))
+                                     (held.device * page, held.host * page, held.store * page),
+                                     Pending(keys, cost, now + wait + cost)))
         # Within a near tie, the worker where this request's own TTFT is lowest: the waiting it
         # would cause others is an expectation, its own wait is certain (a new document, a busy
         # worker with as long a prefill ahead as its own: the two tie exactly at the cap above).
@@ -224,13 +233,20 @@ class EventRoutingPolicy(RoutingPolicy):
         except Exception:  # the fallback routes what cannot be keyed, as it always did
             return decision
         cost = self.estimate.seconds(len(ids), 0, 0, 0) + (0.0 if self.batching else self.estimate.decode_s)
-        return replace(decision, ticket=self._keep_pending(decision.worker, Pending(keys, cost)))
+        pending = Pending(keys, cost, time.monotonic() + cost)  # what is ahead of it there: unknown
+        return replace(decision, ticket=self._keep_pending(decision.worker, pending))
 
-    def _ahead_s(self, pending: Sequence[Pending]) -> float:
-        """The work ahead of a request sent where `pending` are. One at a time: every request
-        there, whole. Batching: the prefills without a first token yet, whole (a prefill is not
-        taken as partly done: how far it got depends on rates the router may not have learned)."""
-        return sum(p.cost_s for p in pending if p.prefilling or not self.batching)
+    def _ahead_s(self, pending: Sequence[Pending], now: float) -> float:
+        """The work ahead of a request sent now where `pending` are: one at a time, every request
+        there; batching, the prefills without a first token yet. They end when the last of them
+        was expected to (each was expected after those sent before it): what has run since it was
+        sent is not waited for again. One overdue still holds the worker up by a share of its cost
+        (`_OVERDUE_SHARE`): how much is left of it, rates that were wrong cannot tell."""
+        ahead = [p for p in pending if p.prefilling or not self.batching]
+        if not ahead:
+            return 0.0
+        overdue = sum(_OVERDUE_SHARE * p.cost_s for p in ahead if p.due_at <= now)
+        return max(max(p.due_at for p in ahead) - now, overdue)
 
     def first_token(self, worker: str, decision: Decision) -> None:
         with self._pending_lock:

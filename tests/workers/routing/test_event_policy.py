@@ -173,6 +173,36 @@ def test_a_batching_engine_holds_a_request_up_only_with_the_prefills_ahead_of_it
             policy.close()
 
 
+def test_the_wait_behind_a_prefill_shrinks_as_it_runs_and_an_overdue_one_still_counts_a_share(tokenizer):
+    """What has run since a prefill was sent is not waited for again: a request behind it waits
+    until it was expected to end. Past that (the worker slower than the rates say) how much is
+    left cannot be told: it counts a share of its cost, not nothing and not all of it."""
+    with _cache() as a, _cache() as b:
+        policy = _policy(batching=True)
+        try:
+            _ready(policy, a, b)
+            doc = DOCS[2] * 4
+            policy.estimate.prefill_s_per_token = 1.0 / len(encode_prompt(tokenizer, doc))  # its prefill: ~1 s
+            first = policy.choose(doc, {"a": 0, "b": 0}, doc)
+            cost = first.considered[0].ttft_s - first.wait_s
+            loads = {"a": 0, "b": 0, first.worker: 1}
+
+            def wait_there() -> float:
+                question = doc + " A question?"
+                decision = policy.choose(question, loads, question)
+                policy.finished(decision.worker, decision)  # only the document's prefill stays ahead
+                return next(c.wait_s for c in decision.considered if c.worker == first.worker)
+
+            time.sleep(0.3)
+            assert 0 < wait_there() <= cost - 0.3  # less the time it has run
+            time.sleep(cost)
+            assert wait_there() == pytest.approx(0.25 * cost)  # overdue: a share of it
+            policy.first_token(first.worker, first)
+            assert wait_there() == 0  # its first token came: nothing ahead
+        finally:
+            policy.close()
+
+
 def test_on_a_loaded_cluster_a_long_prefill_goes_where_long_work_is_and_a_short_one_to_the_free_worker(tokenizer):
     """Batching engines under load: a request arriving while every worker prefills waits for the
     first to finish. Quiet, a new long prompt takes the free worker; arriving ten a second, it
