@@ -56,6 +56,7 @@ SHARDS_EVERY_S = 5.0  # how often the cluster's directory is read for its shards
 SHARDS_WAIT_S = 2.0  # one directory or shard look-up, at most
 ROUTERS: list[TieredCacheRouter] = []  # this process's routers, for the ingress's stats route
 RECENT = 4096  # routes remembered for the answers' `tiered_cache` field
+OTHERS_SHOWN = 3  # replicas passed over that an answer's route shows (the best scored)
 
 
 class TieredCacheRouter(KVAwareRouter):
@@ -223,7 +224,8 @@ def route_report(decision: Decision) -> dict[str, Any]:
     tokens the router expected it to find in a cache, by tier (its device, host RAM, the store),
     the work it expected ahead of it there, its expected TTFT there and the score that chose it
     (that TTFT plus what it costs the requests after it); `others`: the same for each replica
-    not chosen, so a route that looks wrong shows what the router believed."""
+    passed over (the `OTHERS_SHOWN` best scored), so a route that looks wrong shows what the
+    router believed."""
     report: dict[str, Any] = {"replica": decision.worker, "reason": decision.reason}
     if decision.reason == "events":
         report["expected_cached_tokens"] = decision.matched
@@ -234,8 +236,9 @@ def route_report(decision: Decision) -> dict[str, Any]:
         if decision.worker in weighed:
             chosen = weighed.pop(decision.worker)
             report.update(expected_ttft_ms=round(chosen.ttft_s * 1e3), score_ms=round(chosen.score_s * 1e3))
-        if weighed:
-            report["others"] = {name: _considered(c) for name, c in weighed.items()}
+        if weighed:  # the runners-up, best first (a stream's header carries it: a few, not every replica)
+            runners_up = sorted(weighed.values(), key=lambda c: c.score_s)[:OTHERS_SHOWN]
+            report["others"] = {c.worker: _considered(c) for c in runners_up}
     return report
 
 
