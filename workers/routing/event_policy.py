@@ -43,6 +43,10 @@ _NEAR_TIE = 0.05  # scores this close are a tie: the request's own TTFT decides 
 # Of a pending request's expected work, what still counts once it is overdue (its end was expected
 # and has not come: the worker is slower than the rates learned so far, or the rates are priors).
 _OVERDUE_SHARE = 0.25
+# From a prefill's end to its pages in the store as the router sees them (the engine's save, the
+# shard's event): a request held for them (`Decision.hold_s`) is expected to go no sooner.
+STORE_LAG_S = 0.3
+HOLD_SLACK_S = 1.0  # a hold lasts at most twice the wait expected for the pages, and this
 
 
 class ArrivalRate:
@@ -85,6 +89,7 @@ class _Candidate:
     found: int  # prompt tokens cached for it there (device, host RAM, store)
     split: tuple[int, int, int]  # of which on the device, in host RAM, in the store
     pending: Pending  # what it adds to that worker's work once sent
+    hold_s: float = 0.0  # held back at most this long for pages on their way to the store
 
 
 class EventRoutingPolicy(RoutingPolicy):
@@ -101,6 +106,10 @@ class EventRoutingPolicy(RoutingPolicy):
         self.arrivals = arrivals or ArrivalRate()
         self.estimate = TTFTEstimate()
         self.fallbacks = 0  # decisions the prefix policy made because events were stale
+        # The workers write what they compute through to the store (vLLM with our connector): a
+        # prefix on its way to one worker's device is one another may load once it lands there.
+        self.store_follows = False
+        self.holds = 0  # decisions that held a request for pages on their way to the store
         self._identity: dict[str, tuple[str, str, int]] = {}  # worker -> (fingerprint, namespace, page size)
         # Per worker, by ticket, the requests sent there and not answered yet (their pages are on no
         # one's device so far).
@@ -148,9 +157,11 @@ class EventRoutingPolicy(RoutingPolicy):
 
     # --- routing ----------------------------------------------------------------------------------
     def choose(self, text: str, loads: Mapping[str, int], prompt: Prompt | None = None,
-               chat: bool = True, namespace: str | None = None) -> Decision:
+               chat: bool = True, namespace: str | None = None, hold: bool = True) -> Decision:
         """`namespace`: the request's own (vLLM's cache salt), keying its pages in place of the
-        workers' namespace; pages under any other count for nothing."""
+        workers' namespace; pages under any other count for nothing. `hold`: with
+        `store_follows`, a decision may ask the caller to hold the request until pages another
+        worker is computing are in the store (`Decision.hold_s`, `landed`); False: never."""
         self.arrivals.record()
         if prompt is None or self._tokenizer is None or not all(
                 w in self._identity and self.events.fresh(w) for w in loads):
@@ -175,29 +186,22 @@ class EventRoutingPolicy(RoutingPolicy):
             keys = keyed[identity]
             coming = max((_common(keys, p.keys) for p in pending[worker]), default=0)
             held = self.events.holdings(worker, keys, coming)
-            wait = waits[worker]
-            own = self.estimate.seconds(len(ids), held.device * page, held.host * page, held.store * page)
-            found = (held.device + held.host + held.store) * page
-            if self.batching:
-                # What it costs the others: recomputed tokens are work the cluster does again; the
-                # prefills waiting there (all but the one under way) run in its step and get their
-                # first token only when its prefill is done too; and a worker kept busy while every
-                # other is busy too delays whoever arrives. That last waiting counts up to the
-                # request's own time: a long one may queue behind long work, never for longer than
-                # it takes itself.
-                others = [waits[w] for w in loads if w != worker]
-                spent = (self.estimate.compute_s(len(ids), found) + max(0, prefills[worker] - 1) * own
-                         + (min(own, _all_busy_cost(wait, own, min(others), rate)) if others else 0.0))
-            else:
-                # A recomputed token costs in this TTFT and, on a busy cluster, again in the TTFT of
-                # the request that will queue behind it there: racing an idle worker to recompute a
-                # prefix another is about to hold wins one request and slows the next.
-                behind = 1.0 + min(1.0, sum(loads.values()) / len(loads))  # 1 on an idle cluster, 2 once busy
-                spent = behind * self.estimate.compute_s(len(ids), found)
-            cost = own if self.batching else own + self.estimate.decode_s
-            scored.append(_Candidate(worker, wait + own + spent, wait, own, loads[worker], found,
-                                     (held.device * page, held.host * page, held.store * page),
-                                     Pending(keys, cost, now + wait + cost)))
+            here = (held.device, held.host, held.store)
+            candidate = self._candidate(worker, ids, keys, page, here, waits, prefills, loads, rate, now)
+            if hold and self.store_follows:
+                # A prefix another worker is computing lands in the store when done (written
+                # through): this worker may load it from there, the request held back until it
+                # is, rather than compute it again or queue at the holder.
+                landing, ready_s = _landing(keys, [p for w, ps in pending.items() if w != worker for p in ps], now)
+                if landing > sum(here):
+                    later = {**waits, worker: max(waits[worker], ready_s + STORE_LAG_S)}
+                    held_back = self._candidate(worker, ids, keys, page, (held.device, held.host,
+                                                landing - held.device - held.host), later, prefills, loads, rate, now)
+                    hold_s = min(2 * (ready_s + STORE_LAG_S) + HOLD_SLACK_S, self.estimate.compute_s(
+                        len(ids), (held.device + held.host) * page))  # never longer than computing it here
+                    if held_back.score < candidate.score and hold_s > 0:
+                        candidate = replace(held_back, hold_s=hold_s)
+            scored.append(candidate)
         # Within a near tie, the worker where this request's own TTFT is lowest: the waiting it
         # would cause others is an expectation, its own wait is certain (a new document, a busy
         # worker with as long a prefill ahead as its own: the two tie exactly at the cap above).
@@ -206,10 +210,50 @@ class EventRoutingPolicy(RoutingPolicy):
                    key=lambda c: (c.wait + c.own, c.load, c.worker))
         self.fallback.observe(best.worker, [text])  # kept warm for when events stop
         ticket = self._keep_pending(best.worker, best.pending)
+        self.holds += best.hold_s > 0
         considered = tuple(Considered(c.worker, c.wait + c.own, c.wait, c.split, c.score)
                            for c in sorted(scored, key=lambda c: (c is not best, c.score)))
         return Decision(best.worker, "events", best.found, best.split, wait_s=best.wait, ticket=ticket,
-                        considered=considered)
+                        considered=considered, hold_s=best.hold_s)
+
+    def _candidate(self, worker: str, ids: Sequence[int], keys: list[bytes], page: int,
+                   held: tuple[int, int, int], waits: Mapping[str, float], prefills: Mapping[str, int],
+                   loads: Mapping[str, int], rate: float, now: float) -> _Candidate:
+        """`worker` scored for a prompt of `ids` whose leading pages `held` lie on its device, in
+        its host RAM and in the store, after `waits[worker]` of work there."""
+        device, host, store = (n * page for n in held)
+        wait = waits[worker]
+        own = self.estimate.seconds(len(ids), device, host, store)
+        found = device + host + store
+        if self.batching:
+            # What it costs the others: recomputed tokens are work the cluster does again; the
+            # prefills waiting there (all but the one under way) run in its step and get their
+            # first token only when its prefill is done too; and a worker kept busy while every
+            # other is busy too delays whoever arrives. That last waiting counts up to the
+            # request's own time: a long one may queue behind long work, never for longer than
+            # it takes itself.
+            others = [waits[w] for w in loads if w != worker]
+            spent = (self.estimate.compute_s(len(ids), found) + max(0, prefills[worker] - 1) * own
+                     + (min(own, _all_busy_cost(wait, own, min(others), rate)) if others else 0.0))
+        else:
+            # A recomputed token costs in this TTFT and, on a busy cluster, again in the TTFT of
+            # the request that will queue behind it there: racing an idle worker to recompute a
+            # prefix another is about to hold wins one request and slows the next.
+            behind = 1.0 + min(1.0, sum(loads.values()) / len(loads))  # 1 on an idle cluster, 2 once busy
+            spent = behind * self.estimate.compute_s(len(ids), found)
+        cost = own if self.batching else own + self.estimate.decode_s
+        return _Candidate(worker, wait + own + spent, wait, own, loads[worker], found, (device, host, store),
+                          Pending(keys, cost, now + wait + cost))
+
+    def landed(self, decision: Decision) -> bool:
+        """Whether the pages a held decision waits for are where it expected them: its worker finds
+        as many leading pages of its prompt (device, host RAM, store) as the decision counted."""
+        with self._pending_lock:
+            entry = self._pending.get(decision.worker, {}).get(decision.ticket)
+        if entry is None or decision.worker not in self._identity:
+            return True  # no longer pending: nothing to hold it for
+        held = self.events.holdings(decision.worker, entry.keys)
+        return (held.device + held.host + held.store) * self._identity[decision.worker][2] >= decision.matched
 
     def _keep_pending(self, worker: str, pending: Pending) -> int:
         """Count `pending` on `worker` until `finished`; its ticket."""
@@ -269,8 +313,8 @@ class EventRoutingPolicy(RoutingPolicy):
         self.estimate.observe(answer, latency_s)
 
     def stats(self) -> dict[str, Any]:
-        return {"fallbacks": self.fallbacks, "estimate": self.estimate.to_dict(), "sources": self.events.stats(),
-                "arrivals_per_s": round(self.arrivals.per_s(), 3)}
+        return {"fallbacks": self.fallbacks, "holds": self.holds, "estimate": self.estimate.to_dict(),
+                "sources": self.events.stats(), "arrivals_per_s": round(self.arrivals.per_s(), 3)}
 
     def close(self) -> None:
         self.events.close()
@@ -286,6 +330,17 @@ def _all_busy_cost(wait_s: float, own_s: float, others_s: float, rate: float) ->
     free_before = min(wait_s, others_s)
     longer = min(wait_s + own_s, others_s) - free_before
     return rate * longer * (free_before + longer / 2)
+
+
+def _landing(keys: Sequence[bytes], elsewhere: Sequence[Pending], now: float) -> tuple[int, float]:
+    """The most leading pages of `keys` a prefill under way on another worker is computing, and in
+    how many seconds it is expected to end (one overdue: a share of its cost)."""
+    best, ready = 0, 0.0
+    for p in elsewhere:
+        n = _common(keys, p.keys) if p.prefilling else 0
+        if n > best:
+            best, ready = n, max(p.due_at - now, _OVERDUE_SHARE * p.cost_s)
+    return best, ready
 
 
 def _common(a: Sequence[bytes], b: Sequence[bytes]) -> int:

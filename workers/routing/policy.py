@@ -49,6 +49,10 @@ class Decision:
     wait_s: float = 0.0  # under "events": the work the router expected ahead of it on the worker
     ticket: int = 0  # the event policy: names the request among the worker's pending ones (0: not kept)
     considered: tuple[Considered, ...] = ()  # under "events": every worker weighed, the chosen one first
+    # Under "events": hold the request back at most this long, until the pages it counted in the
+    # store have landed there (another worker is computing them: `EventRoutingPolicy.landed`).
+    hold_s: float = 0.0
+    held_s: float = 0.0  # how long the router held it (the caller that held it says)
 
     @property
     def unit(self) -> str:

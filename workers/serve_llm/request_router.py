@@ -22,6 +22,7 @@ is not used.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import importlib
 import logging
@@ -56,6 +57,7 @@ SHARDS_EVERY_S = 5.0  # how often the cluster's directory is read for its shards
 SHARDS_WAIT_S = 2.0  # one directory or shard look-up, at most
 ROUTERS: list[TieredCacheRouter] = []  # this process's routers, for the ingress's stats route
 RECENT = 4096  # routes remembered for the answers' `tiered_cache` field
+HOLD_POLL_S = 0.02  # how often a held request looks whether its pages have landed in the store
 OTHERS_SHOWN = 3  # replicas passed over that an answer's route shows (the best scored)
 
 
@@ -77,6 +79,7 @@ class TieredCacheRouter(KVAwareRouter):
         self.in_flight: Counter[str] = Counter()
         self.routed: Counter[str] = Counter()
         self.unparsed = 0  # requests with no prompt to key (routed to the least loaded)
+        self.expired_holds = 0  # requests held for store pages that did not land in time (decided again)
         self._decisions: dict[str, Decision] = {}  # internal request id -> the decision
         self.recent: OrderedDict[str, dict[str, Any]] = OrderedDict()  # request id -> its route (answers say it)
         self._routes: dict[str, Decision] = {}  # request id -> its decision (what it expected, for the answer)
@@ -122,6 +125,7 @@ class TieredCacheRouter(KVAwareRouter):
             return
         self.keying = dict(said)
         self._root, self.policy.events.shard_keys = connector_chain(said)
+        self.policy.store_follows = True  # the replicas' connectors write what they compute to the store
 
     def _salted(self, salt: str) -> bytes:
         """Where the connector's chain of a request under cache salt `salt` starts: the salt is its namespace."""
@@ -166,6 +170,8 @@ class TieredCacheRouter(KVAwareRouter):
             salt = getattr(pending_request.args[0], "cache_salt", None) if pending_request else None
             decision = await asyncio.to_thread(self.policy.choose, prompt_text(prompt), loads, prompt, chat,
                                                salt or None)
+            if decision.hold_s > 0:
+                decision = await self._hold(decision, by_name, prompt, chat, salt or None)
         if pending_request is not None:
             with self._lock:
                 # Serve asks again for a request it could not place (a replica refused or died):
@@ -187,6 +193,23 @@ class TieredCacheRouter(KVAwareRouter):
         rest = [r for name, r in sorted(by_name.items()) if name != decision.worker]
         return [[by_name[decision.worker]], *([rest] if rest else [])]
 
+    async def _hold(self, decision: Decision, by_name: Mapping[str, RunningReplica], prompt: Any, chat: bool,
+                    salt: str | None) -> Decision:
+        """Hold a request back until the store pages its decision counted have landed (another
+        replica is computing them; its engine writes them through), at most `decision.hold_s`;
+        past that it is decided again, without holding (`expired_holds`)."""
+        started = time.monotonic()
+        while not self.policy.landed(decision):
+            if time.monotonic() - started >= decision.hold_s:
+                self.policy.finished(decision.worker, decision)
+                self.expired_holds += 1
+                loads = {name: self.in_flight[name] for name in by_name}
+                decision = await asyncio.to_thread(self.policy.choose, prompt_text(prompt), loads, prompt, chat,
+                                                   salt, False)
+                break
+            await asyncio.sleep(HOLD_POLL_S)
+        return dataclasses.replace(decision, held_s=time.monotonic() - started)
+
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:
             decision = self._decisions.pop(internal_request_id, None)
@@ -201,7 +224,8 @@ class TieredCacheRouter(KVAwareRouter):
         connectors = {rid.unique_id: dict((r.routing_stats or {}).get("tiered_cache") or {})
                       for rid, r in self.curr_replicas.items()}
         return {"policy": "events", "routed": dict(self.routed), "in_flight": dict(self.in_flight),
-                "unparsed": self.unparsed, "replicas": sorted(self._joined), "connectors": connectors,
+                "unparsed": self.unparsed, "expired_holds": self.expired_holds,
+                "replicas": sorted(self._joined), "connectors": connectors,
                 "keying": self.keying,
                 **self.policy.stats()}
 
@@ -232,6 +256,8 @@ def route_report(decision: Decision) -> dict[str, Any]:
         device, host, store = decision.expected  # where the router expected them: which tier
         report["expected_from"] = {"device": device, "host": host, "store": store}
         report["expected_wait_ms"] = round(decision.wait_s * 1e3)  # the prefills it expected ahead there
+        if decision.held_s:  # held in the router until the store had what another replica computed
+            report["held_ms"] = round(decision.held_s * 1e3)
         weighed = {c.worker: c for c in decision.considered}
         if decision.worker in weighed:
             chosen = weighed.pop(decision.worker)

@@ -203,6 +203,38 @@ def test_the_wait_behind_a_prefill_shrinks_as_it_runs_and_an_overdue_one_still_c
             policy.close()
 
 
+def test_a_question_on_a_document_being_computed_waits_for_the_store_on_the_idle_worker(tokenizer):
+    """Engines that write what they compute through to the store (vLLM with our connector): a
+    question on a document whose prefill is under way on a worker with questions piled behind it
+    goes to the idle worker, held back until the document's pages land in the store (then loaded
+    there), rather than piled on too or computed a second time. Without write-through it is
+    never held."""
+    with _cache() as a, _cache() as b:
+        policy = _policy(batching=True)
+        try:
+            _ready(policy, a, b)
+            doc = DOCS[2] * 4
+            first = policy.choose(doc, {"a": 0, "b": 0}, doc)
+            holder, idle = first.worker, "b" if first.worker == "a" else "a"
+            loads = {holder: 1, idle: 0}
+            for i in range(3):  # the first questions wait for the document where it is computed
+                question = f"{doc} Question {i}?"
+                assert policy.choose(question, loads, question).worker == holder
+                loads[holder] += 1
+            question = f"{doc} Question 9?"
+            assert policy.choose(question, loads, question, hold=False).hold_s == 0  # the caller says: never
+            policy.store_follows = True
+            held = policy.choose(question, loads, question)
+            assert (held.worker, held.reason) == (idle, "events") and held.hold_s > 0 and policy.holds == 1
+            assert held.expected[2] >= len(encode_prompt(tokenizer, doc)) - 2 * SPEC.page_size  # from the store
+            assert not policy.landed(held)  # nothing in the store yet
+            # The holder's engine computed the document and wrote it through: the store holds it.
+            (a if holder == "a" else b).events.chain_changed(_keys(tokenizer, doc), True)
+            _until(lambda: policy.landed(held), "the document's pages in the store")
+        finally:
+            policy.close()
+
+
 def test_on_a_loaded_cluster_a_long_prefill_goes_where_long_work_is_and_a_short_one_to_the_free_worker(tokenizer):
     """Batching engines under load: a request arriving while every worker prefills waits for the
     first to finish. Quiet, a new long prompt takes the free worker; arriving ten a second, it
