@@ -44,9 +44,12 @@ _NEAR_TIE = 0.05  # scores this close are a tie: the request's own TTFT decides 
 # and has not come: the worker is slower than the rates learned so far, or the rates are priors).
 _OVERDUE_SHARE = 0.25
 # From a prefill's end to its pages in the store as the router sees them (the engine's save, the
-# shard's event): a request held for them (`Decision.hold_s`) is expected to go no sooner.
+# shard's event): a request held for them is expected to go no sooner.
 STORE_LAG_S = 0.3
-HOLD_SLACK_S = 1.0  # a hold lasts at most twice the wait expected for the pages, and this
+# A held request goes on (decided again) once the prefill it waits for has had its first token this
+# long without the pages landing (a save dropped, a shard gone), or once held this long in all.
+LAND_WAIT_S = 2.0
+HOLD_AT_MOST_S = 30.0
 
 
 class ArrivalRate:
@@ -75,6 +78,8 @@ class Pending:
     cost_s: float  # the work it was expected to take there (a batching worker: its prefill; else all of it)
     due_at: float  # monotonic time that work was expected to end: when sent, the work ahead of it, then its own
     prefilling: bool = True  # no first token yet
+    holding: bool = False  # held in the router until pages another worker computes land in the store
+    ended_at: float | None = None  # monotonic time of its first token
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ class _Candidate:
     found: int  # prompt tokens cached for it there (device, host RAM, store)
     split: tuple[int, int, int]  # of which on the device, in host RAM, in the store
     pending: Pending  # what it adds to that worker's work once sent
-    hold_s: float = 0.0  # held back at most this long for pages on their way to the store
+    awaits: tuple[str, int] | None = None  # held for the pages the prefill (worker, ticket) computes
 
 
 class EventRoutingPolicy(RoutingPolicy):
@@ -161,7 +166,8 @@ class EventRoutingPolicy(RoutingPolicy):
         """`namespace`: the request's own (vLLM's cache salt), keying its pages in place of the
         workers' namespace; pages under any other count for nothing. `hold`: with
         `store_follows`, a decision may ask the caller to hold the request until pages another
-        worker is computing are in the store (`Decision.hold_s`, `landed`); False: never."""
+        worker is computing are in the store (`Decision.awaits`, `landed`, `source_ended`);
+        False: never."""
         self.arrivals.record()
         if prompt is None or self._tokenizer is None or not all(
                 w in self._identity and self.events.fresh(w) for w in loads):
@@ -174,6 +180,8 @@ class EventRoutingPolicy(RoutingPolicy):
         now = time.monotonic()
         with self._pending_lock:
             pending = {w: list(self._pending[w].values()) for w in loads}
+            computing = [(w, t, p) for w in loads for t, p in self._pending[w].items()
+                         if p.prefilling and not p.holding]  # held ones compute nothing yet
             waits = {w: self._ahead_s(pending[w], now)
                      + max(0, loads[w] - len(pending[w])) * self.estimate.service_s
                      for w in loads}  # requests sent while events were stale: cost unknown, service_s each
@@ -184,7 +192,8 @@ class EventRoutingPolicy(RoutingPolicy):
             if identity not in keyed:
                 keyed[identity] = chain_keys(ids, page, root_key(identity[1], fingerprint))
             keys = keyed[identity]
-            coming = max((_common(keys, p.keys) for p in pending[worker]), default=0)
+            # A request held for pages that are not in the store yet brings nothing here so far.
+            coming = max((_common(keys, p.keys) for p in pending[worker] if not p.holding), default=0)
             held = self.events.holdings(worker, keys, coming)
             here = (held.device, held.host, held.store)
             candidate = self._candidate(worker, ids, keys, page, here, waits, prefills, loads, rate, now)
@@ -192,15 +201,13 @@ class EventRoutingPolicy(RoutingPolicy):
                 # A prefix another worker is computing lands in the store when done (written
                 # through): this worker may load it from there, the request held back until it
                 # is, rather than compute it again or queue at the holder.
-                landing, ready_s = _landing(keys, [p for w, ps in pending.items() if w != worker for p in ps], now)
+                landing, ready_s, source = _landing(keys, [c for c in computing if c[0] != worker], now)
                 if landing > sum(here):
                     later = {**waits, worker: max(waits[worker], ready_s + STORE_LAG_S)}
                     held_back = self._candidate(worker, ids, keys, page, (held.device, held.host,
                                                 landing - held.device - held.host), later, prefills, loads, rate, now)
-                    hold_s = min(2 * (ready_s + STORE_LAG_S) + HOLD_SLACK_S, self.estimate.compute_s(
-                        len(ids), (held.device + held.host) * page))  # never longer than computing it here
-                    if held_back.score < candidate.score and hold_s > 0:
-                        candidate = replace(held_back, hold_s=hold_s)
+                    if held_back.score < candidate.score:
+                        candidate = replace(held_back, awaits=source)
             scored.append(candidate)
         # Within a near tie, the worker where this request's own TTFT is lowest: the waiting it
         # would cause others is an expectation, its own wait is certain (a new document, a busy
@@ -209,12 +216,12 @@ class EventRoutingPolicy(RoutingPolicy):
         best = min((c for c in scored if c.score <= least * (1 + _NEAR_TIE)),
                    key=lambda c: (c.wait + c.own, c.load, c.worker))
         self.fallback.observe(best.worker, [text])  # kept warm for when events stop
-        ticket = self._keep_pending(best.worker, best.pending)
-        self.holds += best.hold_s > 0
+        ticket = self._keep_pending(best.worker, replace(best.pending, holding=best.awaits is not None))
+        self.holds += best.awaits is not None
         considered = tuple(Considered(c.worker, c.wait + c.own, c.wait, c.split, c.score)
                            for c in sorted(scored, key=lambda c: (c is not best, c.score)))
         return Decision(best.worker, "events", best.found, best.split, wait_s=best.wait, ticket=ticket,
-                        considered=considered, hold_s=best.hold_s)
+                        considered=considered, hold_s=HOLD_AT_MOST_S if best.awaits else 0.0, awaits=best.awaits)
 
     def _candidate(self, worker: str, ids: Sequence[int], keys: list[bytes], page: int,
                    held: tuple[int, int, int], waits: Mapping[str, float], prefills: Mapping[str, int],
@@ -247,13 +254,29 @@ class EventRoutingPolicy(RoutingPolicy):
 
     def landed(self, decision: Decision) -> bool:
         """Whether the pages a held decision waits for are where it expected them: its worker finds
-        as many leading pages of its prompt (device, host RAM, store) as the decision counted."""
+        as many leading pages of its prompt (device, host RAM, store) as the decision counted.
+        Once they are, the request counts as bringing them there (`coming`) for those after it."""
         with self._pending_lock:
             entry = self._pending.get(decision.worker, {}).get(decision.ticket)
         if entry is None or decision.worker not in self._identity:
             return True  # no longer pending: nothing to hold it for
         held = self.events.holdings(decision.worker, entry.keys)
-        return (held.device + held.host + held.store) * self._identity[decision.worker][2] >= decision.matched
+        if (held.device + held.host + held.store) * self._identity[decision.worker][2] < decision.matched:
+            return False
+        entry.holding = False
+        return True
+
+    def source_ended(self, decision: Decision) -> float | None:
+        """When the prefill a held decision waits for had its first token (monotonic time; now, if
+        it is no longer pending at all); None while it is still under way."""
+        if decision.awaits is None:
+            return time.monotonic()
+        worker, ticket = decision.awaits
+        with self._pending_lock:
+            entry = self._pending.get(worker, {}).get(ticket)
+        if entry is None:
+            return time.monotonic()
+        return None if entry.prefilling else entry.ended_at
 
     def _keep_pending(self, worker: str, pending: Pending) -> int:
         """Count `pending` on `worker` until `finished`; its ticket."""
@@ -297,6 +320,7 @@ class EventRoutingPolicy(RoutingPolicy):
             entry = self._pending.get(worker, {}).get(decision.ticket)
             if entry is not None:
                 entry.prefilling = False
+                entry.ended_at = time.monotonic()
 
     def finished(self, worker: str, decision: Decision) -> None:
         """A request routed by `decision` to `worker` was answered (or failed): its pages are told
@@ -332,15 +356,17 @@ def _all_busy_cost(wait_s: float, own_s: float, others_s: float, rate: float) ->
     return rate * longer * (free_before + longer / 2)
 
 
-def _landing(keys: Sequence[bytes], elsewhere: Sequence[Pending], now: float) -> tuple[int, float]:
-    """The most leading pages of `keys` a prefill under way on another worker is computing, and in
-    how many seconds it is expected to end (one overdue: a share of its cost)."""
-    best, ready = 0, 0.0
-    for p in elsewhere:
-        n = _common(keys, p.keys) if p.prefilling else 0
+def _landing(keys: Sequence[bytes], computing: Sequence[tuple[str, int, Pending]], now: float
+             ) -> tuple[int, float, tuple[str, int] | None]:
+    """The most leading pages of `keys` one of the prefills under way (worker, ticket, pending)
+    computes, in how many seconds it is expected to end (one overdue: a share of its cost), and
+    which it is."""
+    best, ready, source = 0, 0.0, None
+    for worker, ticket, p in computing:
+        n = _common(keys, p.keys)
         if n > best:
-            best, ready = n, max(p.due_at - now, _OVERDUE_SHARE * p.cost_s)
-    return best, ready
+            best, ready, source = n, max(p.due_at - now, _OVERDUE_SHARE * p.cost_s), (worker, ticket)
+    return best, ready, source
 
 
 def _common(a: Sequence[bytes], b: Sequence[bytes]) -> int:

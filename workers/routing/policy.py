@@ -50,8 +50,10 @@ class Decision:
     ticket: int = 0  # the event policy: names the request among the worker's pending ones (0: not kept)
     considered: tuple[Considered, ...] = ()  # under "events": every worker weighed, the chosen one first
     # Under "events": hold the request back at most this long, until the pages it counted in the
-    # store have landed there (another worker is computing them: `EventRoutingPolicy.landed`).
+    # store have landed there (`EventRoutingPolicy.landed`); `awaits` names the prefill computing
+    # them (worker, ticket: `EventRoutingPolicy.source_ended`).
     hold_s: float = 0.0
+    awaits: tuple[str, int] | None = None
     held_s: float = 0.0  # how long the router held it (the caller that held it says)
 
     @property

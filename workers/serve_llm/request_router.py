@@ -42,7 +42,7 @@ from tiered_cache.workers.directory import SHARD
 from tiered_cache.workers.names import DIRECTORY
 from tiered_cache.workers.router import member_info
 from tiered_cache.workers.routing.event_index import ClusterEvents
-from tiered_cache.workers.routing.event_policy import EventRoutingPolicy, encode
+from tiered_cache.workers.routing.event_policy import LAND_WAIT_S, EventRoutingPolicy, encode
 from tiered_cache.workers.routing.policies import PrefixAwarePolicy
 from tiered_cache.workers.routing.policy import Considered, Decision, prompt_text
 from tiered_cache.workers.routing.token_chain import TokenChainIndex, connector_chain
@@ -196,11 +196,14 @@ class TieredCacheRouter(KVAwareRouter):
     async def _hold(self, decision: Decision, by_name: Mapping[str, RunningReplica], prompt: Any, chat: bool,
                     salt: str | None) -> Decision:
         """Hold a request back until the store pages its decision counted have landed (another
-        replica is computing them; its engine writes them through), at most `decision.hold_s`;
-        past that it is decided again, without holding (`expired_holds`)."""
+        replica is computing them; its engine writes them through). It is decided again, without
+        holding (`expired_holds`), once that prefill has had its first token `LAND_WAIT_S` ago
+        and they have not landed, or after `decision.hold_s` in all."""
         started = time.monotonic()
         while not self.policy.landed(decision):
-            if time.monotonic() - started >= decision.hold_s:
+            ended = self.policy.source_ended(decision)
+            now = time.monotonic()
+            if (ended is not None and now - ended >= LAND_WAIT_S) or now - started >= decision.hold_s:
                 self.policy.finished(decision.worker, decision)
                 self.expired_holds += 1
                 loads = {name: self.in_flight[name] for name in by_name}

@@ -227,7 +227,15 @@ def test_a_question_on_a_document_being_computed_waits_for_the_store_on_the_idle
             held = policy.choose(question, loads, question)
             assert (held.worker, held.reason) == (idle, "events") and held.hold_s > 0 and policy.holds == 1
             assert held.expected[2] >= len(encode_prompt(tokenizer, doc)) - 2 * SPEC.page_size  # from the store
+            assert held.awaits == (holder, first.ticket) and policy.source_ended(held) is None  # still computing
             assert not policy.landed(held)  # nothing in the store yet
+            # A held request brings its pages nowhere until they land: the next question does not
+            # expect them on the idle worker's device (it would compute them there unheld).
+            question = f"{doc} Question 10?"
+            after = policy.choose(question, {**loads, idle: 1}, question)
+            assert after.worker == holder or (after.awaits, after.expected[0]) == (held.awaits, 0)
+            policy.first_token(holder, first)
+            assert policy.source_ended(held) is not None  # computed: its pages are on their way
             # The holder's engine computed the document and wrote it through: the store holds it.
             (a if holder == "a" else b).events.chain_changed(_keys(tokenizer, doc), True)
             _until(lambda: policy.landed(held), "the document's pages in the store")
