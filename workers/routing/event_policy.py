@@ -263,7 +263,8 @@ class EventRoutingPolicy(RoutingPolicy):
         held = self.events.holdings(decision.worker, entry.keys)
         if (held.device + held.host + held.store) * self._identity[decision.worker][2] < decision.matched:
             return False
-        entry.holding = False
+        with self._pending_lock:
+            entry.holding = False
         return True
 
     def source_ended(self, decision: Decision) -> float | None:
