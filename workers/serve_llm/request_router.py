@@ -80,6 +80,7 @@ class TieredCacheRouter(KVAwareRouter):
         self.routed: Counter[str] = Counter()
         self.unparsed = 0  # requests with no prompt to key (routed to the least loaded)
         self.expired_holds = 0  # requests held for store pages that did not land in time (decided again)
+        self._holding = 0  # requests held now (`_hold`)
         self._decisions: dict[str, Decision] = {}  # internal request id -> the decision
         self.recent: OrderedDict[str, dict[str, Any]] = OrderedDict()  # request id -> its route (answers say it)
         self._routes: dict[str, Decision] = {}  # request id -> its decision (what it expected, for the answer)
@@ -169,7 +170,7 @@ class TieredCacheRouter(KVAwareRouter):
         else:
             salt = getattr(pending_request.args[0], "cache_salt", None) if pending_request else None
             decision = await asyncio.to_thread(self.policy.choose, prompt_text(prompt), loads, prompt, chat,
-                                               salt or None)
+                                               salt or None, self._holding < self._hold_slots())
             if decision.hold_s > 0:
                 decision = await self._hold(decision, by_name, prompt, chat, salt or None)
         if pending_request is not None:
@@ -200,18 +201,29 @@ class TieredCacheRouter(KVAwareRouter):
         holding (`expired_holds`), once that prefill has had its first token `LAND_WAIT_S` ago
         and they have not landed, or after `decision.hold_s` in all."""
         started = time.monotonic()
-        while not self.policy.landed(decision):
-            ended = self.policy.source_ended(decision)
-            now = time.monotonic()
-            if (ended is not None and now - ended >= LAND_WAIT_S) or now - started >= decision.hold_s:
-                self.policy.finished(decision.worker, decision)
-                self.expired_holds += 1
-                loads = {name: self.in_flight[name] for name in by_name}
-                decision = await asyncio.to_thread(self.policy.choose, prompt_text(prompt), loads, prompt, chat,
-                                                   salt, False)
-                break
-            await asyncio.sleep(HOLD_POLL_S)
+        self._holding += 1
+        try:
+            while not self.policy.landed(decision):
+                ended = self.policy.source_ended(decision)
+                now = time.monotonic()
+                if (ended is not None and now - ended >= LAND_WAIT_S) or now - started >= decision.hold_s:
+                    self.policy.finished(decision.worker, decision)
+                    self.expired_holds += 1
+                    loads = {name: self.in_flight[name] for name in by_name}
+                    decision = await asyncio.to_thread(self.policy.choose, prompt_text(prompt), loads, prompt,
+                                                       chat, salt, False)
+                    break
+                await asyncio.sleep(HOLD_POLL_S)
+        finally:
+            self._holding -= 1
         return dataclasses.replace(decision, held_s=time.monotonic() - started)
+
+    def _hold_slots(self) -> int:
+        """How many requests may be held at once: half of Serve's routing tasks (a held request
+        keeps one busy; Serve runs at most twice as many as there are replicas), so requests
+        that need no hold are never stuck behind held ones."""
+        tasks = getattr(self, "max_num_routing_tasks", 2 * len(getattr(self, "curr_replicas", {}) or {}))
+        return max(0, int(tasks) // 2)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:
