@@ -219,11 +219,11 @@ class TieredCacheRouter(KVAwareRouter):
         return dataclasses.replace(decision, held_s=time.monotonic() - started)
 
     def _hold_slots(self) -> int:
-        """How many requests may be held at once: half of Serve's routing tasks (a held request
-        keeps one busy; Serve runs at most twice as many as there are replicas), so requests
-        that need no hold are never stuck behind held ones."""
+        """How many requests may be held at once: all but one of Serve's routing tasks (a held
+        request keeps one busy; Serve runs at most twice as many as there are replicas). The one
+        left routes every request that needs no hold, one after the other, each in milliseconds."""
         tasks = getattr(self, "max_num_routing_tasks", 2 * len(getattr(self, "curr_replicas", {}) or {}))
-        return max(0, int(tasks) // 2)
+        return max(0, int(tasks) - 1)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:

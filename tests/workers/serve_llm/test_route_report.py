@@ -29,13 +29,13 @@ def test_a_route_decided_without_events_says_only_where_and_why():
     assert route_report(Decision("r1", "least_cached", 0)) == {"replica": "r1", "reason": "least_cached"}
 
 
-def test_at_most_half_of_serves_routing_tasks_hold_requests():
+def test_one_of_serves_routing_tasks_is_always_left_for_requests_that_need_no_hold():
     """A held request keeps one of Serve's routing tasks busy (Serve runs at most two per
-    replica): half stay free for requests that need no hold."""
+    replica): one is always left to route the requests that need no hold."""
     from tiered_cache.workers.serve_llm.request_router import TieredCacheRouter
 
     router = TieredCacheRouter.__new__(TieredCacheRouter)  # the slots need no Serve
     router._replicas = {"r1": object(), "r2": object()}
-    assert router.max_num_routing_tasks == 4 and router._hold_slots() == 2
+    assert router.max_num_routing_tasks == 4 and router._hold_slots() == 3
     router._replicas = {}
     assert router._hold_slots() == 0
