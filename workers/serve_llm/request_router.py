@@ -222,8 +222,7 @@ class TieredCacheRouter(KVAwareRouter):
         """How many requests may be held at once: all but one of Serve's routing tasks (a held
         request keeps one busy; Serve runs at most twice as many as there are replicas). The one
         left routes every request that needs no hold, one after the other, each in milliseconds."""
-        tasks = getattr(self, "max_num_routing_tasks", 2 * len(getattr(self, "curr_replicas", {}) or {}))
-        return max(0, int(tasks) - 1)
+        return max(0, self.max_num_routing_tasks - 1)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:
@@ -268,8 +267,7 @@ def route_report(decision: Decision) -> dict[str, Any]:
     report: dict[str, Any] = {"replica": decision.worker, "reason": decision.reason}
     if decision.reason == "events":
         report["expected_cached_tokens"] = decision.matched
-        device, host, store = decision.expected  # where the router expected them: which tier
-        report["expected_from"] = {"device": device, "host": host, "store": store}
+        report["expected_from"] = _by_tier(decision.expected)  # where the router expected them: which tier
         report["expected_wait_ms"] = round(decision.wait_s * 1e3)  # the prefills it expected ahead there
         if decision.held_s:  # held in the router until the store had what another replica computed
             report["held_ms"] = round(decision.held_s * 1e3)
@@ -283,9 +281,13 @@ def route_report(decision: Decision) -> dict[str, Any]:
     return report
 
 
+def _by_tier(tokens: tuple[int, int, int]) -> dict[str, int]:
+    device, host, store = tokens
+    return {"device": device, "host": host, "store": store}
+
+
 def _considered(c: Considered) -> dict[str, Any]:
-    device, host, store = c.expected
-    return {"expected_from": {"device": device, "host": host, "store": store},
+    return {"expected_from": _by_tier(c.expected),
             "expected_wait_ms": round(c.wait_s * 1e3), "expected_ttft_ms": round(c.ttft_s * 1e3),
             "score_ms": round(c.score_s * 1e3)}
 
