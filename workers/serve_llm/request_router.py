@@ -58,6 +58,9 @@ SHARDS_WAIT_S = 2.0  # one directory or shard look-up, at most
 ROUTERS: list[TieredCacheRouter] = []  # this process's routers, for the ingress's stats route
 RECENT = 4096  # routes remembered for the answers' `tiered_cache` field
 HOLD_POLL_S = 0.02  # how often a held request looks whether its pages have landed in the store
+# Requests held at once, at most (each keeps a routing task of its own, beside Serve's): more are
+# decided without a hold.
+HOLDS_AT_MOST = 64
 OTHERS_SHOWN = 3  # replicas passed over that an answer's route shows (the best scored)
 
 
@@ -81,6 +84,7 @@ class TieredCacheRouter(KVAwareRouter):
         self.unparsed = 0  # requests with no prompt to key (routed to the least loaded)
         self.expired_holds = 0  # requests held for store pages that did not land in time (decided again)
         self._holding = 0  # requests held now (`_hold`)
+        self._held: list[PendingRequest] = []  # requests held and not yet handed to a replica by Serve
         self._decisions: dict[str, Decision] = {}  # internal request id -> the decision
         self.recent: OrderedDict[str, dict[str, Any]] = OrderedDict()  # request id -> its route (answers say it)
         self._routes: dict[str, Decision] = {}  # request id -> its decision (what it expected, for the answer)
@@ -170,9 +174,9 @@ class TieredCacheRouter(KVAwareRouter):
         else:
             salt = getattr(pending_request.args[0], "cache_salt", None) if pending_request else None
             decision = await asyncio.to_thread(self.policy.choose, prompt_text(prompt), loads, prompt, chat,
-                                               salt or None, self._holding < self._hold_slots())
+                                               salt or None, self._holding < HOLDS_AT_MOST)
             if decision.hold_s > 0:
-                decision = await self._hold(decision, by_name, prompt, chat, salt or None)
+                decision = await self._hold(decision, pending_request, by_name, prompt, chat, salt or None)
         if pending_request is not None:
             with self._lock:
                 # Serve asks again for a request it could not place (a replica refused or died):
@@ -194,14 +198,16 @@ class TieredCacheRouter(KVAwareRouter):
         rest = [r for name, r in sorted(by_name.items()) if name != decision.worker]
         return [[by_name[decision.worker]], *([rest] if rest else [])]
 
-    async def _hold(self, decision: Decision, by_name: Mapping[str, RunningReplica], prompt: Any, chat: bool,
-                    salt: str | None) -> Decision:
+    async def _hold(self, decision: Decision, pending: PendingRequest, by_name: Mapping[str, RunningReplica],
+                    prompt: Any, chat: bool, salt: str | None) -> Decision:
         """Hold a request back until the store pages its decision counted have landed (another
         replica is computing them; its engine writes them through). It is decided again, without
         holding (`expired_holds`), once that prefill has had its first token `LAND_WAIT_S` ago
         and they have not landed, or after `decision.hold_s` in all."""
         started = time.monotonic()
         self._holding += 1
+        self._held.append(pending)
+        self._maybe_start_routing_tasks()  # a request waiting behind this one gets a task of its own
         try:
             while not self.policy.landed(decision):
                 ended = self.policy.source_ended(decision)
@@ -218,11 +224,16 @@ class TieredCacheRouter(KVAwareRouter):
             self._holding -= 1
         return dataclasses.replace(decision, held_s=time.monotonic() - started)
 
-    def _hold_slots(self) -> int:
-        """How many requests may be held at once: all but one of Serve's routing tasks (a held
-        request keeps one busy; Serve runs at most twice as many as there are replicas). The one
-        left routes every request that needs no hold, one after the other, each in milliseconds."""
-        return max(0, self.max_num_routing_tasks - 1)
+    @property
+    def max_num_routing_tasks(self) -> int:
+        """Serve's bound on its routing tasks (twice the replicas), plus one for each request held
+        and not yet handed to its replica: a held request keeps the task that routes it busy until
+        its pages land, and every other request is still routed by as many tasks as Serve would
+        run without holds. A held request counts until Serve has placed it: a routing task that
+        finds more tasks than its bound gives up the request it took (Serve's
+        `_fulfill_pending_requests`), which must not happen to one just released."""
+        held = self._held = [p for p in getattr(self, "_held", ()) if not p.future.done()]
+        return super().max_num_routing_tasks + len(held)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:
