@@ -61,6 +61,9 @@ HOLD_POLL_S = 0.02  # how often a held request looks whether its pages have land
 # Requests held at once, at most (each keeps a routing task of its own, beside Serve's): more are
 # decided without a hold.
 HOLDS_AT_MOST = 64
+# A request waits at most this long for replicas the router is subscribing to (then the prefix
+# policy decides, counted in `fallbacks`).
+JOIN_WAIT_S = 10.0
 OTHERS_SHOWN = 3  # replicas passed over that an answer's route shows (the best scored)
 
 
@@ -90,15 +93,35 @@ class TieredCacheRouter(KVAwareRouter):
         self._routes: dict[str, Decision] = {}  # request id -> its decision (what it expected, for the answer)
         self._joined: dict[str, tuple[str, str]] = {}  # replica -> its event endpoints
         self._joining: set[str] = set()
+        self._join_tasks: set[asyncio.Task[None]] = set()
         self._lock = threading.Lock()
         _registry().append(self)
 
     # --- replicas ---------------------------------------------------------------------------------
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new list of replicas (and their routing stats): those not followed yet are
+        joined now, in the background, so a new deployment's first requests find them followed."""
+        super().update_replicas(replicas)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # not on the router's loop: the next request joins them
+            return
+        if hasattr(self, "_join_tasks"):  # Serve has initialized our state
+            self._start_joining(replicas)
+
     async def _join_new(self, replicas: list[RunningReplica]) -> None:
-        """Subscribe to replicas not followed yet (off the event loop: the tokenizer loads once,
-        a new subscription waits for its replay)."""
-        new = []
+        """Join replicas not followed yet, and wait (at most `JOIN_WAIT_S`) for every join under
+        way: a request that arrives while the router subscribes to a replica is decided by its
+        events, not by the prefix policy with none (a deployment's first requests on one document
+        would each start its prefill on another replica)."""
+        self._start_joining(replicas)
+        under_way = [t for t in self._join_tasks if not t.done()]
+        if under_way:
+            await asyncio.wait(under_way, timeout=JOIN_WAIT_S)
+
+    def _start_joining(self, replicas: list[RunningReplica]) -> None:
         self._learn_keying(replicas)
+        new = []
         for replica in replicas:
             name = replica.replica_id.unique_id
             meta = (replica.routing_stats or {}).get("kv_event_metadata") or {}
@@ -107,6 +130,14 @@ class TieredCacheRouter(KVAwareRouter):
                 continue
             self._joining.add(name)
             new.append((name, endpoints, int(meta.get("block_size") or 0)))
+        if new:
+            task = asyncio.ensure_future(self._join(new))
+            self._join_tasks.add(task)
+            task.add_done_callback(self._join_tasks.discard)
+
+    async def _join(self, new: list[tuple[str, tuple[str, str], int]]) -> None:
+        """Subscribe to `new` replicas' events (off the event loop: the tokenizer loads once, a new
+        subscription waits for its replay)."""
         keying = self.keying or {"fingerprint": FINGERPRINT, "namespace": ""}
         for name, endpoints, block_size in new:
             info = {"address": " ".join(endpoints), "model": self.model, "fingerprint": keying["fingerprint"],

@@ -1,0 +1,130 @@
+"""Our router inside Serve's own routing loop (`RequestRouter`: its routing tasks, its pending
+requests), over replicas that publish real KV events: what Serve's loop makes of a router that
+holds requests and subscribes to replicas as they come."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("ray.serve.llm")
+pytest.importorskip("zmq")
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+from ray.serve.request_router import PendingRequest
+
+from tiered_cache.events.publisher import EventPublisher
+from tiered_cache.workers.routing.policies import PrefixAwarePolicy
+from tiered_cache.workers.routing.policy import Decision
+from tiered_cache.workers.serve_llm.request_router import TieredCacheRouter
+
+DEPLOYMENT = DeploymentID("llm", "app")
+DOCUMENT = "Document: " + " ".join(f"word{i}" for i in range(300))
+
+
+class _Replica:
+    """What Serve's routing loop reads of a replica: its id, queue and routing stats."""
+
+    def __init__(self, name: str, routing_stats: dict | None = None) -> None:
+        self.replica_id = ReplicaID(name, DEPLOYMENT)
+        self.max_ongoing_requests = 1000
+        self.node_id, self.availability_zone, self.multiplexed_model_ids = "", None, set()
+        self.routing_stats = routing_stats or {}
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return 0
+
+
+def _request(n: int, prompt: str) -> PendingRequest:
+    body = type("Body", (), {"prompt": prompt, "kv_transfer_params": None})()
+    return PendingRequest([body], {}, RequestMetadata(f"q{n}", f"i{n}"))
+
+
+def _router(model: str = "") -> TieredCacheRouter:
+    router = TieredCacheRouter(DEPLOYMENT, DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(model=model)
+    return router
+
+
+class _HoldsDocuments(PrefixAwarePolicy):
+    """Decides as the event policy does for a question on a document another replica is still
+    computing: held (`hold_s`) until `landed` says its pages are in the store; every other
+    prompt at once. A stand-in for the event policy, whose holds test_event_policy.py tests."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.landed_now = False
+
+    def choose(self, text, loads, prompt=None, chat=True, namespace=None, hold=True):
+        held = hold and text.startswith("doc")
+        return Decision(sorted(loads)[0], "events", 0, hold_s=30.0 if held else 0.0, ticket=1)
+
+    def landed(self, decision):
+        return self.landed_now
+
+    def source_ended(self, decision):
+        return None
+
+    def finished(self, worker, decision):
+        pass
+
+
+def test_requests_held_for_the_store_leave_serve_its_routing_tasks_for_every_other_request():
+    """More requests held at once than Serve runs routing tasks (two per replica), and a question
+    that needs no hold arriving behind them: every held request is held (none decided again
+    without its hold for want of a task) and the other is routed at once; once the pages land,
+    every held request is handed to its replica."""
+    async def scenario() -> None:
+        router = _router()
+        router.policy = policy = _HoldsDocuments()
+        router.update_replicas([_Replica("r1"), _Replica("r2")])
+        serve_tasks = router.max_num_routing_tasks
+        request = _request
+        held = [request(n, f"doc {n}: what is it about?") for n in range(serve_tasks + 2)]
+        routings = [asyncio.ensure_future(router._choose_replica_for_request(r)) for r in held]
+        await asyncio.sleep(0.5)
+        assert router._holding == len(held) and not any(t.done() for t in routings)
+        other = await asyncio.wait_for(router._choose_replica_for_request(request(99, "hello")), 5.0)
+        assert other.replica_id.unique_id in ("r1", "r2") and router.expired_holds == 0
+        policy.landed_now = True
+        placed = await asyncio.wait_for(asyncio.gather(*routings), 5.0)
+        assert len(placed) == len(held) and router._holding == 0
+        assert all(router.recent[f"q{n}"]["held_ms"] > 0 for n in range(len(held)))
+        assert router.max_num_routing_tasks == serve_tasks  # nothing held any more
+
+    asyncio.run(scenario())
+
+
+def test_a_new_deployment_s_first_requests_wait_for_its_replicas_events_rather_than_fall_back():
+    """Two questions on one document arrive as a new deployment's router first hears of its
+    replicas (Serve's `update_replicas`): it subscribes to them at once, and a request that
+    arrives meanwhile waits for the subscriptions rather than fall back to the prefix policy,
+    which knows nothing yet and would send the second question to compute the document again on
+    the other replica."""
+    publishers = [EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
+
+    async def scenario() -> None:
+        router = _router("smollm2")
+        try:
+            router.update_replicas([_Replica(f"r{i}", {"kv_event_metadata": {
+                "endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint, "block_size": 16}})
+                for i, p in enumerate(publishers)])
+            first = asyncio.ensure_future(router._choose_replica_for_request(
+                _request(1, f"{DOCUMENT}\nQuestion: what is it about?")))
+            await asyncio.sleep(0.05)
+            second = await asyncio.wait_for(router._choose_replica_for_request(
+                _request(2, f"{DOCUMENT}\nQuestion: who wrote it?")), 30.0)
+            first = await asyncio.wait_for(first, 30.0)
+            assert router.policy.fallbacks == 0
+            assert [router.recent[q]["reason"] for q in ("q1", "q2")] == ["events", "events"]
+            assert second.replica_id == first.replica_id  # where the document is being computed
+        finally:
+            router.policy.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for p in publishers:
+            p.close()
