@@ -10,13 +10,15 @@ or store token from the rest of the TTFT once those parts are taken out, and a r
 after its first token.
 A queued request waits for the work ahead of it: the router adds up what it expected of each
 request it sent there (its own loads and prefill, then its decode), and `service_s` for any it
-did not cost. Until answers teach it, the priors hold (recompute dearest, host RAM cheapest).
+did not cost. Until answers teach it, the priors hold (recompute dearest, host RAM cheapest);
+they are a guess, not a measurement: a rate's first samples are averaged as they come (the first
+replaces the prior), and only after `1 / _WEIGHT` of them does it move as a moving average.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_cache.tiers.base import Tier
@@ -37,6 +39,7 @@ class TTFTEstimate:
     service_s: float = 0.5  # one request on a worker, answer included (for requests whose cost is unknown)
     decode_s: float = 0.1  # one request's time after its first token
     samples: int = 0
+    _seen: dict[str, int] = field(default_factory=dict, repr=False)  # samples per rate
 
     def seconds(self, prompt_tokens: int, device: int, host: int, store: int, wait_s: float = 0.0) -> float:
         """Expected TTFT on a worker with `device`, then `host`, then `store` leading tokens of a
@@ -64,8 +67,8 @@ class TTFTEstimate:
         # The worker's own time on it: the router's latency less the wait behind requests ahead
         # (counted by `in_flight` already), else a busy cluster would count its queues twice.
         busy = max(latency_s - float(answer.get("queued_s") or 0.0), ttft)
-        self.service_s = _moved(self.service_s, busy)
-        self.decode_s = _moved(self.decode_s, busy - ttft)
+        self.service_s = self._moved("service_s", busy)
+        self.decode_s = self._moved("decode_s", busy - ttft)
         # An engine that queues inside itself (vLLM) times the wait in its TTFT: the router takes
         # out what it expected ahead, and learns no rate from a TTFT that was mostly waiting.
         ahead = float(answer.get("ahead_s") or 0.0)
@@ -75,18 +78,18 @@ class TTFTEstimate:
         computed = prompt - int(answer.get("reused_tokens") or 0)
         host, store = int(sources.get(Tier.HOST, 0)), int(sources.get(Tier.REMOTE, 0))
         if computed >= prompt // 2:  # mostly recomputed: the prefill rate shows (loads are a small part)
-            self.prefill_s_per_token = _moved(self.prefill_s_per_token, ttft / computed)
+            self.prefill_s_per_token = self._moved("prefill_s_per_token", ttft / computed)
             return
         rest = max(0.0, ttft - computed * self.prefill_s_per_token)
         cached = prompt - computed
         if not host and not store:  # all on the device: the rest is what its cached tokens cost
-            self.cached_share = _moved(self.cached_share, min(1.0, rest / (cached * self.prefill_s_per_token)))
+            self.cached_share = self._moved("cached_share", min(1.0, rest / (cached * self.prefill_s_per_token)))
             return
         loading = max(0.0, rest - cached * self.cached_share * self.prefill_s_per_token)
         if store and not host:
-            self.store_s_per_token = _moved(self.store_s_per_token, loading / store)
+            self.store_s_per_token = self._moved("store_s_per_token", loading / store)
         elif host and not store:
-            self.host_s_per_token = _moved(self.host_s_per_token, loading / host)
+            self.host_s_per_token = self._moved("host_s_per_token", loading / host)
 
     def to_dict(self) -> dict[str, float]:
         return {"prefill_s_per_token": self.prefill_s_per_token, "cached_share": self.cached_share,
@@ -94,9 +97,12 @@ class TTFTEstimate:
                 "store_s_per_token": self.store_s_per_token, "service_s": self.service_s, "decode_s": self.decode_s,
                 "samples": self.samples}
 
-
-def _moved(old: float, sample: float) -> float:
-    return (1 - _WEIGHT) * old + _WEIGHT * sample
+    def _moved(self, name: str, sample: float) -> float:
+        """Rate `name` with one more sample: the mean of its samples so far, then (past `1 /
+        _WEIGHT` of them) a moving average."""
+        seen = self._seen[name] = self._seen.get(name, 0) + 1
+        weight = max(_WEIGHT, 1.0 / seen)
+        return (1 - weight) * getattr(self, name) + weight * sample
 
 
 def with_store_share(answer: Mapping[str, Any], expected: tuple[int, int, int], ahead_s: float = 0.0

@@ -364,6 +364,23 @@ def test_answers_teach_the_estimate():
     assert estimate.seconds(500, 480, 0, 0) < estimate.seconds(500, 0, 0, 480) < estimate.seconds(500, 0, 0, 0)
 
 
+def test_the_first_answers_replace_the_priors_and_later_ones_move_them_a_step():
+    """The priors are a guess: a router on hardware four times slower than they say prices a
+    prefill from its first answer on as that answer took, not a fifth of the way there; once it
+    has seen enough, one odd answer moves the rate a step, not all the way."""
+    from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
+
+    estimate = TTFTEstimate()
+    slow = 4 * estimate.prefill_s_per_token
+    estimate.observe({"ttft_s": 500 * slow, "prompt_tokens": 500, "reused_tokens": 0}, 500 * slow + 0.5)
+    assert estimate.prefill_s_per_token == pytest.approx(slow)
+    assert estimate.decode_s == pytest.approx(0.5)
+    for _ in range(10):
+        estimate.observe({"ttft_s": 500 * slow, "prompt_tokens": 500, "reused_tokens": 0}, 500 * slow + 0.5)
+    estimate.observe({"ttft_s": 500 * slow * 3, "prompt_tokens": 500, "reused_tokens": 0}, 500 * slow * 3 + 0.5)
+    assert slow * 1.2 < estimate.prefill_s_per_token < slow * 2
+
+
 def test_an_engine_that_queues_inside_teaches_its_rates_without_the_wait():
     """vLLM's TTFT holds its wait behind other prefills: the router takes out the work it
     expected ahead, and a TTFT that was mostly waiting teaches no rate (it would teach queueing)."""
