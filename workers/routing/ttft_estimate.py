@@ -11,8 +11,10 @@ after its first token.
 A queued request waits for the work ahead of it: the router adds up what it expected of each
 request it sent there (its own loads and prefill, then its decode), and `service_s` for any it
 did not cost. Until answers teach it, the priors hold (recompute dearest, host RAM cheapest);
-they are a guess, not a measurement: a rate's first samples are averaged as they come (the first
-replaces the prior), and only after `1 / _WEIGHT` of them does it move as a moving average.
+they are a guess, not a measurement: a rate's first samples from answers that waited behind no
+one are averaged as they come (the first replaces the prior), and only after `1 / _WEIGHT` of
+them does it move as a moving average. An answer that waited moves a rate a step at most: what
+the router took out for its wait was itself an estimate.
 """
 
 from __future__ import annotations
@@ -75,21 +77,23 @@ class TTFTEstimate:
         if ahead > AHEAD_AT_MOST * ttft:
             return
         ttft -= ahead
+        clean = ahead == 0  # nothing was expected ahead of it: its TTFT is its own work
         computed = prompt - int(answer.get("reused_tokens") or 0)
         host, store = int(sources.get(Tier.HOST, 0)), int(sources.get(Tier.REMOTE, 0))
         if computed >= prompt // 2:  # mostly recomputed: the prefill rate shows (loads are a small part)
-            self.prefill_s_per_token = self._moved("prefill_s_per_token", ttft / computed)
+            self.prefill_s_per_token = self._moved("prefill_s_per_token", ttft / computed, clean)
             return
         rest = max(0.0, ttft - computed * self.prefill_s_per_token)
         cached = prompt - computed
         if not host and not store:  # all on the device: the rest is what its cached tokens cost
-            self.cached_share = self._moved("cached_share", min(1.0, rest / (cached * self.prefill_s_per_token)))
+            share = min(1.0, rest / (cached * self.prefill_s_per_token))
+            self.cached_share = self._moved("cached_share", share, clean)
             return
         loading = max(0.0, rest - cached * self.cached_share * self.prefill_s_per_token)
         if store and not host:
-            self.store_s_per_token = self._moved("store_s_per_token", loading / store)
+            self.store_s_per_token = self._moved("store_s_per_token", loading / store, clean)
         elif host and not store:
-            self.host_s_per_token = self._moved("host_s_per_token", loading / host)
+            self.host_s_per_token = self._moved("host_s_per_token", loading / host, clean)
 
     def to_dict(self) -> dict[str, float]:
         return {"prefill_s_per_token": self.prefill_s_per_token, "cached_share": self.cached_share,
@@ -97,9 +101,12 @@ class TTFTEstimate:
                 "store_s_per_token": self.store_s_per_token, "service_s": self.service_s, "decode_s": self.decode_s,
                 "samples": self.samples}
 
-    def _moved(self, name: str, sample: float) -> float:
-        """Rate `name` with one more sample: the mean of its samples so far, then (past `1 /
-        _WEIGHT` of them) a moving average."""
+    def _moved(self, name: str, sample: float, clean: bool = True) -> float:
+        """Rate `name` with one more sample: the mean of its `clean` samples so far (the prior
+        counts for none), then (past `1 / _WEIGHT` of them) a moving average; a sample that is not
+        `clean` moves it by the moving average's step."""
+        if not clean:
+            return (1 - _WEIGHT) * getattr(self, name) + _WEIGHT * sample
         seen = self._seen[name] = self._seen.get(name, 0) + 1
         weight = max(_WEIGHT, 1.0 / seen)
         return (1 - weight) * getattr(self, name) + weight * sample

@@ -367,9 +367,14 @@ def test_answers_teach_the_estimate():
 def test_the_first_answers_replace_the_priors_and_later_ones_move_them_a_step():
     """The priors are a guess: a router on hardware four times slower than they say prices a
     prefill from its first answer on as that answer took, not a fifth of the way there; once it
-    has seen enough, one odd answer moves the rate a step, not all the way."""
+    has seen enough, one odd answer moves the rate a step, not all the way. An answer that waited
+    behind others (its wait taken out as the router expected it) moves a rate a step only."""
     from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
 
+    waited = TTFTEstimate()
+    prior = waited.prefill_s_per_token
+    waited.observe({"ttft_s": 500 * 4 * prior + 0.1, "prompt_tokens": 500, "reused_tokens": 0, "ahead_s": 0.1}, 5)
+    assert prior < waited.prefill_s_per_token < 2 * prior
     estimate = TTFTEstimate()
     slow = 4 * estimate.prefill_s_per_token
     estimate.observe({"ttft_s": 500 * slow, "prompt_tokens": 500, "reused_tokens": 0}, 500 * slow + 0.5)
