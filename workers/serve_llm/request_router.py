@@ -94,6 +94,7 @@ class TieredCacheRouter(KVAwareRouter):
         self._joined: dict[str, tuple[str, str]] = {}  # replica -> its event endpoints
         self._joining: set[str] = set()
         self._join_tasks: set[asyncio.Task[None]] = set()
+        self._deciding = asyncio.Lock()  # decisions one at a time, in the order asked (`_decide`)
         self._lock = threading.Lock()
         _registry().append(self)
 
@@ -196,16 +197,15 @@ class TieredCacheRouter(KVAwareRouter):
         await self._join_new(candidate_replicas)
         self._follow_shards()
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
-        loads = {name: self.in_flight[name] for name in by_name}
         prompt, chat = _prompt_of(pending_request)
         if prompt is None:
             self.unparsed += 1
+            loads = {name: self.in_flight[name] for name in by_name}
             chosen = min(loads, key=lambda n: (loads[n], n))
             decision = Decision(chosen, "balance", 0)
         else:
             salt = getattr(pending_request.args[0], "cache_salt", None) if pending_request else None
-            decision = await asyncio.to_thread(self.policy.choose, prompt_text(prompt), loads, prompt, chat,
-                                               salt or None, self._holding < HOLDS_AT_MOST)
+            decision = await self._decide(by_name, prompt, chat, salt or None, self._holding < HOLDS_AT_MOST)
             if decision.hold_s > 0:
                 decision = await self._hold(decision, pending_request, by_name, prompt, chat, salt or None)
         if pending_request is not None:
@@ -229,6 +229,15 @@ class TieredCacheRouter(KVAwareRouter):
         rest = [r for name, r in sorted(by_name.items()) if name != decision.worker]
         return [[by_name[decision.worker]], *([rest] if rest else [])]
 
+    async def _decide(self, by_name: Mapping[str, RunningReplica], prompt: Any, chat: bool, salt: str | None,
+                      hold: bool) -> Decision:
+        """The policy's decision (off the loop: it tokenizes), one at a time in the order requests
+        asked: each sees the ones decided before it as pending where they went (requests that
+        waited together for a subscription are decided in their order of arrival)."""
+        async with self._deciding:
+            loads = {name: self.in_flight[name] for name in by_name}
+            return await asyncio.to_thread(self.policy.choose, prompt_text(prompt), loads, prompt, chat, salt, hold)
+
     async def _hold(self, decision: Decision, pending: PendingRequest, by_name: Mapping[str, RunningReplica],
                     prompt: Any, chat: bool, salt: str | None) -> Decision:
         """Hold a request back until the store pages its decision counted have landed (another
@@ -246,9 +255,7 @@ class TieredCacheRouter(KVAwareRouter):
                 if (ended is not None and now - ended >= LAND_WAIT_S) or now - started >= decision.hold_s:
                     self.policy.finished(decision.worker, decision)
                     self.expired_holds += 1
-                    loads = {name: self.in_flight[name] for name in by_name}
-                    decision = await asyncio.to_thread(self.policy.choose, prompt_text(prompt), loads, prompt,
-                                                       chat, salt, False)
+                    decision = await self._decide(by_name, prompt, chat, salt, False)
                     break
                 await asyncio.sleep(HOLD_POLL_S)
         finally:

@@ -119,6 +119,9 @@ def test_a_new_deployment_s_first_requests_wait_for_its_replicas_events_rather_t
             first = await asyncio.wait_for(first, 30.0)
             assert router.policy.fallbacks == 0
             assert [router.recent[q]["reason"] for q in ("q1", "q2")] == ["events", "events"]
+            # Decided in their order of arrival: the second sees the first computing the document.
+            assert router.recent["q1"]["expected_cached_tokens"] == 0
+            assert router.recent["q2"]["expected_from"]["device"] > 0
             assert second.replica_id == first.replica_id  # where the document is being computed
         finally:
             router.policy.close()
