@@ -43,7 +43,11 @@ def test_a_same_host_get_reads_the_arena_in_place_with_the_bytes_put_and_no_serv
         try:
             assert tier.put(items) == len(items)
             for _ in range(3):
-                assert tier.get(keys) == [b for _, b in items]
+                got = tier.get(keys)
+                # On a miss, say what the tier counted: a call that failed, a breaker opened.
+                assert got == [b for _, b in items], (
+                    f"{sum(g is None for g in got)} misses; call errors {tier.stores.errors}, "
+                    f"breaker trips {tier.stores.breaker_trips}, arena lookups {tier.servers[0].client.arena_lookups}")
             assert tier.servers[0].client.uses_shm
             # The first get's Get stream handed refs (no copy); the next two found every page in the
             # arena's published index: no RPC on the request path (the server is told in the
