@@ -42,4 +42,5 @@ def serve_llm_app_name(namespace: str) -> str:
 
 
 SERVE_LLM_INGRESS = "TieredCacheIngress"  # that application's front end deployment, for a handle to it
+ROUTER_STATS_PATH = "/tiered-cache/router"  # the vLLM front end's own figures (its request routers')
 ROUTE_HEADER = "x-tiered-cache-route"  # its streamed answers' route, as JSON (their body has no room for it)

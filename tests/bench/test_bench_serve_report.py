@@ -74,3 +74,47 @@ def test_a_streamed_answer_is_read_with_its_route_and_a_bad_route_header_is_none
     assert (routed.prompt_tokens, routed.cached_tokens, routed.output_tokens) == (40, 32, 2)
     assert routed.route == {"replica": "r1", "reason": "events", "expected_from": {"store": 96}}
     assert unrouted.route == {} and unrouted.text == "Hello there"
+
+
+def test_our_router_s_figures_are_read_from_the_front_end_with_its_token_and_shown_per_way():
+    """`front_end_figures` against a real HTTP server answering the front end's router route
+    only with the token: the first router's stats, None without the token or where no route
+    answers; `router_lines` shows a line for the way our router routed, none for another."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tiered_cache.bench.serve.client import front_end_figures
+    from tiered_cache.bench.serve.report import router_lines
+    from tiered_cache.workers.names import ROUTER_STATS_PATH
+
+    stats = {"routed": {"r1": 13, "r2": 11}, "fallbacks": 2, "holds": 10, "expired_holds": 1,
+             "estimate": {"samples": 20, "prefill_s_per_token": 6.5e-3, "cached_share": 0.3,
+                          "store_s_per_token": 4e-5}}
+
+    class FrontEnd(BaseHTTPRequestHandler):
+        def do_GET(self):
+            known = self.path == ROUTER_STATS_PATH and self.headers.get("authorization") == "Bearer t0k"
+            body = json.dumps({"routers": [stats], "retried": {}}).encode() if known else b"{}"
+            self.send_response(200 if known else 401)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FrontEnd)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    try:
+        assert front_end_figures(url, "t0k") == stats
+        assert front_end_figures(url, "wrong") is None
+        assert front_end_figures(url, None) is None
+    finally:
+        server.shutdown()
+        server.server_close()
+    ours, theirs = WayRun("d", router=stats), WayRun("b")
+    (line,) = router_lines([theirs, ours])
+    assert line.startswith("d: routed 13 / 11 per replica; 2 by the fallback; 10 held for the store (1 expired)")
+    assert "prefill 6.50 ms/token" in line and "30% of it" in line and "store 40 us/token" in line

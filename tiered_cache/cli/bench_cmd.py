@@ -462,7 +462,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.bench == "serve":
         from tiered_cache.bench.serve.bench import ServeBenchSettings, bench_serve
-        from tiered_cache.bench.serve.report import outcomes, render, summary
+        from tiered_cache.bench.serve.report import outcomes, render, router_lines, summary
         from tiered_cache.bench.serve.workload import ServeWorkload
         from tiered_cache.workers.cluster import stdout_for_the_answer
 
@@ -472,7 +472,7 @@ def run(args: argparse.Namespace) -> int:
         settings = ServeBenchSettings(workload, args.ways, args.replicas, args.max_tokens, address=args.address)
         runs = bench_serve(settings, progress=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
         rows = [summary(r, runs[0]) for r in runs]
-        print(json.dumps(rows, indent=2) if args.json else render(rows), file=out)
+        print(json.dumps(rows, indent=2) if args.json else "\n".join([render(rows), *router_lines(runs)]), file=out)
         if args.outcomes:
             with open(args.outcomes, "w") as f:
                 json.dump(outcomes(runs, workload.requests()), f, indent=1)

@@ -28,9 +28,8 @@ from starlette.middleware.base import BaseHTTPMiddleware, RequestResponseEndpoin
 from starlette.responses import Response
 
 from tiered_cache.workers.http_frontend import token_refusal
-from tiered_cache.workers.names import ROUTE_HEADER
+from tiered_cache.workers.names import ROUTE_HEADER, ROUTER_STATS_PATH
 
-ROUTER_STATS_PATH = "/tiered-cache/router"
 RETRIES = 2  # times a request whose replica died is sent again
 # Requests this process sent again after their replica died: whole, or a stream from where it stopped.
 RETRIED = {"requests_sent_again": 0, "streams_resumed": 0}

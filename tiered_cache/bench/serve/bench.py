@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tiered_cache.bench.serve.client import front_end_figures
 from tiered_cache.bench.serve.runner import WayRun, run_way
 from tiered_cache.bench.serve.workload import ServeWorkload
 
@@ -60,6 +61,8 @@ def bench_serve(settings: ServeBenchSettings, progress: Callable[[str], None] = 
             progress(f"way {WAY_NAMES[way]}: {len(requests)} requests at {settings.workload.rate:g}/s ...")
             salt = f"bench-serve-{way}-{settings.workload.seed}" if way in WAYS else None
             runs.append(run_way(WAY_NAMES[way], url, TOKEN, requests, _model(way, config), settings.max_tokens, salt))
+            if way in WAYS:
+                runs[-1].router = front_end_figures(url, TOKEN)
             _remove(way, config)
     finally:
         cluster.stop(config.namespace)

@@ -11,7 +11,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiered_cache.workers.names import ROUTE_HEADER
+from tiered_cache.workers.names import ROUTE_HEADER, ROUTER_STATS_PATH
 
 
 @dataclass
@@ -69,3 +69,18 @@ def _read_chunk(chunk: dict, outcome: Outcome, started: float) -> None:
         outcome.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         outcome.output_tokens = int(usage.get("completion_tokens") or 0)
         outcome.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def front_end_figures(url: str, token: str | None, timeout_s: float = 10.0) -> dict[str, Any] | None:
+    """Our request router's stats from the vLLM front end at OpenAI base `url` (the first of its
+    routers: one per ingress process); None where it keeps none (another router, our HF front
+    end) or does not answer."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url.removesuffix("/v1") + ROUTER_STATS_PATH, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            figures = json.loads(answer.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    routers = figures.get("routers") if isinstance(figures, dict) else None
+    return routers[0] if routers else None

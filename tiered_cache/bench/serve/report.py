@@ -1,7 +1,8 @@
 """What `bench serve` prints: per way, TTFT and end-to-end latency (p50, p99), output tokens and
 requests a second, the share of prompt tokens served from a cache, errors, and how many answers
-equal the first way's; and, asked for, every request's outcome per way (`outcomes`), to see which
-requests a way lost its time on."""
+equal the first way's; what our router counted in a way it routed (`router_lines`: fallbacks,
+holds, the rates it learned); and, asked for, every request's outcome per way (`outcomes`), to
+see which requests a way lost its time on."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tiered_cache.report.table import render_table
 
 
 def summary(run: WayRun, baseline: WayRun | None) -> dict[str, Any]:
+    """A way's figures (our router's stats under `router`, where it routed)."""
     ok = [o for o in run.outcomes if not o.error]
     prompt = sum(o.prompt_tokens for o in ok)
     same = compared = 0
@@ -31,7 +33,8 @@ def summary(run: WayRun, baseline: WayRun | None) -> dict[str, Any]:
             "requests_per_s": len(ok) / run.wall_s if run.wall_s else 0.0,
             "prompt_tokens": prompt, "cached_tokens": sum(o.cached_tokens for o in ok),
             "cached_share": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
-            "answers_compared": compared, "answers_equal": same}
+            "answers_compared": compared, "answers_equal": same,
+            **({"router": run.router} if run.router else {})}
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -44,6 +47,24 @@ def render(rows: list[dict[str, Any]]) -> str:
              for r in rows]
     return render_table(table, ["way", "TTFT p50 ms", "p99 ms", "p50 vs first", "e2e p50 ms", "p99 ms", "out tok/s",
                                 "req/s", "cached", "errors", "answers = first"])
+
+
+def router_lines(runs: list[WayRun]) -> list[str]:
+    """A line for each way our router routed: its routes per replica, fallbacks (decided by the
+    prefix policy: events not followed yet or stale), requests held for the store and holds
+    that expired, and the rates it learned by the end."""
+    lines = []
+    for run in runs:
+        if not run.router:
+            continue
+        r, rates = run.router, run.router.get("estimate") or {}
+        routed = " / ".join(str(n) for _, n in sorted((r.get("routed") or {}).items()))
+        lines.append(f"{run.way}: routed {routed or 0} per replica; {r.get('fallbacks', 0)} by the fallback; "
+                     f"{r.get('holds', 0)} held for the store ({r.get('expired_holds', 0)} expired); learned "
+                     f"from {rates.get('samples', 0)} answers: prefill {rates.get('prefill_s_per_token', 0) * 1e3:.2f} "
+                     f"ms/token, a cached token {rates.get('cached_share', 0):.0%} of it, store "
+                     f"{rates.get('store_s_per_token', 0) * 1e6:.0f} us/token")
+    return lines
 
 
 def outcomes(runs: list[WayRun], requests: list[ServeRequest]) -> dict[str, list[dict[str, Any]]]:

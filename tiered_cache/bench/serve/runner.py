@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from tiered_cache.bench.serve.client import Outcome, send
 from tiered_cache.bench.serve.workload import ServeRequest
@@ -18,6 +19,7 @@ class WayRun:
     way: str
     outcomes: list[Outcome] = field(default_factory=list)
     wall_s: float = 0.0
+    router: dict[str, Any] | None = None  # our request router's stats at the end (`front_end_figures`)
 
 
 def run_way(way: str, url: str, token: str | None, requests: list[ServeRequest], model: str, max_tokens: int,
