@@ -354,11 +354,17 @@ def route_of(request_id: str) -> dict[str, Any] | None:
 
 def learn(request_id: str, answer: Mapping[str, Any], latency_s: float) -> None:
     """Teach the router that routed `request_id` what its answer took (ttft_s, prompt_tokens,
-    reused_tokens): its estimate learns this hardware's prefill rate and service time."""
+    reused_tokens, timed by the front end): its estimate learns this hardware's prefill rate and
+    service time. A request held in the router spent its hold inside that TTFT, before any
+    replica saw it: taken out, with the part of the wait it expected that the hold covered (else
+    the hold would be charged to the store's load)."""
     routed = _routed(request_id)
     if routed is not None:
         router, decision = routed
-        router.policy.learn(with_store_share(answer, decision.expected, decision.wait_s), latency_s)
+        held = decision.held_s
+        answer = {**answer, "ttft_s": float(answer.get("ttft_s") or 0.0) - held}
+        ahead = max(0.0, decision.wait_s - held)
+        router.policy.learn(with_store_share(answer, decision.expected, ahead), latency_s - held)
 
 
 def first_token(request_id: str) -> None:

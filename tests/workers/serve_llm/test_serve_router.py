@@ -131,3 +131,20 @@ def test_a_new_deployment_s_first_requests_wait_for_its_replicas_events_rather_t
     finally:
         for p in publishers:
             p.close()
+
+
+def test_time_held_for_the_store_is_not_charged_to_the_store_s_load():
+    """A question held 8 s for its document to land (2 s expected), then loaded and answered in
+    what the estimate expects: its TTFT as the front end timed it holds the hold, which the
+    router takes out; the store's rate stays what the load took, not 8 s over 1,408 tokens."""
+    from tiered_cache.workers.serve_llm.request_router import learn, route_report
+
+    router = _router()
+    estimate = router.policy.estimate
+    prior = estimate.store_s_per_token
+    decision = Decision("r1", "events", 1408, (0, 0, 1408), wait_s=2.0, ticket=1, held_s=8.0)
+    router.recent["held-1"], router._routes["held-1"] = route_report(decision), decision
+    own = estimate.seconds(1440, 0, 0, 1408)
+    learn("held-1", {"ttft_s": 8.0 + own, "prompt_tokens": 1440, "reused_tokens": 1408}, 8.0 + own + 0.5)
+    assert estimate.store_s_per_token == pytest.approx(prior, rel=0.05)
+    assert estimate.decode_s == pytest.approx(0.5, rel=0.05)
