@@ -118,3 +118,27 @@ def test_our_router_s_figures_are_read_from_the_front_end_with_its_token_and_sho
     (line,) = router_lines([theirs, ours])
     assert line.startswith("d: routed 13 / 11 per replica; 2 by the fallback; 10 held for the store (1 expired)")
     assert "prefill 6.50 ms/token" in line and "30% of it" in line and "store 40 us/token" in line
+
+
+def test_engine_arguments_reach_every_vllm_replica_and_a_malformed_one_is_a_one_line_error(capsys):
+    """`--engine-arg NAME=VALUE` (VALUE as JSON where it parses) goes into every vLLM way's engine
+    arguments, over the app's own (a CPU replica's 32-token blocks); a malformed one stops the
+    bench before any cluster starts, with one line naming it."""
+    import pytest
+
+    pytest.importorskip("ray")
+    from tiered_cache.bench.serve.bench import ServeBenchSettings, _config, engine_arg
+    from tiered_cache.cli.main import main
+    from tiered_cache.workers.serve_llm.app import engine_args
+
+    assert engine_arg("block_size=128") == ("block_size", 128)
+    assert engine_arg(" kv_cache_dtype = fp8") == ("kv_cache_dtype", "fp8")  # not JSON: a string
+    assert engine_arg('limit_mm_per_prompt={"image": 0}') == ("limit_mm_per_prompt", {"image": 0})
+    workload = ServeWorkload(1, 1, 100, 0, 1, 1.0, 0)
+    given = engine_args(_config(ServeBenchSettings(workload, engine_kwargs={"block_size": 128})), [])
+    assert given["block_size"] == 128 and given["enable_prompt_tokens_details"] is True
+    assert engine_args(_config(ServeBenchSettings(workload)), [])["block_size"] == 32
+
+    assert main(["bench", "serve", "--engine-arg", "block_size"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["bench serve: an engine argument is NAME=VALUE (e.g. block_size=128), got 'block_size'"]

@@ -42,6 +42,7 @@ def test_nested_settings_parse_sizes_and_enums():
     ({"vllm": {"replicas": 3, "max_replicas": 2}}, "vllm.max_replicas"),
     ({"vllm": {"events_port": 80}}, "vllm.events_port"),
     ({"vllm": {"replica": 2}}, "vllm.replica"),
+    ({"vllm": {"block_size": 100}}, "vllm.block_size must be one of 8, 16, 32, 64, 128, 256, got 100"),
 ])
 def test_bad_settings_are_errors_that_name_them(data, message):
     with pytest.raises(ValueError, match=message):
@@ -66,6 +67,21 @@ def test_the_vllm_engine_s_settings_parse_and_the_app_carries_them():
                      # the list the replicas keep from the directory, followed when shards move
                      "remote_addresses_file": str(shard_list_path(config.namespace))}
     assert connector_config(config, [])["kv_connector_extra_config"]["lower_tiers"] == []  # no shards: RAM only
+
+
+def test_a_cpu_replica_keeps_blocks_small_enough_that_a_cached_document_is_not_recomputed():
+    """vLLM's CPU build would take 128-token blocks, and a prefix cache reuses whole blocks: the app
+    asks for 32 there, leaves a GPU engine vLLM's own, and a block size set by the user wins."""
+    pytest.importorskip("ray")
+    from tiered_cache.workers.serve_llm.app import engine_args
+
+    def block_size(vllm: dict) -> int | None:
+        return engine_args(ClusterConfig.from_dict({"engine": "vllm", "vllm": vllm}), []).get("block_size")
+
+    assert block_size({}) == 32
+    assert block_size({"num_gpus": 1}) is None
+    assert block_size({"block_size": 64}) == 64 and block_size({"num_gpus": 1, "block_size": 16}) == 16
+    assert block_size({"engine_kwargs": {"block_size": 128}}) == 128  # vLLM's arguments as given, last
 
 
 def test_a_null_keeps_the_default_where_none_means_nothing():

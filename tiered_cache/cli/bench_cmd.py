@@ -175,6 +175,9 @@ def add_parser(commands: Any) -> None:
     srv.add_argument("--max-tokens", type=int, default=16, help="tokens each answer generates (default 16)")
     srv.add_argument("--seed", type=int, default=0, help="the workload's order and arrivals (default 0)")
     srv.add_argument("--address", help="an existing Ray cluster (default: start a local one for the run)")
+    srv.add_argument("--engine-arg", action="append", default=[], metavar="NAME=VALUE",
+                     help="a vLLM engine argument for every replica of every vLLM way, VALUE as JSON where it "
+                          "parses (repeatable; e.g. block_size=128)")
     srv.add_argument("--outcomes", metavar="FILE",
                      help="also write every request's outcome per way (arrival, TTFT, cached tokens) as JSON")
     subs.append(srv)
@@ -461,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
             plot_cluster(results, args.plot)
         return 0
     if args.bench == "serve":
-        from tiered_cache.bench.serve.bench import ServeBenchSettings, bench_serve
+        from tiered_cache.bench.serve.bench import ServeBenchSettings, bench_serve, engine_arg
         from tiered_cache.bench.serve.report import outcomes, render, router_lines, summary
         from tiered_cache.bench.serve.workload import ServeWorkload
         from tiered_cache.workers.cluster import stdout_for_the_answer
@@ -469,7 +472,13 @@ def run(args: argparse.Namespace) -> int:
         out = stdout_for_the_answer()
         workload = ServeWorkload(args.docs, args.questions, args.doc_chars, args.chats, args.turns, args.rate,
                                  args.seed)
-        settings = ServeBenchSettings(workload, args.ways, args.replicas, args.max_tokens, address=args.address)
+        try:
+            engine = dict(engine_arg(a) for a in args.engine_arg)
+        except ValueError as exc:
+            print(f"bench serve: {exc}", file=sys.stderr)
+            return 2
+        settings = ServeBenchSettings(workload, args.ways, args.replicas, args.max_tokens, address=args.address,
+                                      engine_kwargs=engine)
         runs = bench_serve(settings, progress=lambda m: print(f"bench serve: {m}", file=sys.stderr, flush=True))
         rows = [summary(r, runs[0]) for r in runs]
         print(json.dumps(rows, indent=2) if args.json else "\n".join([render(rows), *router_lines(runs)]), file=out)

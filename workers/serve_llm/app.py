@@ -16,7 +16,7 @@ from typing import Any
 from tiered_cache.tiers.base import Tier
 from tiered_cache.workers.config import ClusterConfig
 from tiered_cache.workers.names import SERVE_LLM_INGRESS, serve_llm_app_name
-from tiered_cache.workers.serve_llm.settings import ServeRouter, VllmSettings
+from tiered_cache.workers.serve_llm.settings import CPU_BLOCK_SIZE, ServeRouter, VllmSettings
 from tiered_cache.workers.serve_llm.shard_list import NAMESPACE_ENV, shard_list_path
 
 ROUTER_CLASSES = {
@@ -53,11 +53,8 @@ def connector_config(config: ClusterConfig, shards: list[str]) -> dict[str, Any]
     return {"kv_connector": "TieredCacheConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
-def llm_config(config: ClusterConfig, shards: list[str], source: str) -> Any:
-    """The `LLMConfig` of the replicas: `shards` are the store shards' HOST:PORT, `source` what
-    vLLM loads (model_source)."""
-    from ray.serve.llm import LLMConfig
-
+def engine_args(config: ClusterConfig, shards: list[str]) -> dict[str, Any]:
+    """vLLM's engine arguments for each replica: `shards` are the store shards' HOST:PORT."""
     v = config.vllm
     cpu = not v.num_gpus
     engine: dict[str, Any] = {"max_model_len": v.max_model_len, "enable_prefix_caching": True,
@@ -68,11 +65,24 @@ def llm_config(config: ClusterConfig, shards: list[str], source: str) -> Any:
         engine["enforce_eager"] = True  # no graphs to capture on the CPU: starts in seconds less
     elif v.num_gpus > 1:
         engine["tensor_parallel_size"] = int(v.num_gpus)  # Ray Serve LLM places one GPU bundle per rank
+    if v.block_size or cpu:
+        engine["block_size"] = v.block_size or CPU_BLOCK_SIZE
     if v.connector:
         engine["kv_transfer_config"] = connector_config(config, shards)
         # The replica hints its workers to start loading a routed prompt's blocks (llm_server.py).
         engine["worker_extension_cls"] = "tiered_cache.integrations.vllm.worker_extension.TieredCacheWorkerExtension"
     engine.update(v.engine_kwargs)
+    return engine
+
+
+def llm_config(config: ClusterConfig, shards: list[str], source: str) -> Any:
+    """The `LLMConfig` of the replicas: `shards` are the store shards' HOST:PORT, `source` what
+    vLLM loads (model_source)."""
+    from ray.serve.llm import LLMConfig
+
+    v = config.vllm
+    cpu = not v.num_gpus
+    engine = engine_args(config, shards)
     deployment: dict[str, Any] = {"max_ongoing_requests": v.max_ongoing_requests}
     if v.max_replicas is not None and v.max_replicas > v.replicas:
         deployment["autoscaling_config"] = {"min_replicas": v.replicas, "initial_replicas": v.replicas,

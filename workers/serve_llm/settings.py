@@ -10,6 +10,11 @@ from typing import Any
 
 from tiered_cache.model.units import parse_size
 
+# vLLM's CPU build defaults to 128-token blocks, and a prefix cache (vLLM's and ours) reuses whole
+# blocks only: a question on a cached document recomputes the document's last partial block, up to
+# 127 tokens. 32 is the smallest its CPU attention is tuned for.
+CPU_BLOCK_SIZE = 32
+
 
 class ServeRouter(enum.Enum):
     """Which Ray Serve request router picks a replica for each request."""
@@ -44,6 +49,8 @@ class VllmSettings:
     events_port: int = 25557
     token_port: int = 27557
     max_ongoing_requests: int = 16  # per replica; past it Serve queues at the ingress
+    # Tokens per KV block (vLLM's block_size); None: vLLM's own on a GPU, and CPU_BLOCK_SIZE on the CPU.
+    block_size: int | None = None
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)  # more vLLM engine arguments, as given
 
     def __post_init__(self) -> None:
@@ -60,5 +67,7 @@ class VllmSettings:
             port = getattr(self, name)
             if not 1024 <= port <= 64000:
                 raise ValueError(f"vllm.{name} must be between 1024 and 64000, got {port}")
+        if self.block_size is not None and self.block_size not in (8, 16, 32, 64, 128, 256):
+            raise ValueError(f"vllm.block_size must be one of 8, 16, 32, 64, 128, 256, got {self.block_size}")
         if self.cpu_kv_cache < 2**20:
             raise ValueError(f"vllm.cpu_kv_cache must be at least 1 MiB, got {self.cpu_kv_cache}")

@@ -37,6 +37,7 @@ class ServeBenchSettings:
     port: int = 18260
     address: str | None = None
     namespace: str = "tiered-cache-bench-serve"
+    engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # vLLM arguments for every replica
 
 
 def bench_serve(settings: ServeBenchSettings, progress: Callable[[str], None] = lambda _: None) -> list[WayRun]:
@@ -79,7 +80,22 @@ def _config(settings: ServeBenchSettings) -> Any:
         "kv_events": "tcp://127.0.0.1:0", "router": {"policy": "events"},
         "shard": {"disk_path": None, "ram_capacity": "1GiB", "host": "127.0.0.1"},
         "worker": {"max_new_tokens": settings.max_tokens},
-        "vllm": {"replicas": settings.replicas, "host_capacity": "128MiB"}})
+        "vllm": {"replicas": settings.replicas, "host_capacity": "128MiB", "engine_kwargs": settings.engine_kwargs}})
+
+
+def engine_arg(text: str) -> tuple[str, Any]:
+    """`NAME=VALUE` (`--engine-arg`): VALUE as JSON where it parses (numbers, booleans, objects),
+    else the string. ValueError naming the malformed argument."""
+    import json
+
+    name, sep, value = text.partition("=")
+    value = value.strip()
+    if not sep or not name.strip():
+        raise ValueError(f"an engine argument is NAME=VALUE (e.g. block_size=128), got {text!r}")
+    try:
+        return name.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return name.strip(), value
 
 
 def _model(way: str, config: Any) -> str:
