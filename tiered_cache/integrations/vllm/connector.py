@@ -4,10 +4,12 @@
                            "kv_connector_extra_config": {"config": "cache.yaml"}}'
 
 Scheduler side: a request's prompt is hashed into page keys (one vLLM block = one page, the
-namespace is the request's cache salt), the tiers are asked how many leading full blocks they
-hold (always leaving one token to compute), and each step's metadata tells the worker which
-blocks to load and which to save: only blocks whose every token has been computed, never a
-partial one, and not blocks that were just loaded.
+namespace is the request's cache salt), the tiers are asked how many full blocks past vLLM's own
+prefix cache they hold (always leaving one token to compute; none asked when vLLM's covers the
+prompt), and each step's metadata tells the worker which blocks to load and which to save: only
+blocks whose every token has been computed, never a partial one, and neither blocks that were
+just loaded nor those vLLM's own prefix cache gave the request (the request that computed them
+saved them).
 
 Worker side: a block is stored as pages of layer groups (`layer_groups.py`). `start_load_kv`
 hands the step's loads to a loader thread, which gets group after group and copies each into
@@ -160,13 +162,20 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._requests[request.request_id] = state
         usable = max(0, len(tokens) - 1) // self.block_size  # at least one token is computed
         first = num_computed_tokens // self.block_size  # vLLM's own prefix cache holds these
+        # Computed on this engine by an earlier request, which saved them: saving them again per
+        # request would copy the whole prefix out of vLLM's KV each time (every question on a
+        # document still being written to the store).
+        state.saved = first
+        if usable <= first:
+            return 0, False  # nothing past vLLM's own prefix cache for us to load
+        # Keys chain over every token before them: the blocks past vLLM's own are asked alone.
         t0 = time.perf_counter()
-        held = self.tiers.leading(state.keys[:usable])
+        held = first + self.tiers.leading(state.keys[first:usable])
         if _TIMING:
-            print(f"[tiered-cache] lookup {usable} blocks: {held} held, {1e3 * (time.perf_counter() - t0):.1f} ms",
-                  file=sys.stderr, flush=True)
+            print(f"[tiered-cache] lookup {usable - first} blocks past vLLM's {first}: {held - first} held, "
+                  f"{1e3 * (time.perf_counter() - t0):.1f} ms", file=sys.stderr, flush=True)
         if self.tally is not None:
-            self.tally.add(lookups=1, blocks_asked=usable, blocks_hit=held)
+            self.tally.add(lookups=1, blocks_asked=usable - first, blocks_hit=held - first)
         if held <= first:
             return 0, False
         state.load = (first, held)

@@ -11,9 +11,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 # name -> help: each a count of the interval, summed across workers and added to a counter.
 COUNTERS = {
-    "lookups": "Requests whose prompt tiered-cache was asked about",
-    "blocks_asked": "Full prompt blocks tiered-cache was asked about",
-    "blocks_hit": "Leading prompt blocks tiered-cache held (loaded unless vLLM's own prefix cache had them)",
+    "lookups": "Requests whose prompt had full blocks past vLLM's own prefix cache, asked of tiered-cache",
+    "blocks_asked": "Full prompt blocks past vLLM's own prefix cache tiered-cache was asked about",
+    "blocks_hit": "Of those, the leading blocks tiered-cache held (loaded)",
     "blocks_saved": "Blocks handed to tiered-cache's tiers to save",
     "saves_dropped": "Block saves dropped because the save queue was full",
     "load_failures": "Blocks a lookup promised that could not be loaded (vLLM recomputed them)",
