@@ -89,13 +89,12 @@ async def _timed(chunks: Any, request_id: str, started: float) -> Any:
     usage: dict[str, Any] = {}
     async for chunk in chunks:
         text = chunk.decode(errors="replace") if isinstance(chunk, bytes) else str(chunk)
-        squeezed = text.replace(" ", "")
-        if not first and '"content":"' in squeezed and '"content":""' not in squeezed:
+        if not first and has_token(text):
             first = time.monotonic() - started
             from tiered_cache.workers.serve_llm.request_router import first_token
 
             first_token(request_id)
-        if '"usage":{' in squeezed:
+        if '"usage":{' in text.replace(" ", ""):
             usage = _usage_of(text) or usage
         yield chunk
     if first and usage:
@@ -104,6 +103,25 @@ async def _timed(chunks: Any, request_id: str, started: float) -> Any:
         details = usage.get("prompt_tokens_details") or {}
         learn(request_id, {"ttft_s": first, "prompt_tokens": int(usage.get("prompt_tokens") or 0),
                            "reused_tokens": int(details.get("cached_tokens") or 0)}, time.monotonic() - started)
+
+
+def has_token(text: str) -> bool:
+    """Whether a stream's chunk carries generated text. Ray Serve LLM batches a stream's events
+    into one chunk: the first holds the role's event (empty content) and the first token's
+    together, so each event is read, not the chunk as a whole (else the first token is seen one
+    engine step late, and under load a step can be a long prefill)."""
+    for line in text.splitlines():
+        if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+            continue
+        try:
+            event = json.loads(line[5:])
+        except ValueError:
+            continue
+        for choice in (event.get("choices") or ()) if isinstance(event, dict) else ():
+            delta = choice.get("delta") or {}
+            if delta.get("content") or delta.get("reasoning_content") or choice.get("text"):
+                return True
+    return False
 
 
 def _usage_of(text: str) -> dict[str, Any] | None:

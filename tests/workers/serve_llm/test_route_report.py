@@ -27,3 +27,40 @@ def test_a_route_shows_the_chosen_replica_and_the_best_scored_of_those_passed_ov
 
 def test_a_route_decided_without_events_says_only_where_and_why():
     assert route_report(Decision("r1", "least_cached", 0)) == {"replica": "r1", "reason": "least_cached"}
+
+
+def test_the_first_token_is_seen_in_the_chunk_ray_batches_it_into_beside_the_role():
+    """Ray Serve LLM batches a stream's events into one chunk (its `_openai_json_wrapper`): the
+    first chunk holds the role's event (empty content) and the first token's together. The front
+    end tells the router of the first token at that chunk, not one engine step later; a chunk
+    with the role alone, or only usage, carries none."""
+    import asyncio
+
+    from ray.llm._internal.serve.core.ingress.utils import _openai_json_wrapper
+    from vllm.entrypoints.generate.base.protocol import DeltaMessage
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponseStreamChoice,
+        ChatCompletionStreamResponse,
+    )
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
+
+    from tiered_cache.workers.serve_llm.ingress import has_token
+
+    def chat(**delta) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(model="m", choices=[ChatCompletionResponseStreamChoice(
+            index=0, delta=DeltaMessage(**delta))])
+
+    async def chunks(batches) -> list[str]:
+        async def stream():
+            for batch in batches:
+                yield batch
+        return [c async for c in _openai_json_wrapper(stream())]
+
+    role, first, usage_only = asyncio.run(chunks([[chat(role="assistant", content="")],
+                                                   [chat(role="assistant", content=""), chat(content="Hello")],
+                                                   [ChatCompletionStreamResponse(model="m", choices=[])]]))[:3]
+    assert '"content":""' in first.replace(" ", "")  # the batch Ray makes: role and token in one chunk
+    assert has_token(first) and not has_token(role) and not has_token(usage_only)
+    text = asyncio.run(chunks([[CompletionStreamResponse(model="m", choices=[CompletionResponseStreamChoice(
+        index=0, text=" Paris")])]]))[0]
+    assert has_token(text) and not has_token("data: [DONE]\n\n") and not has_token("data: {not json\n\n")
