@@ -119,7 +119,7 @@ def has_token(text: str) -> bool:
             continue
         for choice in (event.get("choices") or ()) if isinstance(event, dict) else ():
             delta = choice.get("delta") or {}
-            if delta.get("content") or delta.get("reasoning_content") or choice.get("text"):
+            if any(delta.get(k) for k in ("content", "reasoning_content", "tool_calls")) or choice.get("text"):
                 return True
     return False
 

@@ -35,6 +35,7 @@ def test_the_first_token_is_seen_in_the_chunk_ray_batches_it_into_beside_the_rol
     end tells the router of the first token at that chunk, not one engine step later; a chunk
     with the role alone, or only usage, carries none."""
     import asyncio
+    import json
 
     from ray.llm._internal.serve.core.ingress.utils import _openai_json_wrapper
     from vllm.entrypoints.generate.base.protocol import DeltaMessage
@@ -64,3 +65,5 @@ def test_the_first_token_is_seen_in_the_chunk_ray_batches_it_into_beside_the_rol
     text = asyncio.run(chunks([[CompletionStreamResponse(model="m", choices=[CompletionResponseStreamChoice(
         index=0, text=" Paris")])]]))[0]
     assert has_token(text) and not has_token("data: [DONE]\n\n") and not has_token("data: {not json\n\n")
+    tool = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f"}}]}}]}
+    assert has_token(f"data: {json.dumps(tool)}\n\n")  # a tool call's first token is a token too
