@@ -90,10 +90,14 @@ class TTFTEstimate:
             self.cached_share = self._moved("cached_share", share, clean)
             return
         loading = max(0.0, rest - cached * self.cached_share * self.prefill_s_per_token)
+        # A load that seems dearer than recomputing is queueing the wait left in its TTFT (the
+        # engine loads whatever the tiers hold, and loads exist because they beat recompute):
+        # taught as is, one such answer would keep the router off the store for good.
+        dearest = (1 - self.cached_share) * self.prefill_s_per_token
         if store and not host:
-            self.store_s_per_token = self._moved("store_s_per_token", loading / store, clean)
+            self.store_s_per_token = self._moved("store_s_per_token", min(loading / store, dearest), clean)
         elif host and not store:
-            self.host_s_per_token = self._moved("host_s_per_token", loading / host, clean)
+            self.host_s_per_token = self._moved("host_s_per_token", min(loading / host, dearest), clean)
 
     def to_dict(self) -> dict[str, float]:
         return {"prefill_s_per_token": self.prefill_s_per_token, "cached_share": self.cached_share,

@@ -386,6 +386,25 @@ def test_the_first_answers_replace_the_priors_and_later_ones_move_them_a_step():
     assert slow * 1.2 < estimate.prefill_s_per_token < slow * 2
 
 
+def test_a_load_never_teaches_that_the_store_costs_more_than_recomputing():
+    """An answer loaded from the store whose TTFT holds a wait the router did not expect (it queued
+    behind a prefill it did not know of) would teach a store token dearer than a computed one,
+    and keep the router off the store from then on: a load is taught as at most a recompute, so
+    a replica that loads a prefix still never scores worse than one that recomputes it."""
+    from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
+
+    estimate = TTFTEstimate()
+    estimate.observe({"ttft_s": 1.0, "prompt_tokens": 500, "reused_tokens": 0}, 1.2)  # 2 ms a token
+    queued = {"ttft_s": 6.0, "prompt_tokens": 1500, "reused_tokens": 1480, "sources": {"remote": 1480}}
+    estimate.observe(queued, 6.5)
+    assert estimate.store_s_per_token <= (1 - estimate.cached_share) * estimate.prefill_s_per_token
+    assert estimate.seconds(1500, 0, 0, 1480) <= estimate.seconds(1500, 0, 0, 0) * 1.0001
+    quick = {"ttft_s": 0.3, "prompt_tokens": 1500, "reused_tokens": 1480, "sources": {"remote": 1480}}
+    for _ in range(10):
+        estimate.observe(quick, 0.8)  # loads as fast as they are teach as much
+    assert estimate.seconds(1500, 0, 0, 1480) < 0.5 * estimate.seconds(1500, 0, 0, 0)
+
+
 def test_an_engine_that_queues_inside_teaches_its_rates_without_the_wait():
     """vLLM's TTFT holds its wait behind other prefills: the router takes out the work it
     expected ahead, and a TTFT that was mostly waiting teaches no rate (it would teach queueing)."""
