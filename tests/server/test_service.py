@@ -325,3 +325,18 @@ def test_a_bad_blob_put_first_is_refused_or_replaced_by_the_real_page(store):
             assert (ack.stored, ack.already_held, len(ack.refused)) == (1, 0, 0)
             assert [g.blob for g in client.get([key], fingerprint=FINGERPRINT)] == [real]
         assert client.put([(key, real)]).already_held == 1  # the same page again replaces nothing
+
+
+def test_a_failure_inside_a_store_process_block_shows_what_the_server_said(capsys):
+    """A test that fails talking to a store server started for it (`with StoreProcess(...)`) gets
+    the server's own output on stderr, and whether it had exited before it was stopped: a server
+    that died under a client reads differently from one that was refused nothing."""
+    with pytest.raises(RuntimeError, match="boom"), StoreProcess(["--no-disk"]) as store:
+        store.proc.kill()
+        store.proc.wait()
+        raise RuntimeError("boom")
+    err = capsys.readouterr().err
+    assert "store server (--no-disk) had exited with -9; its output:" in err and "listening on" in err
+    with StoreProcess(["--no-disk"]):
+        pass
+    assert capsys.readouterr().err == ""  # nothing said when nothing failed

@@ -92,5 +92,10 @@ class StoreProcess:
         self.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        exited = self.proc.poll() if self.proc is not None else None  # before it was told to stop
+        code = self.stop()
+        if exc_type is not None:  # what the server said, for whoever reads the failure
+            state = f"had exited with {exited}" if exited is not None else f"exited with {code} when stopped"
+            print(f"store server ({' '.join(self.args)}) {state}; its output:\n" + "\n".join(self.output),
+                  file=sys.stderr)
