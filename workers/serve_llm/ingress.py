@@ -19,6 +19,7 @@ wrong), with what Ray's lacks in front of it:
 import json
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -105,11 +106,9 @@ async def _timed(chunks: Any, request_id: str, started: float) -> Any:
                            "reused_tokens": int(details.get("cached_tokens") or 0)}, time.monotonic() - started)
 
 
-def has_token(text: str) -> bool:
-    """Whether a stream's chunk carries generated text. Ray Serve LLM batches a stream's events
-    into one chunk: the first holds the role's event (empty content) and the first token's
-    together, so each event is read, not the chunk as a whole (else the first token is seen one
-    engine step late, and under load a step can be a long prefill)."""
+def _events(text: str) -> Iterator[dict[str, Any]]:
+    """The JSON events of a stream's chunk (its `data:` lines; `[DONE]` and lines that do not parse
+    skipped)."""
     for line in text.splitlines():
         if not line.startswith("data:") or line[5:].strip() == "[DONE]":
             continue
@@ -117,7 +116,17 @@ def has_token(text: str) -> bool:
             event = json.loads(line[5:])
         except ValueError:
             continue
-        for choice in (event.get("choices") or ()) if isinstance(event, dict) else ():
+        if isinstance(event, dict):
+            yield event
+
+
+def has_token(text: str) -> bool:
+    """Whether a stream's chunk carries generated text. Ray Serve LLM batches a stream's events
+    into one chunk: the first holds the role's event (empty content) and the first token's
+    together, so each event is read, not the chunk as a whole (else the first token is seen one
+    engine step late, and under load a step can be a long prefill)."""
+    for event in _events(text):
+        for choice in event.get("choices") or ():
             delta = choice.get("delta") or {}
             if any(delta.get(k) for k in ("content", "reasoning_content", "tool_calls")) or choice.get("text"):
                 return True
@@ -125,15 +134,7 @@ def has_token(text: str) -> bool:
 
 
 def _usage_of(text: str) -> dict[str, Any] | None:
-    for line in text.splitlines():
-        if line.startswith("data:") and "usage" in line:
-            try:
-                usage = json.loads(line[5:]).get("usage")
-            except ValueError:
-                continue
-            if usage:
-                return usage
-    return None
+    return next((event["usage"] for event in _events(text) if event.get("usage")), None)
 
 
 class JsonBody:

@@ -14,6 +14,7 @@ from tiered_cache.model.units import parse_size
 # blocks only: a question on a cached document recomputes the document's last partial block, up to
 # 127 tokens. 32 is the smallest its CPU attention is tuned for.
 CPU_BLOCK_SIZE = 32
+BLOCK_SIZES = (8, 16, 32, 64, 128, 256)  # vLLM's
 
 
 class ServeRouter(enum.Enum):
@@ -67,7 +68,8 @@ class VllmSettings:
             port = getattr(self, name)
             if not 1024 <= port <= 64000:
                 raise ValueError(f"vllm.{name} must be between 1024 and 64000, got {port}")
-        if self.block_size is not None and self.block_size not in (8, 16, 32, 64, 128, 256):
-            raise ValueError(f"vllm.block_size must be one of 8, 16, 32, 64, 128, 256, got {self.block_size}")
+        if self.block_size is not None and self.block_size not in BLOCK_SIZES:
+            sizes = ", ".join(map(str, BLOCK_SIZES))
+            raise ValueError(f"vllm.block_size must be one of {sizes}, got {self.block_size}")
         if self.cpu_kv_cache < 2**20:
             raise ValueError(f"vllm.cpu_kv_cache must be at least 1 MiB, got {self.cpu_kv_cache}")

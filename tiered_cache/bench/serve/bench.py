@@ -88,14 +88,13 @@ def engine_arg(text: str) -> tuple[str, Any]:
     else the string. ValueError naming the malformed argument."""
     import json
 
-    name, sep, value = text.partition("=")
-    value = value.strip()
-    if not sep or not name.strip():
+    name, sep, value = (part.strip() for part in text.partition("="))
+    if not sep or not name:
         raise ValueError(f"an engine argument is NAME=VALUE (e.g. block_size=128), got {text!r}")
     try:
-        return name.strip(), json.loads(value)
+        return name, json.loads(value)
     except json.JSONDecodeError:
-        return name.strip(), value
+        return name, value
 
 
 def _model(way: str, config: Any) -> str:
