@@ -117,7 +117,9 @@ def test_our_router_s_figures_are_read_from_the_front_end_with_its_token_and_sho
     ours, theirs = WayRun("d", router=stats), WayRun("b")
     (line,) = router_lines([theirs, ours])
     assert line.startswith("d: routed 13 / 11 per replica; 2 by the fallback; 10 held for the store (1 expired)")
-    assert "prefill 6.50 ms/token" in line and "30% of it" in line and "store 40 us/token" in line
+    assert "prefill 6.50 ms/token" in line and "30% of it" in line and "store 40 us/token (from TTFTs)" in line
+    timed = {**stats, "estimate": {**stats["estimate"], "store_timed": True}}
+    assert "store 40 us/token (as the replicas timed their loads)" in router_lines([WayRun("d", router=timed)])[0]
 
 
 def test_engine_arguments_reach_every_vllm_replica_and_a_malformed_one_is_a_one_line_error(capsys):

@@ -114,12 +114,26 @@ def test_a_second_instance_reuses_the_first_ones_prefix_through_the_store(launch
     assert first["num_cached_tokens"] == 0 and pages_per_block == 6
     assert held_after_a == first["prompt_tokens"] // BLOCK * pages_per_block  # full prompt blocks only
     before = pages_held(store)
-    second = instance(launcher, model_folder, "--remote", store.address, *GROUPED, "-q", Q2)[0]
+    out = run_instance(launcher, model_folder, "--remote", store.address, *GROUPED, "--metrics", "-q", Q2)
+    second = out["rows"][0]
     assert pages_held(store) == before  # B had nothing new to store: its last, partial block is never saved
     shared = min(first["prompt_tokens"], second["prompt_tokens"] - 1) // BLOCK * BLOCK
     assert second["num_cached_tokens"] == shared > 0  # the document's blocks came from the store
     assert second["tokens"] == reference["tokens"] and second["text"] == reference["text"]
     assert 0 < second["connector_s"] < second["latency_s"]  # time inside our hooks (bench vllm's column)
+    # The worker side's figures reach vLLM's metrics beside the scheduler side's: the blocks it
+    # loaded, and the time the forward waited for them layer by layer (what a router prices).
+    blocks, waited = loaded(out["metrics"])
+    assert blocks == shared // BLOCK and 0 < waited < second["latency_s"]
+
+
+def loaded(metrics: dict[str, float]) -> tuple[int, float]:
+    """(blocks loaded, seconds the forward waited for them) in an instance's `vllm:tiered_cache_*`
+    counters."""
+    def total(name: str) -> float:
+        return sum(v for k, v in metrics.items() if k.startswith(f"vllm:tiered_cache_{name}_total{{"))
+
+    return int(total("blocks_loaded")), total("load_seconds")
 
 
 @pytest.fixture(scope="module")
@@ -187,8 +201,11 @@ def disk_after_a(launcher, model_folder, tmp_path_factory):
 def test_tiers_from_a_yaml_file_named_in_the_extra_config(launcher, model_folder, reference, disk_after_a):
     config, folder, first = disk_after_a
     assert len(page_files(folder)) >= first["prompt_tokens"] // BLOCK  # written through to the tier the file names
-    second = instance(launcher, model_folder, "--config", str(config), "-q", Q2)[0]
+    out = run_instance(launcher, model_folder, "--config", str(config), "--metrics", "-q", Q2)
+    second = out["rows"][0]
     assert second["num_cached_tokens"] > 0 and second["tokens"] == reference["tokens"]
+    blocks, waited = loaded(out["metrics"])  # whole blocks, before the forward
+    assert blocks == second["num_cached_tokens"] // BLOCK and 0 < waited < second["latency_s"]
 
 
 def test_blocks_corrupted_on_disk_after_the_lookup_are_recomputed_with_the_same_answer(launcher, model_folder,

@@ -46,8 +46,8 @@ def render_cluster(figures: dict[str, Any]) -> str:
                       *router_lines(figures), *render_vllm(figures.get("vllm"))])
 
 
-_CONNECTOR = ["lookups", "blocks_asked", "blocks_hit", "blocks_saved", "saves_dropped", "load_failures",
-              "load_errors", "hinted_blocks"]
+_CONNECTOR = ["lookups", "blocks_asked", "blocks_hit", "blocks_loaded", "load_seconds", "blocks_saved",
+              "saves_dropped", "load_failures", "load_errors", "hinted_blocks"]
 
 
 def render_vllm(vllm: dict[str, Any] | None) -> list[str]:
@@ -69,9 +69,17 @@ def render_vllm(vllm: dict[str, Any] | None) -> list[str]:
         routed = ", ".join(f"{r} {n:,}" for r, n in sorted(router["routed"].items())) or "none yet"
         lines.append(f"  router: routed {routed}; in flight {sum(router['in_flight'].values())}; "
                      f"fallbacks {router['fallbacks']:,}; unparsed {router['unparsed']:,}")
-        rows = [[f"replica {name}", *(f"{int(figures.get(k, 0)):,}" for k in _CONNECTOR)]
+        rows = [[f"replica {name}", *(_figure(k, figures.get(k, 0)) for k in _CONNECTOR)]
                 for name, figures in sorted(router["connectors"].items())]
         if rows:
-            lines.append(render_table(rows, ["connector", *(k.replace("_", " ") for k in _CONNECTOR)],
+            lines.append(render_table(rows, ["connector", *(_header(k) for k in _CONNECTOR)],
                                       align_right=range(1, 1 + len(_CONNECTOR))))
     return lines
+
+
+def _figure(name: str, value: float) -> str:
+    return f"{1e3 * value:,.1f}" if name == "load_seconds" else f"{int(value):,}"
+
+
+def _header(name: str) -> str:
+    return "load ms" if name == "load_seconds" else name.replace("_", " ")

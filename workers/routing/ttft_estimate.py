@@ -7,7 +7,10 @@ worker first finishes what it is doing. Each cost is a moving estimate learned f
 the router relays: seconds per recomputed token from answers that reused little, a cached
 token's share of a recomputed one's from answers that found their pages on the device, per host
 or store token from the rest of the TTFT once those parts are taken out, and a request's time
-after its first token.
+after its first token. Where the engines time their own loads (our vLLM connector does), the
+store's rate is what they timed (`loads_timed`), not that rest: the rest holds whatever the
+router did not expect (a wait behind a prefill it did not know of), which one answer would
+teach as the store's cost.
 A queued request waits for the work ahead of it: the router adds up what it expected of each
 request it sent there (its own loads and prefill, then its decode), and `service_s` for any it
 did not cost. Until answers teach it, the priors hold (recompute dearest, host RAM cheapest);
@@ -41,6 +44,7 @@ class TTFTEstimate:
     service_s: float = 0.5  # one request on a worker, answer included (for requests whose cost is unknown)
     decode_s: float = 0.1  # one request's time after its first token
     samples: int = 0
+    store_timed: bool = False  # the store's rate comes from the engines' own load times
     _seen: dict[str, int] = field(default_factory=dict, repr=False)  # samples per rate
 
     def seconds(self, prompt_tokens: int, device: int, host: int, store: int, wait_s: float = 0.0) -> float:
@@ -94,16 +98,26 @@ class TTFTEstimate:
         # engine loads whatever the tiers hold, and loads exist because they beat recompute):
         # taught as is, one such answer would keep the router off the store for good.
         dearest = (1 - self.cached_share) * self.prefill_s_per_token
-        if store and not host:
+        if store and not host and not self.store_timed:
             self.store_s_per_token = self._moved("store_s_per_token", min(loading / store, dearest), clean)
         elif host and not store:
             self.host_s_per_token = self._moved("host_s_per_token", min(loading / host, dearest), clean)
 
+    def loads_timed(self, seconds: float, tokens: int) -> None:
+        """The engines' own timing of loads from the store: their forward steps waited `seconds`
+        for `tokens` more tokens loaded. From the first, the store's rate is learned from these
+        alone (the first replaces the prior and whatever TTFTs taught)."""
+        if tokens <= 0 or seconds < 0:
+            return
+        if not self.store_timed:
+            self.store_timed, self._seen["store_s_per_token"] = True, 0
+        self.store_s_per_token = self._moved("store_s_per_token", seconds / tokens)
+
     def to_dict(self) -> dict[str, float]:
         return {"prefill_s_per_token": self.prefill_s_per_token, "cached_share": self.cached_share,
                 "host_s_per_token": self.host_s_per_token,
-                "store_s_per_token": self.store_s_per_token, "service_s": self.service_s, "decode_s": self.decode_s,
-                "samples": self.samples}
+                "store_s_per_token": self.store_s_per_token, "store_timed": self.store_timed,
+                "service_s": self.service_s, "decode_s": self.decode_s, "samples": self.samples}
 
     def _moved(self, name: str, sample: float, clean: bool = True) -> float:
         """Rate `name` with one more sample: the mean of its `clean` samples so far (the prior

@@ -91,6 +91,7 @@ class TieredCacheRouter(KVAwareRouter):
         self._decisions: dict[str, Decision] = {}  # internal request id -> the decision
         self.recent: OrderedDict[str, dict[str, Any]] = OrderedDict()  # request id -> its route (answers say it)
         self._routes: dict[str, Decision] = {}  # request id -> its decision (what it expected, for the answer)
+        self._loads_seen: dict[str, tuple[float, int]] = {}  # replica -> its connector's load totals read
         self._joined: dict[str, tuple[str, str]] = {}  # replica -> its event endpoints
         self._joining: set[str] = set()
         self._join_tasks: set[asyncio.Task[None]] = set()
@@ -101,8 +102,11 @@ class TieredCacheRouter(KVAwareRouter):
     # --- replicas ---------------------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's new list of replicas (and their routing stats): those not followed yet are
-        joined now, in the background, so a new deployment's first requests find them followed."""
+        joined now, in the background, so a new deployment's first requests find them followed;
+        the loads their connectors timed price the store."""
         super().update_replicas(replicas)
+        if hasattr(self, "_loads_seen"):  # Serve has initialized our state
+            self._time_loads(replicas)
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # not on the router's loop: the next request joins them
@@ -182,10 +186,32 @@ class TieredCacheRouter(KVAwareRouter):
         if shards is not None:
             await asyncio.to_thread(self.policy.watch_shards, shards)
 
+    def _time_loads(self, replicas: list[RunningReplica]) -> None:
+        """Teach the estimate what a load from our tiers costs a request, as the replicas'
+        connectors timed it (`load_seconds`, `blocks_loaded` in their routing stats: totals
+        since each started), rather than what store hits' TTFTs leave once their other parts are
+        taken out."""
+        page = int((self.keying or {}).get("page_size") or 0)
+        if page <= 0:
+            return
+        seconds, blocks = 0.0, 0
+        for replica in replicas:
+            figures = (replica.routing_stats or {}).get("tiered_cache") or {}
+            now = (float(figures.get("load_seconds") or 0.0), int(figures.get("blocks_loaded") or 0))
+            name = replica.replica_id.unique_id
+            before = self._loads_seen.get(name, (0.0, 0))
+            if now[1] < before[1]:  # a new engine under the same replica: its totals began again
+                before = (0.0, 0)
+            self._loads_seen[name] = now
+            seconds, blocks = seconds + now[0] - before[0], blocks + now[1] - before[1]
+        if blocks > 0:
+            self.policy.estimate.loads_timed(seconds, blocks * page)
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         name = replica_id.unique_id
         self._joined.pop(name, None)
+        self._loads_seen.pop(name, None)
         self.in_flight.pop(name, None)
         self.policy.remove_worker(name)
 
@@ -196,6 +222,7 @@ class TieredCacheRouter(KVAwareRouter):
             return []
         await self._join_new(candidate_replicas)
         self._follow_shards()
+        self._time_loads(candidate_replicas)
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         prompt, chat = _prompt_of(pending_request)
         if prompt is None:

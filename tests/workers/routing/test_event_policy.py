@@ -405,6 +405,31 @@ def test_a_load_never_teaches_that_the_store_costs_more_than_recomputing():
     assert estimate.seconds(1500, 0, 0, 1480) < 0.5 * estimate.seconds(1500, 0, 0, 0)
 
 
+def test_loads_the_engines_timed_price_the_store_and_a_ttft_s_unexplained_rest_no_longer_does():
+    """Store hits whose TTFTs hold a wait the router did not expect taught a store token nearly as
+    dear as a computed one. Once the engines time their own loads (the connector's `load_seconds`
+    over its blocks), the store costs what they timed: the first timed figure replaces what TTFTs
+    taught, later ones move it, and store hits' TTFTs teach it nothing more."""
+    from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
+
+    estimate = TTFTEstimate()
+    estimate.observe({"ttft_s": 1.0, "prompt_tokens": 500, "reused_tokens": 0}, 1.2)  # 2 ms a token
+    queued = {"ttft_s": 2.5, "prompt_tokens": 1500, "reused_tokens": 1480, "sources": {"remote": 1480}}
+    estimate.observe(queued, 3.0)
+    assert estimate.store_s_per_token > 1e-3 and not estimate.store_timed  # taught by the queued TTFT
+    estimate.loads_timed(0.02, 1024)  # 20 ms waited for 1,024 tokens loaded
+    assert estimate.store_timed and estimate.store_s_per_token == pytest.approx(0.02 / 1024)
+    for _ in range(5):
+        estimate.observe(queued, 3.0)
+    assert estimate.store_s_per_token == pytest.approx(0.02 / 1024)
+    estimate.loads_timed(0.06, 1024)
+    assert 0.02 / 1024 < estimate.store_s_per_token < 0.06 / 1024
+    before = estimate.to_dict()
+    estimate.loads_timed(0.01, 0)  # no tokens loaded in the interval: nothing to learn
+    assert estimate.to_dict() == before
+    assert estimate.seconds(1500, 0, 0, 1480) < 0.2 * estimate.seconds(1500, 0, 0, 0)
+
+
 def test_an_engine_that_queues_inside_teaches_its_rates_without_the_wait():
     """vLLM's TTFT holds its wait behind other prefills: the router takes out the work it
     expected ahead, and a TTFT that was mostly waiting teaches no rate (it would teach queueing)."""

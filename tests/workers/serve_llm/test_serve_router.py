@@ -148,3 +148,38 @@ def test_time_held_for_the_store_is_not_charged_to_the_store_s_load():
     learn("held-1", {"ttft_s": 8.0 + own, "prompt_tokens": 1440, "reused_tokens": 1408}, 8.0 + own + 0.5)
     assert estimate.store_s_per_token == pytest.approx(prior, rel=0.05)
     assert estimate.decode_s == pytest.approx(0.5, rel=0.05)
+
+
+def test_the_router_prices_the_store_by_the_loads_the_replicas_connectors_timed():
+    """Each replica's routing stats carry its connector's load totals (`load_seconds`,
+    `blocks_loaded`, since its engine started): the router reads what they grew by since it last
+    looked, over every replica, as the store's cost per token (blocks of the connector's page
+    size); totals that did not grow teach nothing, and a replica whose totals start over (a new
+    engine) counts from zero."""
+    keying = {"fingerprint": "f" * 64, "namespace": "", "page_size": 32, "groups": 1}
+    stats = [{"tiered_cache_keying": keying, "tiered_cache": {}} for _ in range(2)]
+
+    async def scenario() -> None:
+        router = _router()
+        estimate = router.policy.estimate
+        router.update_replicas([_Replica(f"r{i}", s) for i, s in enumerate(stats)])
+        asked = iter(range(100))
+
+        async def route() -> None:
+            n = next(asked)
+            await asyncio.wait_for(router._choose_replica_for_request(_request(n, f"question {n}")), 30.0)
+
+        await route()
+        assert not estimate.store_timed and router.keying["page_size"] == 32
+        stats[0]["tiered_cache"] = {"load_seconds": 0.03, "blocks_loaded": 10}
+        stats[1]["tiered_cache"] = {"load_seconds": 0.01, "blocks_loaded": 10}
+        await route()
+        first = 0.04 / (20 * 32)
+        assert estimate.store_timed and estimate.store_s_per_token == pytest.approx(first)
+        await route()  # the same totals: nothing new
+        assert estimate.store_s_per_token == pytest.approx(first)
+        stats[1]["tiered_cache"] = {"load_seconds": 0.002, "blocks_loaded": 2}  # a new engine's totals
+        await route()
+        assert estimate.store_s_per_token == pytest.approx((first + 0.002 / 64) / 2)
+
+    asyncio.run(scenario())

@@ -203,6 +203,10 @@ def test_stats_show_the_router_and_each_replica_s_connector_figures(app):
     replicas = router_figures["connectors"]
     assert len(replicas) == 2 and sum(c.get("lookups", 0) for c in replicas.values()) >= 4
     assert sum(c.get("blocks_hit", 0) for c in replicas.values()) > 0  # the idle replica's load
+    # The replicas' engines timed their loads, and the router prices the store by that time.
+    assert sum(c.get("blocks_loaded", 0) for c in replicas.values()) > 0
+    assert sum(c.get("load_seconds", 0) for c in replicas.values()) > 0
+    assert router_figures["estimate"]["store_timed"]
     assert sum(c.get("blocks_saved", 0) for c in replicas.values()) > 0
     # The idle replica was told to start loading the document before its engine scheduled it.
     assert sum(c.get("hinted_blocks", 0) for c in replicas.values()) > 0

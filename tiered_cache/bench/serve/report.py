@@ -63,7 +63,8 @@ def router_lines(runs: list[WayRun]) -> list[str]:
                      f"{r.get('holds', 0)} held for the store ({r.get('expired_holds', 0)} expired); learned "
                      f"from {rates.get('samples', 0)} answers: prefill {rates.get('prefill_s_per_token', 0) * 1e3:.2f} "
                      f"ms/token, a cached token {rates.get('cached_share', 0):.0%} of it, store "
-                     f"{rates.get('store_s_per_token', 0) * 1e6:.0f} us/token")
+                     f"{rates.get('store_s_per_token', 0) * 1e6:.0f} us/token "
+                     f"({'as the replicas timed their loads' if rates.get('store_timed') else 'from TTFTs'})")
     return lines
 
 

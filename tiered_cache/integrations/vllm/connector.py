@@ -55,7 +55,7 @@ from tiered_cache.integrations.vllm.identity import model_id_for, vllm_spec
 from tiered_cache.integrations.vllm.layer_groups import group_size
 from tiered_cache.integrations.vllm.layout import layout_of, stacked_view
 from tiered_cache.integrations.vllm.load_job import LoadJob
-from tiered_cache.integrations.vllm.stats import Tally, TieredCachePromMetrics, TieredCacheStats
+from tiered_cache.integrations.vllm.stats import Loads, Tally, TieredCachePromMetrics, TieredCacheStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -125,6 +125,7 @@ class TieredCacheConnector(KVConnectorBase_V1):
         self._job: LoadJob | None = None
         self._loader: ThreadPoolExecutor | None = None
         self._layerwise = self.tiers.num_groups > 1  # off for good if a forward skips wait_for_layer_load
+        self.loads = Loads()  # worker side: blocks loaded, and what the forward waited for them
         self.events: BlockEvents | None = None  # scheduler side: our blocks for vLLM's KV event publisher
         self.tally: Tally | None = None  # scheduler side: our figures for vLLM's metrics
         if role == KVConnectorRole.SCHEDULER:
@@ -233,8 +234,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
             state.saved = full
 
     def get_kv_connector_stats(self) -> TieredCacheStats | None:
-        """Our counts since vLLM last asked (stats.py), for its logs and `/metrics`."""
-        return self.tally.take() if self.tally is not None else None
+        """Our counts since vLLM last asked (stats.py), for its logs and `/metrics`: the
+        scheduler side's lookups and saves, the worker side's loads (vLLM adds them up)."""
+        return self.tally.take() if self.tally is not None else self.loads.take()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TieredCacheStats:
@@ -298,12 +300,16 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-cache-vllm-load")
             self._loader.submit(job.run)
         else:
+            started = time.perf_counter()
             job.run()  # every group copied in before the forward starts
+            job.waited_s += time.perf_counter() - started
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self._job
         if job is not None:
+            started = time.perf_counter()
             job.wait_for(self._group_of.get(layer_name, self.tiers.num_groups - 1), layer_name)
+            job.waited_s += time.perf_counter() - started
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saved all layers at once in wait_for_save, after the forward
@@ -314,7 +320,9 @@ class TieredCacheConnector(KVConnectorBase_V1):
         job, self._job = self._job, None
         if job is None:
             return
+        started = time.perf_counter()
         unwaited = job.finish(set(self._group_of) if self._layerwise else set())
+        self.loads.add(len(job.block_ids - job.failed), job.waited_s + time.perf_counter() - started)
         if unwaited:
             log.warning("tiered-cache: %d layers attended without wait_for_layer_load; loading whole blocks "
                         "before the forward from now on (this step's loaded blocks are recomputed)", unwaited)

@@ -44,6 +44,7 @@ class LoadJob:
         self._lock = threading.Lock()  # held while copying in, and to cancel
         self._cancelled = False
         self._waited: set[str] = set()
+        self.waited_s = 0.0  # the engine's time blocked on this job (its caller counts it)
         # Loads the scheduler started ahead for exactly these blocks (BlockTiers.prefetch).
         self._prefetched = [tiers.take_prefetch(keys) for keys, _ in self.transfers]
 

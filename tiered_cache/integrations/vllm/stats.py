@@ -1,5 +1,6 @@
-"""Our connector's figures in vLLM's own metrics: `TieredCacheStats` (what the scheduler-side
-connector counted since vLLM last asked, `get_kv_connector_stats`) and `TieredCachePromMetrics`
+"""Our connector's figures in vLLM's own metrics: `TieredCacheStats` (what the connector counted
+since vLLM last asked, `get_kv_connector_stats`: the scheduler side its lookups and saves, the
+worker side its loads, which vLLM adds together) and `TieredCachePromMetrics`
 (counters `vllm:tiered_cache_*` in vLLM's Prometheus registry, the one its `/metrics` serves,
 labelled per engine as vLLM's own are), and `TOTALS`, their sums in this process."""
 
@@ -18,6 +19,10 @@ COUNTERS = {
     "saves_dropped": "Block saves dropped because the save queue was full",
     "load_failures": "Blocks a lookup promised that could not be loaded (vLLM recomputed them)",
     "load_errors": "Pages found but refused on decode (checksum, identity): recomputed",
+    "blocks_loaded": "Blocks copied from tiered-cache's tiers into vLLM's KV",
+    # What a load costs a request's TTFT, as the engine lived it (a load started ahead on a
+    # router's hint costs only what is left of it): the router prices the store by it.
+    "load_seconds": "Seconds vLLM's forward steps waited for tiered-cache's loads",
 }
 
 
@@ -85,3 +90,23 @@ class Tally:
         self._seen = totals
         counts, self.counts = self.counts, dict.fromkeys(COUNTERS, 0)
         return TieredCacheStats(data=counts) if any(counts.values()) else None
+
+
+class Loads:
+    """The worker side's loads since the last `take`: blocks copied into vLLM's KV and the
+    seconds the forward steps waited for them."""
+
+    def __init__(self) -> None:
+        self.blocks = 0
+        self.seconds = 0.0
+
+    def add(self, blocks: int, seconds: float) -> None:
+        self.blocks += blocks
+        self.seconds += seconds
+
+    def take(self) -> TieredCacheStats | None:
+        if not self.blocks and not self.seconds:
+            return None
+        data = {"blocks_loaded": self.blocks, "load_seconds": self.seconds}
+        self.blocks, self.seconds = 0, 0.0
+        return TieredCacheStats(data=data)
