@@ -206,6 +206,21 @@ def test_a_bad_cluster_config_is_refused_before_connecting(tmp_path):
     assert result.returncode == 2 and "worker.modle" in result.stderr
 
 
+def test_the_vllm_engine_from_a_python_without_vllm_is_one_line_naming_the_venv_that_has_it():
+    """vLLM and Ray Serve live in `.venv-vllm`: `cluster start --engine vllm` and `bench serve`'s
+    vLLM ways from the main venv stop before connecting or starting anything, in one line."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this Python has vLLM")
+    for command in (["cluster", "start", "--engine", "vllm", "--address", "127.0.0.1:1"],
+                    ["bench", "serve", "--ways", "bd"]):
+        result = run_cli(*command, check=False)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        assert "vllm not installed in this Python" in lines[0] and ".venv-vllm/bin/tiered-cache" in lines[0]
+
+
 def test_a_ray_address_nobody_answers_on_fails_in_seconds_with_one_line():
     ray.shutdown()  # not joined to any cluster: the commands must reach the address themselves
     closed = free_port()  # bound and released: nothing listens there now

@@ -468,7 +468,11 @@ def run(args: argparse.Namespace) -> int:
         from tiered_cache.bench.serve.report import outcomes, render, router_lines, summary
         from tiered_cache.bench.serve.workload import ServeWorkload
         from tiered_cache.workers.cluster import stdout_for_the_answer
+        from tiered_cache.workers.serve_llm.settings import engine_missing
 
+        if set(args.ways) & set("abcd") and (missing := engine_missing()):
+            print(f"bench serve: ways a-d run vLLM: {missing}", file=sys.stderr)
+            return 2
         out = stdout_for_the_answer()
         workload = ServeWorkload(args.docs, args.questions, args.doc_chars, args.chats, args.turns, args.rate,
                                  args.seed)

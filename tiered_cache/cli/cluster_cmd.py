@@ -123,8 +123,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> tuple[int, str]:
     from tiered_cache.workers import cluster
+    from tiered_cache.workers.serve_llm.settings import engine_missing
 
     config = _config(args)
+    if args.action == "start" and config.engine.value == "vllm" and (missing := engine_missing()):
+        raise ValueError(f"engine vllm: {missing}")
     cluster.connect(args.address, config.namespace)
     if args.action == "start":
         progress = _progress("start")

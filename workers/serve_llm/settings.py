@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import enum
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +16,24 @@ from tiered_cache.model.units import parse_size
 # 127 tokens. 32 is the smallest its CPU attention is tuned for.
 CPU_BLOCK_SIZE = 32
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)  # vLLM's
+
+
+def engine_missing() -> str | None:
+    """Why this Python cannot run the vLLM application (one line), None when it can: vLLM and
+    Ray Serve live in their own venv (`make install-vllm`), not the main one."""
+    missing = [name for name, module in (("vllm", "vllm"), ("ray[serve]", "ray.serve"))
+               if _absent(module)]
+    if not missing:
+        return None
+    return (f"{' and '.join(missing)} not installed in this Python: make install-vllm, then run "
+            ".venv-vllm/bin/tiered-cache")
+
+
+def _absent(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # its parent package is missing
+        return True
 
 
 class ServeRouter(enum.Enum):
