@@ -16,11 +16,12 @@ ends when the last request sent there was expected to be done with it, not that 
 the time since it was sent has run (one overdue still counts a share of its cost). There, where a
 request goes matters to the others as well: the prefills waiting on that worker are batched
 with it and wait for its prefill too, and one that arrives while every worker is still
-prefilling waits for the first to finish. A worker's score adds the waiting its new work
-would cause them at the recent arrival rate (`_all_busy_cost`): on a loaded cluster a long
-prefill goes where long work already is, and a worker is kept free for the short ones. That
-waiting is an expectation and the request's own is certain: within a near tie (`_NEAR_TIE`) the
-worker where its own TTFT is lowest wins.
+prefilling waits for the first to finish. A request held in the router for store pages is not in
+its engine yet: a new request there does not wait for it, it waits for the new one's prefill. A
+worker's score adds the waiting its new work would cause them at the recent arrival rate
+(`_all_busy_cost`): on a loaded cluster a long prefill goes where long work already is, and a
+worker is kept free for the short ones. That waiting is an expectation and the request's own is
+certain: within a near tie (`_NEAR_TIE`) the worker where its own TTFT is lowest wins.
 """
 
 from __future__ import annotations
@@ -185,7 +186,9 @@ class EventRoutingPolicy(RoutingPolicy):
             waits = {w: self._ahead_s(pending[w], now)
                      + max(0, loads[w] - len(pending[w])) * self.estimate.service_s
                      for w in loads}  # requests sent while events were stale: cost unknown, service_s each
-            prefills = {w: sum(p.prefilling for p in pending[w]) for w in loads}
+            # Prefills in the engine, and requests held for the store that will join it later.
+            prefills = {w: (sum(p.prefilling and not p.holding for p in pending[w]),
+                            sum(p.holding for p in pending[w])) for w in loads}
         for worker in sorted(loads):
             fingerprint, own_namespace, page = self._identity[worker]
             identity = (fingerprint, own_namespace if namespace is None else namespace, page)
@@ -224,7 +227,7 @@ class EventRoutingPolicy(RoutingPolicy):
                         considered=considered, hold_s=HOLD_AT_MOST_S if best.awaits else 0.0, awaits=best.awaits)
 
     def _candidate(self, worker: str, ids: Sequence[int], keys: list[bytes], page: int,
-                   held: tuple[int, int, int], waits: Mapping[str, float], prefills: Mapping[str, int],
+                   held: tuple[int, int, int], waits: Mapping[str, float], prefills: Mapping[str, tuple[int, int]],
                    loads: Mapping[str, int], rate: float, now: float) -> _Candidate:
         """`worker` scored for a prompt of `ids` whose leading pages `held` lie on its device, in
         its host RAM and in the store, after `waits[worker]` of work there."""
@@ -235,12 +238,14 @@ class EventRoutingPolicy(RoutingPolicy):
         if self.batching:
             # What it costs the others: recomputed tokens are work the cluster does again; the
             # prefills waiting there (all but the one under way) run in its step and get their
-            # first token only when its prefill is done too; and a worker kept busy while every
+            # first token only when its prefill is done too, as do the requests held there for
+            # the store once they go in (they went in after it); and a worker kept busy while every
             # other is busy too delays whoever arrives. That last waiting counts up to the
             # request's own time: a long one may queue behind long work, never for longer than
             # it takes itself.
             others = [waits[w] for w in loads if w != worker]
-            spent = (self.estimate.compute_s(len(ids), found) + max(0, prefills[worker] - 1) * own
+            running, holding = prefills[worker]
+            spent = (self.estimate.compute_s(len(ids), found) + (max(0, running - 1) + holding) * own
                      + (min(own, _all_busy_cost(wait, own, min(others), rate)) if others else 0.0))
         else:
             # A recomputed token costs in this TTFT and, on a busy cluster, again in the TTFT of
@@ -306,11 +311,12 @@ class EventRoutingPolicy(RoutingPolicy):
 
     def _ahead_s(self, pending: Sequence[Pending], now: float) -> float:
         """The work ahead of a request sent now where `pending` are: one at a time, every request
-        there; batching, the prefills without a first token yet. They end when the last of them
+        there; batching, the prefills without a first token yet; neither counts a request held
+        in the router (it is not in the engine: it will go in behind this one). They end when the last of them
         was expected to (each was expected after those sent before it): what has run since it was
         sent is not waited for again. One overdue still holds the worker up by a share of its cost
         (`_OVERDUE_SHARE`): how much is left of it, rates that were wrong cannot tell."""
-        ahead = [p for p in pending if p.prefilling or not self.batching]
+        ahead = [p for p in pending if (p.prefilling or not self.batching) and not p.holding]
         if not ahead:
             return 0.0
         overdue = sum(_OVERDUE_SHARE * p.cost_s for p in ahead if p.due_at <= now)

@@ -243,6 +243,47 @@ def test_a_question_on_a_document_being_computed_waits_for_the_store_on_the_idle
             policy.close()
 
 
+def test_a_request_held_for_the_store_is_not_ahead_of_new_work_there_but_waits_for_it(tokenizer):
+    """A question held in the router for a document the busy worker is computing is not in the idle
+    worker's engine yet: a short request sent there waits for nothing, and a new document sent
+    there would run first and the question, let in as the document lands, would wait for its
+    whole prefill. Under load, a new document longer than the busy worker's prefill left goes
+    to the busy worker (it waits no longer than it takes), not to the idle one's engine ahead of
+    the held question."""
+    with _cache() as a, _cache() as b:
+        arrivals = ArrivalRate()
+        policy = EventRoutingPolicy(PrefixAwarePolicy(), ClusterEvents(3.0), batching=True, arrivals=arrivals)
+        try:
+            _ready(policy, a, b)
+            doc = DOCS[2] * 4
+            first = policy.choose(doc, {"a": 0, "b": 0}, doc)
+            holder, idle = first.worker, "b" if first.worker == "a" else "a"
+            loads = {holder: 1, idle: 0}
+            piled = []
+            for i in range(3):  # questions pile on the document where it is computed
+                question = f"{doc} Question {i}?"
+                piled.append(policy.choose(question, loads, question))
+                assert piled[-1].worker == holder
+                loads[holder] += 1
+            policy.store_follows = True
+            now = time.monotonic()
+            for i in range(31):  # ten a second lately
+                arrivals.record(now - 3.1 + i / 10)
+            question = f"{doc} Question 9?"
+            held = policy.choose(question, loads, question)
+            assert held.worker == idle and held.hold_s > 0
+            loads[idle] += 1
+            short = policy.choose("Hi", loads, "Hi")
+            assert short.worker == idle and short.wait_s == 0  # nothing in that engine ahead of it
+            policy.finished(idle, short)
+            for decision in piled:  # say they got their first tokens already: only the document prefills there
+                policy.first_token(holder, decision)
+            longer = policy.choose(DOCS[0] * 6, loads, DOCS[0] * 6)
+            assert longer.worker == holder, longer.considered
+        finally:
+            policy.close()
+
+
 def test_on_a_loaded_cluster_a_long_prefill_goes_where_long_work_is_and_a_short_one_to_the_free_worker(tokenizer):
     """Batching engines under load: a request arriving while every worker prefills waits for the
     first to finish. Quiet, a new long prompt takes the free worker; arriving ten a second, it
