@@ -203,6 +203,20 @@ def test_the_wait_behind_a_prefill_shrinks_as_it_runs_and_an_overdue_one_still_c
             policy.close()
 
 
+def _piled(policy: EventRoutingPolicy, doc: str) -> tuple:
+    """A new document sent to a worker of two ("a", "b", both idle), and three questions on it
+    that wait for it there: (its decision, the workers' loads, the questions' decisions)."""
+    first = policy.choose(doc, {"a": 0, "b": 0}, doc)
+    loads = {"a": 0, "b": 0, first.worker: 1}
+    piled = []
+    for i in range(3):  # the first questions wait for the document where it is computed
+        question = f"{doc} Question {i}?"
+        piled.append(policy.choose(question, loads, question))
+        assert piled[-1].worker == first.worker
+        loads[first.worker] += 1
+    return first, loads, piled
+
+
 def test_a_question_on_a_document_being_computed_waits_for_the_store_on_the_idle_worker(tokenizer):
     """Engines that write what they compute through to the store (vLLM with our connector): a
     question on a document whose prefill is under way on a worker with questions piled behind it
@@ -214,13 +228,8 @@ def test_a_question_on_a_document_being_computed_waits_for_the_store_on_the_idle
         try:
             _ready(policy, a, b)
             doc = DOCS[2] * 4
-            first = policy.choose(doc, {"a": 0, "b": 0}, doc)
+            first, loads, _ = _piled(policy, doc)
             holder, idle = first.worker, "b" if first.worker == "a" else "a"
-            loads = {holder: 1, idle: 0}
-            for i in range(3):  # the first questions wait for the document where it is computed
-                question = f"{doc} Question {i}?"
-                assert policy.choose(question, loads, question).worker == holder
-                loads[holder] += 1
             question = f"{doc} Question 9?"
             assert policy.choose(question, loads, question, hold=False).hold_s == 0  # the caller says: never
             policy.store_follows = True
@@ -256,15 +265,8 @@ def test_a_request_held_for_the_store_is_not_ahead_of_new_work_there_but_waits_f
         try:
             _ready(policy, a, b)
             doc = DOCS[2] * 4
-            first = policy.choose(doc, {"a": 0, "b": 0}, doc)
+            first, loads, piled = _piled(policy, doc)
             holder, idle = first.worker, "b" if first.worker == "a" else "a"
-            loads = {holder: 1, idle: 0}
-            piled = []
-            for i in range(3):  # questions pile on the document where it is computed
-                question = f"{doc} Question {i}?"
-                piled.append(policy.choose(question, loads, question))
-                assert piled[-1].worker == holder
-                loads[holder] += 1
             policy.store_follows = True
             now = time.monotonic()
             for i in range(31):  # ten a second lately
