@@ -470,9 +470,6 @@ def run(args: argparse.Namespace) -> int:
         from tiered_cache.workers.cluster import stdout_for_the_answer
         from tiered_cache.workers.serve_llm.settings import engine_missing
 
-        if set(args.ways) & set("abcd") and (missing := engine_missing()):
-            print(f"bench serve: ways a-d run vLLM: {missing}", file=sys.stderr)
-            return 2
         out = stdout_for_the_answer()
         workload = ServeWorkload(args.docs, args.questions, args.doc_chars, args.chats, args.turns, args.rate,
                                  args.seed)
@@ -480,6 +477,9 @@ def run(args: argparse.Namespace) -> int:
             engine = dict(engine_arg(a) for a in args.engine_arg)
         except ValueError as exc:
             print(f"bench serve: {exc}", file=sys.stderr)
+            return 2
+        if set(args.ways) & set("abcd") and (missing := engine_missing()):
+            print(f"bench serve: ways a-d run vLLM: {missing}", file=sys.stderr)
             return 2
         settings = ServeBenchSettings(workload, args.ways, args.replicas, args.max_tokens, address=args.address,
                                       engine_kwargs=engine)
