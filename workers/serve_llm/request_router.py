@@ -188,9 +188,9 @@ class TieredCacheRouter(KVAwareRouter):
 
     def _time_loads(self, replicas: list[RunningReplica]) -> None:
         """Teach the estimate what a load from our tiers costs a request, as the replicas'
-        connectors timed it (`load_seconds`, `blocks_loaded` in their routing stats: totals
-        since each started), rather than what store hits' TTFTs leave once their other parts are
-        taken out."""
+        connectors timed it (`load_seconds`, `blocks_loaded` in their routing stats: totals since
+        each started; Serve hands the router changed stats through `update_replicas`), rather
+        than what store hits' TTFTs leave once their other parts are taken out."""
         page = int((self.keying or {}).get("page_size") or 0)
         if page <= 0:
             return
@@ -222,7 +222,6 @@ class TieredCacheRouter(KVAwareRouter):
             return []
         await self._join_new(candidate_replicas)
         self._follow_shards()
-        self._time_loads(candidate_replicas)
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
         prompt, chat = _prompt_of(pending_request)
         if prompt is None:

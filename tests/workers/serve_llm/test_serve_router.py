@@ -152,8 +152,8 @@ def test_time_held_for_the_store_is_not_charged_to_the_store_s_load():
 
 def test_the_router_prices_the_store_by_the_loads_the_replicas_connectors_timed():
     """Each replica's routing stats carry its connector's load totals (`load_seconds`,
-    `blocks_loaded`, since its engine started): the router reads what they grew by since it last
-    looked, over every replica, as the store's cost per token (blocks of the connector's page
+    `blocks_loaded`, since its engine started): the router reads what they grew by since Serve
+    last handed them over, over every replica, as the store's cost per token (blocks of the connector's page
     size); totals that did not grow teach nothing, and a replica whose totals start over (a new
     engine) counts from zero."""
     keying = {"fingerprint": "f" * 64, "namespace": "", "page_size": 32, "groups": 1}
@@ -162,10 +162,11 @@ def test_the_router_prices_the_store_by_the_loads_the_replicas_connectors_timed(
     async def scenario() -> None:
         router = _router()
         estimate = router.policy.estimate
-        router.update_replicas([_Replica(f"r{i}", s) for i, s in enumerate(stats)])
+        replicas = [_Replica(f"r{i}", s) for i, s in enumerate(stats)]
         asked = iter(range(100))
 
-        async def route() -> None:
+        async def route() -> None:  # Serve hands over the replicas' stats, then a request comes
+            router.update_replicas(replicas)
             n = next(asked)
             await asyncio.wait_for(router._choose_replica_for_request(_request(n, f"question {n}")), 30.0)
 

@@ -300,16 +300,12 @@ class TieredCacheConnector(KVConnectorBase_V1):
                 self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tiered-cache-vllm-load")
             self._loader.submit(job.run)
         else:
-            started = time.perf_counter()
-            job.run()  # every group copied in before the forward starts
-            job.waited_s += time.perf_counter() - started
+            job.run_inline()  # every group copied in before the forward starts
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self._job
         if job is not None:
-            started = time.perf_counter()
             job.wait_for(self._group_of.get(layer_name, self.tiers.num_groups - 1), layer_name)
-            job.waited_s += time.perf_counter() - started
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saved all layers at once in wait_for_save, after the forward
@@ -320,9 +316,8 @@ class TieredCacheConnector(KVConnectorBase_V1):
         job, self._job = self._job, None
         if job is None:
             return
-        started = time.perf_counter()
         unwaited = job.finish(set(self._group_of) if self._layerwise else set())
-        self.loads.add(len(job.block_ids - job.failed), job.waited_s + time.perf_counter() - started)
+        self.loads.add(len(job.block_ids - job.failed), job.waited_s)
         if unwaited:
             log.warning("tiered-cache: %d layers attended without wait_for_layer_load; loading whole blocks "
                         "before the forward from now on (this step's loaded blocks are recomputed)", unwaited)
