@@ -10,7 +10,10 @@ or store token from the rest of the TTFT once those parts are taken out, and a r
 after its first token. Where the engines time their own loads (our vLLM connector does), the
 store's rate is what they timed (`loads_timed`), not that rest: the rest holds whatever the
 router did not expect (a wait behind a prefill it did not know of), which one answer would
-teach as the store's cost.
+teach as the store's cost. Where the engines time a prefill of their own at start (our Ray
+Serve replicas do), that rate is the first sample of the prefill's (`prefill_timed`): a loaded
+cluster's first routes are decided long before the first answer comes back, and a prior that is
+several times off sends them where they wait.
 A queued request waits for the work ahead of it: the router adds up what it expected of each
 request it sent there (its own loads and prefill, then its decode), and `service_s` for any it
 did not cost. Until answers teach it, the priors hold (recompute dearest, host RAM cheapest);
@@ -45,6 +48,7 @@ class TTFTEstimate:
     decode_s: float = 0.1  # one request's time after its first token
     samples: int = 0
     store_timed: bool = False  # the store's rate comes from the engines' own load times
+    prefill_probes: int = 0  # the engines' own prefills at start that taught the prefill's rate
     _seen: dict[str, int] = field(default_factory=dict, repr=False)  # samples per rate
 
     def seconds(self, prompt_tokens: int, device: int, host: int, store: int, wait_s: float = 0.0) -> float:
@@ -113,8 +117,17 @@ class TTFTEstimate:
             self.store_timed, self._seen["store_s_per_token"] = True, 0
         self.store_s_per_token = self._moved("store_s_per_token", seconds / tokens)
 
+    def prefill_timed(self, seconds: float, tokens: int) -> None:
+        """An engine's own prefill of `tokens` (none cached, nothing else running) took `seconds`:
+        a sample of the prefill's rate, as an answer that waited behind no one is."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        self.prefill_probes += 1
+        self.prefill_s_per_token = self._moved("prefill_s_per_token", seconds / tokens)
+
     def to_dict(self) -> dict[str, float]:
         return {"prefill_s_per_token": self.prefill_s_per_token, "cached_share": self.cached_share,
+                "prefill_probes": self.prefill_probes,
                 "host_s_per_token": self.host_s_per_token,
                 "store_s_per_token": self.store_s_per_token, "store_timed": self.store_timed,
                 "service_s": self.service_s, "decode_s": self.decode_s, "samples": self.samples}

@@ -13,23 +13,33 @@ It also keeps the cluster's shard list in a file on its node, which its connecto
 (shard_list.py): a shard that moves is found without a redeploy.
 
 Its routing stats also say how its connector keys pages (`tiered_cache_keying`, asked of its
-workers once at start), which the router needs to read the store shards' own events.
+workers once at start), which the router needs to read the store shards' own events, and how
+long its engine took to prefill a prompt of random tokens once it had started
+(`tiered_cache_prefill`: the prompt skips our tiers, under a cache salt no one else uses): the
+router prices its first routes by that rather than by a guess, long before a loaded cluster's
+first answers come back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import time
+import uuid
 from typing import Any
 
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
+from tiered_cache.integrations.vllm.connector import NO_TIERS
 from tiered_cache.integrations.vllm.worker_extension import KEYING, PROMOTE
 from tiered_cache.workers.serve_llm.request_router import load_ahead, prompt_tokens
 from tiered_cache.workers.serve_llm.shard_list import cluster_namespace, keep_shard_list, write_shard_list
 
 log = logging.getLogger(__name__)
 HINT_TIMEOUT_S = 10.0  # a hint the engine has not taken by then is dropped (the load happens anyway)
+PROBE_TOKENS = 512  # the start-up prefill's prompt (at most half the model's context)
+PROBE_TIMEOUT_S = 120.0  # a probe not done by then is given up: the router keeps its prior
 
 
 class TieredCacheLLMServer(LLMServer):
@@ -47,6 +57,7 @@ class TieredCacheLLMServer(LLMServer):
         self.hints_failed = 0
         self._hints: set[asyncio.Task[Any]] = set()
         self.keying: dict[str, Any] | None = None
+        self.prefill: dict[str, float] | None = await self._time_prefill()
         engine_kwargs = self._llm_config.engine_kwargs or {}
         if engine_kwargs.get("kv_transfer_config") and engine_kwargs.get("worker_extension_cls"):
             from tiered_cache.integrations.hf_models import load_tokenizer
@@ -54,6 +65,34 @@ class TieredCacheLLMServer(LLMServer):
             source = self._llm_config.model_loading_config.model_source
             self._tokenizer = await asyncio.to_thread(load_tokenizer, str(source))
             self.keying = await self._keying()
+
+    async def _time_prefill(self) -> dict[str, float] | None:
+        """Seconds this engine takes to prefill `PROBE_TOKENS` random tokens, timed to the first
+        token of the second of two such prompts (the first pays for the kernels' first use); None
+        where it cannot say (no vLLM engine client, a failure: logged)."""
+        client = getattr(self.engine, "_engine_client", None)
+        if client is None:
+            return None
+        try:
+            from vllm import SamplingParams
+
+            config = client.model_config
+            tokens = max(1, min(PROBE_TOKENS, config.max_model_len // 2))
+            vocab = config.get_vocab_size()
+            params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {NO_TIERS: True}})
+            seconds = 0.0
+            for _ in range(2):
+                probe = uuid.uuid4().hex
+                prompt = {"prompt_token_ids": [random.randrange(vocab) for _ in range(tokens)],
+                          "cache_salt": f"tiered-cache-probe-{probe}"}
+                started = time.perf_counter()
+                await asyncio.wait_for(_drain(client.generate(prompt, params, f"tiered-cache-probe-{probe}")),
+                                       PROBE_TIMEOUT_S)
+                seconds = time.perf_counter() - started
+            return {"tokens": tokens, "seconds": seconds}
+        except Exception as exc:
+            log.warning("tiered-cache: could not time this engine's prefill: %s", exc)
+            return None
 
     async def _keying(self) -> dict[str, Any] | None:
         """How the connector keys pages (every worker keys alike: the first answer); None when the
@@ -104,7 +143,13 @@ class TieredCacheLLMServer(LLMServer):
         figures["hints_failed"] = getattr(self, "hints_failed", 0)
         stats["tiered_cache"] = figures
         stats["tiered_cache_keying"] = getattr(self, "keying", None)
+        stats["tiered_cache_prefill"] = getattr(self, "prefill", None)
         return stats
+
+
+async def _drain(outputs: Any) -> None:
+    async for _ in outputs:
+        pass
 
 
 def connector_figures() -> dict[str, float]:

@@ -92,6 +92,7 @@ class TieredCacheRouter(KVAwareRouter):
         self.recent: OrderedDict[str, dict[str, Any]] = OrderedDict()  # request id -> its route (answers say it)
         self._routes: dict[str, Decision] = {}  # request id -> its decision (what it expected, for the answer)
         self._loads_seen: dict[str, tuple[float, int]] = {}  # replica -> its connector's load totals read
+        self._prefills_seen: dict[str, tuple[float, float]] = {}  # replica -> its engine's start-up prefill read
         self._joined: dict[str, tuple[str, str]] = {}  # replica -> its event endpoints
         self._joining: set[str] = set()
         self._join_tasks: set[asyncio.Task[None]] = set()
@@ -103,10 +104,12 @@ class TieredCacheRouter(KVAwareRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's new list of replicas (and their routing stats): those not followed yet are
         joined now, in the background, so a new deployment's first requests find them followed;
-        the loads their connectors timed price the store."""
+        the loads their connectors timed price the store, and the prefill each engine timed at
+        its start prices a prefill until answers teach more."""
         super().update_replicas(replicas)
         if hasattr(self, "_loads_seen"):  # Serve has initialized our state
             self._time_loads(replicas)
+            self._time_prefills(replicas)
         try:
             asyncio.get_running_loop()
         except RuntimeError:  # not on the router's loop: the next request joins them
@@ -207,11 +210,24 @@ class TieredCacheRouter(KVAwareRouter):
         if blocks > 0:
             self.policy.estimate.loads_timed(seconds, blocks * page)
 
+    def _time_prefills(self, replicas: list[RunningReplica]) -> None:
+        """Each replica's engine timed a prefill once it started (`tiered_cache_prefill` in its
+        routing stats): one sample of the prefill's rate per engine, read once (a replica whose
+        engine started again times it again)."""
+        for replica in replicas:
+            timed = (replica.routing_stats or {}).get("tiered_cache_prefill") or {}
+            seen = (float(timed.get("tokens") or 0), float(timed.get("seconds") or 0.0))
+            name = replica.replica_id.unique_id
+            if seen[0] > 0 and seen[1] > 0 and self._prefills_seen.get(name) != seen:
+                self._prefills_seen[name] = seen
+                self.policy.estimate.prefill_timed(seen[1], int(seen[0]))
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         name = replica_id.unique_id
         self._joined.pop(name, None)
         self._loads_seen.pop(name, None)
+        self._prefills_seen.pop(name, None)
         self.in_flight.pop(name, None)
         self.policy.remove_worker(name)
 

@@ -473,6 +473,27 @@ def test_loads_the_engines_timed_price_the_store_and_a_ttft_s_unexplained_rest_n
     assert estimate.seconds(1500, 0, 0, 1480) < 0.2 * estimate.seconds(1500, 0, 0, 0)
 
 
+def test_the_engines_own_prefills_at_start_replace_the_prior_and_answers_go_on_teaching():
+    """A loaded cluster's first routes are decided before any answer: each engine's prefill timed
+    at its start is a sample of the prefill's rate (the first replaces the prior, the next are
+    averaged in), and answers that waited behind no one go on being averaged with them."""
+    from tiered_cache.workers.routing.ttft_estimate import TTFTEstimate
+
+    estimate = TTFTEstimate()
+    prior = estimate.seconds(1500, 0, 0, 0)
+    estimate.prefill_timed(3.0, 500)  # 6 ms a token, three times the prior
+    assert estimate.prefill_s_per_token == pytest.approx(6e-3) and estimate.prefill_probes == 1
+    assert estimate.seconds(1500, 0, 0, 0) == pytest.approx(3 * prior)
+    estimate.prefill_timed(2.0, 500)
+    assert estimate.prefill_s_per_token == pytest.approx(5e-3)
+    estimate.prefill_timed(0.0, 500)  # nothing timed: nothing learned
+    estimate.prefill_timed(1.0, 0)
+    assert estimate.prefill_s_per_token == pytest.approx(5e-3) and estimate.prefill_probes == 2
+    estimate.observe({"ttft_s": 4.0, "prompt_tokens": 1000, "reused_tokens": 0}, 4.5)  # 4 ms a token
+    assert estimate.prefill_s_per_token == pytest.approx((6e-3 + 4e-3 + 4e-3) / 3)
+    assert estimate.to_dict()["prefill_probes"] == 2
+
+
 def test_an_engine_that_queues_inside_teaches_its_rates_without_the_wait():
     """vLLM's TTFT holds its wait behind other prefills: the router takes out the work it
     expected ahead, and a TTFT that was mostly waiting teaches no rate (it would teach queueing)."""

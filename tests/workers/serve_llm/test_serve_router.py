@@ -184,3 +184,29 @@ def test_the_router_prices_the_store_by_the_loads_the_replicas_connectors_timed(
         assert estimate.store_s_per_token == pytest.approx((first + 0.002 / 64) / 2)
 
     asyncio.run(scenario())
+
+
+def test_the_router_prices_prefills_by_what_each_replica_s_engine_timed_at_its_start():
+    """Each replica's routing stats say how long its engine took to prefill a probe at start
+    (`tiered_cache_prefill`): the router takes each as a sample of the prefill's rate before any
+    answer has come back, once per engine (the same figures handed over again teach nothing; a
+    replica whose engine started again is read again), and a replica that says none is passed by."""
+    stats = [{"tiered_cache_prefill": {"tokens": 512, "seconds": 3.072}}, {"tiered_cache_prefill": None}]
+
+    async def scenario() -> None:
+        router = _router()
+        estimate = router.policy.estimate
+        replicas = [_Replica(f"r{i}", s) for i, s in enumerate(stats)]
+        router.update_replicas(replicas)
+        assert estimate.prefill_probes == 1 and estimate.prefill_s_per_token == pytest.approx(6e-3)
+        router.update_replicas(replicas)
+        stats[1]["tiered_cache_prefill"] = {"tokens": 512, "seconds": 2.048}
+        router.update_replicas(replicas)
+        assert estimate.prefill_probes == 2 and estimate.prefill_s_per_token == pytest.approx(5e-3)
+        stats[0]["tiered_cache_prefill"] = {"tokens": 512, "seconds": 1.024}  # r0's engine started again
+        router.update_replicas(replicas)
+        assert estimate.prefill_probes == 3 and estimate.prefill_s_per_token == pytest.approx(4e-3)
+        await asyncio.wait_for(router._choose_replica_for_request(_request(1, "a question")), 30.0)
+        assert router.stats()["estimate"]["prefill_probes"] == 3
+
+    asyncio.run(scenario())

@@ -115,6 +115,22 @@ def question(q: str, start: int = 0) -> str:
     return f"{document()[start:start + 2000]}\n\nQuestion: {q}\nAnswer in one sentence."
 
 
+def test_each_engine_timed_a_prefill_at_start_outside_our_tiers_and_the_router_learned_it(app):
+    """Before the first request each replica's engine prefilled a probe of random tokens, timed
+    (the router's first routes are priced by it, not by a guess): the router took one sample per
+    replica, and the probes' blocks (32 each) were neither looked up in our tiers nor saved to
+    the store (the fixture's warm-up prompts are shorter than a block)."""
+    deadline = time.monotonic() + 30  # Serve polls each replica's routing stats every 2 s
+    while router(app["url"])["estimate"]["prefill_probes"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    stats = router(app["url"])
+    assert stats["estimate"]["prefill_probes"] == 2 and stats["estimate"]["prefill_s_per_token"] > 0
+    connectors = cluster.stats()["vllm"]["routers"][0]["connectors"]
+    assert len(connectors) == 2
+    assert sum(c.get("lookups", 0) + c.get("blocks_saved", 0) for c in connectors.values()) == 0
+    assert stats["sources"]["shard-0"]["pages"] == 0
+
+
 def test_no_token_no_answer_and_no_bind_beyond_loopback_without_one(app):
     body = {"model": "smollm2", "prompt": "Hello", "max_tokens": 2}
     for token in (None, "wrong"):

@@ -9,7 +9,7 @@ prefix cache they hold (always leaving one token to compute; none asked when vLL
 prompt), and each step's metadata tells the worker which blocks to load and which to save: only
 blocks whose every token has been computed, never a partial one, and neither blocks that were
 just loaded nor those vLLM's own prefix cache gave the request (the request that computed them
-saved them).
+saved them). A request marked `NO_TIERS` in its `kv_transfer_params` is left to vLLM alone.
 
 Worker side: a block is stored as pages of layer groups (`layer_groups.py`). `start_load_kv`
 hands the step's loads to a loader thread, which gets group after group and copies each into
@@ -68,6 +68,9 @@ _TIMING = bool(os.environ.get("TIERED_CACHE_VLLM_TIMING"))  # print each lookup'
 # The rest of kv_connector_extra_config are CacheConfig settings.
 _EXTRA_KEYS = {"config", "model_id", "layer_groups", "load_failure_policy"}
 _POLICIES = ("recompute", "fail")
+# A request whose kv_transfer_params carry this mark is neither looked up in our tiers nor saved to
+# them (a replica's start-up probe of its own prefill: random tokens no one will ask again).
+NO_TIERS = "tiered_cache_no_tiers"
 log = logging.getLogger(__name__)
 
 
@@ -157,6 +160,8 @@ class TieredCacheConnector(KVConnectorBase_V1):
 
     # --- scheduler side ---------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if (getattr(request, "kv_transfer_params", None) or {}).get(NO_TIERS):
+            return 0, False  # no state kept: nothing loaded or saved for it
         tokens = list(request.prompt_token_ids or [])
         namespace = getattr(request, "cache_salt", None) or self.config.namespace
         state = _Request(len(tokens), self.tiers.keys(tokens, namespace), request=request)
