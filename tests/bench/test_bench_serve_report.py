@@ -88,7 +88,8 @@ def test_our_router_s_figures_are_read_from_the_front_end_with_its_token_and_sho
     from tiered_cache.bench.serve.report import router_lines
     from tiered_cache.workers.names import ROUTER_STATS_PATH
 
-    stats = {"routed": {"r1": 13, "r2": 11}, "fallbacks": 2, "holds": 10, "expired_holds": 1,
+    stats = {"routed": {"r1": 13, "r2": 11}, "fallbacks": 2, "holds": 10, "expired_holds": 1, "full_passed": 3,
+             "asked_again": 4,
              "estimate": {"samples": 20, "prefill_s_per_token": 6.5e-3, "cached_share": 0.3,
                           "store_s_per_token": 4e-5}}
 
@@ -116,7 +117,8 @@ def test_our_router_s_figures_are_read_from_the_front_end_with_its_token_and_sho
         server.server_close()
     ours, theirs = WayRun("d", router=stats), WayRun("b")
     (line,) = router_lines([theirs, ours])
-    assert line.startswith("d: routed 13 / 11 per replica; 2 by the fallback; 10 held for the store (1 expired)")
+    assert line.startswith("d: routed 13 / 11 per replica; 2 by the fallback; 10 held for the store (1 expired); "
+                           "3 passed a full replica over, 4 asked for again")
     assert "prefill 6.50 ms/token" in line and "30% of it" in line and "store 40 us/token (from TTFTs)" in line
     timed = {**stats, "estimate": {**stats["estimate"], "store_timed": True}}
     assert "store 40 us/token (as the replicas timed their loads)" in router_lines([WayRun("d", router=timed)])[0]

@@ -11,9 +11,10 @@ after its first token. Where the engines time their own loads (our vLLM connecto
 store's rate is what they timed (`loads_timed`), not that rest: the rest holds whatever the
 router did not expect (a wait behind a prefill it did not know of), which one answer would
 teach as the store's cost. Where the engines time a prefill of their own at start (our Ray
-Serve replicas do), that rate is the first sample of the prefill's (`prefill_timed`): a loaded
-cluster's first routes are decided long before the first answer comes back, and a prior that is
-several times off sends them where they wait.
+Serve replicas do: a prompt, then the same prompt again with its end new), those are the first
+samples of the prefill's rate and of a cached token's share (`prefill_timed`; the share then
+learns from no answer): a loaded cluster's first routes are decided long before the first answer
+comes back, and a prior that is several times off sends them where they wait.
 A queued request waits for the work ahead of it: the router adds up what it expected of each
 request it sent there (its own loads and prefill, then its decode), and `service_s` for any it
 did not cost. Until answers teach it, the priors hold (recompute dearest, host RAM cheapest);
@@ -49,6 +50,7 @@ class TTFTEstimate:
     samples: int = 0
     store_timed: bool = False  # the store's rate comes from the engines' own load times
     prefill_probes: int = 0  # the engines' own prefills at start that taught the prefill's rate
+    share_timed: bool = False  # a cached token's share comes from the engines' own hits at start
     _seen: dict[str, int] = field(default_factory=dict, repr=False)  # samples per rate
 
     def seconds(self, prompt_tokens: int, device: int, host: int, store: int, wait_s: float = 0.0) -> float:
@@ -94,8 +96,9 @@ class TTFTEstimate:
         rest = max(0.0, ttft - computed * self.prefill_s_per_token)
         cached = prompt - computed
         if not host and not store:  # all on the device: the rest is what its cached tokens cost
-            share = min(1.0, rest / (cached * self.prefill_s_per_token))
-            self.cached_share = self._moved("cached_share", share, clean)
+            if not self.share_timed:  # else the engines timed it: the rest holds waits, as for loads
+                share = min(1.0, rest / (cached * self.prefill_s_per_token))
+                self.cached_share = self._moved("cached_share", share, clean)
             return
         loading = max(0.0, rest - cached * self.cached_share * self.prefill_s_per_token)
         # A load that seems dearer than recomputing is queueing the wait left in its TTFT (the
@@ -117,17 +120,28 @@ class TTFTEstimate:
             self.store_timed, self._seen["store_s_per_token"] = True, 0
         self.store_s_per_token = self._moved("store_s_per_token", seconds / tokens)
 
-    def prefill_timed(self, seconds: float, tokens: int) -> None:
-        """An engine's own prefill of `tokens` (none cached, nothing else running) took `seconds`:
-        a sample of the prefill's rate, as an answer that waited behind no one is."""
+    def prefill_timed(self, seconds: float, tokens: int, hit_seconds: float = 0.0, cached: int = 0) -> None:
+        """An engine's own prefill of `tokens` (none cached, nothing else running) took `seconds`,
+        and the same prompt with `cached` of its tokens in the engine's prefix cache took
+        `hit_seconds`: a sample of the prefill's rate (as an answer that waited behind no one is)
+        and one of a cached token's share of it: what the hit took beyond computing its new
+        tokens (the engine's own time per request counts in it). From the first timed hit, the
+        share is learned from these alone: what a device hit's TTFT leaves once its prefill is
+        taken out holds every wait the router did not expect, as with the store's loads."""
         if tokens <= 0 or seconds <= 0:
             return
         self.prefill_probes += 1
-        self.prefill_s_per_token = self._moved("prefill_s_per_token", seconds / tokens)
+        rate = seconds / tokens
+        self.prefill_s_per_token = self._moved("prefill_s_per_token", rate)
+        if 0 < cached < tokens and hit_seconds > 0:
+            share = max(0.0, hit_seconds - (tokens - cached) * rate) / (cached * rate)
+            if not self.share_timed:  # the first timed hit replaces the prior and what answers taught
+                self.share_timed, self._seen["cached_share"] = True, 0
+            self.cached_share = self._moved("cached_share", min(1.0, share))
 
     def to_dict(self) -> dict[str, float]:
         return {"prefill_s_per_token": self.prefill_s_per_token, "cached_share": self.cached_share,
-                "prefill_probes": self.prefill_probes,
+                "prefill_probes": self.prefill_probes, "share_timed": self.share_timed,
                 "host_s_per_token": self.host_s_per_token,
                 "store_s_per_token": self.store_s_per_token, "store_timed": self.store_timed,
                 "service_s": self.service_s, "decode_s": self.decode_s, "samples": self.samples}

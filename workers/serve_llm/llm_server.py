@@ -14,10 +14,10 @@ It also keeps the cluster's shard list in a file on its node, which its connecto
 
 Its routing stats also say how its connector keys pages (`tiered_cache_keying`, asked of its
 workers once at start), which the router needs to read the store shards' own events, and how
-long its engine took to prefill a prompt of random tokens once it had started
-(`tiered_cache_prefill`: the prompt skips our tiers, under a cache salt no one else uses): the
-router prices its first routes by that rather than by a guess, long before a loaded cluster's
-first answers come back.
+long its engine took to prefill a prompt of random tokens once it had started, and the same prompt
+again with its end new (`tiered_cache_prefill`: the prompts skip our tiers, under a cache salt no
+one else uses): the router prices its first routes by them, a computed token and a cached one,
+rather than by a guess, long before a loaded cluster's first answers come back.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from tiered_cache.workers.serve_llm.shard_list import cluster_namespace, keep_sh
 
 log = logging.getLogger(__name__)
 HINT_TIMEOUT_S = 10.0  # a hint the engine has not taken by then is dropped (the load happens anyway)
-PROBE_TOKENS = 512  # the start-up prefill's prompt (at most half the model's context)
+PROBE_TOKENS = 1024  # the start-up prefill's prompt (at most half the model's context)
+PROBE_NEW = 32  # of it, the tokens its second prefill computes anew (the rest from vLLM's prefix cache)
 PROBE_TIMEOUT_S = 120.0  # a probe not done by then is given up: the router keeps its prior
 
 
@@ -67,9 +68,11 @@ class TieredCacheLLMServer(LLMServer):
             self.keying = await self._keying()
 
     async def _time_prefill(self) -> dict[str, float] | None:
-        """Seconds this engine takes to prefill `PROBE_TOKENS` random tokens, timed to the first
-        token of the second of two such prompts (the first pays for the kernels' first use); None
-        where it cannot say (no vLLM engine client, a failure: logged)."""
+        """What this engine takes to prefill: `PROBE_TOKENS` random tokens (after a short prompt
+        that pays for the kernels' first use), then the same prompt again with its last
+        `PROBE_NEW` tokens new (vLLM's prefix cache holds the rest: what a cached token costs),
+        each timed to its first token; None where it cannot say (no vLLM engine client, a
+        failure: logged)."""
         client = getattr(self.engine, "_engine_client", None)
         if client is None:
             return None
@@ -77,19 +80,27 @@ class TieredCacheLLMServer(LLMServer):
             from vllm import SamplingParams
 
             config = client.model_config
-            tokens = max(1, min(PROBE_TOKENS, config.max_model_len // 2))
+            tokens = max(2 * PROBE_NEW, min(PROBE_TOKENS, config.max_model_len // 2))
             vocab = config.get_vocab_size()
             params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {NO_TIERS: True}})
-            seconds = 0.0
-            for _ in range(2):
-                probe = uuid.uuid4().hex
-                prompt = {"prompt_token_ids": [random.randrange(vocab) for _ in range(tokens)],
-                          "cache_salt": f"tiered-cache-probe-{probe}"}
-                started = time.perf_counter()
-                await asyncio.wait_for(_drain(client.generate(prompt, params, f"tiered-cache-probe-{probe}")),
-                                       PROBE_TIMEOUT_S)
-                seconds = time.perf_counter() - started
-            return {"tokens": tokens, "seconds": seconds}
+            salt = f"tiered-cache-probe-{uuid.uuid4().hex}"
+
+            async def prefill(ids: list[int]) -> tuple[float, int]:
+                started, outputs = time.perf_counter(), []
+                async for output in client.generate({"prompt_token_ids": ids, "cache_salt": salt}, params,
+                                                    f"{salt}-{uuid.uuid4().hex}"):
+                    outputs.append(output)
+                return time.perf_counter() - started, int(getattr(outputs[-1], "num_cached_tokens", 0) or 0)
+
+            def fresh(n: int) -> list[int]:
+                return [random.randrange(vocab) for _ in range(n)]
+
+            await asyncio.wait_for(prefill(fresh(PROBE_NEW)), PROBE_TIMEOUT_S)
+            ids = fresh(tokens)
+            seconds, _ = await asyncio.wait_for(prefill(ids), PROBE_TIMEOUT_S)
+            hit_seconds, cached = await asyncio.wait_for(prefill(ids[:-PROBE_NEW] + fresh(PROBE_NEW)),
+                                                         PROBE_TIMEOUT_S)
+            return {"tokens": tokens, "seconds": seconds, "cached_tokens": cached, "hit_seconds": hit_seconds}
         except Exception as exc:
             log.warning("tiered-cache: could not time this engine's prefill: %s", exc)
             return None
@@ -145,11 +156,6 @@ class TieredCacheLLMServer(LLMServer):
         stats["tiered_cache_keying"] = getattr(self, "keying", None)
         stats["tiered_cache_prefill"] = getattr(self, "prefill", None)
         return stats
-
-
-async def _drain(outputs: Any) -> None:
-    async for _ in outputs:
-        pass
 
 
 def connector_figures() -> dict[str, float]:

@@ -86,13 +86,15 @@ class TieredCacheRouter(KVAwareRouter):
         self.routed: Counter[str] = Counter()
         self.unparsed = 0  # requests with no prompt to key (routed to the least loaded)
         self.expired_holds = 0  # requests held for store pages that did not land in time (decided again)
+        self.full_passed = 0  # decisions that passed over a replica with as many requests as it takes
+        self.asked_again = 0  # requests Serve asked for again (their replica refused them, or died)
         self._holding = 0  # requests held now (`_hold`)
         self._held: list[PendingRequest] = []  # requests held and not yet handed to a replica by Serve
         self._decisions: dict[str, Decision] = {}  # internal request id -> the decision
         self.recent: OrderedDict[str, dict[str, Any]] = OrderedDict()  # request id -> its route (answers say it)
         self._routes: dict[str, Decision] = {}  # request id -> its decision (what it expected, for the answer)
         self._loads_seen: dict[str, tuple[float, int]] = {}  # replica -> its connector's load totals read
-        self._prefills_seen: dict[str, tuple[float, float]] = {}  # replica -> its engine's start-up prefill read
+        self._prefills_seen: dict[str, tuple[float, ...]] = {}  # replica -> its engine's start-up prefill read
         self._joined: dict[str, tuple[str, str]] = {}  # replica -> its event endpoints
         self._joining: set[str] = set()
         self._join_tasks: set[asyncio.Task[None]] = set()
@@ -211,16 +213,17 @@ class TieredCacheRouter(KVAwareRouter):
             self.policy.estimate.loads_timed(seconds, blocks * page)
 
     def _time_prefills(self, replicas: list[RunningReplica]) -> None:
-        """Each replica's engine timed a prefill once it started (`tiered_cache_prefill` in its
-        routing stats): one sample of the prefill's rate per engine, read once (a replica whose
-        engine started again times it again)."""
+        """Each replica's engine timed a prefill once it started, and a hit on it
+        (`tiered_cache_prefill` in its routing stats): one sample of the prefill's rate and of a
+        cached token's share per engine, read once (a replica whose engine started again times
+        them again)."""
         for replica in replicas:
             timed = (replica.routing_stats or {}).get("tiered_cache_prefill") or {}
-            seen = (float(timed.get("tokens") or 0), float(timed.get("seconds") or 0.0))
+            seen = tuple(float(timed.get(k) or 0.0) for k in ("tokens", "seconds", "cached_tokens", "hit_seconds"))
             name = replica.replica_id.unique_id
             if seen[0] > 0 and seen[1] > 0 and self._prefills_seen.get(name) != seen:
                 self._prefills_seen[name] = seen
-                self.policy.estimate.prefill_timed(seen[1], int(seen[0]))
+                self.policy.estimate.prefill_timed(seen[1], int(seen[0]), seen[3], int(seen[2]))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -239,6 +242,13 @@ class TieredCacheRouter(KVAwareRouter):
         await self._join_new(candidate_replicas)
         self._follow_shards()
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
+        # A replica with as many requests as it takes refuses another, and Serve asks again after
+        # a back-off (seconds on a loaded cluster), the route decided again: choose among those
+        # with room, where any has.
+        room = {n: r for n, r in by_name.items() if self.in_flight[n] < r.max_ongoing_requests}
+        if room and len(room) < len(by_name):
+            self.full_passed += 1
+            by_name = room
         prompt, chat = _prompt_of(pending_request)
         if prompt is None:
             self.unparsed += 1
@@ -256,6 +266,7 @@ class TieredCacheRouter(KVAwareRouter):
                 # the new decision replaces the old one, which no longer counts.
                 previous = self._decisions.get(pending_request.metadata.internal_request_id)
                 if previous is not None:
+                    self.asked_again += 1
                     self.in_flight[previous.worker] = max(0, self.in_flight[previous.worker] - 1)
                     self.routed[previous.worker] -= 1
                 self._decisions[pending_request.metadata.internal_request_id] = decision
@@ -330,6 +341,7 @@ class TieredCacheRouter(KVAwareRouter):
                       for rid, r in self.curr_replicas.items()}
         return {"policy": "events", "routed": dict(self.routed), "in_flight": dict(self.in_flight),
                 "unparsed": self.unparsed, "expired_holds": self.expired_holds,
+                "full_passed": self.full_passed, "asked_again": self.asked_again,
                 "replicas": sorted(self._joined), "connectors": connectors,
                 "keying": self.keying,
                 **self.policy.stats()}

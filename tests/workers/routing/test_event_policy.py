@@ -492,6 +492,17 @@ def test_the_engines_own_prefills_at_start_replace_the_prior_and_answers_go_on_t
     estimate.observe({"ttft_s": 4.0, "prompt_tokens": 1000, "reused_tokens": 0}, 4.5)  # 4 ms a token
     assert estimate.prefill_s_per_token == pytest.approx((6e-3 + 4e-3 + 4e-3) / 3)
     assert estimate.to_dict()["prefill_probes"] == 2
+    # The same prompt again with 960 of its 1,000 tokens cached: what it took beyond its 40 new
+    # tokens is what the cached ones cost (here 3% of computing them); the prior (10%) is replaced.
+    estimate.observe({"ttft_s": 1.0, "prompt_tokens": 1000, "reused_tokens": 960}, 1.5)  # untimed: taught
+    assert estimate.cached_share > 0.1
+    estimate.prefill_timed(2.0, 1000, hit_seconds=40 * 2e-3 + 0.03 * 960 * 2e-3, cached=960)
+    assert estimate.cached_share == pytest.approx(0.03)
+    estimate.prefill_timed(2.0, 1000, hit_seconds=0.01, cached=960)  # faster than its new tokens: none
+    assert estimate.cached_share == pytest.approx(0.015)
+    # A device hit's TTFT that held a wait no one expected teaches the share nothing now.
+    estimate.observe({"ttft_s": 2.0, "prompt_tokens": 1000, "reused_tokens": 960}, 2.5)
+    assert estimate.cached_share == pytest.approx(0.015) and estimate.to_dict()["share_timed"]
 
 
 def test_an_engine_that_queues_inside_teaches_its_rates_without_the_wait():

@@ -27,9 +27,9 @@ DOCUMENT = "Document: " + " ".join(f"word{i}" for i in range(300))
 class _Replica:
     """What Serve's routing loop reads of a replica: its id, queue and routing stats."""
 
-    def __init__(self, name: str, routing_stats: dict | None = None) -> None:
+    def __init__(self, name: str, routing_stats: dict | None = None, max_ongoing_requests: int = 1000) -> None:
         self.replica_id = ReplicaID(name, DEPLOYMENT)
-        self.max_ongoing_requests = 1000
+        self.max_ongoing_requests = max_ongoing_requests
         self.node_id, self.availability_zone, self.multiplexed_model_ids = "", None, set()
         self.routing_stats = routing_stats or {}
 
@@ -187,11 +187,14 @@ def test_the_router_prices_the_store_by_the_loads_the_replicas_connectors_timed(
 
 
 def test_the_router_prices_prefills_by_what_each_replica_s_engine_timed_at_its_start():
-    """Each replica's routing stats say how long its engine took to prefill a probe at start
-    (`tiered_cache_prefill`): the router takes each as a sample of the prefill's rate before any
-    answer has come back, once per engine (the same figures handed over again teach nothing; a
-    replica whose engine started again is read again), and a replica that says none is passed by."""
-    stats = [{"tiered_cache_prefill": {"tokens": 512, "seconds": 3.072}}, {"tiered_cache_prefill": None}]
+    """Each replica's routing stats say how long its engine took to prefill a probe at start and
+    the same probe again with most of it cached (`tiered_cache_prefill`): the router takes each
+    as a sample of the prefill's rate and of a cached token's share before any answer has come
+    back, once per engine (the same figures handed over again teach nothing; a replica whose
+    engine started again is read again), and a replica that says none is passed by."""
+    stats = [{"tiered_cache_prefill": {"tokens": 1024, "seconds": 6.144, "cached_tokens": 992,
+                                       "hit_seconds": 0.192 + 0.2976}},  # 32 new at 6 ms, 992 cached at 5%
+             {"tiered_cache_prefill": None}]
 
     async def scenario() -> None:
         router = _router()
@@ -199,14 +202,41 @@ def test_the_router_prices_prefills_by_what_each_replica_s_engine_timed_at_its_s
         replicas = [_Replica(f"r{i}", s) for i, s in enumerate(stats)]
         router.update_replicas(replicas)
         assert estimate.prefill_probes == 1 and estimate.prefill_s_per_token == pytest.approx(6e-3)
+        assert estimate.cached_share == pytest.approx(0.05)
         router.update_replicas(replicas)
-        stats[1]["tiered_cache_prefill"] = {"tokens": 512, "seconds": 2.048}
+        stats[1]["tiered_cache_prefill"] = {"tokens": 1024, "seconds": 4.096}  # no hit timed there
         router.update_replicas(replicas)
         assert estimate.prefill_probes == 2 and estimate.prefill_s_per_token == pytest.approx(5e-3)
-        stats[0]["tiered_cache_prefill"] = {"tokens": 512, "seconds": 1.024}  # r0's engine started again
+        assert estimate.cached_share == pytest.approx(0.05)
+        stats[0]["tiered_cache_prefill"] = {"tokens": 1024, "seconds": 2.048}  # r0's engine started again
         router.update_replicas(replicas)
         assert estimate.prefill_probes == 3 and estimate.prefill_s_per_token == pytest.approx(4e-3)
         await asyncio.wait_for(router._choose_replica_for_request(_request(1, "a question")), 30.0)
         assert router.stats()["estimate"]["prefill_probes"] == 3
+
+    asyncio.run(scenario())
+
+
+def test_a_replica_with_as_many_requests_as_it_takes_is_passed_over_while_another_has_room():
+    """The policy would send every request to r1 (its first replica), which takes two at a time:
+    a third goes to r2 rather than be refused by r1 and asked for again after Serve's back-off;
+    once every replica is full the policy decides among all (Serve queues it), and once r1 has
+    room again it is r1's."""
+    async def scenario() -> None:
+        router = _router()
+        router.policy = _HoldsDocuments()
+        router.update_replicas([_Replica("r1", max_ongoing_requests=2), _Replica("r2", max_ongoing_requests=1)])
+
+        async def route(n: int) -> str:
+            chosen = await asyncio.wait_for(router._choose_replica_for_request(_request(n, f"hello {n}")), 5.0)
+            return chosen.replica_id.unique_id
+
+        assert [await route(1), await route(2)] == ["r1", "r1"]
+        assert await route(3) == "r2" and router.full_passed == 1
+        assert await route(4) == "r1" and router.full_passed == 1  # every replica full: the policy's choice
+        for done in ("i1", "i2"):
+            router.on_request_completed(ReplicaID("r1", DEPLOYMENT), done)
+        assert await route(5) == "r1" and router.full_passed == 2  # r2 still full, r1 has room
+        assert router.in_flight == {"r1": 2, "r2": 1} and router.stats()["asked_again"] == 0
 
     asyncio.run(scenario())

@@ -52,7 +52,9 @@ def render(rows: list[dict[str, Any]]) -> str:
 def router_lines(runs: list[WayRun]) -> list[str]:
     """A line for each way our router routed: its routes per replica, fallbacks (decided by the
     prefix policy: events not followed yet or stale), requests held for the store and holds
-    that expired, and the rates it learned by the end."""
+    that expired, decisions that passed over a replica with as many requests as it takes and
+    requests Serve asked for again (refused, or their replica died), and the rates it learned by
+    the end."""
     lines = []
     for run in runs:
         if not run.router:
@@ -60,7 +62,9 @@ def router_lines(runs: list[WayRun]) -> list[str]:
         r, rates = run.router, run.router.get("estimate") or {}
         routed = " / ".join(str(n) for _, n in sorted((r.get("routed") or {}).items()))
         lines.append(f"{run.way}: routed {routed or 0} per replica; {r.get('fallbacks', 0)} by the fallback; "
-                     f"{r.get('holds', 0)} held for the store ({r.get('expired_holds', 0)} expired); learned "
+                     f"{r.get('holds', 0)} held for the store ({r.get('expired_holds', 0)} expired); "
+                     f"{r.get('full_passed', 0)} passed a full replica over, {r.get('asked_again', 0)} asked for "
+                     f"again; learned "
                      f"from {rates.get('samples', 0)} answers: prefill {rates.get('prefill_s_per_token', 0) * 1e3:.2f} "
                      f"ms/token, a cached token {rates.get('cached_share', 0):.0%} of it, store "
                      f"{rates.get('store_s_per_token', 0) * 1e6:.0f} us/token "
