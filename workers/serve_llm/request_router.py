@@ -64,6 +64,7 @@ HOLDS_AT_MOST = 64
 # A request waits at most this long for replicas the router is subscribing to (then the prefix
 # policy decides, counted in `fallbacks`).
 JOIN_WAIT_S = 10.0
+STATS_POLL_S = 0.05  # how often a request that waits for a new deployment's routing stats looks again
 OTHERS_SHOWN = 3  # replicas passed over that an answer's route shows (the best scored)
 
 
@@ -97,6 +98,7 @@ class TieredCacheRouter(KVAwareRouter):
         self._prefills_seen: dict[str, tuple[float, ...]] = {}  # replica -> its engine's start-up prefill read
         self._joined: dict[str, tuple[str, str]] = {}  # replica -> its event endpoints
         self._joining: set[str] = set()
+        self._stats_waited = False  # a request has waited for a new deployment's first routing stats
         self._join_tasks: set[asyncio.Task[None]] = set()
         self._deciding = asyncio.Lock()  # decisions one at a time, in the order asked (`_decide`)
         self._lock = threading.Lock()
@@ -123,11 +125,21 @@ class TieredCacheRouter(KVAwareRouter):
         """Join replicas not followed yet, and wait (at most `JOIN_WAIT_S`) for every join under
         way: a request that arrives while the router subscribes to a replica is decided by its
         events, not by the prefix policy with none (a deployment's first requests on one document
-        would each start its prefill on another replica)."""
+        would each start its prefill on another replica). While no replica is followed or being
+        joined (a new deployment: Serve polls the replicas' routing stats, their event endpoints,
+        every few seconds, and its first requests may come before the first poll), it waits for
+        the stats too, within the same bound, once (replicas that publish no events are routed by
+        the prefix policy without a wait after that)."""
         self._start_joining(replicas)
+        deadline = time.monotonic() + JOIN_WAIT_S
+        while (getattr(self.policy, "follows_events", False) and not self._stats_waited and not self._joined
+               and not self._joining and time.monotonic() < deadline):
+            await asyncio.sleep(STATS_POLL_S)
+            self._start_joining(list(self.curr_replicas.values()))  # Serve hands changed stats over
+        self._stats_waited = True
         under_way = [t for t in self._join_tasks if not t.done()]
         if under_way:
-            await asyncio.wait(under_way, timeout=JOIN_WAIT_S)
+            await asyncio.wait(under_way, timeout=max(0.0, deadline - time.monotonic()))
 
     def _start_joining(self, replicas: list[RunningReplica]) -> None:
         self._learn_keying(replicas)

@@ -18,6 +18,7 @@ from ray.serve.request_router import PendingRequest
 from tiered_cache.events.publisher import EventPublisher
 from tiered_cache.workers.routing.policies import PrefixAwarePolicy
 from tiered_cache.workers.routing.policy import Decision
+from tiered_cache.workers.serve_llm import request_router
 from tiered_cache.workers.serve_llm.request_router import TieredCacheRouter
 
 DEPLOYMENT = DeploymentID("llm", "app")
@@ -133,6 +134,35 @@ def test_a_new_deployment_s_first_requests_wait_for_its_replicas_events_rather_t
             p.close()
 
 
+def test_a_new_deployment_s_first_request_before_serve_has_polled_the_replicas_waits_for_their_stats():
+    """Serve polls the replicas' routing stats (their event endpoints) every few seconds: a new
+    deployment's first request may come before the first poll. It waits for the stats, then for
+    the subscriptions, and is decided by events, not by the prefix policy."""
+    publishers = [EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
+
+    async def scenario() -> None:
+        router = _router("smollm2")
+        try:
+            router.update_replicas([_Replica(f"r{i}", {"tiered_cache": {}}) for i in range(2)])  # not polled yet
+            first = asyncio.ensure_future(router._choose_replica_for_request(
+                _request(1, f"{DOCUMENT}\nQuestion: what is it about?")))
+            await asyncio.sleep(0.5)
+            assert not first.done()
+            router.update_replicas([_Replica(f"r{i}", {"kv_event_metadata": {
+                "endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint, "block_size": 16}})
+                for i, p in enumerate(publishers)])
+            await asyncio.wait_for(first, 30.0)
+            assert router.policy.fallbacks == 0 and router.recent["q1"]["reason"] == "events"
+        finally:
+            router.policy.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for p in publishers:
+            p.close()
+
+
 def test_time_held_for_the_store_is_not_charged_to_the_store_s_load():
     """A question held 8 s for its document to land (2 s expected), then loaded and answered in
     what the estimate expects: its TTFT as the front end timed it holds the hold, which the
@@ -150,12 +180,13 @@ def test_time_held_for_the_store_is_not_charged_to_the_store_s_load():
     assert estimate.decode_s == pytest.approx(0.5, rel=0.05)
 
 
-def test_the_router_prices_the_store_by_the_loads_the_replicas_connectors_timed():
+def test_the_router_prices_the_store_by_the_loads_the_replicas_connectors_timed(monkeypatch):
     """Each replica's routing stats carry its connector's load totals (`load_seconds`,
     `blocks_loaded`, since its engine started): the router reads what they grew by since Serve
     last handed them over, over every replica, as the store's cost per token (blocks of the connector's page
     size); totals that did not grow teach nothing, and a replica whose totals start over (a new
     engine) counts from zero."""
+    monkeypatch.setattr(request_router, "JOIN_WAIT_S", 0.2)  # no events here: the first route waits this long
     keying = {"fingerprint": "f" * 64, "namespace": "", "page_size": 32, "groups": 1}
     stats = [{"tiered_cache_keying": keying, "tiered_cache": {}} for _ in range(2)]
 
@@ -186,12 +217,13 @@ def test_the_router_prices_the_store_by_the_loads_the_replicas_connectors_timed(
     asyncio.run(scenario())
 
 
-def test_the_router_prices_prefills_by_what_each_replica_s_engine_timed_at_its_start():
+def test_the_router_prices_prefills_by_what_each_replica_s_engine_timed_at_its_start(monkeypatch):
     """Each replica's routing stats say how long its engine took to prefill a probe at start and
     the same probe again with most of it cached (`tiered_cache_prefill`): the router takes each
     as a sample of the prefill's rate and of a cached token's share before any answer has come
     back, once per engine (the same figures handed over again teach nothing; a replica whose
     engine started again is read again), and a replica that says none is passed by."""
+    monkeypatch.setattr(request_router, "JOIN_WAIT_S", 0.2)  # no events here: the first route waits this long
     stats = [{"tiered_cache_prefill": {"tokens": 1024, "seconds": 6.144, "cached_tokens": 992,
                                        "hit_seconds": 0.192 + 0.2976}},  # 32 new at 6 ms, 992 cached at 5%
              {"tiered_cache_prefill": None}]
