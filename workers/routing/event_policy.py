@@ -17,7 +17,8 @@ the time since it was sent has run (one overdue still counts a share of its cost
 request goes matters to the others as well: the prefills waiting on that worker are batched
 with it and wait for its prefill too, and one that arrives while every worker is still
 prefilling waits for the first to finish. A request held in the router for store pages is not in
-its engine yet: a new request there does not wait for it, it waits for the new one's prefill. A
+its engine yet: a new request there does not wait for it, it waits for what is left of the new
+one's prefill when its pages land. A
 worker's score adds the waiting its new work would cause them at the recent arrival rate
 (`_all_busy_cost`): on a loaded cluster a long prefill goes where long work already is, and a
 worker is kept free for the short ones. That waiting is an expectation and the request's own is
@@ -186,9 +187,10 @@ class EventRoutingPolicy(RoutingPolicy):
             waits = {w: self._ahead_s(pending[w], now)
                      + max(0, loads[w] - len(pending[w])) * self.estimate.service_s
                      for w in loads}  # requests sent while events were stale: cost unknown, service_s each
-            # Prefills in the engine, and requests held for the store that will join it later.
+            # Prefills in the engine, and when each request held for the store is expected to join
+            # it (its start as sent: when what it waits for lands).
             prefills = {w: (sum(p.prefilling and not p.holding for p in pending[w]),
-                            sum(p.holding for p in pending[w])) for w in loads}
+                            tuple(p.due_at - p.cost_s for p in pending[w] if p.holding)) for w in loads}
         for worker in sorted(loads):
             fingerprint, own_namespace, page = self._identity[worker]
             identity = (fingerprint, own_namespace if namespace is None else namespace, page)
@@ -227,7 +229,8 @@ class EventRoutingPolicy(RoutingPolicy):
                         considered=considered, hold_s=HOLD_AT_MOST_S if best.awaits else 0.0, awaits=best.awaits)
 
     def _candidate(self, worker: str, ids: Sequence[int], keys: list[bytes], page: int,
-                   held: tuple[int, int, int], waits: Mapping[str, float], prefills: Mapping[str, tuple[int, int]],
+                   held: tuple[int, int, int], waits: Mapping[str, float],
+                   prefills: Mapping[str, tuple[int, tuple[float, ...]]],
                    loads: Mapping[str, int], rate: float, now: float) -> _Candidate:
         """`worker` scored for a prompt of `ids` whose leading pages `held` lie on its device, in
         its host RAM and in the store, after `waits[worker]` of work there."""
@@ -239,13 +242,15 @@ class EventRoutingPolicy(RoutingPolicy):
             # What it costs the others: recomputed tokens are work the cluster does again; the
             # prefills waiting there (all but the one under way) run in its step and get their
             # first token only when its prefill is done too, as do the requests held there for
-            # the store once they go in (they went in after it); and a worker kept busy while every
-            # other is busy too delays whoever arrives. That last waiting counts up to the
-            # request's own time: a long one may queue behind long work, never for longer than
-            # it takes itself.
+            # the store that go in while it runs (what is left of it then: one let in after it
+            # ends waits for none of it); and a worker kept busy while every other is busy too
+            # delays whoever arrives. That last waiting counts up to the request's own time: a
+            # long one may queue behind long work, never for longer than it takes itself.
             others = [waits[w] for w in loads if w != worker]
-            running, holding = prefills[worker]
-            spent = (self.estimate.compute_s(len(ids), found) + (max(0, running - 1) + holding) * own
+            running, joining = prefills[worker]
+            ends = now + wait + own
+            spent = (self.estimate.compute_s(len(ids), found) + max(0, running - 1) * own
+                     + sum(min(own, max(0.0, ends - at)) for at in joining)
                      + (min(own, _all_busy_cost(wait, own, min(others), rate)) if others else 0.0))
         else:
             # A recomputed token costs in this TTFT and, on a busy cluster, again in the TTFT of

@@ -286,6 +286,33 @@ def test_a_request_held_for_the_store_is_not_ahead_of_new_work_there_but_waits_f
             policy.close()
 
 
+def test_requests_held_for_pages_that_land_after_new_work_would_end_do_not_keep_it_off_their_worker(tokenizer):
+    """Three questions are held for a document the busy worker computes for 10 s more; they will
+    go into the idle worker's engine when it lands. A new, shorter document sent to the idle
+    worker ends before that: they wait for none of it, so it goes there, not behind the busy
+    worker's 10 s. (Counted as if they waited for all of it, the idle worker looked dearer.)"""
+    with _cache() as a, _cache() as b:
+        policy = _policy(batching=True)
+        try:
+            _ready(policy, a, b)
+            doc, new = DOCS[2] * 4, DOCS[0] * 2
+            policy.estimate.prefill_s_per_token = 10.0 / len(encode_prompt(tokenizer, doc))  # its prefill: ~10 s
+            assert policy.estimate.compute_s(len(encode_prompt(tokenizer, new)), 0) < 6.0
+            first, loads, piled = _piled(policy, doc)
+            holder, idle = first.worker, "b" if first.worker == "a" else "a"
+            policy.store_follows = True
+            for i in range(3):
+                question = f"{doc} Question {10 + i}?"
+                held = policy.choose(question, loads, question)
+                assert held.worker == idle and held.hold_s > 0
+                loads[idle] += 1
+            for decision in piled:  # only the document prefills on the busy worker
+                policy.first_token(holder, decision)
+            assert policy.choose(new, loads, new).worker == idle
+        finally:
+            policy.close()
+
+
 def test_on_a_loaded_cluster_a_long_prefill_goes_where_long_work_is_and_a_short_one_to_the_free_worker(tokenizer):
     """Batching engines under load: a request arriving while every worker prefills waits for the
     first to finish. Quiet, a new long prompt takes the free worker; arriving ten a second, it

@@ -98,20 +98,31 @@ def test_requests_held_for_the_store_leave_serve_its_routing_tasks_for_every_oth
     asyncio.run(scenario())
 
 
-def test_a_new_deployment_s_first_requests_wait_for_its_replicas_events_rather_than_fall_back():
+@pytest.fixture
+def publishers():
+    """Two replicas' event publishers (their engines publish nothing: the router subscribes)."""
+    made = [EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
+    yield made
+    for p in made:
+        p.close()
+
+
+def _publishing(publishers: list[EventPublisher]) -> list[_Replica]:
+    """Replicas whose routing stats say where `publishers` publish, as Serve's poll hands them over."""
+    return [_Replica(f"r{i}", {"kv_event_metadata": {"endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint,
+                                                     "block_size": 16}}) for i, p in enumerate(publishers)]
+
+
+def test_a_new_deployment_s_first_requests_wait_for_its_replicas_events_rather_than_fall_back(publishers):
     """Two questions on one document arrive as a new deployment's router first hears of its
     replicas (Serve's `update_replicas`): it subscribes to them at once, and a request that
     arrives meanwhile waits for the subscriptions rather than fall back to the prefix policy,
     which knows nothing yet and would send the second question to compute the document again on
     the other replica."""
-    publishers = [EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
-
     async def scenario() -> None:
         router = _router("smollm2")
         try:
-            router.update_replicas([_Replica(f"r{i}", {"kv_event_metadata": {
-                "endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint, "block_size": 16}})
-                for i, p in enumerate(publishers)])
+            router.update_replicas(_publishing(publishers))
             first = asyncio.ensure_future(router._choose_replica_for_request(
                 _request(1, f"{DOCUMENT}\nQuestion: what is it about?")))
             await asyncio.sleep(0.05)
@@ -127,19 +138,13 @@ def test_a_new_deployment_s_first_requests_wait_for_its_replicas_events_rather_t
         finally:
             router.policy.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for p in publishers:
-            p.close()
+    asyncio.run(scenario())
 
 
-def test_a_new_deployment_s_first_request_before_serve_has_polled_the_replicas_waits_for_their_stats():
+def test_a_new_deployment_s_first_request_before_serve_has_polled_the_replicas_waits_for_their_stats(publishers):
     """Serve polls the replicas' routing stats (their event endpoints) every few seconds: a new
     deployment's first request may come before the first poll. It waits for the stats, then for
     the subscriptions, and is decided by events, not by the prefix policy."""
-    publishers = [EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0") for _ in range(2)]
-
     async def scenario() -> None:
         router = _router("smollm2")
         try:
@@ -148,19 +153,13 @@ def test_a_new_deployment_s_first_request_before_serve_has_polled_the_replicas_w
                 _request(1, f"{DOCUMENT}\nQuestion: what is it about?")))
             await asyncio.sleep(0.5)
             assert not first.done()
-            router.update_replicas([_Replica(f"r{i}", {"kv_event_metadata": {
-                "endpoint": p.endpoint, "replay_endpoint": p.replay_endpoint, "block_size": 16}})
-                for i, p in enumerate(publishers)])
+            router.update_replicas(_publishing(publishers))
             await asyncio.wait_for(first, 30.0)
             assert router.policy.fallbacks == 0 and router.recent["q1"]["reason"] == "events"
         finally:
             router.policy.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for p in publishers:
-            p.close()
+    asyncio.run(scenario())
 
 
 def test_time_held_for_the_store_is_not_charged_to_the_store_s_load():
