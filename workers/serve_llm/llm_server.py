@@ -86,11 +86,11 @@ class TieredCacheLLMServer(LLMServer):
             salt = f"tiered-cache-probe-{uuid.uuid4().hex}"
 
             async def prefill(ids: list[int]) -> tuple[float, int]:
-                started, outputs = time.perf_counter(), []
+                started, cached = time.perf_counter(), 0
                 async for output in client.generate({"prompt_token_ids": ids, "cache_salt": salt}, params,
                                                     f"{salt}-{uuid.uuid4().hex}"):
-                    outputs.append(output)
-                return time.perf_counter() - started, int(getattr(outputs[-1], "num_cached_tokens", 0) or 0)
+                    cached = int(getattr(output, "num_cached_tokens", 0) or 0)
+                return time.perf_counter() - started, cached
 
             def fresh(n: int) -> list[int]:
                 return [random.randrange(vocab) for _ in range(n)]

@@ -95,7 +95,7 @@ class TieredCacheRouter(KVAwareRouter):
         self.recent: OrderedDict[str, dict[str, Any]] = OrderedDict()  # request id -> its route (answers say it)
         self._routes: dict[str, Decision] = {}  # request id -> its decision (what it expected, for the answer)
         self._loads_seen: dict[str, tuple[float, int]] = {}  # replica -> its connector's load totals read
-        self._prefills_seen: dict[str, tuple[float, ...]] = {}  # replica -> its engine's start-up prefill read
+        self._prefills_seen: dict[str, dict[str, float]] = {}  # replica -> its engine's start-up prefill read
         self._joined: dict[str, tuple[str, str]] = {}  # replica -> its event endpoints
         self._joining: set[str] = set()
         self._stats_waited = False  # a request has waited for a new deployment's first routing stats
@@ -231,11 +231,12 @@ class TieredCacheRouter(KVAwareRouter):
         them again)."""
         for replica in replicas:
             timed = (replica.routing_stats or {}).get("tiered_cache_prefill") or {}
-            seen = tuple(float(timed.get(k) or 0.0) for k in ("tokens", "seconds", "cached_tokens", "hit_seconds"))
             name = replica.replica_id.unique_id
-            if seen[0] > 0 and seen[1] > 0 and self._prefills_seen.get(name) != seen:
-                self._prefills_seen[name] = seen
-                self.policy.estimate.prefill_timed(seen[1], int(seen[0]), seen[3], int(seen[2]))
+            if timed.get("tokens") and timed.get("seconds") and self._prefills_seen.get(name) != timed:
+                self._prefills_seen[name] = dict(timed)
+                self.policy.estimate.prefill_timed(float(timed["seconds"]), int(timed["tokens"]),
+                                                   float(timed.get("hit_seconds") or 0.0),
+                                                   int(timed.get("cached_tokens") or 0))
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
